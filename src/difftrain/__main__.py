@@ -1,0 +1,3 @@
+from difftrain.cli.app import main
+
+main()

@@ -1,0 +1,92 @@
+"""The Typer root: commands, and the one place errors become messages and exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+# The libraries' own chatter (weight-loading bars, optional-backend notices) is
+# not for difftrain's users; DIFFTRAIN_DEBUG=1 brings it back.
+if os.environ.get("DIFFTRAIN_DEBUG", "") in ("", "0"):
+    for _k, _v in (("TRANSFORMERS_VERBOSITY", "error"), ("DIFFUSERS_VERBOSITY", "error"),
+                   ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ.setdefault(_k, _v)
+
+import typer
+
+from ..console import console, debug_enabled
+from ..errors import DifftrainError
+
+app = typer.Typer(
+    name="difftrain",
+    help="Fine-tune SDXL (SD3 and CogVideoX to come) with LoRA on the GPU you own.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _register() -> None:
+    from . import data_cmds, quickstart_cmd, recipes_cmd, train_cmd
+
+    app.command("quickstart")(quickstart_cmd.quickstart)
+    app.command("merge-tags")(data_cmds.merge_tags)
+    app.command("precompute")(data_cmds.precompute)
+    app.command("train")(train_cmd.train)
+    app.command("export")(train_cmd.export)
+    app.add_typer(recipes_cmd.app, name="recipes")
+
+
+_register()
+
+
+def report_error(e: BaseException) -> int:
+    """Print an error the user can act on; return the exit code."""
+    if isinstance(e, DifftrainError):
+        console.print(f"[bold red]error:[/bold red] {e.message}")
+        for path, msg in getattr(e, "problems", []):
+            console.print(f"  [cyan]{path}[/cyan]: {msg}")
+        if e.hint:
+            console.print(f"[bold]next:[/bold] {e.hint}")
+        code = e.exit_code
+    elif isinstance(e, KeyboardInterrupt):
+        console.print("[yellow]interrupted[/yellow]")
+        code = 130
+    elif isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+        console.print(f"[bold red]error:[/bold red] out of memory: {str(e).splitlines()[0] if str(e) else ''}")
+        console.print("[bold]next:[/bold] lower train.batch_size or data.resolution, or use a recipe for a smaller GPU tier.")
+        code = 1
+    else:
+        console.print(f"[bold red]error:[/bold red] an unexpected {type(e).__name__}: {e}")
+        console.print("[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.")
+        code = 1
+    if debug_enabled():
+        traceback.print_exception(e)
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = app(args=argv, standalone_mode=False)
+        if isinstance(rv, int):  # click returns Exit codes (e.g. --help) in this mode
+            sys.exit(rv)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the top of the program: every error ends here
+        import click
+
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            console.print("[yellow]aborted[/yellow]")
+            sys.exit(1)
+        sys.exit(report_error(e))
+    sys.exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,61 @@
+"""difftrain train and difftrain export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from typing_extensions import Annotated
+
+from ..console import info
+from .common import print_config, resolved_config
+from .data_cmds import _shortcuts
+from .options import ConfigOpt, PrintConfigOpt, RecipeOpt, SetOpt
+
+
+def train(
+    recipe: RecipeOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="shortcut for --set data.dir=...")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="shortcut for --set model.path=...")] = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")] = None,
+    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints")] = False,
+    resume: Annotated[Optional[str], typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
+    print_config_: PrintConfigOpt = False,
+) -> None:
+    """Train a LoRA from the precompute cache: a recipe plus your overrides."""
+    from ..trainers.loop import train as run
+
+    extra = _shortcuts(data_dir, model, allow_pickle)
+    if output_dir is not None:
+        extra.setdefault("train", {})["output_dir"] = str(output_dir)
+    res = resolved_config(recipe, config, set_, extra)
+    if print_config_:
+        print_config(res)
+        return
+    r = run(res.config, resume=resume, config_yaml=res.to_yaml())
+    last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
+    info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
+    info(f"LoRA: {r.lora_path}")
+    if r.checkpoints:
+        info(f"checkpoint: {r.checkpoints[-1]}")
+
+
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a training output folder")],
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="'latest' or a checkpoint folder")] = "latest",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="where to write the LoRA .safetensors")] = None,
+) -> None:
+    """Export the LoRA of a checkpoint as pytorch_lora_weights.safetensors (diffusers layout)."""
+    from ..trainers.checkpoint import resolve_resume
+    from ..trainers.loop import LORA_FILE
+    from ..utils import atomic_write_bytes
+
+    folder = resolve_resume(run_dir, checkpoint)
+    dest = out or (run_dir / LORA_FILE)
+    if dest.is_dir():
+        dest = dest / LORA_FILE
+    atomic_write_bytes(dest, (folder / LORA_FILE).read_bytes())
+    info(f"exported {folder.name} -> {dest}")

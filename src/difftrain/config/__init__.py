@@ -1,0 +1,1 @@
+"""Configuration: pydantic schema (schema.py), layered loading (load.py), recipes (recipes.py)."""

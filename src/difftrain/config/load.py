@@ -1,0 +1,166 @@
+"""Layered configuration: defaults < recipe < --config FILE < --set a.b=c.
+
+The layers are plain dicts deep-merged here, then validated once by the
+pydantic schema. Each dotted key remembers the layer that set it, so
+``train --print-config`` can say where every value came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from ..errors import ConfigError, UsageError
+from .recipes import load_recipe
+from .schema import Config
+
+
+def read_yaml(path: Path, what: str = "config file") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"The {what} {path} does not exist.", hint="Check the path, or run `difftrain recipes list`.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"The {what} {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"The {what} {path} must be a mapping of sections (model:, data:, train: ...).")
+    return data
+
+
+_YAML11_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n"}
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """``a.b=c`` -> (["a", "b"], parsed c). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise UsageError(f"--set {item!r} has no '='.", hint="Write --set section.key=value, e.g. --set train.max_steps=100")
+    key, _, raw = item.partition("=")
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise UsageError(f"--set {item!r} has an empty key.")
+    if raw.strip().lower() in _YAML11_BOOL_WORDS:
+        return parts, raw.strip()  # keep as text: "no" is a valid mixed_precision; bool fields accept it too
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _merge(base: dict, over: dict, source: str, sources: dict[str, str], prefix: str = "") -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        path = f"{prefix}{k}"
+        old = out.get(k)
+        # a tagged union whose kind changes is replaced, not merged: the old
+        # option's fields do not belong to the new one
+        same_kind = not (isinstance(v, dict) and isinstance(old, dict) and "kind" in v and v.get("kind") != old.get("kind"))
+        if isinstance(v, dict) and isinstance(old, dict) and same_kind:
+            out[k] = _merge(old, v, source, sources, path + ".")
+        else:
+            out[k] = v
+            for s in [s for s in sources if s.startswith(path + ".")]:
+                del sources[s]
+            _record(v, path, source, sources)
+    return out
+
+
+def _record(v: Any, path: str, source: str, sources: dict[str, str]) -> None:
+    if isinstance(v, dict) and v:
+        for k, sub in v.items():
+            _record(sub, f"{path}.{k}", source, sources)
+    else:
+        sources[path] = source
+
+
+def _nest(parts: list[str], value: Any) -> dict:
+    d: Any = value
+    for p in reversed(parts):
+        d = {p: d}
+    return d
+
+
+def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for e in err.errors():
+        # drop the tagged-union discriminator from the path: memory.weights.bf16.x -> memory.weights.x
+        loc = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in _KINDS)]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; `difftrain train --print-config` lists the valid keys)"
+        elif e["type"] == "union_tag_invalid":
+            msg = e["msg"].replace("Input tag", "kind")
+        problems.append((".".join(loc) or "(top level)", msg))
+    return problems
+
+
+_KINDS = {"bf16", "fp16", "fp32", "adamw", "none", "checkpoint", "single"}
+
+
+class Resolved:
+    """A validated config plus the layer each value came from."""
+
+    def __init__(self, config: Config, sources: dict[str, str], raw: dict):
+        self.config = config
+        self.sources = sources
+        self.raw = raw
+
+    def rows(self) -> list[tuple[str, Any, str]]:
+        flat: dict[str, Any] = {}
+        _flatten(self.config.model_dump(mode="json"), "", flat)
+        return [(k, v, self._source_of(k)) for k, v in flat.items()]
+
+    def _source_of(self, key: str) -> str:
+        while key:
+            if key in self.sources:
+                return self.sources[key]
+            key = key.rpartition(".")[0]
+        return "default"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
+
+
+def _flatten(d: Any, prefix: str, out: dict) -> None:
+    if isinstance(d, dict) and d:
+        for k, v in d.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    else:
+        out[prefix[:-1]] = d
+
+
+def resolve(
+    recipe: str | None = None,
+    config_file: Path | None = None,
+    sets: list[str] | None = None,
+    extra: dict | None = None,
+) -> Resolved:
+    """Build the config from its layers and validate it once."""
+    sources: dict[str, str] = {}
+    merged: dict = {}
+    if recipe:
+        merged = _merge(merged, load_recipe(recipe), f"recipe {recipe}", sources)
+    if config_file:
+        merged = _merge(merged, read_yaml(config_file), f"file {config_file}", sources)
+    if extra:
+        merged = _merge(merged, extra, "command line", sources)
+    for item in sets or []:
+        parts, value = parse_set(item)
+        merged = _merge(merged, _nest(parts, value), f"--set {'.'.join(parts)}", sources)
+    try:
+        config = Config.model_validate(merged)
+    except ValidationError as e:
+        problems = validation_problems(e)
+        n = len(problems)
+        raise ConfigError(
+            f"The configuration has {n} problem{'s' if n > 1 else ''}:",
+            problems,
+            hint="Fix them in your config file or --set options; `difftrain recipes show NAME` shows a working example.",
+        ) from None
+    return Resolved(config, sources, merged)

@@ -1,0 +1,183 @@
+"""The training configuration, as pydantic models.
+
+Every model forbids unknown keys, so a typo is an error with its dotted path.
+Memory techniques are tagged unions (``{kind: ...}``) so an error points at the
+chosen option. Cross-field rules live in validators whose messages say what to
+change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------- model
+class ModelConfig(Strict):
+    path: Optional[Path] = Field(None, description="diffusers folder or single-file checkpoint")
+    config: str = Field(
+        "sdxl-base-1.0",
+        description="bundled architecture config used for single-file checkpoints (offline)",
+    )
+    tokenizer_path: Optional[Path] = Field(
+        None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
+    )
+    allow_pickle: bool = Field(False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
+    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
+        None, description="override the scheduler's prediction type"
+    )
+
+
+# ----------------------------------------------------------------- data
+class DataConfig(Strict):
+    dir: Optional[Path] = Field(None, description="folder of images with caption/tag files")
+    metadata: Optional[Path] = Field(None, description="merge-tags JSON (optional)")
+    caption_ext: str = ".caption"
+    tag_ext: str = ".txt"
+    caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
+    resolution: int = Field(1024, ge=64, description="bucket max area = resolution^2")
+    bucket_step: int = Field(64, ge=8)
+    min_side: int = Field(512, ge=8)
+    max_side: int = Field(2048, ge=8)
+    no_upscale: bool = False
+    random_crop: bool = False
+    cache_dir: Optional[Path] = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
+
+    @model_validator(mode="after")
+    def _sides(self):
+        if not self.min_side <= self.resolution <= self.max_side:
+            raise ValueError(
+                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) and max_side ({self.max_side}): "
+                "lower data.min_side or raise data.resolution"
+            )
+        if self.resolution % self.bucket_step:
+            raise ValueError(f"resolution ({self.resolution}) must be a multiple of bucket_step ({self.bucket_step})")
+        return self
+
+
+class PrecomputeConfig(Strict):
+    vae_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="SDXL's VAE gives NaN in fp16; fp32 or bf16 is safe"
+    )
+    text_encoder_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    batch_size: int = Field(4, ge=1)
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    shard_max_mb: int = Field(512, ge=1)
+
+
+# ----------------------------------------------------------------- LoRA
+class LoraConfig(Strict):
+    rank: int = Field(16, ge=1)
+    alpha: Optional[float] = Field(None, gt=0, description="default: rank")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    init: Literal["gaussian", "default"] = "gaussian"
+
+
+# ----------------------------------------------------------------- memory
+class WeightsBF16(Strict):
+    kind: Literal["bf16"] = "bf16"
+
+
+class WeightsFP16(Strict):
+    kind: Literal["fp16"] = "fp16"
+
+
+class WeightsFP32(Strict):
+    kind: Literal["fp32"] = "fp32"
+
+
+class OptAdamW(Strict):
+    kind: Literal["adamw"] = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+
+
+class ActNone(Strict):
+    kind: Literal["none"] = "none"
+
+
+class ActCheckpoint(Strict):
+    kind: Literal["checkpoint"] = "checkpoint"
+
+
+class OffloadNone(Strict):
+    kind: Literal["none"] = "none"
+
+
+class EngineSingle(Strict):
+    kind: Literal["single"] = "single"
+
+
+Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32], Field(discriminator="kind")]
+Optimizer = Annotated[Union[OptAdamW], Field(discriminator="kind")]
+Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
+Offload = Annotated[Union[OffloadNone], Field(discriminator="kind")]
+Engine = Annotated[Union[EngineSingle], Field(discriminator="kind")]
+
+
+class MemoryConfig(Strict):
+    weights: Weights = Field(default_factory=WeightsBF16, description="storage dtype of frozen base weights")
+    optimizer: Optimizer = Field(default_factory=OptAdamW)
+    activations: Activations = Field(default_factory=ActCheckpoint)
+    offload: Offload = Field(default_factory=OffloadNone)
+    engine: Engine = Field(default_factory=EngineSingle)
+
+
+# ----------------------------------------------------------------- training
+class TrainConfig(Strict):
+    method: Literal["lora"] = "lora"
+    output_dir: Path = Path("runs/difftrain")
+    seed: int = 42
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps; default from epochs")
+    epochs: int = Field(1, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    noise_offset: float = Field(0.0, ge=0)
+    min_snr_gamma: Optional[float] = Field(None, gt=0)
+    checkpoint_every: Optional[int] = Field(None, ge=1, description="save training state every N steps")
+    keep_checkpoints: Optional[int] = Field(None, ge=1, description="keep only the newest N checkpoints")
+    log_every: int = Field(1, ge=1)
+    train_text_encoders: bool = Field(False, description="LoRA on the text encoders too (not cached)")
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        return "no" if v is False else v  # YAML reads a bare `no` as false
+
+
+class Config(Strict):
+    family: Literal["sdxl"] = "sdxl"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.train.warmup_steps and self.train.lr_scheduler == "constant":
+            raise ValueError(
+                "train.warmup_steps is set but train.lr_scheduler is 'constant', which ignores it: "
+                "use lr_scheduler: constant_with_warmup (or linear/cosine)"
+            )
+        if self.train.mixed_precision == "fp16" and self.memory.weights.kind == "bf16":
+            raise ValueError(
+                "train.mixed_precision fp16 with memory.weights bf16 mixes two half types: "
+                "set memory.weights.kind: fp16 or mixed_precision: bf16"
+            )
+        return self

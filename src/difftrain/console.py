@@ -1,0 +1,45 @@
+"""One Rich console on stderr for everything difftrain tells the user."""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+console = Console(stderr=True, highlight=False)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("DIFFTRAIN_DEBUG", "") not in ("", "0", "false", "False")
+
+
+def info(msg: str) -> None:
+    console.print(msg)
+
+
+def warn(msg: str) -> None:
+    console.print(f"[yellow]warning:[/yellow] {msg}")
+
+
+def progress(*extra_columns, transient: bool = False) -> Progress:
+    """A progress bar with count, elapsed and ETA, plus any extra text columns."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra_columns,
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=transient,
+        disable=not console.is_terminal and os.environ.get("DIFFTRAIN_PROGRESS", "") == "0",
+    )

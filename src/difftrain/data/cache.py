@@ -1,0 +1,144 @@
+"""The precompute cache: content-addressed entries in sharded safetensors files.
+
+Layout of a cache folder::
+
+    manifest.json            {"version", "entries": {key: {shard, names}}, "shards": {shard: bytes}}
+    index.json               the items of the last precompute (what training reads)
+    fingerprints.json        memo of encoder weight hashes, by file path/size/mtime
+    shards/ab/<id>.safetensors
+
+An entry is a small set of named tensors (a latent, or one caption's text
+embeddings) stored under ``<key>/<name>`` in a shard. Its key is a hash of
+everything that determines it (family, encoder weights, dtype, bucket, image
+bytes or caption), so a changed caption or precision recomputes only what
+changed and two configs over the same data share entries.
+
+Writes are crash-safe: a shard is written to a temporary file and renamed,
+and the manifest (written the same way) only names complete shards. A run
+killed mid-way leaves a valid cache holding every shard finished before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config.schema import Config
+from ..errors import CacheMismatch, UsageError
+from ..utils import atomic_write_json
+
+CACHE_VERSION = 1
+
+
+def cache_dir_for(cfg: Config) -> Path:
+    """data.cache_dir, or <data.dir>/.difftrain-cache."""
+    if cfg.data.cache_dir is not None:
+        return Path(cfg.data.cache_dir)
+    if cfg.data.dir is None:
+        raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
+    return Path(cfg.data.dir) / ".difftrain-cache"
+
+
+class DataCache:
+    def __init__(self, root: Path, shard_max_bytes: int = 512 << 20):
+        self.root = Path(root)
+        self.shard_max_bytes = shard_max_bytes
+        self.manifest = self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}})
+        if self.manifest.get("version") != CACHE_VERSION:
+            raise CacheMismatch(
+                f"The cache at {self.root} has format version {self.manifest.get('version')}, this difftrain writes {CACHE_VERSION}.",
+                hint="Point data.cache_dir at a new folder, or delete the old cache.",
+            )
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_keys: dict[str, list[str]] = {}
+        self._pending_bytes = 0
+        self._handles: OrderedDict[str, object] = OrderedDict()
+
+    # -------------------------------------------------------------- files
+    def _read(self, name: str, default):
+        p = self.root / name
+        if not p.exists():
+            return default
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            raise CacheMismatch(
+                f"{p} is damaged (not valid JSON).", hint="Delete the cache folder and run `difftrain precompute` again."
+            ) from None
+
+    def read_json(self, name: str, default=None):
+        return self._read(name, default)
+
+    def write_json(self, name: str, obj) -> None:
+        atomic_write_json(self.root / name, obj)
+
+    # -------------------------------------------------------------- entries
+    def has(self, key: str) -> bool:
+        return key in self.manifest["entries"]
+
+    def missing(self, keys: Iterable[str]) -> list[str]:
+        seen, out = set(), []
+        for k in keys:
+            if k not in seen and not self.has(k) and k not in self._pending_keys:
+                seen.add(k)
+                out.append(k)
+        return out
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Queue an entry; shards are written once they reach the size limit (and on flush)."""
+        for name, t in tensors.items():
+            t = t.detach().to("cpu").contiguous()
+            self._pending[f"{key}/{name}"] = t
+            self._pending_bytes += t.numel() * t.element_size()
+        self._pending_keys[key] = sorted(tensors)
+        if self._pending_bytes >= self.shard_max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        sid = uuid.uuid4().hex
+        rel = f"shards/{sid[:2]}/{sid}.safetensors"
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file(self._pending, str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        for k, names in self._pending_keys.items():
+            self.manifest["entries"][k] = {"shard": rel, "names": names}
+        self.manifest["shards"][rel] = path.stat().st_size
+        self.write_json("manifest.json", self.manifest)
+        self._pending, self._pending_keys, self._pending_bytes = {}, {}, 0
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        try:
+            entry = self.manifest["entries"][key]
+        except KeyError:
+            raise CacheMismatch(
+                f"The cache at {self.root} has no entry {key[:12]}...", hint="Run `difftrain precompute` with the same config first."
+            ) from None
+        handle = self._handle(entry["shard"])
+        return {name: handle.get_tensor(f"{key}/{name}") for name in entry["names"]}
+
+    def _handle(self, rel: str):
+        if rel in self._handles:
+            self._handles.move_to_end(rel)
+            return self._handles[rel]
+        path = self.root / rel
+        if not path.exists():
+            raise CacheMismatch(f"The cache shard {path} is missing.", hint="Run `difftrain precompute` again to rebuild it.")
+        h = safe_open(str(path), framework="pt", device="cpu")
+        self._handles[rel] = h
+        if len(self._handles) > 8:  # a few open shards at a time: memory stays flat
+            self._handles.popitem(last=False)
+        return h

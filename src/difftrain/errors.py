@@ -1,0 +1,68 @@
+"""difftrain's exceptions.
+
+Every error a user can cause is a DifftrainError: a sentence saying what went
+wrong and where, plus a hint naming the next thing to try. The CLI maps them
+once, at the top (cli/app.py); library code only raises.
+"""
+
+from __future__ import annotations
+
+
+class DifftrainError(Exception):
+    """A failure the user can act on. exit_code 1 = failure, 2 = bad usage/config."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.message if not self.hint else f"{self.message}\n{self.hint}"
+
+
+class UsageError(DifftrainError):
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """Invalid configuration. `problems` lists (dotted path, message) pairs."""
+
+    def __init__(self, message: str, problems: list[tuple[str, str]] | None = None, hint: str | None = None):
+        super().__init__(message, hint)
+        self.problems = problems or []
+
+    def __str__(self) -> str:
+        lines = [self.message] + [f"  {path}: {msg}" for path, msg in self.problems]
+        if self.hint:
+            lines.append(self.hint)
+        return "\n".join(lines)
+
+
+class RecipeNotFound(UsageError):
+    pass
+
+
+class ModelLoadError(DifftrainError):
+    pass
+
+
+class UnsafeCheckpoint(UsageError):
+    """A pickle-based checkpoint was given without --allow-pickle."""
+
+
+class DataError(DifftrainError):
+    pass
+
+
+class CacheMismatch(DifftrainError):
+    pass
+
+
+class CheckpointError(DifftrainError):
+    pass
+
+
+class BackendUnavailable(DifftrainError):
+    pass

@@ -1,0 +1,359 @@
+"""Stable Diffusion XL: two CLIP text encoders, a UNet with micro-conditioning, a 4-channel VAE.
+
+Loads offline from a diffusers folder, or from a single-file checkpoint in the
+layout SDXL checkpoints are distributed in (what sd-scripts and A1111 load),
+using the architecture configs bundled in ``configs/``.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..config.schema import ModelConfig
+from ..errors import ModelLoadError, UnsafeCheckpoint
+from ..utils import sha256_file
+from . import sdxl_single_file as single_file
+from .tokenizers import clip_vocab_from_open_clip, tiny_clip_vocab
+
+PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
+PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+
+def bundled_config_dir(name: str) -> Path:
+    d = resources.files("difftrain") / "families" / "configs" / name
+    if not d.is_dir():
+        known = sorted(p.name for p in (resources.files("difftrain") / "families" / "configs").iterdir() if p.name.startswith("sdxl"))
+        raise ModelLoadError(f"No bundled SDXL config named {name!r}.", hint=f"Use model.config: one of {', '.join(known)}.")
+    return Path(str(d))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _new_module(part: str, cfg: dict):
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    if part == "unet":
+        return UNet2DConditionModel.from_config(cfg)
+    if part == "vae":
+        return AutoencoderKL.from_config(cfg)
+    conf = CLIPTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    return CLIPTextModel(conf) if part == "text_encoder" else CLIPTextModelWithProjection(conf)
+
+
+def _module_config(module) -> dict:
+    cfg = module.config
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+class SDXL:
+    name = "sdxl"
+    image_encoder = "vae"
+    text_encoders = ("text_encoder", "text_encoder_2")
+    denoiser = "unet"
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+    # ------------------------------------------------------------ loading
+    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
+        if mcfg.path is None:
+            raise ModelLoadError(
+                "No model was given.",
+                hint="Set model.path to a diffusers folder or an SDXL .safetensors file "
+                "(--set model.path=/path/to/sd_xl_base_1.0.safetensors).",
+            )
+        p = Path(mcfg.path).expanduser()
+        if not p.exists():
+            raise ModelLoadError(
+                f"The model path {p} does not exist.",
+                hint="Point model.path at a diffusers folder (with unet/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
+            )
+        if p.is_dir():
+            if not (p / "unet").is_dir():
+                raise ModelLoadError(
+                    f"{p} is a folder but not a diffusers SDXL folder (it has no unet/ subfolder).",
+                    hint="Give the folder that holds model_index.json, or a single-file .safetensors checkpoint.",
+                )
+            return "diffusers", p
+        if p.suffix.lower() == ".safetensors":
+            return "single", p
+        if p.suffix.lower() in PICKLE_EXTS:
+            if not mcfg.allow_pickle:
+                raise UnsafeCheckpoint(
+                    f"{p.name} is a pickle checkpoint; loading one can run arbitrary code, so difftrain refuses it by default.",
+                    hint="Convert it to .safetensors, or pass --allow-pickle (it is then read with torch.load(weights_only=True)).",
+                )
+            return "pickle", p
+        raise ModelLoadError(f"Unrecognised model file {p.name}.", hint="Use a .safetensors checkpoint or a diffusers folder.")
+
+    def configs(self, mcfg: ModelConfig) -> dict[str, dict]:
+        kind, p = self._source(mcfg)
+        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config)
+        return {part: _read_json(base / part / "config.json") for part in PARTS}
+
+    def scheduler_config(self, mcfg: ModelConfig) -> dict:
+        kind, p = self._source(mcfg)
+        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config)
+        cfg = _read_json(base / "scheduler" / "scheduler_config.json")
+        if mcfg.prediction_type:
+            cfg["prediction_type"] = mcfg.prediction_type
+        return cfg
+
+    def training_scheduler(self, mcfg: ModelConfig):
+        from diffusers import DDPMScheduler
+
+        return DDPMScheduler.from_config(self.scheduler_config(mcfg))
+
+    def _tokenizers(self, kind: str, p: Path, mcfg: ModelConfig) -> dict[str, Any]:
+        from transformers import CLIPTokenizer
+
+        if kind == "diffusers":
+            base = p
+        elif mcfg.tokenizer_path is not None:
+            base = Path(mcfg.tokenizer_path)
+        else:  # derive CLIP's real vocabulary offline (cached next to the checkpoint's user cache)
+            base = Path.home() / ".cache" / "difftrain" / "clip-tokenizer"
+            if not (base / "tokenizer_2" / "vocab.json").exists():
+                clip_vocab_from_open_clip(base / "tokenizer")
+                clip_vocab_from_open_clip(base / "tokenizer_2", pad_token="!")
+        out = {}
+        for name in ("tokenizer", "tokenizer_2"):
+            if not (base / name).is_dir():
+                raise ModelLoadError(f"No {name}/ folder in {base}.", hint="model.tokenizer_path must hold tokenizer/ and tokenizer_2/.")
+            out[name] = CLIPTokenizer.from_pretrained(base / name)
+        return out
+
+    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu") -> dict[str, Any]:
+        kind, p = self._source(mcfg)
+        parts = list(parts)
+        comps: dict[str, Any] = {}
+        if kind == "diffusers":
+            comps.update(self._load_diffusers(p, parts, dtype))
+        else:
+            comps.update(self._load_single(kind, p, mcfg, parts, dtype))
+        for part in parts:
+            comps[part].requires_grad_(False).eval().to(device)
+        if any(part.startswith("text_encoder") for part in parts):
+            comps.update(self._tokenizers(kind, p, mcfg))
+        return comps
+
+    def _load_diffusers(self, p: Path, parts: list[str], dtype) -> dict[str, Any]:
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+        classes = {
+            "unet": UNet2DConditionModel,
+            "vae": AutoencoderKL,
+            "text_encoder": CLIPTextModel,
+            "text_encoder_2": CLIPTextModelWithProjection,
+        }
+        out = {}
+        for part in parts:
+            if not (p / part).is_dir():
+                raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint="Is it an SDXL model folder?")
+            try:
+                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtype, local_files_only=True)
+            except OSError as e:
+                raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
+        return out
+
+    def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype) -> dict[str, Any]:
+        from accelerate import init_empty_weights
+
+        configs = {part: _read_json(bundled_config_dir(mcfg.config) / part / "config.json") for part in PARTS}
+        if kind == "single":
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(str(p), framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
+            keys, get = list(handle.keys()), handle.get_tensor
+        else:
+            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+            keys, get = list(state.keys()), state.__getitem__
+        if not single_file.detect_sdxl_single_file(keys):
+            raise ModelLoadError(
+                f"{p.name} does not look like an SDXL checkpoint (no model.diffusion_model / conditioner.embedders keys).",
+                hint="Is it an SD 1.x/2.x or SD3 file? Pick the matching family, or give a diffusers folder.",
+            )
+        try:
+            sds = single_file.original_to_diffusers(lambda k: get(k).to(dtype), keys, configs, components=parts)
+        except ModelLoadError as e:
+            known = ", ".join(sorted(p.name for p in bundled_config_dir(mcfg.config).parent.iterdir() if p.name.startswith("sdxl")))
+            raise ModelLoadError(
+                f"{p.name} does not fit the bundled architecture {mcfg.config!r}: {e.message}",
+                hint=f"Set model.config to this checkpoint's architecture (bundled: {known}). {e.hint or ''}".strip(),
+            ) from None
+        out = {}
+        for part in parts:
+            with init_empty_weights():
+                module = _new_module(part, configs[part])
+            missing, unexpected = module.load_state_dict(sds.pop(part), strict=False, assign=True)
+            missing = [m for m in missing if not m.endswith("position_ids")]
+            if missing or unexpected:
+                raise ModelLoadError(
+                    f"{p.name} does not match the bundled config {mcfg.config!r} for {part}: "
+                    f"missing {missing[:3]}, unexpected {unexpected[:3]}.",
+                    hint="Set model.config to the architecture of this checkpoint.",
+                )
+            out[part] = module.to(dtype)
+        return out
+
+    def save_single_file(self, comps: dict[str, Any], path: Path, dtype: torch.dtype | None = None) -> Path:
+        """Write UNet, VAE and both text encoders as one .safetensors in the distributed SDXL layout, atomically."""
+        import os
+
+        from safetensors.torch import save_file
+
+        configs = {part: _module_config(comps[part]) for part in PARTS}
+        sds = {part: comps[part].state_dict() for part in PARTS}
+        original = single_file.diffusers_to_original(sds, configs)
+        if dtype is not None:
+            original = {k: v.to(dtype) for k, v in original.items()}
+        original = {k: v.contiguous() for k, v in original.items()}
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(original, str(tmp), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
+        os.replace(tmp, path)
+        return path
+
+    # ------------------------------------------------------------ fingerprints
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        """A content hash of one part's weights, memoised by file path, size and mtime."""
+        import hashlib
+
+        kind, p = self._source(mcfg)
+        files = [p] if kind != "diffusers" else sorted(f for f in (p / part).iterdir() if f.suffix in (".safetensors", ".bin"))
+        h = hashlib.sha256(f"{self.name}:{part}".encode())
+        for f in files:
+            st = f.stat()
+            key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{part if kind != 'diffusers' else ''}"
+            if key not in memo:
+                memo[key] = sha256_file(f) if kind == "diffusers" else self._part_hash(kind, f, mcfg, part)
+            h.update(memo[key].encode())
+        return h.hexdigest()
+
+    def _part_hash(self, kind: str, f: Path, mcfg: ModelConfig, part: str) -> str:
+        """Hash only this part's tensors of a single file, so a changed UNet keeps the VAE cache valid."""
+        import hashlib
+
+        prefix = single_file.PREFIXES[part]
+        h = hashlib.sha256()
+        if kind == "single":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for k in sorted(k for k in handle.keys() if k.startswith(prefix)):
+                    t = handle.get_tensor(k)
+                    h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
+                    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return h.hexdigest()
+        return sha256_file(f)
+
+    # ------------------------------------------------------------ encoding
+    def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
+        vae = comps["vae"]
+        pixels = pixels.to(vae.device, vae.dtype)
+        # the posterior mean: deterministic, so a cache entry depends on its inputs only
+        latents = vae.encode(pixels).latent_dist.mean
+        return (latents * vae.config.scaling_factor).float()
+
+    def tokenize(self, comps: dict[str, Any], captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = []
+        for name in ("tokenizer", "tokenizer_2"):
+            tok = comps[name]
+            ids.append(
+                tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt").input_ids
+            )
+        return ids[0], ids[1]
+
+    def encode_tokens(self, comps: dict[str, Any], ids1: torch.Tensor, ids2: torch.Tensor) -> dict[str, torch.Tensor]:
+        """SDXL conditioning: penultimate hidden states of both encoders, concatenated; pooled from encoder 2."""
+        te1, te2 = comps["text_encoder"], comps["text_encoder_2"]
+        out1 = te1(ids1.to(te1.device), output_hidden_states=True)
+        out2 = te2(ids2.to(te2.device), output_hidden_states=True)
+        hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
+        return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
+
+    def encode_prompts(self, comps: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
+        ids1, ids2 = self.tokenize(comps, captions)
+        return {k: v.float() for k, v in self.encode_tokens(comps, ids1, ids2).items()}
+
+    # ------------------------------------------------------------ training
+    @staticmethod
+    def time_ids(original_hw, crop_tl, target_hw) -> torch.Tensor:
+        """SDXL micro-conditioning: (orig_h, orig_w, crop_top, crop_left, target_h, target_w)."""
+        return torch.tensor([*original_hw, *crop_tl, *target_hw], dtype=torch.float32)
+
+    def denoise(self, unet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        added = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": batch["time_ids"]}
+        return unet(noisy, timesteps, encoder_hidden_states=batch["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
+
+    def checkpointing_hint(self, unet) -> None:
+        unet.enable_gradient_checkpointing()
+
+    # ------------------------------------------------------------ pipelines and export
+    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+        sched = EulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+        return StableDiffusionXLPipeline(
+            vae=comps["vae"],
+            text_encoder=comps["text_encoder"],
+            text_encoder_2=comps["text_encoder_2"],
+            tokenizer=comps["tokenizer"],
+            tokenizer_2=comps["tokenizer_2"],
+            unet=comps["unet"],
+            scheduler=sched,
+        )
+
+    def save_lora(self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None) -> None:
+        """Write pytorch_lora_weights.safetensors as StableDiffusionXLPipeline.load_lora_weights expects.
+
+        ``metadata`` (per part: the peft LoRA config) goes into the file header, so
+        the loader uses the trained alpha rather than assuming alpha = rank.
+        """
+        from diffusers import StableDiffusionXLPipeline
+
+        metadata = metadata or {}
+        StableDiffusionXLPipeline.save_lora_weights(
+            save_directory=str(folder),
+            unet_lora_layers=layers.get("unet"),
+            text_encoder_lora_layers=layers.get("text_encoder"),
+            text_encoder_2_lora_layers=layers.get("text_encoder_2"),
+            unet_lora_adapter_metadata=metadata.get("unet"),
+            text_encoder_lora_adapter_metadata=metadata.get("text_encoder"),
+            text_encoder_2_lora_adapter_metadata=metadata.get("text_encoder_2"),
+            safe_serialization=True,
+        )
+
+    # ------------------------------------------------------------ tiny model
+    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
+        """A tiny seeded SDXL (UNet, VAE, both CLIP encoders, offline tokenizers) saved as a diffusers folder."""
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+        from transformers import CLIPTokenizer
+
+        folder = Path(folder)
+        cfgdir = bundled_config_dir("sdxl-tiny")
+        torch.manual_seed(seed)
+        comps = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
+        tokdir = folder.parent / f".{folder.name}-tokenizers"
+        comps["tokenizer"] = CLIPTokenizer.from_pretrained(tiny_clip_vocab(tokdir / "tokenizer"))
+        comps["tokenizer_2"] = CLIPTokenizer.from_pretrained(tiny_clip_vocab(tokdir / "tokenizer_2", pad_token="!"))
+        sched = EulerDiscreteScheduler.from_config(_read_json(cfgdir / "scheduler" / "scheduler_config.json"))
+        pipe = StableDiffusionXLPipeline(scheduler=sched, **comps)
+        pipe.save_pretrained(folder, safe_serialization=True)
+        import shutil
+
+        shutil.rmtree(tokdir, ignore_errors=True)
+        return folder

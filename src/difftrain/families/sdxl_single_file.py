@@ -1,0 +1,690 @@
+"""SDXL single-file checkpoints <-> diffusers/transformers component state dicts.
+
+SDXL is distributed as one ``.safetensors`` file in Stability's SGM/LDM layout
+(``sd_xl_base_1.0.safetensors``; what sd-scripts, A1111 and ComfyUI load):
+
+    model.diffusion_model.*                     UNet (openaimodel naming)
+    first_stage_model.*                         VAE (LDM autoencoder naming)
+    conditioner.embedders.0.transformer.*       CLIP-L, transformers naming
+    conditioner.embedders.1.model.*             OpenCLIP bigG, open_clip naming
+
+diffusers keeps the same weights per component under other names. This module
+renames in both directions. The renaming is derived from the component configs
+(number of blocks, layers per block, which blocks carry attention), so the same
+code serves the real SDXL architecture and the tiny test one. Facts about the
+original layout follow diffusers' ``loaders/single_file_utils.py``
+(``convert_ldm_unet_checkpoint``, ``convert_ldm_vae_checkpoint``,
+``convert_open_clip_checkpoint``) and sd-scripts' ``library/sdxl_model_util.py``.
+
+Reading is lazy: ``original_to_diffusers`` takes a ``get(key)`` callable (for
+example ``safe_open(...).get_tensor``), checks the key names against the
+expected set first (without reading any tensor), then reads one tensor at a
+time, so the file's tensors are never all held twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+
+from ..errors import CheckpointError, ModelLoadError
+
+COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+# File prefix of each component in the single-file layout.
+PREFIXES = {
+    "unet": "model.diffusion_model.",
+    "vae": "first_stage_model.",
+    "text_encoder": "conditioner.embedders.0.transformer.",
+    "text_encoder_2": "conditioner.embedders.1.model.",
+}
+
+# open_clip stores logit_scale (the CLIP contrastive temperature, unused for
+# generation); transformers' text model has no such weight. SDXL ships ln(100).
+_LOGIT_SCALE = math.log(100.0)
+
+# How many names an error message lists before "...".
+_SHOW = 8
+
+
+# ---------------------------------------------------------------------------
+# Prefix renaming table
+# ---------------------------------------------------------------------------
+
+
+class _PrefixMap:
+    """Two-way key renaming built from module-level rules.
+
+    A rule maps a diffusers module path to an original module path, e.g.
+    ``down_blocks.0.resnets.1`` <-> ``input_blocks.2.0``. Everything after the
+    module path is kept, unless the rule carries ``inner`` renames for the first
+    component(s) of the rest (e.g. resnet ``norm1`` <-> ``in_layers.0``); then
+    the rest must start with one of them, or the key is unmapped.
+    A key is matched against its longest registered module path.
+    """
+
+    def __init__(self) -> None:
+        self._to_orig: dict[str, tuple[str, dict[str, str] | None]] = {}
+        self._to_diff: dict[str, tuple[str, dict[str, str] | None]] = {}
+
+    def add(self, diffusers: str, original: str, inner: Mapping[str, str] | None = None) -> None:
+        self._to_orig[diffusers] = (original, dict(inner) if inner is not None else None)
+        self._to_diff[original] = (diffusers, {v: k for k, v in inner.items()} if inner is not None else None)
+
+    def to_original(self, key: str) -> str | None:
+        return self._lookup(self._to_orig, key)
+
+    def to_diffusers(self, key: str) -> str | None:
+        return self._lookup(self._to_diff, key)
+
+    @staticmethod
+    def _lookup(table: dict[str, tuple[str, dict[str, str] | None]], key: str) -> str | None:
+        parts = key.split(".")
+        # Always leave at least the parameter name ("weight", "bias") as rest.
+        for n in range(len(parts) - 1, 0, -1):
+            hit = table.get(".".join(parts[:n]))
+            if hit is None:
+                continue
+            target, inner = hit
+            rest = parts[n:]
+            if inner is None:
+                return ".".join([target, *rest])
+            for m in range(len(rest) - 1, 0, -1):
+                sub = inner.get(".".join(rest[:m]))
+                if sub is not None:
+                    return ".".join([target, sub, *rest[m:]])
+        return None
+
+
+# Resnet sub-module names, diffusers -> original.
+# LDM's UNet ResBlock: in_layers = [GroupNorm, SiLU, Conv], emb_layers = [SiLU,
+# Linear], out_layers = [GroupNorm, SiLU, Dropout, Conv]; hence the indices.
+_UNET_RESNET = {
+    "norm1": "in_layers.0",
+    "conv1": "in_layers.2",
+    "time_emb_proj": "emb_layers.1",
+    "norm2": "out_layers.0",
+    "conv2": "out_layers.3",
+    "conv_shortcut": "skip_connection",
+}
+_VAE_RESNET = {
+    "norm1": "norm1",
+    "conv1": "conv1",
+    "norm2": "norm2",
+    "conv2": "conv2",
+    "conv_shortcut": "nin_shortcut",
+}
+# The VAE mid-block attention (diffusers Attention with group_norm) <-> LDM AttnBlock.
+_VAE_ATTENTION = {
+    "group_norm": "norm",
+    "to_q": "q",
+    "to_k": "k",
+    "to_v": "v",
+    "to_out.0": "proj_out",
+}
+# LDM's AttnBlock uses 1x1 convs ([C, C, 1, 1]); diffusers uses Linear ([C, C]).
+_VAE_ATTN_CONV = re.compile(r"(^|\.)mid\.attn_1\.(q|k|v|proj_out)\.weight$")
+
+
+def _unsupported(component: str, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"The {component} config has {what}, which the SDXL single-file layout cannot express.",
+        hint="Only SDXL-shaped architectures convert to/from the single-file layout; use a diffusers folder instead.",
+    )
+
+
+def _per_block(value, n: int, name: str, component: str) -> list[int]:
+    """diffusers allows an int or one int per block for layers_per_block."""
+    if isinstance(value, int):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise _unsupported(component, f"{name}={value} for {n} blocks")
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def _unet_map(config_json: str) -> _PrefixMap:
+    """UNet2DConditionModel <-> SGM/LDM openaimodel UNet, from the diffusers config."""
+    cfg = json.loads(config_json)
+    m = _PrefixMap()
+    m.add("conv_in", "input_blocks.0.0")
+    m.add("time_embedding.linear_1", "time_embed.0")
+    m.add("time_embedding.linear_2", "time_embed.2")
+    # SDXL's pooled-text + size/crop conditioning (diffusers add_embedding) is
+    # label_emb in SGM: Sequential(Sequential(Linear, SiLU, Linear)).
+    if cfg.get("addition_embed_type") == "text_time":
+        m.add("add_embedding.linear_1", "label_emb.0.0")
+        m.add("add_embedding.linear_2", "label_emb.0.2")
+    elif cfg.get("class_embed_type") in ("timestep", "projection"):
+        m.add("class_embedding.linear_1", "label_emb.0.0")
+        m.add("class_embedding.linear_2", "label_emb.0.2")
+
+    down_types = list(cfg["down_block_types"])
+    up_types = list(cfg["up_block_types"])
+    for t in down_types:
+        if t not in ("DownBlock2D", "CrossAttnDownBlock2D"):
+            raise _unsupported("unet", f"down block type {t!r}")
+    for t in up_types:
+        if t not in ("UpBlock2D", "CrossAttnUpBlock2D"):
+            raise _unsupported("unet", f"up block type {t!r}")
+    n_down, n_up = len(down_types), len(up_types)
+    layers = _per_block(cfg.get("layers_per_block", 2), n_down, "layers_per_block", "unet")
+
+    # input_blocks is one flat list: [conv_in], then per level its
+    # (resnet[, transformer]) entries, then a downsampler entry on every level
+    # but the last. The downsampler's conv is called `op` in LDM.
+    k = 1
+    for i, t in enumerate(down_types):
+        attn = t.startswith("CrossAttn")
+        for j in range(layers[i]):
+            m.add(f"down_blocks.{i}.resnets.{j}", f"input_blocks.{k}.0", _UNET_RESNET)
+            if attn:
+                m.add(f"down_blocks.{i}.attentions.{j}", f"input_blocks.{k}.1")
+            k += 1
+        if i < n_down - 1:
+            m.add(f"down_blocks.{i}.downsamplers.0.conv", f"input_blocks.{k}.0.op")
+            k += 1
+
+    # middle_block = [resnet, transformer, resnet].
+    mid_type = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
+    if mid_type != "UNetMidBlock2DCrossAttn":
+        raise _unsupported("unet", f"mid block type {mid_type!r}")
+    m.add("mid_block.resnets.0", "middle_block.0", _UNET_RESNET)
+    m.add("mid_block.attentions.0", "middle_block.1")
+    m.add("mid_block.resnets.1", "middle_block.2", _UNET_RESNET)
+
+    # output_blocks: per level (deepest first) layers+1 entries of
+    # (resnet[, transformer][, upsampler]); the upsampler sits in the last entry
+    # of every level but the last, at index 1 without attention, 2 with it.
+    up_layers = list(reversed(layers))
+    k = 0
+    for i, t in enumerate(up_types):
+        attn = t.startswith("CrossAttn")
+        for j in range(up_layers[i] + 1):
+            m.add(f"up_blocks.{i}.resnets.{j}", f"output_blocks.{k}.0", _UNET_RESNET)
+            if attn:
+                m.add(f"up_blocks.{i}.attentions.{j}", f"output_blocks.{k}.1")
+            if i < n_up - 1 and j == up_layers[i]:
+                m.add(f"up_blocks.{i}.upsamplers.0.conv", f"output_blocks.{k}.{2 if attn else 1}.conv")
+            k += 1
+
+    # out = [GroupNorm, SiLU, Conv].
+    m.add("conv_norm_out", "out.0")
+    m.add("conv_out", "out.2")
+    return m
+
+
+@functools.lru_cache(maxsize=8)
+def _vae_map(config_json: str) -> _PrefixMap:
+    """AutoencoderKL <-> LDM AutoencoderKL, from the diffusers config."""
+    cfg = json.loads(config_json)
+    down_types = list(cfg["down_block_types"])
+    up_types = list(cfg["up_block_types"])
+    for t in down_types:
+        if t != "DownEncoderBlock2D":
+            raise _unsupported("vae", f"down block type {t!r}")
+    for t in up_types:
+        if t != "UpDecoderBlock2D":
+            raise _unsupported("vae", f"up block type {t!r}")
+    layers = cfg.get("layers_per_block", 2)
+    if not isinstance(layers, int):
+        raise _unsupported("vae", f"layers_per_block={layers!r}")
+
+    m = _PrefixMap()
+    for part in ("encoder", "decoder"):
+        m.add(f"{part}.conv_in", f"{part}.conv_in")
+        m.add(f"{part}.conv_norm_out", f"{part}.norm_out")
+        m.add(f"{part}.conv_out", f"{part}.conv_out")
+        m.add(f"{part}.mid_block.resnets.0", f"{part}.mid.block_1", _VAE_RESNET)
+        m.add(f"{part}.mid_block.resnets.1", f"{part}.mid.block_2", _VAE_RESNET)
+        if cfg.get("mid_block_add_attention", True):
+            m.add(f"{part}.mid_block.attentions.0", f"{part}.mid.attn_1", _VAE_ATTENTION)
+
+    n_down = len(down_types)
+    for i in range(n_down):
+        for j in range(layers):
+            m.add(f"encoder.down_blocks.{i}.resnets.{j}", f"encoder.down.{i}.block.{j}", _VAE_RESNET)
+        if i < n_down - 1:
+            m.add(f"encoder.down_blocks.{i}.downsamplers.0.conv", f"encoder.down.{i}.downsample.conv")
+
+    # LDM's decoder numbers its levels by resolution (up.0 = full resolution,
+    # built last); diffusers numbers them in execution order. Each decoder
+    # level has layers+1 resnets; all but the last (diffusers order) upsample.
+    n_up = len(up_types)
+    for i in range(n_up):
+        level = n_up - 1 - i
+        for j in range(layers + 1):
+            m.add(f"decoder.up_blocks.{i}.resnets.{j}", f"decoder.up.{level}.block.{j}", _VAE_RESNET)
+        if i < n_up - 1:
+            m.add(f"decoder.up_blocks.{i}.upsamplers.0.conv", f"decoder.up.{level}.upsample.conv")
+
+    if cfg.get("use_quant_conv", True):
+        m.add("quant_conv", "quant_conv")
+    if cfg.get("use_post_quant_conv", True):
+        m.add("post_quant_conv", "post_quant_conv")
+    return m
+
+
+# ---------------------------------------------------------------------------
+# Text encoders
+# ---------------------------------------------------------------------------
+
+# Sub-modules of transformers' CLIP text tower. transformers >= 5.6 flattened
+# CLIPTextModel (keys "embeddings.*"), older versions and CLIPTextModelWithProjection
+# keep them under "text_model.". Internally we use the flat names and add the
+# prefix back where the installed class has it (see _reference_shapes).
+_TOWER = ("embeddings.", "encoder.", "final_layer_norm.")
+_TEXT_MODEL = "text_model."
+
+# transformers CLIP encoder layer -> open_clip resblock, for the unfused parts.
+_OPENCLIP_LAYER = {
+    "layer_norm1": "ln_1",
+    "layer_norm2": "ln_2",
+    "self_attn.out_proj": "attn.out_proj",
+    "mlp.fc1": "mlp.c_fc",
+    "mlp.fc2": "mlp.c_proj",
+}
+_QKV = re.compile(r"^encoder\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
+_RESBLOCK = re.compile(r"^transformer\.resblocks\.(\d+)\.(.+)$")
+
+
+def _flat_tower_key(key: str) -> str:
+    """A CLIP text-tower key without the optional "text_model." prefix."""
+    return key[len(_TEXT_MODEL) :] if key.startswith(_TEXT_MODEL) else key
+
+
+def _openclip_name(key: str) -> str | None:
+    """Flat transformers key of CLIPTextModelWithProjection -> open_clip key.
+
+    q/k/v projections all map to the fused in_proj_{weight,bias}.
+    """
+    fixed = {
+        "embeddings.token_embedding.weight": "token_embedding.weight",
+        "embeddings.position_embedding.weight": "positional_embedding",
+        "final_layer_norm.weight": "ln_final.weight",
+        "final_layer_norm.bias": "ln_final.bias",
+        "text_projection.weight": "text_projection",
+    }
+    if key in fixed:
+        return fixed[key]
+    if mm := _QKV.match(key):
+        return f"transformer.resblocks.{mm[1]}.attn.in_proj_{mm[3]}"
+    if mm := _LAYER.match(key):
+        rest = mm[2]
+        for src, dst in _OPENCLIP_LAYER.items():
+            if rest.startswith(src + "."):
+                return f"transformer.resblocks.{mm[1]}.{dst}{rest[len(src):]}"
+    return None
+
+
+def _openclip_plan(okey: str) -> tuple[tuple[str, ...], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None:
+    """open_clip key -> (flat transformers keys, transform of the tensor into those)."""
+    ident = lambda t: (t,)  # noqa: E731
+    fixed = {
+        "token_embedding.weight": "embeddings.token_embedding.weight",
+        "positional_embedding": "embeddings.position_embedding.weight",
+        "ln_final.weight": "final_layer_norm.weight",
+        "ln_final.bias": "final_layer_norm.bias",
+    }
+    if okey in fixed:
+        return (fixed[okey],), ident
+    if okey == "text_projection":
+        # open_clip computes x @ text_projection ([hidden, proj]); nn.Linear stores [proj, hidden].
+        return ("text_projection.weight",), lambda t: (t.T.contiguous(),)
+    mm = _RESBLOCK.match(okey)
+    if mm is None:
+        return None
+    i, rest = mm[1], mm[2]
+    if rest in ("attn.in_proj_weight", "attn.in_proj_bias"):
+        kind = rest.rsplit("_", 1)[1]
+        keys = tuple(f"encoder.layers.{i}.self_attn.{p}_proj.{kind}" for p in "qkv")
+        # Clone the three slices so they do not share one storage (safetensors
+        # refuses to save tensors that share memory).
+        return keys, lambda t: tuple(p.clone() for p in t.chunk(3, dim=0))
+    for dst, src in _OPENCLIP_LAYER.items():
+        if rest.startswith(src + "."):
+            return (f"encoder.layers.{i}.{dst}{rest[len(src):]}",), ident
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Expected diffusers/transformers keys (built on the meta device)
+# ---------------------------------------------------------------------------
+
+
+def _config_json(config: Mapping) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+@functools.lru_cache(maxsize=8)
+def _reference_shapes(component: str, config_json: str) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of the component's state dict, from a model built on the meta device.
+
+    This is the ground truth for which keys a loaded component must have; it
+    costs no memory and well under a second even for the real SDXL UNet.
+    """
+    cfg = json.loads(config_json)
+    with torch.device("meta"):
+        if component == "unet":
+            from diffusers import UNet2DConditionModel
+
+            model = UNet2DConditionModel.from_config(cfg)
+        elif component == "vae":
+            from diffusers import AutoencoderKL
+
+            model = AutoencoderKL.from_config(cfg)
+        else:
+            from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+            cls = CLIPTextModel if component == "text_encoder" else CLIPTextModelWithProjection
+            model = cls(CLIPTextConfig(**cfg))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+
+
+def _tower_prefix(reference: Mapping[str, object]) -> str:
+    """"text_model." if the installed transformers class nests the text tower, else ""."""
+    return _TEXT_MODEL if any(k.startswith(_TEXT_MODEL) for k in reference) else ""
+
+
+# ---------------------------------------------------------------------------
+# diffusers -> original
+# ---------------------------------------------------------------------------
+
+
+def _unmapped_error(component: str, keys: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{len(keys)} {component} weights have no place in the SDXL single-file layout: {_few(keys)}",
+        hint="The component does not have the SDXL architecture its config describes; save it as a diffusers folder instead.",
+    )
+
+
+def _few(keys: Iterable[str]) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:_SHOW])
+    return shown + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
+
+
+def _require_config(configs: Mapping[str, dict], component: str) -> dict:
+    try:
+        return configs[component]
+    except KeyError:
+        raise ModelLoadError(f"No config given for the SDXL {component}.") from None
+
+
+def _unet_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    m = _unet_map(_config_json(config))
+    out, bad = {}, []
+    for k, v in sd.items():
+        ok = m.to_original(k)
+        if ok is None:
+            bad.append(k)
+        else:
+            out[PREFIXES["unet"] + ok] = v
+    if bad:
+        raise _unmapped_error("unet", bad)
+    return out
+
+
+def _vae_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    m = _vae_map(_config_json(config))
+    out, bad = {}, []
+    for k, v in sd.items():
+        ok = m.to_original(k)
+        if ok is None:
+            bad.append(k)
+            continue
+        if _VAE_ATTN_CONV.search(ok) and v.ndim == 2:
+            v = v.reshape(*v.shape, 1, 1)  # Linear [C, C] -> 1x1 conv [C, C, 1, 1]
+        out[PREFIXES["vae"] + ok] = v
+    if bad:
+        raise _unmapped_error("vae", bad)
+    return out
+
+
+def _te1_to_original(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # CLIP-L keeps transformers naming in the file, always under "text_model.".
+    out, bad = {}, []
+    for k, v in sd.items():
+        flat = _flat_tower_key(k)
+        if flat.endswith("position_ids"):
+            continue
+        if not flat.startswith(_TOWER):
+            bad.append(k)
+            continue
+        out[PREFIXES["text_encoder"] + _TEXT_MODEL + flat] = v
+    if bad:
+        raise _unmapped_error("text_encoder", bad)
+    return out
+
+
+def _te2_to_original(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = PREFIXES["text_encoder_2"]
+    out: dict[str, torch.Tensor] = {}
+    bad: list[str] = []
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # in_proj key -> {"q": ..., "k": ..., "v": ...}
+    for k, v in sd.items():
+        flat = _flat_tower_key(k)
+        if flat.endswith("position_ids"):
+            continue
+        if flat == "logit_scale":  # not a transformers weight, but keep one if the caller has it
+            out[prefix + "logit_scale"] = v
+            continue
+        ok = _openclip_name(flat)
+        if ok is None:
+            bad.append(k)
+        elif mm := _QKV.match(flat):
+            fused.setdefault(ok, {})[mm[2]] = v
+        elif ok == "text_projection":
+            out[prefix + ok] = v.T.contiguous()  # [proj, hidden] -> [hidden, proj]
+        else:
+            out[prefix + ok] = v
+    if bad:
+        raise _unmapped_error("text_encoder_2", bad)
+    for ok, parts in fused.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise _unmapped_error("text_encoder_2", [f"{ok} (has only {sorted(parts)} of q, k, v)"])
+        # open_clip's nn.MultiheadAttention packs [q; k; v] along the output dim.
+        out[prefix + ok] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    if prefix + "logit_scale" not in out:
+        like = out.get(prefix + "text_projection")
+        out[prefix + "logit_scale"] = torch.tensor(
+            _LOGIT_SCALE,
+            dtype=like.dtype if like is not None else torch.float32,
+            device=like.device if like is not None else None,
+        )
+    return out
+
+
+def diffusers_to_original(
+    state_dicts: dict[str, Mapping[str, torch.Tensor]], configs: dict[str, dict]
+) -> dict[str, torch.Tensor]:
+    """Component state dicts (diffusers/transformers naming) -> one SDXL single-file state dict.
+
+    ``state_dicts`` and ``configs`` are keyed by component name (see COMPONENTS);
+    components absent from ``state_dicts`` are skipped (e.g. only unet + vae).
+    The UNet and VAE need their diffusers configs; the text encoders do not.
+    Tensors are passed through where the layout allows (no copies), except the
+    fused open_clip attention projections and the transposed text projection.
+    """
+    unknown = set(state_dicts) - set(COMPONENTS)
+    if unknown:
+        raise CheckpointError(f"Unknown SDXL components {sorted(unknown)}; expected some of {list(COMPONENTS)}.")
+    out: dict[str, torch.Tensor] = {}
+    for component in COMPONENTS:
+        sd = state_dicts.get(component)
+        if sd is None:
+            continue
+        if component == "unet":
+            out.update(_unet_to_original(sd, _require_config(configs, "unet")))
+        elif component == "vae":
+            out.update(_vae_to_original(sd, _require_config(configs, "vae")))
+        elif component == "text_encoder":
+            out.update(_te1_to_original(sd))
+        else:
+            out.update(_te2_to_original(sd))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# original -> diffusers
+# ---------------------------------------------------------------------------
+
+_Plan = tuple[tuple[str, ...], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]
+
+
+def _identity(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (t,)
+
+
+def _conv1x1_to_linear(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # [C, C, 1, 1] (LDM's 1x1 conv), or [C, C, 1] as a few old VAEs saved it -> [C, C].
+    # A wrong shape falls through to the shape check.
+    if t.ndim in (3, 4) and all(d == 1 for d in t.shape[2:]):
+        return (t.reshape(t.shape[0], t.shape[1]),)
+    return (t,)
+
+
+def _planner(component: str, config: dict, tower: str):
+    """Returns (plan(original key without prefix) -> _Plan | None, original name of a diffusers key)."""
+    if component in ("unet", "vae"):
+        m = _unet_map(_config_json(config)) if component == "unet" else _vae_map(_config_json(config))
+
+        def plan(okey: str) -> _Plan | None:
+            dkey = m.to_diffusers(okey)
+            if dkey is None:
+                return None
+            if component == "vae" and _VAE_ATTN_CONV.search(okey):
+                return (dkey,), _conv1x1_to_linear
+            return (dkey,), _identity
+
+        return plan, m.to_original
+
+    if component == "text_encoder":
+
+        def plan(okey: str) -> _Plan | None:
+            if not okey.startswith(_TEXT_MODEL):
+                return None
+            flat = okey[len(_TEXT_MODEL) :]
+            return ((tower + flat,), _identity) if flat.startswith(_TOWER) else None
+
+        return plan, lambda dkey: _TEXT_MODEL + _flat_tower_key(dkey)
+
+    def plan(okey: str) -> _Plan | None:
+        p = _openclip_plan(okey)
+        if p is None:
+            return None
+        keys, fn = p
+        # Only the tower keys take the "text_model." prefix; text_projection sits on the wrapper.
+        return tuple(k if k == "text_projection.weight" else tower + k for k in keys), fn
+
+    return plan, lambda dkey: _openclip_name(_flat_tower_key(dkey))
+
+
+def _ignored(component: str, okey: str) -> bool:
+    # position_ids is a buffer (often saved, sometimes corrupted by merges): always rebuilt.
+    # logit_scale only matters for CLIP's contrastive loss.
+    return okey.endswith("position_ids") or (component == "text_encoder_2" and okey == "logit_scale")
+
+
+def original_to_diffusers(
+    get: Callable[[str], torch.Tensor],
+    keys: Iterable[str],
+    configs: dict[str, dict],
+    components=COMPONENTS,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """SDXL single-file tensors -> per-component diffusers/transformers state dicts.
+
+    ``get(key)`` returns one tensor of the file (e.g. ``safe_open(...).get_tensor``)
+    and ``keys`` lists the file's keys. Each requested component's key names are
+    checked against the keys of its model (built from ``configs`` on the meta
+    device) before any tensor is read; missing or unexpected keys raise
+    ModelLoadError naming the first few. Keys outside the requested components'
+    prefixes are ignored.
+    """
+    keys = list(keys)
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for component in components:
+        if component not in PREFIXES:
+            raise ModelLoadError(f"Unknown SDXL component {component!r}; expected one of {list(COMPONENTS)}.")
+        config = _require_config(configs, component)
+        prefix = PREFIXES[component]
+        reference = _reference_shapes(component, _config_json(config))
+        plan, original_name = _planner(component, config, _tower_prefix(reference))
+
+        # 1. Names only: what each file key becomes, and what is missing or extra.
+        steps: list[tuple[str, _Plan]] = []
+        unexpected: list[str] = []
+        produced: set[str] = set()
+        for key in keys:
+            if not key.startswith(prefix):
+                continue
+            okey = key[len(prefix) :]
+            if _ignored(component, okey):
+                continue
+            p = plan(okey)
+            if p is None or any(d not in reference for d in p[0]):
+                unexpected.append(key)
+                continue
+            steps.append((key, p))
+            produced.update(p[0])
+        if not steps and not unexpected:
+            raise ModelLoadError(
+                f"The checkpoint has no {component} weights (no key starts with {prefix!r}).",
+                hint="Load only the components the file has (components=...) and take the others from a diffusers folder.",
+            )
+        missing = sorted({prefix + (original_name(d) or d) for d in reference if d not in produced})
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing ({_few(missing)})")
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected ({_few(unexpected)})")
+            raise ModelLoadError(
+                f"The checkpoint's {component} weights do not match the SDXL layout for its config: "
+                + "; ".join(parts)
+                + ".",
+                hint=(
+                    "Check that the file is an SDXL base-architecture checkpoint (not SD 1.x/2.x or the refiner). "
+                    "If it lacks some components, load only those present (components=...)."
+                ),
+            )
+
+        # 2. Read one tensor at a time and check shapes against the model.
+        sd: dict[str, torch.Tensor] = {}
+        wrong: list[str] = []
+        for key, (dkeys, fn) in steps:
+            for dkey, t in zip(dkeys, fn(get(key))):
+                if tuple(t.shape) != reference[dkey]:
+                    wrong.append(f"{key} {tuple(t.shape)} (expected {reference[dkey]} for {dkey})")
+                sd[dkey] = t
+        if wrong:
+            raise ModelLoadError(
+                f"{len(wrong)} {component} weights of the checkpoint have the wrong shape for its config: {_few(wrong)}",
+                hint="The file is probably a different architecture than the config (e.g. the SDXL refiner).",
+            )
+        # Same order as the model's own state_dict, for readability.
+        result[component] = {k: sd[k] for k in reference}
+    return result
+
+
+def detect_sdxl_single_file(keys: Iterable[str]) -> bool:
+    """True if the key names look like an SDXL (base-architecture) single file.
+
+    SDXL base has the UNet under model.diffusion_model. and OpenCLIP bigG as the
+    second embedder (conditioner.embedders.1.model.); the refiner has bigG as
+    embedder 0 and no embedder 1; SD 1.x/2.x use cond_stage_model.
+    """
+    has_unet = has_bigg = False
+    for key in keys:
+        has_unet = has_unet or key.startswith(PREFIXES["unet"])
+        has_bigg = has_bigg or key.startswith(PREFIXES["text_encoder_2"])
+        if has_unet and has_bigg:
+            return True
+    return False

@@ -1,0 +1,80 @@
+"""CLIP tokenizers built offline.
+
+No model hub is reachable, and single-file SDXL/SD3 checkpoints carry no
+tokenizer files. Two offline sources:
+
+* ``tiny_clip_vocab`` writes a small byte-level BPE vocabulary (every byte
+  symbol, alone and word-final, no merges): enough for tests and quickstart,
+  where the tiny text encoders have a 1000-token embedding table.
+* ``clip_vocab_from_open_clip`` derives CLIP's real 49408-token ``vocab.json``
+  and ``merges.txt`` from the BPE file shipped in the ``open_clip_torch``
+  wheel (the same derivation CLIP's own tokenizer does), without importing
+  open_clip (it would pull torchvision).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable unicode table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+def _write(folder: Path, vocab: dict[str, int], merges: list[str], pad_token: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8")
+    cfg = {
+        "model_max_length": 77,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": EOS,
+        "pad_token": pad_token,
+        "do_lower_case": True,
+        "tokenizer_class": "CLIPTokenizer",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    return folder
+
+
+def tiny_clip_vocab(folder: Path, pad_token: str = EOS) -> Path:
+    """Write a 514-token byte-level CLIP vocabulary (ids < 1000) to ``folder``."""
+    symbols = list(bytes_to_unicode().values())
+    vocab_list = symbols + [s + "</w>" for s in symbols] + [BOS, EOS]
+    return _write(folder, {tok: i for i, tok in enumerate(vocab_list)}, [], pad_token)
+
+
+def clip_vocab_from_open_clip(folder: Path, pad_token: str = EOS) -> Path:
+    """Write CLIP's real vocabulary, derived from open_clip's bundled BPE file."""
+    spec = importlib.util.find_spec("open_clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "A single-file checkpoint carries no tokenizer, and none was given.",
+            hint="Pass model.tokenizer_path=<folder with tokenizer/ and tokenizer_2/> "
+            "or `pip install --no-deps open_clip_torch` so difftrain can build CLIP's tokenizer offline.",
+        )
+    bpe = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz"
+    lines = gzip.open(bpe, "rt", encoding="utf-8").read().split("\n")
+    merges = lines[1 : 49152 - 256 - 2 + 1]
+    symbols = list(bytes_to_unicode().values())
+    vocab_list = symbols + [s + "</w>" for s in symbols]
+    vocab_list += ["".join(m.split()) for m in merges]
+    vocab_list += [BOS, EOS]
+    return _write(folder, {tok: i for i, tok in enumerate(vocab_list)}, merges, pad_token)

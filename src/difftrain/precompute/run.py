@@ -1,0 +1,189 @@
+"""precompute: dataset -> buckets -> VAE latents and text embeddings, cached once.
+
+Only entries whose content key is not in the cache are encoded; the encoders
+are loaded only when something is missing, one group at a time, and freed
+after. The result is ``index.json`` in the cache: the items training reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config.schema import Config
+from ..console import info, progress, warn
+from ..data.buckets import choose_bucket, fit_to_bucket, make_buckets
+from ..data.cache import DataCache, cache_dir_for
+from ..data.sources import load_rgb, scan_dataset
+from ..errors import DataError, UsageError
+from ..families.registry import get_family
+from ..utils import pick_device, sha256_file, sha256_text, to_dtype
+
+
+@dataclass
+class PrecomputeReport:
+    cache_dir: Path
+    items: int = 0
+    latents_encoded: int = 0
+    texts_encoded: int = 0
+    latents_reused: int = 0
+    texts_reused: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    buckets: dict[str, int] = field(default_factory=dict)
+
+
+def _to_pixels(img) -> torch.Tensor:
+    import numpy as np
+
+    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float()
+    return arr / 127.5 - 1.0
+
+
+def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
+    if cfg.data.dir is None:
+        raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
+    family = get_family(cfg.family)
+    cache = DataCache(cache_dir_for(cfg), shard_max_bytes=cfg.precompute.shard_max_mb << 20)
+    report = PrecomputeReport(cache_dir=cache.root)
+
+    records, skipped = scan_dataset(
+        Path(cfg.data.dir),
+        metadata=cfg.data.metadata,
+        caption_ext=cfg.data.caption_ext,
+        tag_ext=cfg.data.tag_ext,
+        caption_source=cfg.data.caption_source,
+    )
+    report.skipped += [(str(p), why) for p, why in skipped]
+    d = cfg.data
+    buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
+
+    memo = cache.read_json("fingerprints.json", {})
+    vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
+    te_fp = sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_encoders))
+    cache.write_json("fingerprints.json", memo)
+    pc = cfg.precompute
+    crop_mode = "random" if d.random_crop else "center"
+
+    plan = []
+    for r in records:
+        try:
+            bucket = choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step, no_upscale=d.no_upscale)
+        except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
+            report.skipped.append((str(r.path), str(e)))
+            continue
+        img_hash = sha256_file(r.path)
+        lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash)
+        tkey = sha256_text("text", family.name, te_fp, pc.text_encoder_dtype, r.caption)
+        plan.append({"record": r, "bucket": bucket, "latent": lkey, "text": tkey, "image_sha256": img_hash})
+
+    device = pick_device(pc.device)
+    missing_lat = set(cache.missing(p["latent"] for p in plan))
+    if missing_lat:
+        comps = family.load(cfg.model, [family.image_encoder], dtype=to_dtype(pc.vae_dtype), device=device)
+        todo = [p for p in plan if p["latent"] in missing_lat]
+        todo.sort(key=lambda p: p["bucket"])
+        with progress() as bar, torch.no_grad():
+            task = bar.add_task("encoding latents", total=len(todo))
+            done: set[str] = set()
+            batch: list[dict] = []
+            for p in todo + [None]:
+                if p is not None and p["latent"] in done:
+                    bar.advance(task)
+                    continue
+                flush = p is None or (batch and (batch[0]["bucket"] != p["bucket"] or len(batch) >= pc.batch_size))
+                if flush and batch:
+                    pix = torch.stack([b["pixels"] for b in batch])
+                    lat = family.encode_images(comps, pix)
+                    if not torch.isfinite(lat).all():
+                        raise DataError(
+                            "The VAE produced NaN/inf latents.",
+                            hint="SDXL's VAE overflows in fp16: set precompute.vae_dtype: fp32 (or bf16).",
+                        )
+                    for b, l in zip(batch, lat):
+                        # the crop offsets are SDXL conditioning: they live with the latent
+                        cache.put(b["latent"], {"latents": l, "crop": torch.tensor(b["crop"], dtype=torch.int64)})
+                        bar.advance(task)
+                    batch = []
+                if p is None:
+                    break
+                try:
+                    img = load_rgb(p["record"].path)
+                except DataError as e:
+                    report.skipped.append((str(p["record"].path), e.message))
+                    p["bad"] = True
+                    bar.advance(task)
+                    continue
+                rng = random.Random(p["image_sha256"]) if d.random_crop else None
+                fitted, crop = fit_to_bucket(img, p["bucket"], rng=rng)
+                batch.append({"latent": p["latent"], "pixels": _to_pixels(fitted), "crop": crop, "bucket": p["bucket"]})
+                done.add(p["latent"])
+        cache.flush()
+        del comps
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    plan = [p for p in plan if not p.get("bad")]
+    report.latents_encoded = len({p["latent"] for p in plan if p["latent"] in missing_lat})
+    report.latents_reused = len(plan) - sum(p["latent"] in missing_lat for p in plan)
+
+    missing_txt = cache.missing(p["text"] for p in plan)
+    if missing_txt:
+        comps = family.load(cfg.model, list(family.text_encoders), dtype=to_dtype(pc.text_encoder_dtype), device=device)
+        caption_of = {p["text"]: p["record"].caption for p in plan}
+        with progress() as bar, torch.no_grad():
+            task = bar.add_task("encoding captions", total=len(missing_txt))
+            for i in range(0, len(missing_txt), pc.batch_size):
+                keys = missing_txt[i : i + pc.batch_size]
+                out = family.encode_prompts(comps, [caption_of[k] for k in keys])
+                for j, k in enumerate(keys):
+                    cache.put(k, {name: t[j] for name, t in out.items()})
+                bar.advance(task, len(keys))
+        cache.flush()
+        del comps
+        gc.collect()
+    report.texts_encoded = len(missing_txt)
+    report.texts_reused = len({p["text"] for p in plan}) - len(missing_txt)
+
+    for path, why in report.skipped:
+        warn(f"skipped {path}: {why}")
+    if not plan:
+        raise DataError(
+            f"No usable images in {cfg.data.dir}" + (f" ({len(report.skipped)} skipped)" if report.skipped else "") + ".",
+            hint="Add .png/.jpg/.webp images with caption files, or check the skipped list above.",
+        )
+    if strict and report.skipped:
+        raise DataError(f"{len(report.skipped)} image(s) could not be used and --strict is set.", hint="Fix or remove them.")
+
+    items = []
+    for p in plan:
+        r, (bw, bh) = p["record"], p["bucket"]
+        items.append(
+            {
+                "key": r.key,
+                "image": str(r.path),
+                "caption": r.caption,
+                "bucket": [bw, bh],
+                "original_size": [r.height, r.width],
+                "latent": p["latent"],
+                "text": p["text"],
+            }
+        )
+        report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1
+    cache.write_json(
+        "index.json",
+        {
+            "family": family.name,
+            "model": str(cfg.model.path),
+            "vae": vae_fp,
+            "text_encoders": te_fp,
+            "vae_dtype": pc.vae_dtype,
+            "text_encoder_dtype": pc.text_encoder_dtype,
+            "items": items,
+        },
+    )
+    report.items = len(items)
+    return report

@@ -1,0 +1,317 @@
+"""The one explicit training loop: step, accumulate, clip, log, checkpoint.
+
+Reads only the precompute cache: the VAE and (unless their LoRA is trained)
+the text encoders are never loaded. Everything random is drawn from a seeded
+generator whose state, with the sampler position, is saved in every
+checkpoint, so N steps + resume + N steps equal 2N steps in one go.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import TextColumn
+
+from ..config.schema import Config
+from ..console import info, progress
+from ..data.batches import BucketBatchSampler
+from ..data.cache import DataCache, cache_dir_for
+from ..errors import CacheMismatch, CheckpointError, DifftrainError
+from ..families.registry import get_family
+from ..memory.plan import apply_activations, make_optimizer, weights_dtype
+from ..utils import atomic_dir, atomic_write_text, pick_device
+from . import checkpoint as ckpt
+from .lora import adapter_metadata, add_lora, export_layers, trainable_state
+from .state import load_tree, save_tree
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    lora_path: Path | None = None
+    checkpoints: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    a = alphas_cumprod.to(t.device)[t].float()
+    return a / (1 - a)
+
+
+def _peak_memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+
+
+class Trainer:
+    def __init__(self, cfg: Config, config_yaml: str | None = None):
+        self.cfg = cfg
+        self.config_yaml = config_yaml
+        self.family = get_family(cfg.family)
+        self.device = pick_device(cfg.train.device)
+        self.out = Path(cfg.train.output_dir)
+
+    # ---------------------------------------------------------------- set-up
+    def _load_index(self) -> tuple[DataCache, list[dict]]:
+        cache = DataCache(cache_dir_for(self.cfg))
+        index = cache.read_json("index.json")
+        if not index or not index.get("items"):
+            raise CacheMismatch(
+                f"No precomputed data in {cache.root}.",
+                hint="Run `difftrain precompute` with the same recipe/config first.",
+            )
+        if index.get("family") != self.family.name:
+            raise CacheMismatch(
+                f"The cache at {cache.root} was made for {index.get('family')!r}, not {self.family.name!r}.",
+                hint="Point data.cache_dir at the cache of this model family, or run precompute again.",
+            )
+        return cache, index["items"]
+
+    def _setup(self):
+        cfg, t = self.cfg, self.cfg.train
+        # seed before anything random happens (the LoRA init draws from the global RNG)
+        random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        self.cache, self.items = self._load_index()
+        wdtype = weights_dtype(cfg.memory)
+        parts = [self.family.denoiser] + (list(self.family.text_encoders) if t.train_text_encoders else [])
+        self.comps = self.family.load(cfg.model, parts, dtype=wdtype, device=self.device)
+        self.trained: dict[str, torch.nn.Module] = {}
+        params = []
+        targets = {self.family.denoiser: cfg.lora.targets}
+        for part in parts:
+            module = self.comps[part]
+            tg = targets.get(part, self.family.text_encoder_lora_targets)
+            try:
+                params += add_lora(module, cfg.lora, tg)
+            except ValueError as e:
+                raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
+            apply_activations(cfg.memory, module)
+            module.train()
+            self.trained[part] = module
+        self.params = params
+        self.optimizer = make_optimizer(cfg.memory, params, t.learning_rate)
+        self.sampler = BucketBatchSampler([tuple(it["bucket"]) for it in self.items], t.batch_size, t.seed)
+        per_epoch = math.ceil(len(self.sampler) / t.grad_accum)
+        self.total_steps = t.max_steps or per_epoch * t.epochs
+        from diffusers.optimization import get_scheduler
+
+        self.lr_scheduler = get_scheduler(
+            t.lr_scheduler, self.optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=self.total_steps
+        )
+        self.noise_scheduler = self.family.training_scheduler(cfg.model)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.mixed_precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.mixed_precision == "fp16")
+        self.gen = torch.Generator(device=self.device).manual_seed(t.seed)
+        self.step = 0
+        self.epoch = 0
+        self.batch_pos = 0
+
+    # ---------------------------------------------------------------- data
+    def _batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
+        lat, emb, pooled, time_ids, captions = [], [], [], [], []
+        for i in idx:
+            it = self.items[i]
+            le = self.cache.get(it["latent"])
+            lat.append(le["latents"])
+            w, h = it["bucket"]
+            time_ids.append(self.family.time_ids(it["original_size"], le["crop"].tolist(), (h, w)))
+            if not self.cfg.train.train_text_encoders:
+                te = self.cache.get(it["text"])
+                emb.append(te["prompt_embeds"])
+                pooled.append(te["pooled_prompt_embeds"])
+            captions.append(it["caption"])
+        dev = self.device
+        batch = {"latents": torch.stack(lat).to(dev), "time_ids": torch.stack(time_ids).to(dev)}
+        if emb:
+            batch["prompt_embeds"] = torch.stack(emb).to(dev)
+            batch["pooled_prompt_embeds"] = torch.stack(pooled).to(dev)
+        else:
+            ids1, ids2 = self.family.tokenize(self.comps, captions)
+            batch.update(self.family.encode_tokens(self.comps, ids1, ids2))
+        return batch
+
+    # ---------------------------------------------------------------- one micro-batch
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = self.cfg.train
+        latents = batch["latents"]
+        b = latents.shape[0]
+        noise = torch.randn(latents.shape, generator=self.gen, device=self.device)
+        if t.noise_offset:
+            noise = noise + t.noise_offset * torch.randn((b, latents.shape[1], 1, 1), generator=self.gen, device=self.device)
+        n_train = self.noise_scheduler.config.num_train_timesteps
+        timesteps = torch.randint(0, n_train, (b,), generator=self.gen, device=self.device)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        pred_type = self.noise_scheduler.config.prediction_type
+        target = noise if pred_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        unet = self.comps[self.family.denoiser]
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
+            cond = {k: (v.to(unet.dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
+            pred = self.family.denoise(unet, noisy.to(unet.dtype), timesteps, cond)
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+        if t.min_snr_gamma:
+            # Min-SNR weighting (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v
+            snr = _snr(self.noise_scheduler.alphas_cumprod, timesteps)
+            w = torch.clamp(snr, max=t.min_snr_gamma) / (snr + 1 if pred_type == "v_prediction" else snr)
+            loss = loss * w
+        return loss.mean()
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
+        """Train to the configured step count; ``stop_at`` ends early (with a checkpoint), as an interruption would."""
+        t0 = time.time()
+        self._setup()
+        t = self.cfg.train
+        if resume:
+            self._load(ckpt.resolve_resume(self.out, resume))
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.config_yaml is not None:
+            atomic_write_text(self.out / "config.yaml", self.config_yaml)
+        end = min(self.total_steps, stop_at) if stop_at else self.total_steps
+        result = TrainResult(self.out, end)
+        metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+        loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
+        with progress(loss_col) as bar:
+            task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
+            accum, micro = 0.0, 0
+            while self.step < end:
+                batches = self.sampler.epoch(self.epoch)
+                while self.batch_pos < len(batches) and self.step < end:
+                    batch = self._batch(batches[self.batch_pos])
+                    self.batch_pos += 1
+                    loss = self._loss(batch) / t.grad_accum
+                    if not torch.isfinite(loss):
+                        raise DifftrainError(
+                            f"The loss became {loss.item()} at step {self.step + 1}.",
+                            hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
+                            "or re-run precompute if the cache was made with an fp16 VAE.",
+                        )
+                    self.scaler.scale(loss).backward()
+                    accum += loss.item()
+                    micro += 1
+                    if micro < t.grad_accum:
+                        continue
+                    self._optimizer_step()
+                    result.losses.append(accum)
+                    if self.step % t.log_every == 0 or self.step == self.total_steps:
+                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": self.lr_scheduler.get_last_lr()[0]}
+                        metrics.write(json.dumps(rec) + "\n")
+                        metrics.flush()
+                    bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
+                    accum, micro = 0.0, 0
+                    if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                        result.checkpoints.append(self.save_checkpoint())
+                if self.batch_pos >= len(batches):
+                    self.epoch += 1
+                    self.batch_pos = 0
+        metrics.close()
+        if not t.checkpoint_every or self.step % t.checkpoint_every:
+            result.checkpoints.append(self.save_checkpoint())
+        result.lora_path = self.export(self.out / LORA_FILE)
+        result.seconds = time.time() - t0
+        return result
+
+    def _optimizer_step(self) -> None:
+        t = self.cfg.train
+        if t.max_grad_norm:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+    # ---------------------------------------------------------------- state
+    def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {part: export_layers(m) for part, m in self.trained.items()}
+
+    def _save_lora(self, folder: Path) -> None:
+        meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
+        self.family.save_lora(folder, self._layers(), meta)
+
+    def export(self, path: Path) -> Path:
+        """Write the LoRA as pytorch_lora_weights.safetensors (diffusers layout), atomically."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+            self._save_lora(Path(tmp))
+            os.replace(Path(tmp) / LORA_FILE, path)  # same folder, so the rename is atomic
+        return path
+
+    def save_checkpoint(self) -> Path:
+        final = ckpt.checkpoint_dir(self.out, self.step)
+        with atomic_dir(final) as tmp:
+            weights = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in trainable_state(m).items()}
+            save_tree(weights, tmp, "trainable")
+            save_tree(self.optimizer.state_dict(), tmp, "optimizer")
+            rng = {
+                "python": list(random.getstate()[1]),
+                "python_version": random.getstate()[0],
+                "python_gauss": random.getstate()[2],
+                "torch": torch.get_rng_state(),
+                "generator": self.gen.get_state(),
+            }
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            save_tree(rng, tmp, "rng")
+            state = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_pos": self.batch_pos,
+                "total_steps": self.total_steps,
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+            if self.config_yaml is not None:
+                (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
+            self._save_lora(tmp)
+        ckpt.prune(self.out, self.cfg.train.keep_checkpoints)
+        return final
+
+    def _load(self, folder: Path) -> None:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        weights = load_tree(folder, "trainable")
+        for part, m in self.trained.items():
+            own = trainable_state(m)
+            sub = {n[len(part) + 1 :]: w for n, w in weights.items() if n.startswith(part + ".")}
+            if set(sub) != set(own):
+                raise CheckpointError(
+                    f"The checkpoint {folder} was made with a different LoRA setup for {part} "
+                    f"({len(sub)} tensors saved, {len(own)} expected).",
+                    hint="Resume with the config saved in the checkpoint folder (config.yaml).",
+                )
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if n in sub:
+                        p.copy_(sub[n])
+        self.optimizer.load_state_dict(load_tree(folder, "optimizer"))
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        rng = load_tree(folder, "rng")
+        random.setstate((rng["python_version"], tuple(rng["python"]), rng["python_gauss"]))
+        torch.set_rng_state(rng["torch"])
+        self.gen.set_state(rng["generator"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step, self.epoch, self.batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        info(f"resumed from {folder} at step {self.step} (epoch {self.epoch}, batch {self.batch_pos})")
+
+
+def train(cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None) -> TrainResult:
+    return Trainer(cfg, config_yaml).run(resume, stop_at=stop_at)

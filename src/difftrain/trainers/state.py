@@ -1,0 +1,70 @@
+"""Training state as safetensors + JSON: nested structures without pickle.
+
+``torch.save`` would pickle; a checkpoint is a user-shareable file, so
+difftrain never unpickles one. A nested structure of dicts, lists, tuples,
+scalars and tensors is split into a JSON tree (tensors replaced by
+references) and one safetensors file holding the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError
+
+
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {"__dict__": {k: _encode(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+        if all(isinstance(k, int) for k in obj):
+            return {"__intdict__": {str(k): _encode(v, f"{path}.{k}", tensors) for k, v in obj.items()}}
+        raise TypeError(f"cannot store dict with keys of mixed types at {path}")
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store {type(obj).__name__} at {path}")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__dict__"].items()}
+        if "__intdict__" in obj:
+            return {int(k): _decode(v, tensors) for k, v in obj["__intdict__"].items()}
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    return obj
+
+
+def save_tree(obj: Any, folder: Path, name: str) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(obj, name, tensors)
+    (Path(folder) / f"{name}.json").write_text(json.dumps(tree), encoding="utf-8")
+    save_file(tensors, str(Path(folder) / f"{name}.safetensors"))
+
+
+def load_tree(folder: Path, name: str) -> Any:
+    folder = Path(folder)
+    try:
+        tree = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+        tensors = load_file(str(folder / f"{name}.safetensors"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"The checkpoint {folder} is incomplete or damaged ({name}: {e}).",
+                              hint="Resume from an earlier checkpoint (--resume PATH).") from None
+    return _decode(tree, tensors)

@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny seeded SDXL and a small synthetic dataset, built once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DIFFTRAIN_PROGRESS", "0")
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from difftrain.families.sdxl import SDXL
+
+    return SDXL().build_tiny(tmp_path_factory.mktemp("model") / "tiny-sdxl", seed=0)
+
+
+@pytest.fixture(scope="session")
+def _dataset_master(tmp_path_factory) -> Path:
+    from difftrain.quickstart import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("data") / "images", n=8, seed=0)
+
+
+@pytest.fixture
+def dataset(_dataset_master, tmp_path) -> Path:
+    """A private copy of the synthetic dataset (tests may edit it)."""
+    return Path(shutil.copytree(_dataset_master, tmp_path / "images"))
+
+
+def tiny_sets(model: Path, data: Path, out: Path, **extra) -> list[str]:
+    sets = [f"model.path={model}", f"data.dir={data}", f"data.cache_dir={out / 'cache'}", f"train.output_dir={out / 'run'}"]
+    sets += [f"{k}={v}" for k, v in extra.items()]
+    return sets
+
+
+class CliResult:
+    def __init__(self, code: int, out: str, err: str):
+        self.code, self.out, self.err = code, out, err
+
+    def __repr__(self):
+        return f"CliResult(code={self.code}, err={self.err[-2000:]!r})"
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the difftrain CLI in-process, through the same entry point as the console script."""
+    from difftrain.cli.app import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return run
