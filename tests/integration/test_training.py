@@ -87,3 +87,40 @@ def test_exported_lora_changes_the_diffusers_pipeline_output(tiny_model, dataset
     assert abs(after - before).mean() > 1e-4
     pipe.unload_lora_weights()
     assert abs(render() - before).max() < 1e-5
+
+
+def test_text_encoder_lora_trains_and_loads(tiny_model, dataset, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    cfg = _cfg(tiny_model, dataset, tmp_path, **{"train.max_steps": 3, "train.train_text_encoders": "true"})
+    precompute(cfg)
+    lora = train(cfg).lora_path
+    sd = load_file(lora)
+    for part in ("unet", "text_encoder", "text_encoder_2"):
+        ups = [v for k, v in sd.items() if k.startswith(part + ".") and "lora_B" in k]
+        assert ups and any(v.abs().sum() > 0 for v in ups), part  # B starts at zero: trained
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_model, local_files_only=True)
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    from peft.tuners.lora import LoraLayer
+
+    assert any(isinstance(m, LoraLayer) for m in pipe.text_encoder.modules())
+    assert any(isinstance(m, LoraLayer) for m in pipe.text_encoder_2.modules())
+
+
+@pytest.mark.parametrize("mode", ["fp16", "checkpoint"])
+def test_precision_and_checkpointing_track_the_plain_run(tiny_model, dataset, tmp_path, mode):
+    """fp16 autocast with the grad scaler, and gradient checkpointing, follow the fp32 eager losses."""
+    base = {"train.max_steps": 4, "train.checkpoint_every": 100}
+    plain = _cfg(tiny_model, dataset, tmp_path / "plain", **base)
+    precompute(plain)
+    ref = train(plain).losses
+    extra = {"train.mixed_precision": "fp16"} if mode == "fp16" else {"memory.activations.kind": "checkpoint"}
+    other = _cfg(tiny_model, dataset, tmp_path / mode, **base, **extra, **{"data.cache_dir": tmp_path / "plain" / "cache"})
+    t = train(other)
+    tol = 1e-2 if mode == "fp16" else 1e-5
+    assert t.losses == pytest.approx(ref, rel=tol)
+    if mode == "fp16":
+        import json
+
+        state = json.loads((t.checkpoints[-1] / "trainer_state.json").read_text())
+        assert state["scaler"]["scale"] > 1  # the scaler was live, and its state is checkpointed

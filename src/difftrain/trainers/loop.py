@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.progress import TextColumn
+from rich.progress import ProgressColumn, TextColumn
+from rich.text import Text
 
 from ..config.schema import Config
 from ..console import info, progress
@@ -45,6 +46,16 @@ class TrainResult:
     lora_path: Path | None = None
     checkpoints: list[Path] = field(default_factory=list)
     seconds: float = 0.0
+
+
+class RateColumn(ProgressColumn):
+    """Optimizer steps per second (or seconds per step when slower than 1 it/s)."""
+
+    def render(self, task) -> Text:
+        speed = task.speed
+        if not speed:
+            return Text("-- it/s")
+        return Text(f"{speed:.2f} it/s" if speed >= 1 else f"{1 / speed:.2f} s/it")
 
 
 def _snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +197,7 @@ class Trainer:
         result = TrainResult(self.out, end)
         metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
-        with progress(loss_col) as bar:
+        with progress(loss_col, RateColumn()) as bar:
             task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
             accum, micro = 0.0, 0
             while self.step < end:

@@ -43,7 +43,8 @@ def export_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     from peft.utils import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(module)
+    # save_embedding_layers=False: no embedding is trained, and "auto" looks the base model up (a hub call)
+    return get_peft_model_state_dict(module, save_embedding_layers=False)
 
 
 def adapter_metadata(module: torch.nn.Module) -> dict:
