@@ -41,5 +41,5 @@ def progress(*extra_columns, transient: bool = False) -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=transient,
-        disable=not console.is_terminal and os.environ.get("DIFFTRAIN_PROGRESS", "") == "0",
+        disable=os.environ.get("DIFFTRAIN_PROGRESS", "") == "0",
     )

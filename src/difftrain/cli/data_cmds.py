@@ -11,7 +11,7 @@ from typing_extensions import Annotated
 
 from ..console import console, info
 from .common import print_config, resolved_config
-from .options import ConfigOpt, PrintConfigOpt, RecipeOpt, SetOpt
+from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
 
 
 def merge_tags(
@@ -38,16 +38,16 @@ def precompute(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="shortcut for --set data.dir=...")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="shortcut for --set model.path=...")] = None,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints")] = False,
+    data_dir: DataDirOpt = None,
+    model: ModelOpt = None,
+    allow_pickle: AllowPickleOpt = False,
     strict: Annotated[bool, typer.Option("--strict", help="fail if any image cannot be used")] = False,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Cache aspect buckets, VAE latents and text embeddings once, keyed by content."""
     from ..precompute.run import precompute as run
 
-    res = resolved_config(recipe, config, set_, _shortcuts(data_dir, model, allow_pickle))
+    res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))
     if print_config_:
         print_config(res)
         return
@@ -63,14 +63,3 @@ def precompute(
         f"captions: {r.texts_encoded} encoded, {r.texts_reused} reused; "
         f"{len(r.skipped)} skipped -> {r.cache_dir}"
     )
-
-
-def _shortcuts(data_dir, model, allow_pickle) -> dict:
-    extra: dict = {}
-    if data_dir is not None:
-        extra.setdefault("data", {})["dir"] = str(data_dir)
-    if model is not None:
-        extra.setdefault("model", {})["path"] = str(model)
-    if allow_pickle:
-        extra.setdefault("model", {})["allow_pickle"] = True
-    return extra

@@ -12,3 +12,18 @@ RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="a reci
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="your YAML config, applied over the recipe")]
 SetOpt = Annotated[Optional[List[str]], typer.Option("--set", "-s", help="override one value: section.key=value (repeatable)")]
 PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="print the resolved config with the source of each value, then exit")]
+DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", help="shortcut for --set data.dir=...")]
+ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="shortcut for --set model.path=...")]
+AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints (read with weights_only=True)")]
+
+
+def shortcuts(data_dir: Path | None, model: Path | None, allow_pickle: bool) -> dict:
+    """The config layer the shortcut options add (applied under --set)."""
+    extra: dict = {}
+    if data_dir is not None:
+        extra.setdefault("data", {})["dir"] = str(data_dir)
+    if model is not None:
+        extra.setdefault("model", {})["path"] = str(model)
+    if allow_pickle:
+        extra.setdefault("model", {})["allow_pickle"] = True
+    return extra

@@ -10,25 +10,24 @@ from typing_extensions import Annotated
 
 from ..console import info
 from .common import print_config, resolved_config
-from .data_cmds import _shortcuts
-from .options import ConfigOpt, PrintConfigOpt, RecipeOpt, SetOpt
+from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
 
 
 def train(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    data_dir: Annotated[Optional[Path], typer.Option("--data-dir", help="shortcut for --set data.dir=...")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="shortcut for --set model.path=...")] = None,
+    data_dir: DataDirOpt = None,
+    model: ModelOpt = None,
     output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")] = None,
-    allow_pickle: Annotated[bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints")] = False,
+    allow_pickle: AllowPickleOpt = False,
     resume: Annotated[Optional[str], typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Train a LoRA from the precompute cache: a recipe plus your overrides."""
     from ..trainers.loop import train as run
 
-    extra = _shortcuts(data_dir, model, allow_pickle)
+    extra = shortcuts(data_dir, model, allow_pickle)
     if output_dir is not None:
         extra.setdefault("train", {})["output_dir"] = str(output_dir)
     res = resolved_config(recipe, config, set_, extra)

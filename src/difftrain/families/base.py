@@ -27,8 +27,8 @@ class ModelFamily(Protocol):
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
         """Load the named parts (and what they need: tokenizers, scheduler)."""
 
-    def fingerprint(self, mcfg: ModelConfig, part: str) -> list[tuple[str, str]]:
-        """Identify a part's weights for cache keys: [(what, sha256)], cheap to recompute (memoised by file stat)."""
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        """A content hash of one part's weights for cache keys; ``memo`` (file stat -> hash) makes reruns cheap."""
 
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], [B, 3, H, W] -> scaled latents [B, C, h, w]."""

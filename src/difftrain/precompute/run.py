@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config.schema import Config
-from ..console import info, progress, warn
+from ..console import progress, warn
 from ..data.buckets import choose_bucket, fit_to_bucket, make_buckets
 from ..data.cache import DataCache, cache_dir_for
 from ..data.sources import load_rgb, scan_dataset
