@@ -95,3 +95,62 @@ def sha256_text(*parts: str) -> str:
         h.update(p.encode("utf-8"))
         h.update(b"\x00")
     return h.hexdigest()
+
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def stream_save_safetensors(path: Path, tensors, metadata: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write a .safetensors file one tensor at a time, atomically.
+
+    ``safetensors.torch.save_file`` serialises the whole dict in host memory
+    first: for a 2.6B-parameter UNet on the GPU that is a second full copy in
+    RAM. Here the header is computed from shapes and dtypes, then each tensor is
+    moved to the host, cast (floating tensors to ``dtype`` if given) and
+    written on its own, so host RAM holds one tensor at a time. The layout is
+    the safetensors format: 8-byte little-endian header size, JSON header
+    (padded to 8 bytes), then the raw little-endian data.
+    """
+    import struct
+
+    path = Path(path)
+    names = sorted(tensors)
+
+    def out_dtype(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    header: dict = {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        dt = out_dtype(t)
+        nbytes = t.numel() * torch.empty((), dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name in names:
+                t = tensors[name].detach().to("cpu", out_dtype(tensors[name])).contiguous()
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

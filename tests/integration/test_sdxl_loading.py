@@ -14,6 +14,10 @@ def _state(comps):
     return {part: {k: v for k, v in comps[part].state_dict().items() if not k.endswith("position_ids")} for part in PARTS}
 
 
+def _save(comps, path):
+    return SDXL().save_single_file({p: comps[p].state_dict() for p in PARTS}, SDXL.module_configs(comps), path)
+
+
 def _assert_same(a, b):
     for part in PARTS:
         assert a[part].keys() == b[part].keys(), part
@@ -28,7 +32,7 @@ def folder_comps(tiny_model):
 
 def test_single_file_round_trip(tiny_model, folder_comps, tmp_path):
     fam = SDXL()
-    file = fam.save_single_file(folder_comps, tmp_path / "tiny_sdxl.safetensors")
+    file = _save(folder_comps, tmp_path / "tiny_sdxl.safetensors")
     from safetensors import safe_open
 
     with safe_open(str(file), "pt") as f:
@@ -48,7 +52,7 @@ def test_single_file_round_trip(tiny_model, folder_comps, tmp_path):
 
 
 def test_single_file_with_wrong_bundled_config_is_refused(folder_comps, tmp_path, tiny_model):
-    file = SDXL().save_single_file(folder_comps, tmp_path / "tiny.safetensors")
+    file = _save(folder_comps, tmp_path / "tiny.safetensors")
     with pytest.raises(ModelLoadError) as e:
         SDXL().load(ModelConfig(path=file, config="sdxl-base-1.0", tokenizer_path=tiny_model), ["unet"])
     assert "model.config" in e.value.hint and "sdxl-tiny" in e.value.hint
@@ -58,7 +62,7 @@ def test_single_file_with_wrong_bundled_config_is_refused(folder_comps, tmp_path
 def test_pickle_refused_by_default_then_loaded_weights_only(folder_comps, tmp_path, tiny_model):
     from safetensors.torch import load_file
 
-    file = SDXL().save_single_file(folder_comps, tmp_path / "tiny.safetensors")
+    file = _save(folder_comps, tmp_path / "tiny.safetensors")
     ckpt = tmp_path / "tiny.ckpt"
     torch.save({"state_dict": load_file(file)}, ckpt)
     with pytest.raises(UnsafeCheckpoint) as e:

@@ -91,12 +91,12 @@ def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
     for e in err.errors():
         # drop the tagged-union discriminator from the path: memory.weights.bf16.x -> memory.weights.x
         loc = [str(p) for p in e["loc"] if not (isinstance(p, str) and p in _KINDS)]
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; `difftrain train --print-config` lists the valid keys)"
         elif e["type"] == "union_tag_invalid":
             msg = e["msg"].replace("Input tag", "kind")
-        problems.append((".".join(loc) or "(top level)", msg))
+        problems.append((".".join(loc) or "(combination)", msg))
     return problems
 
 

@@ -98,6 +98,18 @@ class OptAdamW(Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
+    bf16_stochastic_rounding: bool = Field(
+        True, description="when trained weights are bf16, round updates stochastically (else small updates vanish)"
+    )
+
+
+class OptAdamW8bit(Strict):
+    """bitsandbytes' 8-bit AdamW (CUDA): optimizer state in 8 bits, a quarter of AdamW's."""
+
+    kind: Literal["adamw8bit"] = "adamw8bit"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
 
 
 class ActNone(Strict):
@@ -117,7 +129,7 @@ class EngineSingle(Strict):
 
 
 Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32], Field(discriminator="kind")]
-Optimizer = Annotated[Union[OptAdamW], Field(discriminator="kind")]
+Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
 Offload = Annotated[Union[OffloadNone], Field(discriminator="kind")]
 Engine = Annotated[Union[EngineSingle], Field(discriminator="kind")]
@@ -131,9 +143,39 @@ class MemoryConfig(Strict):
     engine: Engine = Field(default_factory=EngineSingle)
 
 
+# ----------------------------------------------------------------- full fine-tuning
+class FullConfig(Strict):
+    """What a full fine-tune trains (sd-scripts' sdxl_train.py names where they exist)."""
+
+    train_unet: bool = True
+    train_text_encoder_1: bool = False
+    train_text_encoder_2: bool = False
+    learning_rate_te1: Optional[float] = Field(None, gt=0, description="default: train.learning_rate")
+    learning_rate_te2: Optional[float] = Field(None, gt=0, description="default: train.learning_rate")
+
+
+class EMAConfig(Strict):
+    """An exponential moving average of the trained weights: ema = decay * ema + (1 - decay) * w."""
+
+    enabled: bool = False
+    decay: float = Field(0.9999, gt=0, lt=1)
+    update_every: int = Field(1, ge=1, description="update every N optimizer steps (decay applied once per update)")
+    device: Literal["same", "cpu"] = Field("same", description="cpu keeps the EMA copy in host RAM")
+    export: bool = Field(True, description="export the EMA weights instead of the raw ones")
+
+
+class SaveConfig(Strict):
+    """Exported models of a full fine-tune (the training state is train.checkpoint_every)."""
+
+    every_n_steps: Optional[int] = Field(None, ge=1)
+    every_n_epochs: Optional[int] = Field(None, ge=1)
+    formats: list[Literal["single_file", "diffusers"]] = Field(default_factory=lambda: ["single_file"])
+    precision: Literal["fp16", "bf16", "fp32"] = "fp16"
+
+
 # ----------------------------------------------------------------- training
 class TrainConfig(Strict):
-    method: Literal["lora"] = "lora"
+    method: Literal["lora", "full"] = "lora"
     output_dir: Path = Path("runs/difftrain")
     seed: int = 42
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
@@ -165,6 +207,9 @@ class Config(Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    full: FullConfig = Field(default_factory=FullConfig)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
+    save: SaveConfig = Field(default_factory=SaveConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
@@ -180,4 +225,15 @@ class Config(Strict):
                 "train.mixed_precision fp16 with memory.weights bf16 mixes two half types: "
                 "set memory.weights.kind: fp16 or mixed_precision: bf16"
             )
+        if self.train.method == "full":
+            f = self.full
+            if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):
+                raise ValueError("train.method is full but full.train_unet and both full.train_text_encoder_* are false: nothing to train")
+            if self.memory.weights.kind == "fp16":
+                raise ValueError(
+                    "train.method full with memory.weights fp16: fp16 weights cannot take small updates and overflow; "
+                    "use memory.weights bf16 (stochastic rounding) or fp32 with mixed_precision fp16"
+                )
+        elif self.train.train_text_encoders is False and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2):
+            raise ValueError("full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true")
         return self

@@ -16,7 +16,7 @@ import torch
 
 from ..config.schema import ModelConfig
 from ..errors import ModelLoadError, UnsafeCheckpoint
-from ..utils import sha256_file
+from ..utils import atomic_dir, sha256_file, stream_save_safetensors
 from . import sdxl_single_file as single_file
 from .tokenizers import clip_vocab_from_open_clip, tiny_clip_vocab
 
@@ -135,16 +135,16 @@ class SDXL:
         parts = list(parts)
         comps: dict[str, Any] = {}
         if kind == "diffusers":
-            comps.update(self._load_diffusers(p, parts, dtype))
+            comps.update(self._load_diffusers(p, parts, dtype, device))
         else:
-            comps.update(self._load_single(kind, p, mcfg, parts, dtype))
+            comps.update(self._load_single(kind, p, mcfg, parts, dtype, device))
         for part in parts:
             comps[part].requires_grad_(False).eval().to(device)
         if any(part.startswith("text_encoder") for part in parts):
             comps.update(self._tokenizers(kind, p, mcfg))
         return comps
 
-    def _load_diffusers(self, p: Path, parts: list[str], dtype) -> dict[str, Any]:
+    def _load_diffusers(self, p: Path, parts: list[str], dtype, device) -> dict[str, Any]:
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -159,12 +159,14 @@ class SDXL:
             if not (p / part).is_dir():
                 raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint="Is it an SDXL model folder?")
             try:
-                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtype, local_files_only=True)
+                # device_map: weights go to the GPU as they are read (no full host copy first)
+                extra = {"device_map": {"": str(device)}} if torch.device(device).type == "cuda" else {}
+                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtype, local_files_only=True, **extra)
             except OSError as e:
                 raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
         return out
 
-    def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype) -> dict[str, Any]:
+    def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype, device) -> dict[str, Any]:
         from accelerate import init_empty_weights
 
         configs = {part: _read_json(bundled_config_dir(mcfg.config) / part / "config.json") for part in PARTS}
@@ -186,7 +188,9 @@ class SDXL:
                 hint="Is it an SD 1.x/2.x or SD3 file? Pick the matching family, or give a diffusers folder.",
             )
         try:
-            sds = single_file.original_to_diffusers(lambda k: get(k).to(dtype), keys, configs, components=parts)
+            # each tensor goes from the memory-mapped file to the device on its own, so host
+            # RAM never holds more than one tensor beyond the OS page cache of the file
+            sds = single_file.original_to_diffusers(lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts)
         except ModelLoadError as e:
             known = ", ".join(sorted(p.name for p in bundled_config_dir(mcfg.config).parent.iterdir() if p.name.startswith("sdxl")))
             raise ModelLoadError(
@@ -205,27 +209,51 @@ class SDXL:
                     f"missing {missing[:3]}, unexpected {unexpected[:3]}.",
                     hint="Set model.config to the architecture of this checkpoint.",
                 )
-            out[part] = module.to(dtype)
+            out[part] = module
         return out
 
-    def save_single_file(self, comps: dict[str, Any], path: Path, dtype: torch.dtype | None = None) -> Path:
-        """Write UNet, VAE and both text encoders as one .safetensors in the distributed SDXL layout, atomically."""
-        import os
+    @staticmethod
+    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
+        return {part: _module_config(comps[part]) for part in PARTS if part in comps}
 
-        from safetensors.torch import save_file
+    def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
+        """Write UNet, VAE and both text encoders as one .safetensors in the distributed SDXL layout.
 
-        configs = {part: _module_config(comps[part]) for part in PARTS}
-        sds = {part: comps[part].state_dict() for part in PARTS}
+        ``sds`` holds a state dict per part (tensors may be on the GPU); they are
+        written one tensor at a time, atomically, so host RAM stays bounded.
+        """
         original = single_file.diffusers_to_original(sds, configs)
-        if dtype is not None:
-            original = {k: v.to(dtype) for k, v in original.items()}
-        original = {k: v.contiguous() for k, v in original.items()}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(original, str(tmp), metadata={"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"})
-        os.replace(tmp, path)
-        return path
+        meta = {"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"}
+        return stream_save_safetensors(path, original, metadata=meta, dtype=dtype)
+
+    def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
+                       dtype: torch.dtype | None = None) -> Path:
+        """Write a diffusers folder (model_index, configs, weights, tokenizers, scheduler), atomically."""
+        import shutil
+
+        folder = Path(folder)
+        src_kind, src = self._source(mcfg)
+        base = src if src_kind == "diffusers" else bundled_config_dir(mcfg.config)
+        with atomic_dir(folder) as tmp:
+            for part in PARTS:
+                (tmp / part).mkdir()
+                cfg = dict(configs[part])
+                if part.startswith("text_encoder"):
+                    cfg.setdefault("architectures", ["CLIPTextModel" if part == "text_encoder" else "CLIPTextModelWithProjection"])
+                    cfg.setdefault("model_type", "clip_text_model")
+                    name = "model.safetensors"
+                else:
+                    cfg.setdefault("_class_name", "UNet2DConditionModel" if part == "unet" else "AutoencoderKL")
+                    name = "diffusion_pytorch_model.safetensors"
+                (tmp / part / "config.json").write_text(json.dumps(cfg, indent=2, default=str), encoding="utf-8")
+                sd = {k: v for k, v in sds[part].items() if not k.endswith("position_ids")}
+                stream_save_safetensors(tmp / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
+            shutil.copytree(base / "scheduler", tmp / "scheduler")
+            toks = self._tokenizers(src_kind, src, mcfg)
+            for name, tok in toks.items():
+                tok.save_pretrained(tmp / name)
+            shutil.copy(bundled_config_dir(mcfg.config) / "model_index.json", tmp / "model_index.json")
+        return folder
 
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config.schema import MemoryConfig
+from .optimizers import make_optimizer  # noqa: F401  (the plan's optimizer step)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -29,8 +30,3 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:  # pragma: no cover - every family's trainable module has one of the two
         raise TypeError(f"{type(module).__name__} has no gradient checkpointing switch")
-
-
-def make_optimizer(mem: MemoryConfig, params, lr: float) -> torch.optim.Optimizer:
-    o = mem.optimizer
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)

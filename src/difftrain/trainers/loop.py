@@ -14,6 +14,7 @@ import random
 import resource
 import os
 import tempfile
+from contextlib import contextmanager
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +25,13 @@ from rich.progress import ProgressColumn, TextColumn
 from rich.text import Text
 
 from ..config.schema import Config
-from ..console import info, progress
+from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..errors import CacheMismatch, CheckpointError, DifftrainError
 from ..families.registry import get_family
 from ..memory.plan import apply_activations, make_optimizer, weights_dtype
+from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device
 from . import checkpoint as ckpt
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
@@ -45,6 +47,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     lora_path: Path | None = None
     checkpoints: list[Path] = field(default_factory=list)
+    saved: list[Path] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -93,30 +96,67 @@ class Trainer:
             )
         return cache, index["items"]
 
+    def _plan_parts(self) -> tuple[list[str], dict[str, float]]:
+        """Which parts to load, and the learning rate of each trained part."""
+        cfg, t, fam = self.cfg, self.cfg.train, self.family
+        te1, te2 = fam.text_encoders
+        if t.method == "lora":
+            lrs = {fam.denoiser: t.learning_rate}
+            if t.train_text_encoders:
+                lrs.update({te1: t.learning_rate, te2: t.learning_rate})
+        else:
+            f = cfg.full
+            lrs = {}
+            if f.train_unet:
+                lrs[fam.denoiser] = t.learning_rate
+            if f.train_text_encoder_1:
+                lrs[te1] = f.learning_rate_te1 or t.learning_rate
+            if f.train_text_encoder_2:
+                lrs[te2] = f.learning_rate_te2 or t.learning_rate
+        encode_on_the_fly = te1 in lrs or te2 in lrs
+        parts = [fam.denoiser] + ([te1, te2] if encode_on_the_fly else [])
+        return parts, lrs
+
     def _setup(self):
         cfg, t = self.cfg, self.cfg.train
         # seed before anything random happens (the LoRA init draws from the global RNG)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.cache, self.items = self._load_index()
-        wdtype = weights_dtype(cfg.memory)
-        parts = [self.family.denoiser] + (list(self.family.text_encoders) if t.train_text_encoders else [])
-        self.comps = self.family.load(cfg.model, parts, dtype=wdtype, device=self.device)
+        parts, lrs = self._plan_parts()
+        self.encode_captions = len(parts) > 1
+        if self.encode_captions:
+            info("text encoders are trained: captions are encoded on the fly each step; the cached text embeddings are not used")
+        self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory), device=self.device)
         self.trained: dict[str, torch.nn.Module] = {}
-        params = []
-        targets = {self.family.denoiser: cfg.lora.targets}
+        groups = []
         for part in parts:
             module = self.comps[part]
-            tg = targets.get(part, self.family.text_encoder_lora_targets)
-            try:
-                params += add_lora(module, cfg.lora, tg)
-            except ValueError as e:
-                raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
-            apply_activations(cfg.memory, module)
-            module.train()
-            self.trained[part] = module
-        self.params = params
-        self.optimizer = make_optimizer(cfg.memory, params, t.learning_rate)
+            if part in lrs:
+                if t.method == "lora":
+                    targets = cfg.lora.targets if part == self.family.denoiser else self.family.text_encoder_lora_targets
+                    try:
+                        params = add_lora(module, cfg.lora, targets)
+                    except ValueError as e:
+                        raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
+                else:
+                    module.requires_grad_(True)
+                    params = list(module.parameters())
+                module.train()
+                self.trained[part] = module
+                groups.append({"params": params, "lr": lrs[part]})
+            # checkpointing pays on every module that backward runs through
+            if part in lrs or part == self.family.denoiser:
+                apply_activations(cfg.memory, module)
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
+        if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
+            warn("adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
+                 "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
+        self.ema = None
+        if cfg.ema.enabled:
+            named = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad}
+            self.ema = EMA(named, cfg.ema.decay, cfg.ema.update_every, cfg.ema.device)
         self.sampler = BucketBatchSampler([tuple(it["bucket"]) for it in self.items], t.batch_size, t.seed)
         per_epoch = math.ceil(len(self.sampler) / t.grad_accum)
         self.total_steps = t.max_steps or per_epoch * t.epochs
@@ -142,7 +182,7 @@ class Trainer:
             lat.append(le["latents"])
             w, h = it["bucket"]
             time_ids.append(self.family.time_ids(it["original_size"], le["crop"].tolist(), (h, w)))
-            if not self.cfg.train.train_text_encoders:
+            if not self.encode_captions:
                 te = self.cache.get(it["text"])
                 emb.append(te["prompt_embeds"])
                 pooled.append(te["pooled_prompt_embeds"])
@@ -218,6 +258,8 @@ class Trainer:
                     if micro < t.grad_accum:
                         continue
                     self._optimizer_step()
+                    if self.ema is not None:
+                        self.ema.update(self.step)
                     result.losses.append(accum)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": self.lr_scheduler.get_last_lr()[0]}
@@ -227,13 +269,25 @@ class Trainer:
                     accum, micro = 0.0, 0
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                         result.checkpoints.append(self.save_checkpoint())
+                    every = self.cfg.save.every_n_steps
+                    if t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps:
+                        result.saved += self.export_model(f"step-{self.step:08d}")
                 if self.batch_pos >= len(batches):
                     self.epoch += 1
                     self.batch_pos = 0
+                    every = self.cfg.save.every_n_epochs
+                    if t.method == "full" and every and self.epoch % every == 0 and self.step < self.total_steps:
+                        result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         metrics.close()
-        if not t.checkpoint_every or self.step % t.checkpoint_every:
+        # a final training state: always for LoRA (small); for a full fine-tune (weights plus
+        # optimizer state, several times the model) only when checkpoints were asked for
+        wants_final = t.method == "lora" or t.checkpoint_every
+        if wants_final and (not t.checkpoint_every or self.step % t.checkpoint_every):
             result.checkpoints.append(self.save_checkpoint())
-        result.lora_path = self.export(self.out / LORA_FILE)
+        if t.method == "lora":
+            result.lora_path = self.export(self.out / LORA_FILE)
+        else:
+            result.saved += self.export_model(None)
         result.seconds = time.time() - t0
         return result
 
@@ -252,15 +306,68 @@ class Trainer:
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
         return {part: export_layers(m) for part, m in self.trained.items()}
 
-    def _save_lora(self, folder: Path) -> None:
+    def _save_lora(self, folder: Path, use_ema: bool = False) -> None:
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
-        self.family.save_lora(folder, self._layers(), meta)
+        if use_ema:
+            with self._ema_swapped():
+                layers = {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
+        else:
+            layers = self._layers()
+        self.family.save_lora(folder, layers, meta)
+
+    @contextmanager
+    def _ema_swapped(self):
+        """Temporarily put the EMA weights into the (small, LoRA) trainable parameters."""
+        backup = {n: p.detach().clone() for n, p in self.ema.params.items()}
+        with torch.no_grad():
+            for n, p in self.ema.params.items():
+                p.copy_(self.ema.shadow[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.ema.params.items():
+                    p.copy_(backup[n])
+
+    def _use_ema_for_export(self) -> bool:
+        return self.ema is not None and self.cfg.ema.export
+
+    def export_model(self, tag: str | None) -> list[Path]:
+        """Write the fine-tuned model in save.formats at save.precision (EMA weights if asked).
+
+        Parts that training did not load (the VAE, frozen text encoders) are read
+        from the base model for the export and freed after it.
+        """
+        from ..utils import DTYPES
+
+        sv, fam = self.cfg.save, self.family
+        dest = self.out if tag is None else self.out / "saved" / tag
+        dtype = DTYPES[sv.precision]
+        parts = ("unet", "vae", "text_encoder", "text_encoder_2")
+        missing = [p for p in parts if p not in self.comps]
+        extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
+        modules = {p: self.comps.get(p, extra.get(p)) for p in parts}
+        sds = {}
+        for part, m in modules.items():
+            sd = m.state_dict()
+            if part in self.trained and self._use_ema_for_export():
+                sd.update({n[len(part) + 1 :]: t for n, t in self.ema.shadow.items() if n.startswith(part + ".")})
+            sds[part] = sd
+        configs = fam.module_configs(modules)
+        out = []
+        if "single_file" in sv.formats:
+            out.append(fam.save_single_file(sds, configs, dest / "model.safetensors", dtype=dtype))
+        if "diffusers" in sv.formats:
+            out.append(fam.save_diffusers(sds, configs, dest / "diffusers", self.cfg.model, dtype=dtype))
+        del extra, sds
+        info(f"saved {', '.join(str(p) for p in out)}")
+        return out
 
     def export(self, path: Path) -> Path:
         """Write the LoRA as pytorch_lora_weights.safetensors (diffusers layout), atomically."""
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
-            self._save_lora(Path(tmp))
+            self._save_lora(Path(tmp), use_ema=self._use_ema_for_export())
             os.replace(Path(tmp) / LORA_FILE, path)  # same folder, so the rename is atomic
         return path
 
@@ -280,6 +387,8 @@ class Trainer:
             if torch.cuda.is_available():
                 rng["cuda"] = torch.cuda.get_rng_state_all()
             save_tree(rng, tmp, "rng")
+            if self.ema is not None:
+                save_tree(self.ema.state_dict(), tmp, "ema")
             state = {
                 "step": self.step,
                 "epoch": self.epoch,
@@ -291,7 +400,8 @@ class Trainer:
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
             if self.config_yaml is not None:
                 (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
-            self._save_lora(tmp)
+            if self.cfg.train.method == "lora":
+                self._save_lora(tmp, use_ema=self._use_ema_for_export())
         ckpt.prune(self.out, self.cfg.train.keep_checkpoints)
         return final
 
@@ -311,7 +421,9 @@ class Trainer:
                 for n, p in m.named_parameters():
                     if n in sub:
                         p.copy_(sub[n])
-        self.optimizer.load_state_dict(load_tree(folder, "optimizer"))
+        self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
+        if self.ema is not None:
+            self.ema.load_state_dict(load_tree(folder, "ema"))
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         rng = load_tree(folder, "rng")

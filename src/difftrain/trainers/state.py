@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..errors import CheckpointError
+from ..utils import stream_save_safetensors
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().cpu().contiguous()
+        tensors[path] = obj.detach()  # stays on its device: written one at a time
         return {"__tensor__": path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
@@ -56,14 +57,14 @@ def save_tree(obj: Any, folder: Path, name: str) -> None:
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(obj, name, tensors)
     (Path(folder) / f"{name}.json").write_text(json.dumps(tree), encoding="utf-8")
-    save_file(tensors, str(Path(folder) / f"{name}.safetensors"))
+    stream_save_safetensors(Path(folder) / f"{name}.safetensors", tensors)
 
 
-def load_tree(folder: Path, name: str) -> Any:
+def load_tree(folder: Path, name: str, device: str | torch.device = "cpu") -> Any:
     folder = Path(folder)
     try:
         tree = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
-        tensors = load_file(str(folder / f"{name}.safetensors"))
+        tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"The checkpoint {folder} is incomplete or damaged ({name}: {e}).",
                               hint="Resume from an earlier checkpoint (--resume PATH).") from None

@@ -1,0 +1,103 @@
+"""Optimizers: AdamW (torch), AdamW for bf16 weights with stochastic rounding (ours), 8-bit AdamW (bitsandbytes).
+
+Why our own bf16 AdamW: a pure-bf16 full fine-tune (weights, grads and the
+update all bf16) loses every update smaller than bf16's resolution (~0.4 % of
+the weight), which at lr 1e-5 is most of them. Rounding stochastically keeps
+the update right on average. torchao has such an optimizer, but it compiles
+per parameter shape with torch.compile (~15 s a shape on a CPU) and draws its
+rounding noise from an RNG that a checkpoint does not capture; this one is
+plain PyTorch, and its noise is seeded from (seed, step, parameter), so a
+resumed run rounds exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config.schema import MemoryConfig
+from ..errors import BackendUnavailable
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16 up or down with probability given by the distance (unbiased)."""
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    # adding uniform noise to the 16 bits bf16 drops, then truncating, rounds the magnitude up
+    # with probability (dropped bits / 2^16); the sign bit is untouched
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW whose moments and update are fp32 while the weights stay bf16 (stochastically rounded)."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, seed: int = 0,
+                 stochastic_rounding: bool = True):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.seed = seed
+        self.stochastic_rounding = stochastic_rounding
+
+    def load_state_dict(self, state_dict):
+        # torch casts floating optimizer state to the parameter's dtype (bf16 here),
+        # which would round the fp32 moments and break exact resume: restore them
+        moments = {int(i): {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")} for i, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, ms in moments.items():
+            for k, v in ms.items():
+                self.state[params[i]][k] = v.to(device=params[i].device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for gi, group in enumerate(self.param_groups):
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                st["step"] += 1
+                step = int(st["step"].item())
+                g = p.grad.float()
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (v.sqrt() / math.sqrt(1 - b2**step)).add_(eps)
+                w = p.float().mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1**step))
+                if p.dtype == torch.bfloat16 and self.stochastic_rounding:
+                    gen = torch.Generator(device=p.device).manual_seed(
+                        (self.seed * 1_000_003 + step * 10_007 + gi * 1_009 + pi) % (2**63)
+                    )
+                    p.copy_(stochastic_round_bf16(w, gen))
+                else:
+                    p.copy_(w)
+        return loss
+
+
+def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0) -> torch.optim.Optimizer:
+    """Build the configured optimizer over parameter groups ([{"params": [...], "lr": ...}])."""
+    o = mem.optimizer
+    params = [p for g in groups for p in g["params"]]
+    if o.kind == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise BackendUnavailable(
+                "memory.optimizer adamw8bit needs bitsandbytes, which is not installed.",
+                hint="pip install 'difftrain[bnb]', or set memory.optimizer.kind: adamw",
+            ) from None
+        if not all(p.is_cuda for p in params):
+            raise BackendUnavailable(
+                "memory.optimizer adamw8bit runs on a CUDA GPU only.", hint="Use memory.optimizer.kind: adamw on this device."
+            )
+        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if any(p.dtype == torch.bfloat16 for p in params):
+        return AdamWBF16(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, seed=seed,
+                         stochastic_rounding=o.bf16_stochastic_rounding)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)

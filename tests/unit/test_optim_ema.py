@@ -1,0 +1,105 @@
+"""Our bf16 AdamW with stochastic rounding, the EMA, and the streaming safetensors writer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftrain.config.schema import MemoryConfig
+from difftrain.errors import BackendUnavailable
+from difftrain.memory.optimizers import AdamWBF16, make_optimizer, stochastic_round_bf16
+from difftrain.trainers.ema import EMA
+from difftrain.utils import stream_save_safetensors
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
+    g = torch.Generator().manual_seed(0)
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1.0 to the next bf16 (1 + 2^-7 ... step 2^-7)
+    r = stochastic_round_bf16(x, g).float()
+    lo, hi = 1.0, 1.0 + 2**-7
+    assert set(r.unique().tolist()) == {lo, hi}
+    assert r.mean().item() == pytest.approx(x[0].item(), abs=2e-5)
+    neg = stochastic_round_bf16(-x, g).float()
+    assert neg.mean().item() == pytest.approx(-x[0].item(), abs=2e-5)
+
+
+def test_small_updates_survive_in_bf16_only_with_stochastic_rounding():
+    """lr-sized steps below bf16's resolution: round-to-nearest loses them all."""
+    w_sr = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    w_rn = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opts = [AdamWBF16([w], lr=1e-3, weight_decay=0, stochastic_rounding=sr) for w, sr in ((w_sr, True), (w_rn, False))]
+    for _ in range(100):
+        for w, o in zip((w_sr, w_rn), opts):
+            w.grad = -torch.ones_like(w)  # Adam step ~ lr = 1e-3 < bf16 spacing at 1.0 (2^-7 ~ 7.8e-3)
+            o.step()
+    assert w_rn.float().mean().item() == 1.0
+    assert w_sr.float().mean().item() == pytest.approx(1.1, abs=0.01)
+
+
+def test_adamw_bf16_matches_torch_adamw_on_fp32_weights():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, 32))
+    b = torch.nn.Parameter(a.detach().clone())
+    oa = AdamWBF16([a], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ob = torch.optim.AdamW([b], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for i in range(20):
+        grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(i))
+        a.grad, b.grad = grad.clone(), grad.clone()
+        oa.step()
+        ob.step()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_choice():
+    fp32 = [torch.nn.Parameter(torch.zeros(2))]
+    bf16 = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    assert type(make_optimizer(MemoryConfig(), [{"params": fp32}], 1e-3)) is torch.optim.AdamW
+    assert type(make_optimizer(MemoryConfig(), [{"params": bf16}], 1e-3)) is AdamWBF16
+    mem = MemoryConfig.model_validate({"optimizer": {"kind": "adamw8bit"}})
+    with pytest.raises(BackendUnavailable):
+        make_optimizer(mem, [{"params": fp32}], 1e-3)  # no bitsandbytes here, or no CUDA
+
+
+def test_ema_by_hand():
+    p = torch.nn.Parameter(torch.tensor([2.0, -4.0]))
+    ema = EMA({"w": p}, decay=0.9, update_every=2, device="cpu")
+    values = [torch.tensor([4.0, 0.0]), torch.tensor([10.0, 10.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+    updated = []
+    for step, v in enumerate(values, start=1):
+        with torch.no_grad():
+            p.copy_(v)
+        updated.append(ema.update(step))
+    assert updated == [False, True, False, True]
+    # only steps 2 and 4 count: e = 0.9 * (0.9 * [2, -4] + 0.1 * [10, 10]) + 0.1 * [1, 1]
+    expected = 0.9 * (0.9 * torch.tensor([2.0, -4.0]) + 0.1 * torch.tensor([10.0, 10.0])) + 0.1 * torch.tensor([1.0, 1.0])
+    torch.testing.assert_close(ema.shadow["w"], expected)
+    assert ema.shadow["w"].device.type == "cpu" and ema.shadow["w"].dtype == torch.float32
+
+
+def test_stream_writer_round_trip_and_keeps_old_file_on_failure(tmp_path):
+    d = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 2).bfloat16(), "s": torch.tensor(1.5)}
+    f = stream_save_safetensors(tmp_path / "x.safetensors", d, metadata={"k": "v"})
+    back = load_file(f)
+    assert all(torch.equal(back[k], d[k]) for k in d)
+    half = load_file(stream_save_safetensors(tmp_path / "h.safetensors", d, dtype=torch.float16))
+    assert half["a"].dtype == torch.float16 and half["b"].dtype == torch.int64
+
+    class Boom(torch.Tensor):
+        pass
+
+    bad = dict(d)
+    bad["z"] = torch.randn(2).as_subclass(Boom)
+    bad_to = Boom.to
+
+    def explode(*a, **k):
+        raise OSError("disk full")
+
+    Boom.to = explode
+    try:
+        with pytest.raises(OSError):
+            stream_save_safetensors(f, bad)
+    finally:
+        Boom.to = bad_to
+    assert all(torch.equal(load_file(f)[k], d[k]) for k in d)  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
