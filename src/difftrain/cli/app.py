@@ -28,13 +28,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import data_cmds, quickstart_cmd, recipes_cmd, train_cmd
+    from . import convert_cmd, data_cmds, quickstart_cmd, recipes_cmd, train_cmd
 
     app.command("quickstart")(quickstart_cmd.quickstart)
     app.command("merge-tags")(data_cmds.merge_tags)
     app.command("precompute")(data_cmds.precompute)
     app.command("train")(train_cmd.train)
     app.command("export")(train_cmd.export)
+    app.command("convert-args")(convert_cmd.convert_args)
     app.add_typer(recipes_cmd.app, name="recipes")
 
 

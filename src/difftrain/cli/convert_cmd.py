@@ -1,0 +1,33 @@
+"""difftrain convert-args -- <sd-scripts command line | config.toml>"""
+
+from __future__ import annotations
+
+from typing import List
+
+import typer
+import yaml
+from rich.table import Table
+from typing_extensions import Annotated
+
+from ..config.load import resolve
+from ..config.sdscripts import convert
+from ..console import console, info
+
+
+def convert_args(
+    tokens: Annotated[List[str], typer.Argument(help="the sd-scripts command line (after --), or a TOML config path")],
+) -> None:
+    """Print the difftrain config equivalent to an sd-scripts command line, and what could not be mapped."""
+    c = convert(tokens)
+    res = resolve(extra=c.config)  # validates: a conversion that does not validate is an error
+    typer.echo(f"# difftrain config converted from {c.script or 'sd-scripts options'}")
+    typer.echo("# run: difftrain precompute --config THIS.yaml && difftrain train --config THIS.yaml")
+    typer.echo(yaml.safe_dump(c.config, sort_keys=False), nl=False)
+    if c.unmapped:
+        table = Table(title=f"{len(c.unmapped)} option(s) not mapped")
+        table.add_column("option", style="cyan")
+        table.add_column("why")
+        for opt, why in c.unmapped:
+            table.add_row(opt, why)
+        console.print(table)
+    info(f"the config validates ({res.config.train.method}, {res.config.memory.optimizer.kind})")

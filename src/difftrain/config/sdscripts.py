@@ -1,0 +1,267 @@
+"""sd-scripts command lines and TOML configs -> a difftrain config.
+
+``convert(tokens)`` reads what `accelerate launch sdxl_train.py --flag=value ...`
+(or `sdxl_train_network.py`, or a `--config_file` TOML) asks for and returns the
+equivalent difftrain config as nested dicts, plus every option it could not map
+with the reason, so nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+# options that need no setting in difftrain, and why
+IMPLIED = {
+    "xformers": "difftrain uses PyTorch's SDPA attention (flash / memory-efficient kernels): nothing to set",
+    "sdpa": "difftrain uses PyTorch's SDPA attention: nothing to set",
+    "mem_eff_attn": "difftrain uses PyTorch's SDPA attention: nothing to set",
+    "enable_bucket": "difftrain always buckets by aspect ratio",
+    "cache_latents": "difftrain precompute caches latents (run `difftrain precompute` first)",
+    "cache_latents_to_disk": "difftrain precompute caches latents on disk",
+    "cache_text_encoder_outputs_to_disk": "difftrain precompute caches text embeddings on disk",
+    "max_data_loader_n_workers": "difftrain reads cached tensors in-process: no loader workers",
+    "persistent_data_loader_workers": "difftrain reads cached tensors in-process: no loader workers",
+    "save_state": "difftrain checkpoints hold the full training state: set train.checkpoint_every",
+    "highvram": "nothing to set: latents are precomputed once",
+    "lowram": "difftrain loads single files tensor by tensor straight to the GPU",
+}
+
+UNSUPPORTED = {
+    "output_name": "difftrain names its outputs model.safetensors / pytorch_lora_weights.safetensors in train.output_dir",
+    "fp8_base": "fp8 base weights are not available yet; memory.weights stays bf16",
+    "full_fp16": "pure fp16 weights cannot take small updates: use --full_bf16 (bf16 with stochastic rounding)",
+    "keep_tokens": "caption token keeping is not available yet",
+    "shuffle_caption": "caption shuffling is not available yet",
+    "caption_dropout_rate": "caption dropout is not available yet",
+    "reg_data_dir": "prior preservation / regularisation images are not available for SDXL yet",
+    "prior_loss_weight": "prior preservation is not available for SDXL yet",
+    "logging_dir": "difftrain writes metrics.jsonl in train.output_dir",
+    "log_with": "difftrain writes metrics.jsonl in train.output_dir",
+    "dataset_config": "dataset TOMLs are not read: give the image folder as data.dir",
+    "sample_prompts": "validation samples during training are not available yet",
+    "sample_every_n_steps": "validation samples during training are not available yet",
+    "sample_every_n_epochs": "validation samples during training are not available yet",
+    "vae": "a separate VAE file is not supported yet: the checkpoint's VAE is used",
+    "clip_skip": "SDXL uses the penultimate layer already; clip_skip has no meaning for SDXL",
+}
+
+SCHEDULERS = {"constant", "constant_with_warmup", "linear", "cosine"}
+OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit"}
+
+
+@dataclass
+class Conversion:
+    config: dict = field(default_factory=dict)
+    unmapped: list[tuple[str, str]] = field(default_factory=list)
+    script: str | None = None
+
+    def set(self, dotted: str, value: Any) -> None:
+        d = self.config
+        *head, last = dotted.split(".")
+        for k in head:
+            d = d.setdefault(k, {})
+        d[last] = value
+
+
+def parse_tokens(tokens: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """Split a command line into (training script, {option: value}). Flags without a value are True."""
+    if len(tokens) == 1 and " " in tokens[0]:
+        tokens = shlex.split(tokens[0])
+    script = None
+    args: dict[str, Any] = {}
+    i = 0
+    # skip the launcher (accelerate launch [its options] / python) up to the script
+    while i < len(tokens) and not tokens[i].endswith(".py") and not tokens[i].endswith(".toml"):
+        i += 1
+    if i == len(tokens):
+        i = 0
+    elif tokens[i].endswith(".py"):
+        script = Path(tokens[i]).name
+        i += 1
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.endswith(".toml") and not tok.startswith("--"):
+            args.update(read_toml(Path(tok)))
+            i += 1
+            continue
+        if not tok.startswith("--"):
+            raise UsageError(f"Unexpected argument {tok!r} in the sd-scripts command line.", hint="Options look like --name=value or --name value.")
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                value = tokens[i + 1]
+                i += 1
+            else:
+                value = True
+        args[name.replace("-", "_")] = value
+        i += 1
+    if "config_file" in args:
+        args = {**read_toml(Path(args.pop("config_file"))), **args}
+    return script, args
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    if not path.is_file():
+        raise UsageError(f"The TOML file {path} does not exist.")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path} is not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict) -> None:  # sd-scripts' config files group options in arbitrary tables
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            else:
+                flat[k] = v
+
+    walk(data)
+    return flat
+
+
+def _num(v: Any) -> float:
+    return float(v)
+
+
+def convert(tokens: list[str]) -> Conversion:
+    script, args = parse_tokens(tokens)
+    c = Conversion(script=script)
+    lora = script is not None and "network" in script or "network_module" in args or "network_dim" in args
+    if script and not script.startswith("sdxl_"):
+        c.unmapped.append((script, "only SDXL scripts map to difftrain today (sdxl_train.py, sdxl_train_network.py)"))
+    c.set("family", "sdxl")
+    c.set("train.method", "lora" if lora else "full")
+    if not lora:
+        c.set("memory.weights.kind", "fp32")  # sd-scripts keeps fp32 weights under mixed precision
+    mixed = str(args.get("mixed_precision", "no"))
+
+    for name, value in args.items():
+        v = value
+        try:
+            if name == "pretrained_model_name_or_path":
+                c.set("model.path", v)
+            elif name == "in_json":
+                c.set("data.metadata", v)
+            elif name == "train_data_dir":
+                c.set("data.dir", v)
+            elif name == "output_dir":
+                c.set("train.output_dir", v)
+            elif name == "caption_extension":
+                c.set("data.caption_ext", v if str(v).startswith(".") else f".{v}")
+            elif name == "save_model_as":
+                if v in ("safetensors",):
+                    c.set("save.formats", ["single_file"])
+                elif v == "diffusers" or v == "diffusers_safetensors":
+                    c.set("save.formats", ["diffusers"])
+                else:
+                    c.unmapped.append((f"--{name}={v}", "difftrain writes safetensors only (never pickle .ckpt)"))
+            elif name == "use_8bit_adam":
+                c.set("memory.optimizer.kind", "adamw8bit")
+            elif name == "optimizer_type":
+                kind = OPTIMIZERS.get(str(v).lower())
+                if kind:
+                    c.set("memory.optimizer.kind", kind)
+                else:
+                    c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW and AdamW8bit today"))
+            elif name == "train_batch_size":
+                c.set("train.batch_size", int(v))
+            elif name == "learning_rate":
+                c.set("train.learning_rate", _num(v))
+            elif name in ("learning_rate_te1", "learning_rate_te2"):
+                c.set(f"full.{name}", _num(v))
+            elif name == "max_train_epochs":
+                c.set("train.epochs", int(v))
+            elif name == "max_train_steps":
+                c.set("train.max_steps", int(v))
+            elif name == "train_text_encoder":
+                c.set("full.train_text_encoder_1", True)
+                c.set("full.train_text_encoder_2", True)
+            elif name == "gradient_checkpointing":
+                c.set("memory.activations.kind", "checkpoint")
+            elif name == "mixed_precision":
+                if v not in ("no", "fp16", "bf16"):
+                    raise ValueError
+                c.set("train.mixed_precision", v)
+            elif name == "full_bf16":
+                c.set("memory.weights.kind", "bf16")
+                c.set("train.mixed_precision", "bf16")
+            elif name == "save_precision":
+                c.set("save.precision", {"float": "fp32"}.get(v, v))
+            elif name == "save_every_n_epochs":
+                if lora:
+                    c.unmapped.append((f"--{name}={v}", "for LoRA, checkpoints are counted in steps: set train.checkpoint_every"))
+                else:
+                    c.set("save.every_n_epochs", int(v))
+            elif name == "save_every_n_steps":
+                c.set("train.checkpoint_every" if lora else "save.every_n_steps", int(v))
+            elif name == "resolution":
+                w, _, h = str(v).partition(",")
+                side = int(math.isqrt(int(w) * int(h or w)))
+                c.set("data.resolution", side - side % 64 or 64)
+            elif name == "min_bucket_reso":
+                c.set("data.min_side", int(v))
+            elif name == "max_bucket_reso":
+                c.set("data.max_side", int(v))
+            elif name == "bucket_reso_steps":
+                c.set("data.bucket_step", int(v))
+            elif name == "bucket_no_upscale":
+                c.set("data.no_upscale", True)
+            elif name == "seed":
+                c.set("train.seed", int(v))
+            elif name == "gradient_accumulation_steps":
+                c.set("train.grad_accum", int(v))
+            elif name == "lr_scheduler":
+                if v in SCHEDULERS:
+                    c.set("train.lr_scheduler", v)
+                else:
+                    c.unmapped.append((f"--{name}={v}", f"difftrain's schedules are {', '.join(sorted(SCHEDULERS))}"))
+            elif name == "lr_warmup_steps":
+                c.set("train.warmup_steps", int(float(v)))
+            elif name == "max_grad_norm":
+                c.set("train.max_grad_norm", _num(v) or None)
+            elif name == "noise_offset":
+                c.set("train.noise_offset", _num(v))
+            elif name == "min_snr_gamma":
+                c.set("train.min_snr_gamma", _num(v))
+            elif name == "network_dim":
+                c.set("lora.rank", int(v))
+            elif name == "network_alpha":
+                c.set("lora.alpha", _num(v))
+            elif name == "network_dropout":
+                c.set("lora.dropout", _num(v))
+            elif name == "network_module":
+                if v != "networks.lora":
+                    c.unmapped.append((f"--{name}={v}", "difftrain trains plain LoRA (networks.lora) today"))
+            elif name in ("network_train_unet_only", "cache_text_encoder_outputs"):
+                c.set("train.train_text_encoders", False)
+                if name == "cache_text_encoder_outputs":
+                    c.unmapped.append((f"--{name}", IMPLIED["cache_text_encoder_outputs_to_disk"] + " (mapped: text encoders frozen)"))
+            elif name == "no_half_vae":
+                c.set("precompute.vae_dtype", "fp32")
+            elif name == "v_parameterization":
+                c.set("model.prediction_type", "v_prediction")
+            elif name in IMPLIED:
+                c.unmapped.append((f"--{name}", IMPLIED[name] + " (implied)"))
+            elif name in UNSUPPORTED:
+                c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), UNSUPPORTED[name]))
+            else:
+                c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), "no difftrain equivalent known"))
+        except (TypeError, ValueError):
+            c.unmapped.append((f"--{name}={v}", "value not understood"))
+
+    if lora and "network_train_unet_only" not in args and "cache_text_encoder_outputs" not in args:
+        c.set("train.train_text_encoders", True)  # sd-scripts trains the text encoders' LoRA by default
+    if not lora and mixed == "fp16" and "full_bf16" not in args:
+        c.set("memory.weights.kind", "fp32")  # fp32 master weights with fp16 autocast and a grad scaler
+    return c
