@@ -49,6 +49,7 @@ class TrainResult:
     checkpoints: list[Path] = field(default_factory=list)
     saved: list[Path] = field(default_factory=list)
     seconds: float = 0.0
+    stats: dict = field(default_factory=dict)
 
 
 class RateColumn(ProgressColumn):
@@ -64,6 +65,11 @@ class RateColumn(ProgressColumn):
 def _snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     a = alphas_cumprod.to(t.device)[t].float()
     return a / (1 - a)
+
+
+def _rss_peak_gib() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _peak_memory(device: torch.device) -> str:
@@ -228,6 +234,10 @@ class Trainer:
         t0 = time.time()
         self._setup()
         t = self.cfg.train
+        stats = {"load_seconds": round(time.time() - t0, 2), "peak_rss_gib_load": round(_rss_peak_gib(), 3)}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            stats["gpu_alloc_gib_after_load"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
         if resume:
             self._load(ckpt.resolve_resume(self.out, resume))
         self.out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +272,8 @@ class Trainer:
                         self.ema.update(self.step)
                     result.losses.append(accum)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": self.lr_scheduler.get_last_lr()[0]}
+                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": self.lr_scheduler.get_last_lr()[0],
+                               "time": round(time.time() - t0, 4)}
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
                     bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
@@ -279,6 +290,11 @@ class Trainer:
                     if t.method == "full" and every and self.epoch % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         metrics.close()
+        stats["peak_rss_gib_train"] = round(_rss_peak_gib(), 3)
+        if self.device.type == "cuda":
+            stats["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            stats["gpu_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)
+        t_save = time.time()
         # a final training state: always for LoRA (small); for a full fine-tune (weights plus
         # optimizer state, several times the model) only when checkpoints were asked for
         wants_final = t.method == "lora" or t.checkpoint_every
@@ -286,9 +302,13 @@ class Trainer:
             result.checkpoints.append(self.save_checkpoint())
         if t.method == "lora":
             result.lora_path = self.export(self.out / LORA_FILE)
-        else:
+        elif self.cfg.save.formats:
             result.saved += self.export_model(None)
+        stats["save_seconds"] = round(time.time() - t_save, 2)
+        stats["peak_rss_gib_end"] = round(_rss_peak_gib(), 3)
         result.seconds = time.time() - t0
+        result.stats = stats
+        atomic_write_text(self.out / "stats.json", json.dumps(stats, indent=1) + "\n")
         return result
 
     def _optimizer_step(self) -> None:

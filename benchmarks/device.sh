@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run on the lent GPU machine from the repo root (with .whl carried):
+#   bash benchmarks/device.sh "<command>"
+# Installs the wheel kit (diffusers, bitsandbytes, torchao, deepspeed, pydantic, pytest)
+# that ../shared/tools/device-wheels.sh builds, puts src/ on the path, then runs the command.
+set -eo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 DIFFTRAIN_PROGRESS=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, diffusers, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__)"
+eval "$1"

@@ -1,0 +1,58 @@
+"""Behaviour that needs a CUDA GPU (skipped elsewhere): run on the lent GPU with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import train
+
+pytestmark = pytest.mark.gpu
+
+
+def _cfg(tiny_model, data, out, **extra):
+    base = {"train.device": "cuda", "precompute.device": "cuda"}
+    base.update(extra)
+    return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, data, out, **base)).config
+
+
+def test_full_finetune_with_bitsandbytes_adamw8bit(tiny_model, dataset, tmp_path):
+    import bitsandbytes as bnb
+
+    from difftrain.trainers.loop import Trainer
+
+    cfg = _cfg(tiny_model, dataset, tmp_path, **{"train.method": "full", "memory.optimizer.kind": "adamw8bit",
+                                                 "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
+                                                 "train.max_steps": 30, "train.batch_size": 4, "train.learning_rate": 1e-3})
+    precompute(cfg)
+    t = Trainer(cfg)
+    r = t.run()
+    assert isinstance(t.optimizer, bnb.optim.AdamW8bit)
+    assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
+    # 8-bit state: a quarter of AdamW's fp32 moments, roughly
+    state_bytes = sum(v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    param_count = sum(p.numel() for p in t.params)
+    assert state_bytes < 3 * param_count  # AdamW fp32 would be 8 bytes per parameter
+
+
+def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):
+    ref = _cfg(tiny_model, dataset, tmp_path / "a", **{"train.max_steps": 6, "memory.weights.kind": "fp32", "train.mixed_precision": "no"})
+    precompute(ref)
+    a = train(ref).losses
+    b = train(_cfg(tiny_model, dataset, tmp_path / "b", **{"train.max_steps": 6, "memory.weights.kind": "bf16",
+                                                           "train.mixed_precision": "bf16", "memory.activations.kind": "checkpoint",
+                                                           "data.cache_dir": tmp_path / "a" / "cache"})).losses
+    assert b == pytest.approx(a, rel=0.05)
+
+
+def test_single_file_loads_straight_to_cuda(tiny_model, tmp_path):
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.sdxl import PARTS, SDXL
+
+    comps = SDXL().load(ModelConfig(path=tiny_model), PARTS)
+    f = SDXL().save_single_file({p: comps[p].state_dict() for p in PARTS}, SDXL.module_configs(comps), tmp_path / "m.safetensors")
+    back = SDXL().load(ModelConfig(path=f, config="sdxl-tiny", tokenizer_path=tiny_model), ["unet"], dtype=torch.bfloat16, device="cuda")
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in back["unet"].parameters())
