@@ -44,10 +44,15 @@ def _identical(a, b):
 def test_full_unet_only(cli, tiny_model, dataset, tmp_path, original_file):
     sets = tiny_sets(tiny_model, dataset, tmp_path, **{
         "train.method": "full", "train.max_steps": 24, "train.batch_size": 4, "train.learning_rate": 1e-3,
-        "save.precision": "fp32", "train.checkpoint_every": 1000})
+        "train.checkpoint_every": 1000, "save.every_n_steps": 12, "save.every_n_epochs": 5})
     assert cli("precompute", "--recipe", "tiny-sdxl-lora", *_args(sets)).code == 0
-    r = cli("train", "--recipe", "tiny-sdxl-lora", *_args(sets))
+    r = cli("train", "--recipe", "tiny-sdxl-lora", *_args(sets), "--save-precision", "fp32")
     assert r.code == 0, r
+    # 8 images, batch 4: 2 steps an epoch; saves at step 12, at epoch 5 (step 10), and at the end
+    saved = sorted(p.name for p in (tmp_path / "run" / "saved").iterdir())
+    assert saved == ["epoch-0005", "step-00000012"]
+    assert (tmp_path / "run" / "saved" / "step-00000012" / "model.safetensors").exists()
+    assert load_file(tmp_path / "run" / "model.safetensors")["model.diffusion_model.out.2.weight"].dtype == torch.float32
     losses = [json.loads(l)["loss"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6
     out = _split(tmp_path / "run" / "model.safetensors")

@@ -22,6 +22,7 @@ def train(
     output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")] = None,
     allow_pickle: AllowPickleOpt = False,
     resume: Annotated[Optional[str], typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
+    save_precision: Annotated[Optional[str], typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")] = None,
     print_config_: PrintConfigOpt = False,
 ) -> None:
     """Train a LoRA from the precompute cache: a recipe plus your overrides."""
@@ -30,6 +31,8 @@ def train(
     extra = shortcuts(data_dir, model, allow_pickle)
     if output_dir is not None:
         extra.setdefault("train", {})["output_dir"] = str(output_dir)
+    if save_precision is not None:
+        extra.setdefault("save", {})["precision"] = save_precision
     res = resolved_config(recipe, config, set_, extra)
     if print_config_:
         print_config(res)
@@ -37,7 +40,10 @@ def train(
     r = run(res.config, resume=resume, config_yaml=res.to_yaml())
     last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
     info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
-    info(f"LoRA: {r.lora_path}")
+    if r.lora_path:
+        info(f"LoRA: {r.lora_path}")
+    for p in r.saved:
+        info(f"model: {p}")
     if r.checkpoints:
         info(f"checkpoint: {r.checkpoints[-1]}")
 
