@@ -56,3 +56,35 @@ def test_single_file_loads_straight_to_cuda(tiny_model, tmp_path):
     f = SDXL().save_single_file({p: comps[p].state_dict() for p in PARTS}, SDXL.module_configs(comps), tmp_path / "m.safetensors")
     back = SDXL().load(ModelConfig(path=f, config="sdxl-tiny", tokenizer_path=tiny_model), ["unet"], dtype=torch.bfloat16, device="cuda")
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in back["unet"].parameters())
+
+
+@pytest.mark.parametrize("opt", [
+    "{kind: adamw8bit, paged: true}", "{kind: adamw8bit, backend: torchao}", "{kind: adamw4bit}",
+    "{kind: cpu_offload}", "{kind: cpu_offload, offload_gradients: true}",
+])
+def test_optimizers_on_cuda(tiny_model, dataset, tmp_path, opt):
+    cfg = _cfg(tiny_model, dataset, tmp_path, **{"train.method": "full", "memory.optimizer": opt, "memory.weights.kind": "bf16",
+                                                 "train.mixed_precision": "bf16", "train.max_steps": 20, "train.batch_size": 4,
+                                                 "train.learning_rate": 1e-3, "train.max_grad_norm": "null",
+                                                 "train.lr_scheduler": "cosine", "train.warmup_steps": 2})
+    precompute(cfg)
+    r = train(cfg)
+    assert all(torch.isfinite(torch.tensor(r.losses)))
+    assert sum(r.losses[-5:]) / 5 < 0.9 * sum(r.losses[:5]) / 5
+
+
+def test_fp8_lora_on_cuda_saves_memory_and_tracks_bf16(tiny_model, dataset, tmp_path):
+    from difftrain.trainers.loop import Trainer
+
+    common = {"train.max_steps": 6, "train.mixed_precision": "bf16"}
+    a = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"memory.weights.kind": "bf16"})
+    precompute(a)
+    ta = Trainer(a)
+    ra = ta.run()
+    b = _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"memory.weights": "{kind: fp8}", "data.cache_dir": tmp_path / "a" / "cache"})
+    tb = Trainer(b)
+    rb = tb.run()
+    assert rb.losses == pytest.approx(ra.losses, rel=0.05)
+    bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.comps["unet"].parameters() if not p.requires_grad)  # noqa: E731
+    assert bytes_of(tb) < 0.6 * bytes_of(ta)
+    assert all(p.is_cuda for p in tb.comps["unet"].parameters())

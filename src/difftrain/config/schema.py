@@ -93,6 +93,14 @@ class WeightsFP32(Strict):
     kind: Literal["fp32"] = "fp32"
 
 
+class WeightsFP8(Strict):
+    """Frozen Linear/Conv2d weights stored in float8 e4m3 (1 byte a weight); LoRA only."""
+
+    kind: Literal["fp8"] = "fp8"
+    scale: Literal["tensor", "channel"] = Field("tensor", description="one scale per tensor, or per output channel")
+    compute: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="dtype of the upcast and of the other weights")
+
+
 class OptAdamW(Strict):
     kind: Literal["adamw"] = "adamw"
     betas: tuple[float, float] = (0.9, 0.999)
@@ -104,9 +112,30 @@ class OptAdamW(Strict):
 
 
 class OptAdamW8bit(Strict):
-    """bitsandbytes' 8-bit AdamW (CUDA): optimizer state in 8 bits, a quarter of AdamW's."""
+    """8-bit AdamW (CUDA): optimizer state in 8 bits, a quarter of AdamW's."""
 
     kind: Literal["adamw8bit"] = "adamw8bit"
+    backend: Literal["bnb", "torchao"] = Field("bnb", description="bitsandbytes or torchao")
+    paged: bool = Field(False, description="bitsandbytes paged optimizer (state spills to host RAM under pressure)")
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+
+
+class OptAdamW4bit(Strict):
+    """torchao's 4-bit AdamW (CUDA): an eighth of AdamW's state."""
+
+    kind: Literal["adamw4bit"] = "adamw4bit"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+
+
+class OptCPUOffload(Strict):
+    """torchao's CPUOffloadOptimizer: AdamW state and step on the CPU, weights on the GPU."""
+
+    kind: Literal["cpu_offload"] = "cpu_offload"
+    offload_gradients: bool = Field(False, description="move gradients to host RAM as they are produced")
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
@@ -118,6 +147,7 @@ class ActNone(Strict):
 
 class ActCheckpoint(Strict):
     kind: Literal["checkpoint"] = "checkpoint"
+    every: int = Field(1, ge=1, description="checkpoint every k-th block (1 = all: least memory, most recompute)")
 
 
 class OffloadNone(Strict):
@@ -128,8 +158,8 @@ class EngineSingle(Strict):
     kind: Literal["single"] = "single"
 
 
-Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32], Field(discriminator="kind")]
-Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit], Field(discriminator="kind")]
+Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8], Field(discriminator="kind")]
+Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
 Offload = Annotated[Union[OffloadNone], Field(discriminator="kind")]
 Engine = Annotated[Union[EngineSingle], Field(discriminator="kind")]
@@ -141,6 +171,9 @@ class MemoryConfig(Strict):
     activations: Activations = Field(default_factory=ActCheckpoint)
     offload: Offload = Field(default_factory=OffloadNone)
     engine: Engine = Field(default_factory=EngineSingle)
+    fused_backward: bool = Field(
+        False, description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)"
+    )
 
 
 # ----------------------------------------------------------------- full fine-tuning
@@ -225,6 +258,33 @@ class Config(Strict):
                 "train.mixed_precision fp16 with memory.weights bf16 mixes two half types: "
                 "set memory.weights.kind: fp16 or mixed_precision: bf16"
             )
+        m, t = self.memory, self.train
+        if m.weights.kind == "fp8" and t.method == "full":
+            raise ValueError(
+                "memory.weights fp8 with train.method full: fp8 rounds a weight once, which suits frozen weights "
+                "(LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
+            )
+        if m.fused_backward:
+            if t.method != "full":
+                raise ValueError("memory.fused_backward is for train.method full (a LoRA's gradients are small): set it to false")
+            if t.grad_accum > 1:
+                raise ValueError("memory.fused_backward steps inside backward, so gradients cannot accumulate: set train.grad_accum: 1")
+            if t.max_grad_norm:
+                raise ValueError("memory.fused_backward frees each gradient at once, so the global norm is never known: "
+                                 "set train.max_grad_norm: null")
+            if t.mixed_precision == "fp16":
+                raise ValueError("memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16")
+            if m.optimizer.kind == "cpu_offload":
+                raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
+        if m.optimizer.kind == "cpu_offload":
+            if t.max_grad_norm:
+                raise ValueError(
+                    "memory.optimizer cpu_offload does not clip gradients (they are copied to the host as they are "
+                    "produced, before any norm is known): set train.max_grad_norm: null or pick adamw8bit"
+                )
+            if m.optimizer.offload_gradients and t.grad_accum > 1:
+                raise ValueError("memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
+                                 "set offload_gradients: false or train.grad_accum: 1")
         if self.train.method == "full":
             f = self.full
             if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):

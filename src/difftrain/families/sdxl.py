@@ -60,6 +60,9 @@ class SDXL:
     denoiser = "unet"
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+    #: memory hint: layers that stay in high precision when the frozen weights go to fp8
+    #: (the UNet's first and last convolutions and the timestep/micro-conditioning embeddings)
+    high_precision_modules = {"unet": ("conv_in", "conv_out", "time_embedding*", "add_embedding*")}
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:

@@ -80,24 +80,98 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
 
+def _cuda_only(kind: str, params) -> None:
+    if not all(p.is_cuda for p in params):
+        raise BackendUnavailable(f"memory.optimizer {kind} runs on a CUDA GPU only.",
+                                 hint="Use memory.optimizer.kind: adamw on this device.")
+
+
+def _import(module: str, kind: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise BackendUnavailable(
+            f"memory.optimizer {kind} needs {module.split('.')[0]}, which is not installed.",
+            hint=f"pip install 'difftrain[{extra}]', or set memory.optimizer.kind: adamw",
+        ) from None
+
+
 def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0) -> torch.optim.Optimizer:
     """Build the configured optimizer over parameter groups ([{"params": [...], "lr": ...}])."""
     o = mem.optimizer
     params = [p for g in groups for p in g["params"]]
-    if o.kind == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise BackendUnavailable(
-                "memory.optimizer adamw8bit needs bitsandbytes, which is not installed.",
-                hint="pip install 'difftrain[bnb]', or set memory.optimizer.kind: adamw",
-            ) from None
-        if not all(p.is_cuda for p in params):
-            raise BackendUnavailable(
-                "memory.optimizer adamw8bit runs on a CUDA GPU only.", hint="Use memory.optimizer.kind: adamw on this device."
-            )
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    common = dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if mem.fused_backward:
+        return FusedBackward(mem, groups, lr, seed)
+    if o.kind == "adamw8bit" and o.backend == "bnb":
+        bnb = _import("bitsandbytes", "adamw8bit", "bnb")
+        _cuda_only("adamw8bit", params)
+        cls = bnb.optim.PagedAdamW8bit if o.paged else bnb.optim.AdamW8bit
+        return cls(groups, **common)
+    if o.kind in ("adamw8bit", "adamw4bit"):
+        ao = _import("torchao.optim", o.kind, "torchao")
+        _cuda_only(o.kind, params)
+        cls = ao.AdamW8bit if o.kind == "adamw8bit" else ao.AdamW4bit
+        return cls(groups, bf16_stochastic_round=any(p.dtype == torch.bfloat16 for p in params), **common)
+    if o.kind == "cpu_offload":
+        ao = _import("torchao.optim", "cpu_offload", "torchao")
+        _cuda_only("cpu_offload", params)
+        # the host-side AdamW runs fused on the CPU; weights stay on the GPU
+        return ao.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True, **common)
     if any(p.dtype == torch.bfloat16 for p in params):
-        return AdamWBF16(groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, seed=seed,
-                         stochastic_rounding=o.bf16_stochastic_rounding)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
+    return torch.optim.AdamW(groups, **common)
+
+
+class FusedBackward(torch.optim.Optimizer):
+    """Step each parameter inside backward, as soon as its gradient is accumulated, then free the gradient.
+
+    Peak gradient memory becomes one parameter's instead of the whole model's
+    (the technique of PyTorch's "optimizer step in backward" tutorial, and of
+    sd-scripts' --fused_backward_pass). Each parameter gets its own inner
+    optimizer of the configured kind; this object carries the parameter groups,
+    so an LR scheduler built on it drives every inner optimizer. step() and
+    zero_grad() are no-ops: the work happened during backward.
+    """
+
+    def __init__(self, mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0):
+        super().__init__(groups, {"lr": lr})
+        inner_mem = mem.model_copy(update={"fused_backward": False})
+        self.inner: dict[torch.nn.Parameter, torch.optim.Optimizer] = {}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                # a distinct seed per parameter: stochastic rounding noise must not repeat across tensors
+                self.inner[p] = make_optimizer(inner_mem, [{"params": [p], "lr": group["lr"]}], group["lr"], seed=seed * 100_003 + index)
+                p.register_post_accumulate_grad_hook(self._hook(group))
+                index += 1
+
+    def _hook(self, group):
+        def hook(p: torch.Tensor) -> None:
+            opt = self.inner[p]
+            opt.param_groups[0]["lr"] = group["lr"]
+            opt.step()
+            p.grad = None
+
+        return hook
+
+    def step(self, closure=None):
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self):
+        return {"inner": [self.inner[p].state_dict() for g in self.param_groups for p in g["params"]],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(state_dict["inner"]) != len(params):
+            raise ValueError(f"fused-backward state has {len(state_dict['inner'])} parameters, expected {len(params)}")
+        for p, sd in zip(params, state_dict["inner"]):
+            self.inner[p].load_state_dict(sd)
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update(saved)

@@ -17,15 +17,40 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 
 
 def weights_dtype(mem: MemoryConfig) -> torch.dtype:
-    return WEIGHT_DTYPES[mem.weights.kind]
+    """The dtype weights are loaded in (for fp8: the compute dtype, before conversion)."""
+    w = mem.weights
+    return WEIGHT_DTYPES[w.compute if w.kind == "fp8" else w.kind]
+
+
+def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
+    """fp8 weights are loaded on the CPU and quantized onto the GPU layer by layer."""
+    return torch.device("cpu") if mem.weights.kind == "fp8" else device
+
+
+def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = ()) -> None:
+    """Store the frozen weights as the plan says (fp8: quantize layer by layer onto ``device``)."""
+    if mem.weights.kind == "fp8":
+        from .fp8 import convert
+
+        convert(module, device, per_channel=mem.weights.scale == "channel", skip=keep)
 
 
 def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
-    """Gradient checkpointing through the module's own switch (diffusers or transformers)."""
+    """Gradient checkpointing through the module's own switch (diffusers or transformers).
+
+    With ``every: k`` only every k-th of the blocks that checkpoint (diffusers
+    sets a ``gradient_checkpointing`` flag on each) keeps it: less recompute,
+    more memory. transformers' text encoders have one switch for all layers.
+    """
     if mem.activations.kind != "checkpoint":
         return
     if hasattr(module, "enable_gradient_checkpointing"):
         module.enable_gradient_checkpointing()
+        k = mem.activations.every
+        if k > 1:
+            blocks = [m for m in module.modules() if m is not module and getattr(m, "gradient_checkpointing", False)]
+            for i, m in enumerate(blocks):
+                m.gradient_checkpointing = i % k == 0
     elif hasattr(module, "gradient_checkpointing_enable"):
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:  # pragma: no cover - every family's trainable module has one of the two

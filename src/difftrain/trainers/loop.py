@@ -30,7 +30,7 @@ from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..errors import CacheMismatch, CheckpointError, DifftrainError
 from ..families.registry import get_family
-from ..memory.plan import apply_activations, make_optimizer, weights_dtype
+from ..memory.plan import apply_activations, apply_weights, load_device, make_optimizer, weights_dtype
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device
 from . import checkpoint as ckpt
@@ -133,7 +133,8 @@ class Trainer:
         self.encode_captions = len(parts) > 1
         if self.encode_captions:
             info("text encoders are trained: captions are encoded on the fly each step; the cached text embeddings are not used")
-        self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory), device=self.device)
+        self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory),
+                                      device=load_device(cfg.memory, self.device))
         self.trained: dict[str, torch.nn.Module] = {}
         groups = []
         for part in parts:
@@ -154,6 +155,7 @@ class Trainer:
             # checkpointing pays on every module that backward runs through
             if part in lrs or part == self.family.denoiser:
                 apply_activations(cfg.memory, module)
+            apply_weights(cfg.memory, module, self.device, keep=self.family.high_precision_modules.get(part, ()))
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
@@ -173,6 +175,7 @@ class Trainer:
         )
         self.noise_scheduler = self.family.training_scheduler(cfg.model)
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.mixed_precision)
+        self.compute_dtype = weights_dtype(cfg.memory)  # inputs match the (non-fp8) weights
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.mixed_precision == "fp16")
         self.gen = torch.Generator(device=self.device).manual_seed(t.seed)
         self.step = 0
@@ -218,8 +221,8 @@ class Trainer:
         target = noise if pred_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
         unet = self.comps[self.family.denoiser]
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            cond = {k: (v.to(unet.dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            pred = self.family.denoise(unet, noisy.to(unet.dtype), timesteps, cond)
+            cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
+            pred = self.family.denoise(unet, noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
         if t.min_snr_gamma:
             # Min-SNR weighting (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v

@@ -1,0 +1,100 @@
+"""Each memory technique, on the tiny SDXL, against the plain run (stated tolerances)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.errors import ConfigError
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import Trainer, train
+
+STEPS = 12
+
+
+def _cfg(tiny_model, data, out, cache, *sets):
+    base = tiny_sets(tiny_model, data, out, **{"train.max_steps": STEPS, "train.batch_size": 4, "train.checkpoint_every": 1000,
+                                               "data.cache_dir": cache, "save.formats": "[]"})
+    return resolve(recipe="tiny-sdxl-lora", sets=base + list(sets)).config
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, _dataset_master, tmp_path_factory):
+    """Reference runs: plain bf16 LoRA and plain fp32 full fine-tune, cached once for the module."""
+    root = tmp_path_factory.mktemp("mem")
+    cache = root / "cache"
+
+    def run(name, *sets):
+        cfg = _cfg(tiny_model, _dataset_master, root / name, cache, *sets)
+        precompute(cfg)
+        t = Trainer(cfg)
+        return t, t.run()
+
+    return run
+
+
+LORA_BF16 = ("memory.weights.kind=bf16", "train.mixed_precision=bf16")
+FULL = ("train.method=full", "memory.weights.kind=fp32", "train.max_grad_norm=null", "train.learning_rate=1e-4")
+
+
+@pytest.mark.parametrize("name,sets,tol", [
+    ("fp8-tensor", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16"), 0.05),
+    ("fp8-channel", ("memory.weights={kind: fp8, scale: channel}", "train.mixed_precision=bf16"), 0.05),
+    ("checkpoint-every-2", (*LORA_BF16, "memory.activations={kind: checkpoint, every: 2}"), 0.02),
+    ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}"), 0.02),
+])
+def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
+    _, ref = runs("lora-bf16", *LORA_BF16)
+    t, r = runs(name, *sets)
+    assert r.losses == pytest.approx(ref.losses, rel=tol)
+    if name.startswith("fp8"):
+        unet = t.comps["unet"]
+        n8 = sum(p.numel() for p in unet.parameters() if p.dtype == torch.float8_e4m3fn)
+        frozen = sum(p.numel() for p in unet.parameters() if not p.requires_grad)
+        assert n8 > 0.9 * frozen  # nearly all frozen weights are fp8
+        assert unet.conv_in.weight.dtype == torch.bfloat16  # the family's high-precision layers stay
+
+
+def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
+    t_all, _ = runs("checkpoint-all", *LORA_BF16, "memory.activations={kind: checkpoint}")
+    t_two, _ = runs("checkpoint-every-2", *LORA_BF16, "memory.activations={kind: checkpoint, every: 2}")
+    flags = lambda t: [m.gradient_checkpointing for m in t.comps["unet"].modules()  # noqa: E731
+                       if m is not t.comps["unet"] and hasattr(m, "gradient_checkpointing")]
+    assert all(flags(t_all)) and 0 < sum(flags(t_two)) < len(flags(t_two))
+
+
+def test_fused_backward_equals_plain_full_finetune(runs):
+    _, plain = runs("full-plain", *FULL)
+    t, fused = runs("full-fused", *FULL, "memory.fused_backward=true")
+    assert type(t.optimizer).__name__ == "FusedBackward"
+    assert fused.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert all(p.grad is None for p in t.params)  # gradients were freed inside backward
+
+
+def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
+    sets = (*FULL, "memory.fused_backward=true", "memory.weights.kind=bf16", "train.mixed_precision=bf16")
+    a = _cfg(tiny_model, dataset, tmp_path / "a", tmp_path / "cache", *sets, "train.max_steps=6")
+    precompute(a)
+    ref = train(a)
+    b = _cfg(tiny_model, dataset, tmp_path / "b", tmp_path / "cache", *sets, "train.max_steps=6", "train.checkpoint_every=3")
+    train(b, stop_at=3)
+    assert train(b, resume="latest").losses == pytest.approx(ref.losses[3:], rel=1e-6)
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (("train.method=full", "memory.weights={kind: fp8}"), "fp8 rounds a weight once"),
+    (("train.method=full", "memory.fused_backward=true", "train.grad_accum=2", "train.max_grad_norm=null"), "cannot accumulate"),
+    (("train.method=full", "memory.fused_backward=true"), "set train.max_grad_norm: null"),
+    (("train.method=full", "memory.fused_backward=true", "train.max_grad_norm=null", "train.mixed_precision=fp16",
+      "memory.weights.kind=fp32"), "fp16 overflow"),
+    (("memory.fused_backward=true",), "for train.method full"),
+    (("memory.optimizer.kind=cpu_offload",), "does not clip gradients"),
+    (("memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null", "train.grad_accum=2"),
+     "cannot accumulate"),
+])
+def test_incompatible_pairs_name_both_options(sets, needle):
+    with pytest.raises(ConfigError) as e:
+        resolve(recipe="tiny-sdxl-lora", sets=list(sets))
+    assert needle in str(e.value)

@@ -1,0 +1,77 @@
+"""fp8 base weights: same function as the high-precision layer within e4m3's error, a quarter of the bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftrain.memory.fp8 import FP8, Fp8Conv2d, Fp8Linear, convert
+
+
+def _pair(make):
+    torch.manual_seed(0)
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    a.requires_grad_(False)
+    b.requires_grad_(False)
+    return a, b
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_linear_and_conv_match_reference_and_backward(per_channel):
+    for make, x in ((lambda: torch.nn.Linear(64, 48), torch.randn(7, 64)),
+                    (lambda: torch.nn.Conv2d(8, 16, 3, padding=1, stride=2), torch.randn(2, 8, 12, 12))):
+        q, ref = _pair(make)
+        convert(torch.nn.Sequential(q), "cpu", per_channel=per_channel)
+        assert q.weight.dtype == FP8 and isinstance(q, (torch.nn.Linear, torch.nn.Conv2d))
+        assert type(q) in (Fp8Linear, Fp8Conv2d)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = q(xa), ref(xb)
+        g = torch.randn_like(yb)
+        ya.backward(g)
+        yb.backward(g)
+        rel = lambda u, v: ((u - v).norm() / v.norm()).item()  # noqa: E731
+        assert rel(ya, yb) < 0.06  # e4m3: 3 mantissa bits
+        assert rel(xa.grad, xb.grad) < 0.06
+        assert rel(ya, yb) > 0  # really quantized
+
+
+def test_per_channel_scale_helps_rows_of_different_magnitude():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight[0] *= 1e5  # one huge row squeezes the others into fp8's subnormals under one scale
+    errs = {}
+    for pc in (False, True):
+        q, ref = _pair(lambda: torch.nn.Linear(64, 32))
+        q.load_state_dict(lin.state_dict())
+        ref.load_state_dict(lin.state_dict())
+        convert(torch.nn.Sequential(q), "cpu", per_channel=pc)
+        x = torch.randn(16, 64)
+        errs[pc] = ((q(x) - ref(x))[:, 1:].norm() / ref(x)[:, 1:].norm()).item()
+    assert errs[True] < errs[False] / 5
+
+
+def test_convert_skips_trainable_and_named_layers_and_saves_bytes():
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict({"conv_in": torch.nn.Conv2d(4, 8, 3), "proj": torch.nn.Linear(256, 256),
+                             "norm": torch.nn.LayerNorm(256), "lora": torch.nn.Linear(256, 4)})
+    m.requires_grad_(False)
+    m["lora"].requires_grad_(True)
+    before = sum(p.numel() * p.element_size() for p in m.parameters())
+    counts = convert(m, "cpu", skip=("conv_in",))
+    assert m["proj"].weight.dtype == FP8
+    assert m["conv_in"].weight.dtype == torch.float32 and m["lora"].weight.dtype == torch.float32
+    assert m["norm"].weight.dtype == torch.float32
+    assert counts["fp8_params"] == 256 * 256
+    after = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert before - after == 256 * 256 * 3  # 4 bytes -> 1 byte for the converted weight
+
+
+def test_follows_autocast_dtype():
+    q = torch.nn.Linear(16, 8)
+    q.requires_grad_(False)
+    convert(torch.nn.Sequential(q), "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert q(torch.randn(2, 16)).dtype == torch.bfloat16
+    assert q(torch.randn(2, 16)).dtype == torch.float32
