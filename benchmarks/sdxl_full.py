@@ -113,12 +113,17 @@ class MemSampler(threading.Thread):
 
 def run_case(name: str, work: Path, steps: int) -> dict:
     """In the subprocess: train one case, return its measurements."""
+    return run_sets(name, CASES[name][0], COMMON + CASES[name][1], work, steps)
+
+
+def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> dict:
+    """Train one config on the random model and synthetic cache; measure it; add the planner's prediction."""
     import torch
 
     from difftrain.config.load import resolve
-    from difftrain.trainers.loop import Trainer
+    from difftrain.trainers.loop import Trainer, plan_memory
 
-    sets = COMMON + CASES[name][1] + [
+    sets = sets + [
         f"model.path={work / 'sdxl_random.safetensors'}", f"model.tokenizer_path={work / 'tok'}",
         f"data.cache_dir={work / 'cache'}", f"train.output_dir={work / ('run-' + name)}", f"train.max_steps={steps}",
     ]
@@ -127,6 +132,7 @@ def run_case(name: str, work: Path, steps: int) -> dict:
                 .replace("resolution=1024", "resolution=128") for x in sets] + ["data.min_side=64"]
         torch.cuda.synchronize = lambda *a: None
     cfg = resolve(sets=sets).config
+    plan = plan_memory(cfg)
     phases = {}
     sampler = MemSampler()
     sampler.start()
@@ -154,7 +160,9 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     times = [json.loads(l)["time"] for l in (cfg.train.output_dir / "metrics.jsonl").read_text().splitlines()]
     step_times = [b - a for a, b in zip(times, times[1:])][1:]  # drop the first steps (warm-up)
     return {
-        "case": name, "what": CASES[name][0], "steps": steps, "stats": result.stats, "rss": phases,
+        "case": name, "what": what, "steps": steps, "stats": result.stats, "rss": phases,
+        "plan": {"gpu": plan.gpu, "gpu_total": plan.gpu_total, "gpu_reserved": plan.gpu_reserved, "host": plan.host},
+        "batch": cfg.train.batch_size, "resolution": cfg.data.resolution,
         "s_per_step_median": round(statistics.median(step_times), 3), "step_times": [round(x, 3) for x in step_times],
         "losses": [round(x, 4) for x in result.losses],
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,

@@ -258,6 +258,53 @@ class SDXL:
             shutil.copy(bundled_config_dir(mcfg.config) / "model_index.json", tmp / "model_index.json")
         return folder
 
+    # ------------------------------------------------------------ memory hints (plain numbers)
+    def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
+                     loaded: list[str], trained: list[str], method: str) -> dict:
+        """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
+        import fnmatch
+
+        if mcfg.path is not None and Path(mcfg.path).is_dir():
+            base = Path(mcfg.path)
+        else:
+            base = bundled_config_dir(mcfg.config)
+        parts, lora, largest = {}, 0, 0
+        for part in PARTS:
+            if part not in loaded:
+                continue
+            with torch.device("meta"):
+                module = _new_module(part, _read_json(base / part / "config.json"))
+            keep = self.high_precision_modules.get(part, ())
+            eligible = 0
+            for name, m in module.named_modules():
+                if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
+                    if not any(fnmatch.fnmatch(name, k) for k in keep):
+                        eligible += m.weight.numel()
+                    if method == "lora" and part in trained:
+                        targets = lora_targets if part == self.denoiser else self.text_encoder_lora_targets
+                        if any(name == tg or name.endswith("." + tg) for tg in targets):
+                            if isinstance(m, torch.nn.Linear):
+                                lora += lora_rank * (m.in_features + m.out_features)
+                            else:
+                                kh, kw = m.kernel_size
+                                lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
+            total = sum(p.numel() for p in module.parameters())
+            largest = max([largest] + [p.numel() for p in module.parameters()])
+            parts[part] = {"total": total, "fp8_eligible": eligible}
+        data_file = bundled_config_dir(mcfg.config) / "memory.json"
+        data = _read_json(data_file) if data_file.exists() else {}
+        return {
+            "parts": parts,
+            "trained_parts": list(trained),
+            "lora_params": lora,
+            "largest_param": largest,
+            "latent_pixels": (resolution // 8) ** 2,  # the largest bucket's latent area, SDXL's VAE downsamples 8x
+            "activations": data.get("activations_bytes_per_latent_pixel", {}),
+            "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
+            "workspace": data.get("workspace_bytes", 0),
+            "encode_captions": any(p.startswith("text_encoder") for p in trained),
+        }
+
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights, memoised by file path, size and mtime."""

@@ -78,6 +78,38 @@ def _peak_memory(device: torch.device) -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
 
 
+def plan_parts(cfg: Config, family) -> tuple[list[str], dict[str, float]]:
+    """Which parts training loads, and the learning rate of each trained part."""
+    t = cfg.train
+    te1, te2 = family.text_encoders
+    if t.method == "lora":
+        lrs = {family.denoiser: t.learning_rate}
+        if t.train_text_encoders:
+            lrs.update({te1: t.learning_rate, te2: t.learning_rate})
+    else:
+        f = cfg.full
+        lrs = {}
+        if f.train_unet:
+            lrs[family.denoiser] = t.learning_rate
+        if f.train_text_encoder_1:
+            lrs[te1] = f.learning_rate_te1 or t.learning_rate
+        if f.train_text_encoder_2:
+            lrs[te2] = f.learning_rate_te2 or t.learning_rate
+    encode_on_the_fly = te1 in lrs or te2 in lrs
+    parts = [family.denoiser] + ([te1, te2] if encode_on_the_fly else [])
+    return parts, lrs
+
+
+def plan_memory(cfg: Config):
+    """The planner's estimate for a config: no weight is loaded."""
+    from ..memory.planner import estimate
+
+    family = get_family(cfg.family)
+    parts, lrs = plan_parts(cfg, family)
+    hints = family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method)
+    return estimate(cfg, hints)
+
+
 class Trainer:
     def __init__(self, cfg: Config, config_yaml: str | None = None):
         self.cfg = cfg
@@ -102,34 +134,13 @@ class Trainer:
             )
         return cache, index["items"]
 
-    def _plan_parts(self) -> tuple[list[str], dict[str, float]]:
-        """Which parts to load, and the learning rate of each trained part."""
-        cfg, t, fam = self.cfg, self.cfg.train, self.family
-        te1, te2 = fam.text_encoders
-        if t.method == "lora":
-            lrs = {fam.denoiser: t.learning_rate}
-            if t.train_text_encoders:
-                lrs.update({te1: t.learning_rate, te2: t.learning_rate})
-        else:
-            f = cfg.full
-            lrs = {}
-            if f.train_unet:
-                lrs[fam.denoiser] = t.learning_rate
-            if f.train_text_encoder_1:
-                lrs[te1] = f.learning_rate_te1 or t.learning_rate
-            if f.train_text_encoder_2:
-                lrs[te2] = f.learning_rate_te2 or t.learning_rate
-        encode_on_the_fly = te1 in lrs or te2 in lrs
-        parts = [fam.denoiser] + ([te1, te2] if encode_on_the_fly else [])
-        return parts, lrs
-
     def _setup(self):
         cfg, t = self.cfg, self.cfg.train
         # seed before anything random happens (the LoRA init draws from the global RNG)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.cache, self.items = self._load_index()
-        parts, lrs = self._plan_parts()
+        parts, lrs = plan_parts(cfg, self.family)
         self.encode_captions = len(parts) > 1
         if self.encode_captions:
             info("text encoders are trained: captions are encoded on the fly each step; the cached text embeddings are not used")

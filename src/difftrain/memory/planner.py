@@ -1,0 +1,154 @@
+"""Predict peak GPU memory and host RAM of a training config before any weight is loaded.
+
+Inputs are plain numbers a family hands over (``hints``): parameter counts
+split by what the plan can do with them (fp8-eligible Linear/Conv weights,
+the rest), the LoRA parameter count for the configured targets and rank, the
+largest tensor, latent pixels per sample, and activation bytes per latent
+pixel measured once per family on a GPU (stored as data next to the bundled
+config). The estimate is a sum of named terms, so a user sees where the
+memory goes, and the search tries the techniques that exist and ranks the
+ones predicted to fit by a step-time cost measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ..config.schema import Config
+
+GIB = 2**30
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# optimizer state bytes per trained parameter, on the GPU and on the host
+OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "cpu_offload": (0, 16)}
+# relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
+SPEED = {"checkpoint": 1.6, "checkpoint_every_2": 1.35, "fp8": 1.2, "cpu_offload": 1.6, "fused_backward": 1.0,
+         "adamw8bit": 1.0, "adamw4bit": 1.05}
+CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
+
+
+@dataclass
+class Estimate:
+    gpu: dict[str, float] = field(default_factory=dict)  # GiB by term
+    host: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def gpu_reserved(self) -> float:
+        """The caching allocator holds more than it hands out: measured 3-17 % plus a little."""
+        return self.gpu_total * 1.06 + 0.25
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+
+def estimate(cfg: Config, hints: dict) -> Estimate:
+    m, t = cfg.memory, cfg.train
+    e = Estimate()
+    wk = m.weights.kind
+    compute = m.weights.compute if wk == "fp8" else wk
+    parts = hints["parts"]
+    trained_parts = hints["trained_parts"]
+    weights = 0.0
+    trainable = 0
+    for name, p in parts.items():
+        if not p.get("loaded", True):
+            continue
+        full_trained = t.method == "full" and name in trained_parts
+        if wk == "fp8" and not full_trained:
+            weights += p["fp8_eligible"] * 1 + (p["total"] - p["fp8_eligible"]) * BYTES[compute]
+        else:
+            weights += p["total"] * BYTES[compute]
+        if full_trained:
+            trainable += p["total"]
+    if t.method == "lora":
+        trainable = hints["lora_params"]
+        weights += trainable * 4  # LoRA weights are kept in fp32
+        grad_bytes = 4
+    else:
+        grad_bytes = BYTES[compute]
+    e.gpu["weights"] = weights / GIB
+    if m.fused_backward:
+        e.gpu["gradients"] = hints["largest_param"] * grad_bytes / GIB
+    elif m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients:
+        e.gpu["gradients"] = hints["largest_param"] * grad_bytes * 2 / GIB  # in flight to the host
+    else:
+        e.gpu["gradients"] = trainable * grad_bytes / GIB
+    gpu_state, host_state = OPT_STATE[m.optimizer.kind]
+    e.gpu["optimizer state"] = trainable * gpu_state / GIB
+    act = hints["activations"]
+    mode = "none" if m.activations.kind == "none" else "checkpoint"
+    if mode not in act:
+        e.notes.append(f"no activation measurement for this architecture ({mode}); activations not counted")
+        per_pixel = 0.0
+    else:
+        per_pixel = act[mode]
+        if mode == "checkpoint" and m.activations.every > 1:
+            # between all-checkpointed and none, in proportion to the blocks left unchecked
+            per_pixel += (act.get("none", per_pixel) - per_pixel) * (1 - 1 / m.activations.every)
+    pixels = hints["latent_pixels"] * t.batch_size
+    e.gpu["activations"] = per_pixel * pixels / GIB
+    if hints.get("encode_captions"):
+        e.gpu["activations"] += hints.get("text_encoder_activations", 0) * t.batch_size / GIB
+    e.gpu["workspace"] = hints.get("workspace", 0) / GIB
+    # host
+    e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
+    e.host["optimizer state"] = trainable * host_state / GIB
+    if wk == "fp8":
+        e.host["load (one high-precision copy, freed)"] = sum(
+            p["total"] for p in parts.values() if p.get("loaded", True)) * BYTES[compute] / GIB
+    if cfg.ema.enabled and cfg.ema.device == "cpu":
+        e.host["EMA"] = trainable * 4 / GIB
+    elif cfg.ema.enabled:
+        e.gpu["EMA"] = trainable * 4 / GIB
+    return e
+
+
+def speed_cost(cfg: Config) -> float:
+    m = cfg.memory
+    c = 1.0
+    if m.activations.kind == "checkpoint":
+        c *= SPEED["checkpoint"] if m.activations.every == 1 else SPEED["checkpoint_every_2"]
+    if m.weights.kind == "fp8":
+        c *= SPEED["fp8"]
+    c *= SPEED.get(m.optimizer.kind, 1.0)
+    return c
+
+
+def candidates(cfg: Config) -> list[dict]:
+    """Overrides worth trying, as nested dicts (each validated before use)."""
+    full = cfg.train.method == "full"
+    weights = [{"kind": "bf16"}] if full else [{"kind": "bf16"}, {"kind": "fp8"}]
+    acts = [{"kind": "none"}, {"kind": "checkpoint", "every": 2}, {"kind": "checkpoint", "every": 1}]
+    opts = [{"kind": "adamw"}, {"kind": "adamw8bit"}]
+    extra = [{}]
+    if full:
+        opts.append({"kind": "cpu_offload", "offload_gradients": True})
+        extra.append({"fused_backward": True})
+    out = []
+    for w, a, o, x in itertools.product(weights, acts, opts, extra):
+        if x and o["kind"] == "cpu_offload":
+            continue
+        mem = {"weights": w, "activations": a, "optimizer": o, **x}
+        train = {"max_grad_norm": None} if (x or o["kind"] == "cpu_offload") else {}
+        out.append({"memory": mem, "train": train} if train else {"memory": mem})
+    return out
+
+
+def as_set_lines(override: dict, prefix: str = "") -> list[str]:
+    lines = []
+    for k, v in override.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and "kind" in v:
+            inner = ", ".join(f"{a}: {b}" for a, b in v.items())
+            lines.append(f"--set '{key}={{{inner}}}'")
+        elif isinstance(v, dict):
+            lines += as_set_lines(v, key + ".")
+        else:
+            lines.append(f"--set {key}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}")
+    return lines
