@@ -9,4 +9,5 @@ export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/b
 export HF_HUB_OFFLINE=1 DIFFTRAIN_PROGRESS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, diffusers, transformers, peft, bitsandbytes; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__)"
+set +e  # every command of the run reports, even after one fails
 eval "$1"

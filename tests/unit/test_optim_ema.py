@@ -103,3 +103,44 @@ def test_stream_writer_round_trip_and_keeps_old_file_on_failure(tmp_path):
         Boom.to = bad_to
     assert all(torch.equal(load_file(f)[k], d[k]) for k in d)  # the old file is intact
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+class _Packed(torch.Tensor):
+    """A stand-in for torchao's quantized optimizer states: a wrapper subclass with inner tensors."""
+
+    @staticmethod
+    def __new__(cls, codes, scale, signed, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes, scale, signed, dtype):
+        self.codes, self.scale, self.signed = codes, scale, signed
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], [self.signed, self.dtype]
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size=None, outer_stride=None):
+        return cls(inner["codes"], inner["scale"], *ctx)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)  # like torchao's states: no raw byte view of the wrapper
+
+
+def test_checkpoint_state_stores_allowed_tensor_subclasses(tmp_path, monkeypatch):
+    from difftrain.errors import CheckpointError
+    from difftrain.trainers import state
+
+    t = _Packed(torch.arange(6, dtype=torch.uint8).reshape(2, 3), torch.tensor([0.5, 2.0]), True, torch.bfloat16)
+    obj = {"state": {0: {"exp_avg": t, "step": torch.tensor(3.0)}}}
+    with pytest.raises(TypeError, match="tensor subclass"):
+        state.save_tree(obj, tmp_path, "opt")  # not on the allowlist
+    name = f"{_Packed.__module__}._Packed"
+    monkeypatch.setattr(state, "SUBCLASSES", state.SUBCLASSES | {name})
+    state.save_tree(obj, tmp_path, "opt")
+    back = state.load_tree(tmp_path, "opt")["state"][0]["exp_avg"]
+    assert type(back) is _Packed and back.signed is True and back.dtype == torch.bfloat16
+    assert torch.equal(back.codes, t.codes) and torch.equal(back.scale, t.scale)
+    monkeypatch.setattr(state, "SUBCLASSES", set())
+    with pytest.raises(CheckpointError, match="unknown tensor class"):
+        state.load_tree(tmp_path, "opt")

@@ -286,7 +286,7 @@ class Trainer:
                         self.ema.update(self.step)
                     result.losses.append(accum)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": self.lr_scheduler.get_last_lr()[0],
+                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": float(self.lr_scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
                                "time": round(time.time() - t0, 4)}
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
@@ -423,14 +423,9 @@ class Trainer:
             save_tree(rng, tmp, "rng")
             if self.ema is not None:
                 save_tree(self.ema.state_dict(), tmp, "ema")
-            state = {
-                "step": self.step,
-                "epoch": self.epoch,
-                "batch_pos": self.batch_pos,
-                "total_steps": self.total_steps,
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-            }
+            # scheduler state may hold tensors (torchao keeps lr as one): a tree, not JSON
+            save_tree({"lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict()}, tmp, "schedule")
+            state = {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos, "total_steps": self.total_steps}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
             if self.config_yaml is not None:
                 (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
@@ -458,8 +453,9 @@ class Trainer:
         self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
         if self.ema is not None:
             self.ema.load_state_dict(load_tree(folder, "ema"))
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        schedule = load_tree(folder, "schedule")
+        self.lr_scheduler.load_state_dict(schedule["lr_scheduler"])
+        self.scaler.load_state_dict(schedule["scaler"])
         rng = load_tree(folder, "rng")
         random.setstate((rng["python_version"], tuple(rng["python"]), rng["python_gauss"]))
         torch.set_rng_state(rng["torch"])

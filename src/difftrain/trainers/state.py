@@ -19,7 +19,31 @@ from ..errors import CheckpointError
 from ..utils import stream_save_safetensors
 
 
+# tensor subclasses that optimizer states are made of (torchao's quantized moments), stored as their
+# flattened parts and rebuilt on load; only these classes are ever imported from a checkpoint
+SUBCLASSES = {
+    "torchao.optim.subclass_8bit.OptimState8bit",
+    "torchao.optim.subclass_4bit.OptimState4bit",
+    "torchao.optim.subclass_fp8.OptimStateFp8",
+}
+
+
+def _encode_attr(v: Any) -> Any:
+    return {"__dtype__": str(v).removeprefix("torch.")} if isinstance(v, torch.dtype) else v
+
+
+def _decode_attr(v: Any) -> Any:
+    return getattr(torch, v["__dtype__"]) if isinstance(v, dict) and "__dtype__" in v else v
+
+
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor) and hasattr(type(obj), "__tensor_flatten__"):
+        cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        if cls not in SUBCLASSES:
+            raise TypeError(f"cannot store tensor subclass {cls} at {path}")
+        names, ctx = obj.__tensor_flatten__()
+        return {"__subclass__": cls, "tensors": {n: _encode(getattr(obj, n), f"{path}.{n}", tensors) for n in names},
+                "ctx": [_encode_attr(c) for c in ctx], "shape": list(obj.shape)}
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach()  # stays on its device: written one at a time
         return {"__tensor__": path}
@@ -44,6 +68,15 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
+        if "__subclass__" in obj:
+            import importlib
+
+            if obj["__subclass__"] not in SUBCLASSES:
+                raise CheckpointError(f"The checkpoint names an unknown tensor class {obj['__subclass__']!r}; it is not loaded.")
+            module, _, name = obj["__subclass__"].rpartition(".")
+            cls = getattr(importlib.import_module(module), name)
+            inner = {n: _decode(v, tensors) for n, v in obj["tensors"].items()}
+            return cls.__tensor_unflatten__(inner, [_decode_attr(c) for c in obj["ctx"]], torch.Size(obj["shape"]), None)
         if "__dict__" in obj:
             return {k: _decode(v, tensors) for k, v in obj["__dict__"].items()}
         if "__intdict__" in obj:
