@@ -28,7 +28,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import convert_cmd, data_cmds, quickstart_cmd, recipes_cmd, train_cmd
+    from . import convert_cmd, data_cmds, plan_cmd, quickstart_cmd, recipes_cmd, train_cmd
 
     app.command("quickstart")(quickstart_cmd.quickstart)
     app.command("merge-tags")(data_cmds.merge_tags)
@@ -36,6 +36,7 @@ def _register() -> None:
     app.command("train")(train_cmd.train)
     app.command("export")(train_cmd.export)
     app.command("convert-args")(convert_cmd.convert_args)
+    app.command("plan")(plan_cmd.plan)
     app.add_typer(recipes_cmd.app, name="recipes")
 
 

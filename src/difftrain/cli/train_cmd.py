@@ -23,9 +23,10 @@ def train(
     allow_pickle: AllowPickleOpt = False,
     resume: Annotated[Optional[str], typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
     save_precision: Annotated[Optional[str], typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")] = None,
+    strict_memory: Annotated[bool, typer.Option("--strict-memory", help="refuse to start when the plan exceeds free GPU memory")] = False,
     print_config_: PrintConfigOpt = False,
 ) -> None:
-    """Train a LoRA from the precompute cache: a recipe plus your overrides."""
+    """Train (LoRA or full) from the precompute cache: a recipe plus your overrides."""
     from ..trainers.loop import train as run
 
     extra = shortcuts(data_dir, model, allow_pickle)
@@ -37,6 +38,7 @@ def train(
     if print_config_:
         print_config(res)
         return
+    check_memory(res.config, strict_memory)
     r = run(res.config, resume=resume, config_yaml=res.to_yaml())
     last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
     info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
@@ -64,3 +66,26 @@ def export(
         dest = dest / LORA_FILE
     atomic_write_bytes(dest, (folder / LORA_FILE).read_bytes())
     info(f"exported {folder.name} -> {dest}")
+
+
+def check_memory(cfg, strict: bool) -> None:
+    """Compare the planner's prediction with the GPU's free memory before loading anything."""
+    import torch
+
+    from ..console import warn
+    from ..errors import DifftrainError
+    from ..trainers.loop import plan_memory
+    from ..utils import pick_device
+
+    device = pick_device(cfg.train.device)
+    if device.type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0] / 2**30
+    need = plan_memory(cfg).gpu_reserved
+    if need <= free:
+        return
+    msg = f"The plan needs about {need:.1f} GiB of GPU memory and {free:.1f} GiB is free."
+    hint = f"`difftrain plan ... --vram {free:.0f}GiB` prints settings predicted to fit."
+    if strict:
+        raise DifftrainError(msg, hint=hint)
+    warn(f"{msg} {hint}")

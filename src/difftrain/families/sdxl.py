@@ -302,6 +302,7 @@ class SDXL:
             "activations": data.get("activations_bytes_per_latent_pixel", {}),
             "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
             "workspace": data.get("workspace_bytes", 0),
+            "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
             "encode_captions": any(p.startswith("text_encoder") for p in trained),
         }
 

@@ -23,7 +23,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "cpu_offload": (0, 16)}
 # relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
 SPEED = {"checkpoint": 1.6, "checkpoint_every_2": 1.35, "fp8": 1.2, "cpu_offload": 1.6, "fused_backward": 1.0,
-         "adamw8bit": 1.0, "adamw4bit": 1.05}
+         "adamw8bit": 1.01, "adamw4bit": 1.05}  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 
 
@@ -74,7 +74,8 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         grad_bytes = BYTES[compute]
     e.gpu["weights"] = weights / GIB
     if m.fused_backward:
-        e.gpu["gradients"] = hints["largest_param"] * grad_bytes / GIB
+        # one gradient at a time in principle; measured: gradients and optimizer temporaries in flight
+        e.gpu["gradients"] = (hints["largest_param"] * grad_bytes + hints.get("fused_backward_extra", 0)) / GIB
     elif m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients:
         e.gpu["gradients"] = hints["largest_param"] * grad_bytes * 2 / GIB  # in flight to the host
     else:
@@ -145,7 +146,7 @@ def as_set_lines(override: dict, prefix: str = "") -> list[str]:
     for k, v in override.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and "kind" in v:
-            inner = ", ".join(f"{a}: {b}" for a, b in v.items())
+            inner = ", ".join(f"{a}: {str(b).lower() if isinstance(b, bool) else b}" for a, b in v.items())
             lines.append(f"--set '{key}={{{inner}}}'")
         elif isinstance(v, dict):
             lines += as_set_lines(v, key + ".")

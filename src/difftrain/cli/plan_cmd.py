@@ -1,0 +1,78 @@
+"""difftrain plan: predicted peak GPU memory and host RAM, before any weight is loaded."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import typer
+from rich.table import Table
+from typing_extensions import Annotated
+
+from ..config.load import resolve
+from ..console import console, info
+from ..errors import ConfigError, UsageError
+from .common import resolved_config
+from .options import ConfigOpt, RecipeOpt, SetOpt
+
+
+def parse_size(text: str) -> float:
+    """'8GiB', '8 GB', '8G', '8192MiB', '8' -> GiB."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([GMT]?)(i?B)?\s*", text or "", re.IGNORECASE)
+    if not m:
+        raise UsageError(f"Cannot read the size {text!r}.", hint="Write it like 8GiB, 24GB or 8192MiB.")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    return value * {"": 1, "G": 1, "M": 1 / 1024, "T": 1024}[unit]
+
+
+def _table(title: str, e) -> Table:
+    t = Table(title=title)
+    t.add_column("term")
+    t.add_column("GPU GiB", justify="right")
+    t.add_column("host GiB", justify="right")
+    keys = list(dict.fromkeys([*e.gpu, *e.host]))
+    for k in keys:
+        g, h = e.gpu.get(k), e.host.get(k)
+        t.add_row(k, "" if g is None else f"{g:.2f}", "" if h is None else f"{h:.2f}")
+    t.add_row("[bold]total allocated[/bold]", f"[bold]{e.gpu_total:.2f}[/bold]", f"[bold]{e.host_total:.2f}[/bold]")
+    t.add_row("reserved by the allocator (est.)", f"{e.gpu_reserved:.2f}", "")
+    return t
+
+
+def plan(
+    recipe: RecipeOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    vram: Annotated[Optional[str], typer.Option("--vram", help="GPU memory to fit in, e.g. 8GiB: prints the fastest plan that fits")] = None,
+    ram: Annotated[Optional[str], typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
+) -> None:
+    """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
+    from ..memory.planner import as_set_lines, candidates, speed_cost
+    from ..trainers.loop import plan_memory
+
+    res = resolved_config(recipe, config, set_)
+    cfg = res.config
+    e = plan_memory(cfg)
+    console.print(_table(f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px", e))
+    for n in e.notes:
+        info(f"[yellow]note:[/yellow] {n}")
+    if vram is None:
+        return
+    limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
+    fits = []
+    for override in candidates(cfg):
+        try:
+            c = resolve(recipe=recipe, config_file=config, sets=set_, extra=override).config
+        except ConfigError:
+            continue  # an incompatible pair: the validator says no
+        est = plan_memory(c)
+        if est.gpu_reserved <= limit and (host_limit is None or est.host_total <= host_limit):
+            fits.append((speed_cost(c), est.gpu_reserved, override, est))
+    if not fits:
+        info(f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
+             "(lower train.batch_size or data.resolution, or use a larger GPU).")
+        raise typer.Exit(1)
+    fits.sort(key=lambda f: (f[0], f[1]))
+    cost, reserved, override, est = fits[0]
+    info(f"fastest plan predicted to fit in {limit:g} GiB: {reserved:.2f} GiB reserved, step time x{cost:.2f} of the unconstrained run")
+    typer.echo("\n".join(as_set_lines(override)))

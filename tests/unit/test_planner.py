@@ -1,0 +1,110 @@
+"""The memory planner: its arithmetic, its error against GPU measurements, the recipe tiers, the --vram search."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from difftrain.config.load import resolve
+from difftrain.config.recipes import recipe_header, recipe_names
+from difftrain.memory.planner import GIB, estimate
+from difftrain.trainers.loop import plan_memory
+
+
+def _hints(**over):
+    h = {"parts": {"unet": {"total": 1000, "fp8_eligible": 800}}, "trained_parts": ["unet"], "lora_params": 50,
+         "largest_param": 100, "latent_pixels": 10, "activations": {"checkpoint": 2.0, "none": 20.0},
+         "encode_captions": False}
+    h.update(over)
+    return h
+
+
+def test_terms_by_hand():
+    lora = resolve(sets=["memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "train.batch_size=3"]).config
+    e = estimate(lora, _hints())
+    assert e.gpu["weights"] * GIB == pytest.approx(1000 * 2 + 50 * 4)  # frozen bf16 + fp32 LoRA
+    assert e.gpu["gradients"] * GIB == pytest.approx(50 * 4)
+    assert e.gpu["optimizer state"] * GIB == pytest.approx(50 * 8)
+    assert e.gpu["activations"] * GIB == pytest.approx(2.0 * 10 * 3)
+    fp8 = resolve(sets=["memory.weights={kind: fp8}"]).config
+    assert estimate(fp8, _hints()).gpu["weights"] * GIB == pytest.approx(800 * 1 + 200 * 2 + 50 * 4)
+    full = resolve(sets=["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit",
+                         "memory.activations={kind: checkpoint, every: 2}"]).config
+    e = estimate(full, _hints())
+    assert (e.gpu["weights"] * GIB, e.gpu["gradients"] * GIB, e.gpu["optimizer state"] * GIB) == pytest.approx((2000, 2000, 2000))
+    assert e.gpu["activations"] * GIB == pytest.approx((2.0 + (20.0 - 2.0) / 2) * 10)
+    off = resolve(sets=["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload}",
+                        "train.max_grad_norm=null"]).config
+    e = estimate(off, _hints())
+    assert e.gpu["optimizer state"] == 0 and e.host["optimizer state"] * GIB == pytest.approx(1000 * 16)
+
+
+# measured on an H200 with benchmarks/memory_tiers.py (docs/benchmarks.md): peak allocated GiB per case
+MEASURED = {
+    "L1": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=checkpoint"], 5.853),
+    "L2": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=none"], 12.46),
+    "L3": (["train.method=lora", "memory.weights={kind: fp8}", "memory.activations.kind=checkpoint"], 3.393),
+    "L4": (["train.method=lora", "memory.weights={kind: fp8}", "memory.activations={kind: checkpoint, every: 2}"], 6.73),
+    "L5": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=none", "train.batch_size=2"], 19.698),
+    "F1": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit"], 15.076),
+    "F2": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit", "memory.fused_backward=true",
+            "train.max_grad_norm=null"], 11.033),
+    "F3": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null"], 5.756),
+    "F4": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit",
+            "full.train_text_encoder_1=true", "full.train_text_encoder_2=true"], 19.35),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED))
+def test_planner_within_ten_percent_of_measured(case):
+    sets, measured = MEASURED[case]
+    cfg = resolve(sets=["model.config=sdxl-base-1.0", "lora.rank=16", "data.resolution=1024", "train.mixed_precision=bf16",
+                        "memory.activations.kind=checkpoint", *sets]).config
+    predicted = plan_memory(cfg).gpu_total
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
+RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M)]
+
+
+def test_tiered_recipes_exist():
+    assert {"sdxl-lora-4gb", "sdxl-lora-8gb", "sdxl-full-8gb", "sdxl-full-12gb"} <= set(RECIPES_WITH_TIERS)
+
+
+@pytest.mark.parametrize("name", RECIPES_WITH_TIERS)
+def test_recipe_planner_estimate_stays_under_its_tier(name):
+    tier = float(re.search(r"^Tier: ([0-9.]+) GiB", recipe_header(name), re.M).group(1))
+    e = plan_memory(resolve(recipe=name).config)
+    assert e.gpu_reserved <= tier, f"{name}: {e.gpu_reserved:.2f} GiB predicted for a {tier} GiB tier"
+    assert "Measured peak" in recipe_header(name)
+
+
+def test_plan_cli_search(cli):
+    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "4GiB")
+    assert r.code == 0, r
+    assert "--set 'memory.weights={kind: fp8}'" in r.out
+    r = cli("plan", "--recipe", "sdxl-full", "--vram", "8GiB")
+    assert r.code == 0 and "cpu_offload" in r.out and "train.max_grad_norm=null" in r.out
+    assert resolve(recipe="sdxl-full", sets=[l.split(" ", 1)[1].strip("'") for l in r.out.splitlines()]).config.memory.optimizer.kind == "cpu_offload"
+    r = cli("plan", "--recipe", "sdxl-full", "--vram", "1GiB")
+    assert r.code == 1 and "Nothing difftrain offers" in r.err
+    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "lots")
+    assert r.code == 2 and "Cannot read the size" in r.err
+
+
+def test_strict_memory_refuses_before_loading(monkeypatch):
+    import torch
+
+    from difftrain.cli import train_cmd
+    from difftrain.errors import DifftrainError
+
+    cfg = resolve(recipe="sdxl-full").config
+    monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
+    with pytest.raises(DifftrainError, match="needs about 16.2 GiB of GPU memory and 4.0 GiB is free"):
+        train_cmd.check_memory(cfg, strict=True)
+    train_cmd.check_memory(cfg, strict=False)  # warns only
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GIB, 80 * GIB))
+    train_cmd.check_memory(cfg, strict=True)  # fits: nothing said
