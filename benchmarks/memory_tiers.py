@@ -35,6 +35,8 @@ CASES = {
     "L4": ("LoRA r16, fp8 weights, checkpoint every 2nd block", LORA + ["memory.weights={kind: fp8}", "memory.activations={kind: checkpoint, every: 2}"]),
     "L5": ("LoRA r16, bf16, no checkpointing, batch 2", LORA + ["memory.weights.kind=bf16", "memory.activations.kind=none",
                                                                 "train.batch_size=2"]),
+    "L6": ("LoRA r16, nf4 weights (bnb), checkpointing", LORA + ["memory.weights={kind: nf4}", "memory.activations.kind=checkpoint"]),
+    "L7": ("LoRA r16, int8 weights (bnb), checkpointing", LORA + ["memory.weights={kind: int8}", "memory.activations.kind=checkpoint"]),
     "F1": ("full UNet, bf16, 8-bit AdamW, checkpointing (sdxl-full)", FULL + ["memory.optimizer.kind=adamw8bit"]),
     "F2": ("full UNet, bf16, 8-bit AdamW, checkpointing, fused backward", FULL + ["memory.optimizer.kind=adamw8bit",
                                                                                 "memory.fused_backward=true", "train.max_grad_norm=null"]),

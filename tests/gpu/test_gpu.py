@@ -88,3 +88,24 @@ def test_fp8_lora_on_cuda_saves_memory_and_tracks_bf16(tiny_model, dataset, tmp_
     bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.comps["unet"].parameters() if not p.requires_grad)  # noqa: E731
     assert bytes_of(tb) < 0.6 * bytes_of(ta)
     assert all(p.is_cuda for p in tb.comps["unet"].parameters())
+
+
+@pytest.mark.parametrize("kind,tol", [("nf4", 0.1), ("int8", 0.1)])
+def test_bitsandbytes_base_weights_lora_tracks_bf16(tiny_model, dataset, tmp_path, kind, tol):
+    import bitsandbytes as bnb
+
+    from difftrain.trainers.loop import Trainer
+
+    common = {"train.max_steps": 8, "train.mixed_precision": "bf16", "lora.targets": "[to_q, to_k, to_v, to_out.0, proj_in, proj_out]"}
+    a = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"memory.weights.kind": "bf16"})
+    precompute(a)
+    ra = train(a)
+    b = _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"memory.weights": f"{{kind: {kind}}}", "data.cache_dir": tmp_path / "a" / "cache"})
+    t = Trainer(b)
+    rb = t.run()
+    cls = bnb.nn.Linear4bit if kind == "nf4" else bnb.nn.Linear8bitLt
+    assert any(isinstance(m, cls) for m in t.comps["unet"].modules())
+    assert rb.losses == pytest.approx(ra.losses, rel=tol)
+    from safetensors.torch import load_file
+
+    assert load_file(rb.lora_path).keys() == load_file(ra.lora_path).keys()  # the same LoRA layout, loadable as before

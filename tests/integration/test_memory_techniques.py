@@ -85,6 +85,7 @@ def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
 
 @pytest.mark.parametrize("sets,needle", [
     (("train.method=full", "memory.weights={kind: fp8}"), "fp8 rounds a weight once"),
+    (("train.method=full", "memory.weights={kind: nf4}"), "nf4 rounds a weight once"),
     (("train.method=full", "memory.fused_backward=true", "train.grad_accum=2", "train.max_grad_norm=null"), "cannot accumulate"),
     (("train.method=full", "memory.fused_backward=true"), "set train.max_grad_norm: null"),
     (("train.method=full", "memory.fused_backward=true", "train.max_grad_norm=null", "train.mixed_precision=fp16",
@@ -98,3 +99,13 @@ def test_incompatible_pairs_name_both_options(sets, needle):
     with pytest.raises(ConfigError) as e:
         resolve(recipe="tiny-sdxl-lora", sets=list(sets))
     assert needle in str(e.value)
+
+
+def test_bitsandbytes_weights_need_cuda(tiny_model, dataset, tmp_path):
+    from difftrain.errors import BackendUnavailable
+
+    cfg = _cfg(tiny_model, dataset, tmp_path, tmp_path / "cache", "memory.weights={kind: nf4}", "train.device=cpu")
+    precompute(cfg)
+    with pytest.raises(BackendUnavailable) as e:
+        train(cfg)
+    assert "fp8" in e.value.hint  # names what works here

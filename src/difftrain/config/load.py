@@ -100,7 +100,7 @@ def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
     return problems
 
 
-_KINDS = {"bf16", "fp16", "fp32", "fp8", "adamw", "adamw8bit", "adamw4bit", "cpu_offload", "none", "checkpoint", "single"}
+_KINDS = {"bf16", "fp16", "fp32", "fp8", "nf4", "int8", "adamw", "adamw8bit", "adamw4bit", "cpu_offload", "none", "checkpoint", "single"}
 
 
 class Resolved:

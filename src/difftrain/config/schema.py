@@ -158,7 +158,21 @@ class EngineSingle(Strict):
     kind: Literal["single"] = "single"
 
 
-Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8], Field(discriminator="kind")]
+class WeightsNF4(Strict):
+    """Frozen Linear weights in 4-bit NormalFloat through bitsandbytes (QLoRA); LoRA only, CUDA only."""
+
+    kind: Literal["nf4"] = "nf4"
+    compute: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+class WeightsInt8(Strict):
+    """Frozen Linear weights in LLM.int8 through bitsandbytes; LoRA only, CUDA only."""
+
+    kind: Literal["int8"] = "int8"
+    compute: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+
+Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, WeightsNF4, WeightsInt8], Field(discriminator="kind")]
 Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
 Offload = Annotated[Union[OffloadNone], Field(discriminator="kind")]
@@ -259,10 +273,10 @@ class Config(Strict):
                 "set memory.weights.kind: fp16 or mixed_precision: bf16"
             )
         m, t = self.memory, self.train
-        if m.weights.kind == "fp8" and t.method == "full":
+        if m.weights.kind in ("fp8", "nf4", "int8") and t.method == "full":
             raise ValueError(
-                "memory.weights fp8 with train.method full: fp8 rounds a weight once, which suits frozen weights "
-                "(LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
+                f"memory.weights {m.weights.kind} with train.method full: {m.weights.kind} rounds a weight once, which suits "
+                "frozen weights (LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
             )
         if m.fused_backward:
             if t.method != "full":

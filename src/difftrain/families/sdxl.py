@@ -275,11 +275,12 @@ class SDXL:
             with torch.device("meta"):
                 module = _new_module(part, _read_json(base / part / "config.json"))
             keep = self.high_precision_modules.get(part, ())
-            eligible = 0
+            eligible = linear = 0
             for name, m in module.named_modules():
                 if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
                     if not any(fnmatch.fnmatch(name, k) for k in keep):
                         eligible += m.weight.numel()
+                        linear += m.weight.numel() if type(m) is torch.nn.Linear else 0
                     if method == "lora" and part in trained:
                         targets = lora_targets if part == self.denoiser else self.text_encoder_lora_targets
                         if any(name == tg or name.endswith("." + tg) for tg in targets):
@@ -290,7 +291,7 @@ class SDXL:
                                 lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
             total = sum(p.numel() for p in module.parameters())
             largest = max([largest] + [p.numel() for p in module.parameters()])
-            parts[part] = {"total": total, "fp8_eligible": eligible}
+            parts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
         data_file = bundled_config_dir(mcfg.config) / "memory.json"
         data = _read_json(data_file) if data_file.exists() else {}
         return {

@@ -19,17 +19,31 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 def weights_dtype(mem: MemoryConfig) -> torch.dtype:
     """The dtype weights are loaded in (for fp8: the compute dtype, before conversion)."""
     w = mem.weights
-    return WEIGHT_DTYPES[w.compute if w.kind == "fp8" else w.kind]
+    return WEIGHT_DTYPES[w.compute if w.kind in QUANTIZED else w.kind]
+
+
+QUANTIZED = ("fp8", "nf4", "int8")
 
 
 def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
-    """fp8 weights are loaded on the CPU and quantized onto the GPU layer by layer."""
-    return torch.device("cpu") if mem.weights.kind == "fp8" else device
+    """Quantized weights are loaded on the CPU and quantized onto the GPU layer by layer."""
+    return torch.device("cpu") if mem.weights.kind in QUANTIZED else device
+
+
+def apply_weights_before_adapters(mem: MemoryConfig, module: torch.nn.Module, device: torch.device,
+                                  keep: tuple[str, ...] = ()) -> None:
+    """bitsandbytes layers must exist before peft adds LoRA (peft picks its bnb LoRA layer for them)."""
+    if mem.weights.kind in ("nf4", "int8"):
+        from .bnb_weights import convert
+
+        convert(module, device, mem.weights.kind, weights_dtype(mem), skip=keep)
 
 
 def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = ()) -> None:
-    """Store the frozen weights as the plan says (fp8: quantize layer by layer onto ``device``)."""
-    if mem.weights.kind == "fp8":
+    """Store the frozen weights as the plan says (fp8: quantize layer by layer onto ``device``), after the adapters."""
+    if mem.weights.kind in ("nf4", "int8"):
+        module.to(device)  # the bnb layers are already there; the rest follows
+    elif mem.weights.kind == "fp8":
         from .fp8 import convert
 
         convert(module, device, per_channel=mem.weights.scale == "channel", skip=keep)

@@ -51,7 +51,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     m, t = cfg.memory, cfg.train
     e = Estimate()
     wk = m.weights.kind
-    compute = m.weights.compute if wk == "fp8" else wk
+    compute = m.weights.compute if wk in ("fp8", "nf4", "int8") else wk
     parts = hints["parts"]
     trained_parts = hints["trained_parts"]
     weights = 0.0
@@ -60,8 +60,10 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         if not p.get("loaded", True):
             continue
         full_trained = t.method == "full" and name in trained_parts
-        if wk == "fp8" and not full_trained:
-            weights += p["fp8_eligible"] * 1 + (p["total"] - p["fp8_eligible"]) * BYTES[compute]
+        if wk in ("fp8", "nf4", "int8") and not full_trained:
+            # fp8: Linear and Conv2d; bitsandbytes: Linear only (nf4 ~0.53 bytes with double-quantized scales)
+            q = p["fp8_eligible"] if wk == "fp8" else p.get("linear", p["fp8_eligible"])
+            weights += q * {"fp8": 1, "nf4": 0.53, "int8": 1}[wk] + (p["total"] - q) * BYTES[compute]
         else:
             weights += p["total"] * BYTES[compute]
         if full_trained:
@@ -100,7 +102,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     # host
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
     e.host["optimizer state"] = trainable * host_state / GIB
-    if wk == "fp8":
+    if wk in ("fp8", "nf4", "int8"):
         e.host["load (one high-precision copy, freed)"] = sum(
             p["total"] for p in parts.values() if p.get("loaded", True)) * BYTES[compute] / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":

@@ -30,7 +30,8 @@ from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..errors import CacheMismatch, CheckpointError, DifftrainError
 from ..families.registry import get_family
-from ..memory.plan import apply_activations, apply_weights, load_device, make_optimizer, weights_dtype
+from ..memory.plan import (apply_activations, apply_weights, apply_weights_before_adapters, load_device, make_optimizer,
+                           weights_dtype)
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device
 from . import checkpoint as ckpt
@@ -150,6 +151,8 @@ class Trainer:
         groups = []
         for part in parts:
             module = self.comps[part]
+            keep = self.family.high_precision_modules.get(part, ())
+            apply_weights_before_adapters(cfg.memory, module, self.device, keep=keep)
             if part in lrs:
                 if t.method == "lora":
                     targets = cfg.lora.targets if part == self.family.denoiser else self.family.text_encoder_lora_targets
@@ -166,7 +169,7 @@ class Trainer:
             # checkpointing pays on every module that backward runs through
             if part in lrs or part == self.family.denoiser:
                 apply_activations(cfg.memory, module)
-            apply_weights(cfg.memory, module, self.device, keep=self.family.high_precision_modules.get(part, ()))
+            apply_weights(cfg.memory, module, self.device, keep=keep)
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
