@@ -37,6 +37,8 @@ CASES = {
                                                                 "train.batch_size=2"]),
     "L6": ("LoRA r16, nf4 weights (bnb), checkpointing", LORA + ["memory.weights={kind: nf4}", "memory.activations.kind=checkpoint"]),
     "L7": ("LoRA r16, int8 weights (bnb), checkpointing", LORA + ["memory.weights={kind: int8}", "memory.activations.kind=checkpoint"]),
+    "L8": ("LoRA r16, int8 weights (bnb, outlier threshold 6), checkpointing", LORA + [
+        "memory.weights={kind: int8, outlier_threshold: 6.0}", "memory.activations.kind=checkpoint"]),
     "F1": ("full UNet, bf16, 8-bit AdamW, checkpointing (sdxl-full)", FULL + ["memory.optimizer.kind=adamw8bit"]),
     "F2": ("full UNet, bf16, 8-bit AdamW, checkpointing, fused backward", FULL + ["memory.optimizer.kind=adamw8bit",
                                                                                 "memory.fused_backward=true", "train.max_grad_norm=null"]),

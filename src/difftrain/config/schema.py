@@ -170,6 +170,9 @@ class WeightsInt8(Strict):
 
     kind: Literal["int8"] = "int8"
     compute: Literal["bf16", "fp16", "fp32"] = "bf16"
+    outlier_threshold: float = Field(
+        0.0, ge=0, description="LLM.int8 outlier decomposition (6.0 in bitsandbytes' papers); 0 = plain vector-wise int8"
+    )
 
 
 Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, WeightsNF4, WeightsInt8], Field(discriminator="kind")]

@@ -17,7 +17,8 @@ import torch
 from ..errors import BackendUnavailable
 
 
-def convert(module: torch.nn.Module, device, kind: str, compute_dtype: torch.dtype, skip: tuple[str, ...] = ()) -> int:
+def convert(module: torch.nn.Module, device, kind: str, compute_dtype: torch.dtype, skip: tuple[str, ...] = (),
+            threshold: float = 0.0) -> int:
     """Replace frozen Linear layers of ``module`` with bitsandbytes ones on ``device``; return the count."""
     try:
         import bitsandbytes as bnb
@@ -39,7 +40,7 @@ def convert(module: torch.nn.Module, device, kind: str, compute_dtype: torch.dty
                 new.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
                                                compress_statistics=True)
             else:
-                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False, threshold=6.0)
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False, threshold=threshold)
                 new.weight = bnb.nn.Int8Params(child.weight.data.to("cpu"), requires_grad=False, has_fp16_weights=False)
             if bias:
                 new.bias = torch.nn.Parameter(child.bias.data.to(compute_dtype), requires_grad=False)

@@ -36,7 +36,8 @@ def apply_weights_before_adapters(mem: MemoryConfig, module: torch.nn.Module, de
     if mem.weights.kind in ("nf4", "int8"):
         from .bnb_weights import convert
 
-        convert(module, device, mem.weights.kind, weights_dtype(mem), skip=keep)
+        convert(module, device, mem.weights.kind, weights_dtype(mem), skip=keep,
+                threshold=getattr(mem.weights, "outlier_threshold", 0.0))
 
 
 def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = ()) -> None:
