@@ -84,6 +84,9 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         e.gpu["gradients"] = trainable * grad_bytes / GIB
     gpu_state, host_state = OPT_STATE[m.optimizer.kind]
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
+    if wk == "int8":
+        e.notes.append("bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
+                       "dequantized weights, docs/benchmarks.md): prefer memory.weights nf4 or fp8")
     act = hints["activations"]
     mode = "none" if m.activations.kind == "none" else "checkpoint"
     if mode not in act:
