@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -111,20 +108,8 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     sf.build_model(a.work)
     sf.build_cache(a.work)
-    results = []
-    for name in a.cases.split(","):
-        t = time.time()
-        p = subprocess.run([sys.executable, __file__, "--case", name, "--work", str(a.work), "--steps", str(a.steps)],
-                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
-        line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-        if p.returncode or not line:
-            print(f"case {name} failed ({p.returncode}):\n{p.stderr[-2500:]}", flush=True)
-            results.append({"case": name, "error": p.stderr[-2000:]})
-            continue
-        r = json.loads(line[0][7:])
-        r["wall_seconds"] = round(time.time() - t, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    what = {k: v[0] for k, v in CASES.items()}
+    results = sf.run_cases(__file__, a.cases.split(","), a.work, a.steps, what)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "memory_tiers.json").write_text(json.dumps(results, indent=1))

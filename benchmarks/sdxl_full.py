@@ -170,6 +170,25 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     }
 
 
+def run_cases(script: str, names: list[str], work: Path, steps: int, what: dict[str, str]) -> list[dict]:
+    """Run each case in a fresh subprocess of ``script`` (clean RSS and CUDA state); collect their results."""
+    results = []
+    for name in names:
+        t = time.time()
+        p = subprocess.run([sys.executable, script, "--case", name, "--work", str(work), "--steps", str(steps)],
+                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
+        line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+        if p.returncode or not line:
+            print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
+            results.append({"case": name, "what": what.get(name, ""), "error": p.stderr[-2000:]})
+            continue
+        r = json.loads(line[0][7:])
+        r["wall_seconds"] = round(time.time() - t, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-bench"))
@@ -184,20 +203,7 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     build_model(a.work)
     build_cache(a.work)
-    results = []
-    for name in a.cases.split(","):
-        t = time.time()
-        p = subprocess.run([sys.executable, __file__, "--case", name, "--work", str(a.work), "--steps", str(a.steps)],
-                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
-        line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-        if p.returncode or not line:
-            print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-            results.append({"case": name, "what": CASES[name][0], "error": p.stderr[-2000:]})
-            continue
-        r = json.loads(line[0][7:])
-        r["wall_seconds"] = round(time.time() - t, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    results = run_cases(__file__, a.cases.split(","), a.work, a.steps, {k: v[0] for k, v in CASES.items()})
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "sdxl_full.json").write_text(json.dumps(results, indent=1))

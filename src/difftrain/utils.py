@@ -26,14 +26,19 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator:
+    """An open binary file whose content replaces ``path`` only once it is complete and on disk.
+
+    A crash, a full disk or an exception leaves either the old file or the new
+    one, never a mix, and no temporary file behind.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -41,6 +46,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -135,22 +146,12 @@ def stream_save_safetensors(path: Path, tensors, metadata: dict[str, str] | None
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name in names:
-                t = tensors[name].detach().to("cpu", out_dtype(tensors[name])).contiguous()
-                if t.numel():
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-                del t
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().to("cpu", out_dtype(tensors[name])).contiguous()
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            del t
     return path

@@ -101,44 +101,40 @@ class WeightsFP8(Strict):
     compute: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="dtype of the upcast and of the other weights")
 
 
-class OptAdamW(Strict):
-    kind: Literal["adamw"] = "adamw"
+class _Adam(Strict):
+    """AdamW's hyper-parameters, shared by every optimizer kind."""
+
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
+
+
+class OptAdamW(_Adam):
+    kind: Literal["adamw"] = "adamw"
     bf16_stochastic_rounding: bool = Field(
         True, description="when trained weights are bf16, round updates stochastically (else small updates vanish)"
     )
 
 
-class OptAdamW8bit(Strict):
+class OptAdamW8bit(_Adam):
     """8-bit AdamW (CUDA): optimizer state in 8 bits, a quarter of AdamW's."""
 
     kind: Literal["adamw8bit"] = "adamw8bit"
     backend: Literal["bnb", "torchao"] = Field("bnb", description="bitsandbytes or torchao")
     paged: bool = Field(False, description="bitsandbytes paged optimizer (state spills to host RAM under pressure)")
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
 
 
-class OptAdamW4bit(Strict):
+class OptAdamW4bit(_Adam):
     """torchao's 4-bit AdamW (CUDA): an eighth of AdamW's state."""
 
     kind: Literal["adamw4bit"] = "adamw4bit"
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
 
 
-class OptCPUOffload(Strict):
+class OptCPUOffload(_Adam):
     """torchao's CPUOffloadOptimizer: AdamW state and step on the CPU, weights on the GPU."""
 
     kind: Literal["cpu_offload"] = "cpu_offload"
     offload_gradients: bool = Field(False, description="move gradients to host RAM as they are produced")
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
 
 
 class ActNone(Strict):

@@ -134,6 +134,31 @@ def _num(v: Any) -> float:
     return float(v)
 
 
+# options that map one to one: sd-scripts name -> (difftrain key, converter)
+SIMPLE = {
+    "pretrained_model_name_or_path": ("model.path", str),
+    "in_json": ("data.metadata", str),
+    "train_data_dir": ("data.dir", str),
+    "output_dir": ("train.output_dir", str),
+    "train_batch_size": ("train.batch_size", int),
+    "learning_rate": ("train.learning_rate", _num),
+    "learning_rate_te1": ("full.learning_rate_te1", _num),
+    "learning_rate_te2": ("full.learning_rate_te2", _num),
+    "max_train_epochs": ("train.epochs", int),
+    "max_train_steps": ("train.max_steps", int),
+    "min_bucket_reso": ("data.min_side", int),
+    "max_bucket_reso": ("data.max_side", int),
+    "bucket_reso_steps": ("data.bucket_step", int),
+    "seed": ("train.seed", int),
+    "gradient_accumulation_steps": ("train.grad_accum", int),
+    "noise_offset": ("train.noise_offset", _num),
+    "min_snr_gamma": ("train.min_snr_gamma", _num),
+    "network_dim": ("lora.rank", int),
+    "network_alpha": ("lora.alpha", _num),
+    "network_dropout": ("lora.dropout", _num),
+}
+
+
 def convert(tokens: list[str]) -> Conversion:
     script, args = parse_tokens(tokens)
     c = Conversion(script=script)
@@ -149,14 +174,9 @@ def convert(tokens: list[str]) -> Conversion:
     for name, value in args.items():
         v = value
         try:
-            if name == "pretrained_model_name_or_path":
-                c.set("model.path", v)
-            elif name == "in_json":
-                c.set("data.metadata", v)
-            elif name == "train_data_dir":
-                c.set("data.dir", v)
-            elif name == "output_dir":
-                c.set("train.output_dir", v)
+            if name in SIMPLE:
+                dotted, conv = SIMPLE[name]
+                c.set(dotted, conv(v))
             elif name == "caption_extension":
                 c.set("data.caption_ext", v if str(v).startswith(".") else f".{v}")
             elif name == "save_model_as":
@@ -174,16 +194,6 @@ def convert(tokens: list[str]) -> Conversion:
                     c.set("memory.optimizer.kind", kind)
                 else:
                     c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW and AdamW8bit today"))
-            elif name == "train_batch_size":
-                c.set("train.batch_size", int(v))
-            elif name == "learning_rate":
-                c.set("train.learning_rate", _num(v))
-            elif name in ("learning_rate_te1", "learning_rate_te2"):
-                c.set(f"full.{name}", _num(v))
-            elif name == "max_train_epochs":
-                c.set("train.epochs", int(v))
-            elif name == "max_train_steps":
-                c.set("train.max_steps", int(v))
             elif name == "train_text_encoder":
                 c.set("full.train_text_encoder_1", True)
                 c.set("full.train_text_encoder_2", True)
@@ -209,18 +219,8 @@ def convert(tokens: list[str]) -> Conversion:
                 w, _, h = str(v).partition(",")
                 side = int(math.isqrt(int(w) * int(h or w)))
                 c.set("data.resolution", side - side % 64 or 64)
-            elif name == "min_bucket_reso":
-                c.set("data.min_side", int(v))
-            elif name == "max_bucket_reso":
-                c.set("data.max_side", int(v))
-            elif name == "bucket_reso_steps":
-                c.set("data.bucket_step", int(v))
             elif name == "bucket_no_upscale":
                 c.set("data.no_upscale", True)
-            elif name == "seed":
-                c.set("train.seed", int(v))
-            elif name == "gradient_accumulation_steps":
-                c.set("train.grad_accum", int(v))
             elif name == "lr_scheduler":
                 if v in SCHEDULERS:
                     c.set("train.lr_scheduler", v)
@@ -230,16 +230,6 @@ def convert(tokens: list[str]) -> Conversion:
                 c.set("train.warmup_steps", int(float(v)))
             elif name == "max_grad_norm":
                 c.set("train.max_grad_norm", _num(v) or None)
-            elif name == "noise_offset":
-                c.set("train.noise_offset", _num(v))
-            elif name == "min_snr_gamma":
-                c.set("train.min_snr_gamma", _num(v))
-            elif name == "network_dim":
-                c.set("lora.rank", int(v))
-            elif name == "network_alpha":
-                c.set("lora.alpha", _num(v))
-            elif name == "network_dropout":
-                c.set("lora.dropout", _num(v))
             elif name == "network_module":
                 if v != "networks.lora":
                     c.unmapped.append((f"--{name}={v}", "difftrain trains plain LoRA (networks.lora) today"))

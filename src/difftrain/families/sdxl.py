@@ -96,11 +96,6 @@ class SDXL:
             return "pickle", p
         raise ModelLoadError(f"Unrecognised model file {p.name}.", hint="Use a .safetensors checkpoint or a diffusers folder.")
 
-    def configs(self, mcfg: ModelConfig) -> dict[str, dict]:
-        kind, p = self._source(mcfg)
-        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config)
-        return {part: _read_json(base / part / "config.json") for part in PARTS}
-
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
         kind, p = self._source(mcfg)
         base = p if kind == "diffusers" else bundled_config_dir(mcfg.config)
