@@ -302,6 +302,25 @@ class SDXL:
             "encode_captions": any(p.startswith("text_encoder") for p in trained),
         }
 
+    # ------------------------------------------------------------ random stand-ins (benchmarks)
+    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0) -> Path:
+        """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's."""
+        cfgdir = bundled_config_dir(config_name)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            comps = {part: _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in PARTS}
+        return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
+                                     dtype=torch.float16)
+
+    def cache_shapes(self, config_name: str, resolution: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of one cached item at the largest (square) bucket: what precompute would store."""
+        cfgdir = bundled_config_dir(config_name)
+        te1, te2 = (_read_json(cfgdir / p / "config.json") for p in ("text_encoder", "text_encoder_2"))
+        latent_channels = _read_json(cfgdir / "vae" / "config.json")["latent_channels"]
+        side = resolution // 8
+        return {"latents": (latent_channels, side, side), "prompt_embeds": (77, te1["hidden_size"] + te2["hidden_size"]),
+                "pooled_prompt_embeds": (te2["projection_dim"],)}
+
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights, memoised by file path, size and mtime."""
