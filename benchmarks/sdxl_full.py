@@ -46,49 +46,27 @@ TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"  # CPU smoke test of this s
 
 
 def build_model(work: Path) -> Path:
-    import torch
-
-    from difftrain.families.sdxl import PARTS, SDXL, _new_module, _read_json, bundled_config_dir
+    """The random full-size SDXL single file (difftrain's own stand-in, as `bench memory` uses)."""
+    from difftrain.families.sdxl import SDXL
 
     path = work / "sdxl_random.safetensors"
-    if path.exists():
-        return path
-    cfgdir = bundled_config_dir("sdxl-tiny" if TINY else "sdxl-base-1.0")
-    torch.manual_seed(0)
-    comps = {}
-    t = time.time()
-    with torch.device("cpu" if TINY else "cuda"):
-        for part in PARTS:
-            comps[part] = _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16)
-    counts = {p: sum(x.numel() for x in m.parameters()) for p, m in comps.items()}
-    SDXL().save_single_file({p: m.state_dict() for p, m in comps.items()}, SDXL.module_configs(comps), path, dtype=torch.float16)
-    print(f"built random SDXL {counts} -> {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.time() - t:.0f}s", flush=True)
+    if not path.exists():
+        t = time.time()
+        SDXL().build_random("sdxl-tiny" if TINY else "sdxl-base-1.0", path, device="cpu" if TINY else "cuda")
+        print(f"built random SDXL -> {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.time() - t:.0f}s", flush=True)
     return path
 
 
-def build_cache(work: Path, n: int = 4) -> Path:
-    import torch
+def build_cache(work: Path) -> Path:
+    """A cache of random latents and embeddings of the real shapes, and stand-in tokenizers in work/tok."""
+    from difftrain.bench import synthetic_cache, synthetic_tokenizers
+    from difftrain.config.load import resolve
 
-    from difftrain.data.cache import DataCache
-    from difftrain.families.tokenizers import tiny_clip_vocab
-
+    synthetic_tokenizers(work / "tok")
     cache_dir = work / "cache"
-    if (cache_dir / "index.json").exists():
-        return cache_dir
-    tiny_clip_vocab(work / "tok" / "tokenizer")
-    tiny_clip_vocab(work / "tok" / "tokenizer_2", pad_token="!")
-    cache = DataCache(cache_dir)
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for i in range(n):
-        lk, tk = f"lat{i}", f"txt{i}"
-        side, width, pooled = (16, 64, 32) if TINY else (128, 2048, 1280)
-        cache.put(lk, {"latents": torch.randn(4, side, side, generator=g), "crop": torch.tensor([0, 0])})
-        cache.put(tk, {"prompt_embeds": torch.randn(77, width, generator=g), "pooled_prompt_embeds": torch.randn(pooled, generator=g)})
-        items.append({"key": f"img{i}", "image": f"img{i}.png", "caption": f"a photo of a cat number {i}, sitting on a red sofa",
-                      "bucket": [1024, 1024], "original_size": [1024, 1024], "latent": lk, "text": tk})
-    cache.flush()
-    cache.write_json("index.json", {"family": "sdxl", "items": items})
+    if not (cache_dir / "index.json").exists():
+        sets = ["model.config=sdxl-tiny", "data.resolution=128", "data.min_side=64"] if TINY else ["data.resolution=1024"]
+        synthetic_cache(resolve(sets=sets).config, cache_dir)
     return cache_dir
 
 

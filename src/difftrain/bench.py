@@ -34,6 +34,14 @@ class BenchResult:
     stats: dict = field(default_factory=dict)
 
 
+def synthetic_tokenizers(folder: Path) -> Path:
+    """Offline stand-ins for the CLIP tokenizers a single file lacks (ids fit any CLIP vocabulary)."""
+    if not (folder / "tokenizer_2").exists():
+        tiny_clip_vocab(folder / "tokenizer")
+        tiny_clip_vocab(folder / "tokenizer_2", pad_token="!")
+    return folder
+
+
 def synthetic_cache(cfg: Config, root: Path, n: int = 4) -> Path:
     family = get_family(cfg.family)
     shapes = family.cache_shapes(cfg.model.config, cfg.data.resolution)
@@ -67,10 +75,7 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6) -> BenchResult:
 
                 gc.collect()
                 torch.cuda.empty_cache()
-        tok = work / "tokenizers"
-        if not (tok / "tokenizer_2").exists():
-            tiny_clip_vocab(tok / "tokenizer")
-            tiny_clip_vocab(tok / "tokenizer_2", pad_token="!")
+        tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
     cache_dir = synthetic_cache(cfg, work / f"cache-{cfg.data.resolution}")
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})

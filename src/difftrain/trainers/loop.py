@@ -33,7 +33,7 @@ from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_weights, apply_weights_before_adapters, load_device, make_optimizer,
                            weights_dtype)
 from .ema import EMA
-from ..utils import atomic_dir, atomic_write_text, pick_device
+from ..utils import atomic_dir, atomic_write_text, pick_device, to_dtype
 from . import checkpoint as ckpt
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
 from .state import load_tree, save_tree
@@ -76,7 +76,7 @@ def _rss_peak_gib() -> float:
 def _peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB GPU"
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+    return f"{_rss_peak_gib():.2f} GiB RSS"
 
 
 def plan_parts(cfg: Config, family) -> tuple[list[str], dict[str, float]]:
@@ -375,12 +375,10 @@ class Trainer:
         Parts that training did not load (the VAE, frozen text encoders) are read
         from the base model for the export and freed after it.
         """
-        from ..utils import DTYPES
-
         sv, fam = self.cfg.save, self.family
         dest = self.out if tag is None else self.out / "saved" / tag
-        dtype = DTYPES[sv.precision]
-        parts = ("unet", "vae", "text_encoder", "text_encoder_2")
+        dtype = to_dtype(sv.precision)
+        parts = (fam.denoiser, fam.image_encoder, *fam.text_encoders)
         missing = [p for p in parts if p not in self.comps]
         extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
         modules = {p: self.comps.get(p, extra.get(p)) for p in parts}
