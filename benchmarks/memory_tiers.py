@@ -36,11 +36,20 @@ CASES = {
     "L7": ("LoRA r16, int8 weights (bnb), checkpointing", LORA + ["memory.weights={kind: int8}", "memory.activations.kind=checkpoint"]),
     "L8": ("LoRA r16, int8 weights (bnb, outlier threshold 6), checkpointing", LORA + [
         "memory.weights={kind: int8, outlier_threshold: 6.0}", "memory.activations.kind=checkpoint"]),
+    "L9": ("LoRA r16, bf16, checkpointing, block swap (all 87 blocks)", LORA + [
+        "memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
+    "L10": ("LoRA r16, fp8 weights, checkpointing, block swap (all 87 blocks)", LORA + [
+        "memory.weights={kind: fp8}", "memory.activations.kind=checkpoint", "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
+    "L11": ("LoRA r16, bf16, no checkpointing, block swap (43 blocks)", LORA + [
+        "memory.weights.kind=bf16", "memory.activations.kind=none", "memory.offload={kind: block_swap, blocks_to_swap: 43}"]),
     "F1": ("full UNet, bf16, 8-bit AdamW, checkpointing (sdxl-full)", FULL + ["memory.optimizer.kind=adamw8bit"]),
     "F2": ("full UNet, bf16, 8-bit AdamW, checkpointing, fused backward", FULL + ["memory.optimizer.kind=adamw8bit",
                                                                                 "memory.fused_backward=true", "train.max_grad_norm=null"]),
     "F3": ("full UNet, bf16, CPU-offload AdamW (gradients offloaded), checkpointing", FULL + [
         "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null"]),
+    "F5": ("full UNet, bf16, CPU-offload AdamW, checkpointing, block swap (all 87 blocks)", FULL + [
+        "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
+        "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
     "F4": ("full UNet + both TEs, bf16, 8-bit AdamW, checkpointing", FULL + ["memory.optimizer.kind=adamw8bit", *sf.TE]),
 }
 

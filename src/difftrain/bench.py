@@ -50,12 +50,15 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4) -> Path:
     items = []
     side = cfg.data.resolution
     for i in range(n):
-        lat = {"latents": torch.randn(shapes["latents"], generator=g), "crop": torch.tensor([0, 0])}
-        txt = {k: torch.randn(v, generator=g) for k, v in shapes.items() if k != "latents"}
+        lat = {k: torch.zeros(v, dtype=torch.int64) if k == "crop" else torch.randn(v, generator=g)
+               for k, v in shapes["latent"].items()}
         cache.put(f"lat{i}", lat)
-        cache.put(f"txt{i}", txt)
+        texts = {}
+        for stage in family.enabled_stages(cfg.text_encoders):
+            cache.put(f"{stage}{i}", {k: torch.randn(v, generator=g) for k, v in shapes[stage].items()})
+            texts[stage] = f"{stage}{i}"
         items.append({"key": f"img{i}", "image": f"img{i}.png", "caption": f"a photo of a cat, number {i}",
-                      "bucket": [side, side], "original_size": [side, side], "latent": f"lat{i}", "text": f"txt{i}"})
+                      "bucket": [side, side], "original_size": [side, side], "latent": f"lat{i}", "texts": texts})
     cache.flush()
     cache.write_json("index.json", {"family": family.name, "items": items})
     return root

@@ -27,7 +27,8 @@ def test_cache_shapes_of_the_real_architecture():
     from difftrain.families.sdxl import SDXL
 
     shapes = SDXL().cache_shapes("sdxl-base-1.0", 1024)
-    assert shapes == {"latents": (4, 128, 128), "prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}
+    assert shapes == {"latent": {"latents": (4, 128, 128), "crop": (2,)},
+                      "clip": {"prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}}
 
 
 @pytest.mark.gpu

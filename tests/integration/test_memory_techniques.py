@@ -57,6 +57,21 @@ def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
         assert unet.conv_in.weight.dtype == torch.bfloat16  # the family's high-precision layers stay
 
 
+@pytest.mark.parametrize("ref_name,ref_sets", [
+    ("lora-bf16", LORA_BF16),
+    ("fp8-tensor", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16")),
+])
+def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_sets):
+    _, ref = runs(ref_name, *ref_sets)
+    t, r = runs(ref_name + "-swap", *ref_sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
+    assert r.losses == ref.losses  # the same arithmetic, only copies in between
+    swap = t.block_swap
+    assert len(swap.swapped) == 6 and not swap.resident  # all swapped blocks back home after the run
+    assert all(p.device.type == "cpu" for i in swap.swapped for p in swap.params[i])
+    lora = [p for p in t.comps["unet"].parameters() if p.requires_grad]
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+
+
 def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
     t_all, _ = runs("checkpoint-all", *LORA_BF16, "memory.activations={kind: checkpoint}")
     t_two, _ = runs("checkpoint-every-2", *LORA_BF16, "memory.activations={kind: checkpoint, every: 2}")
@@ -92,6 +107,8 @@ def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
       "memory.weights.kind=fp32"), "fp16 overflow"),
     (("memory.fused_backward=true",), "for train.method full"),
     (("memory.optimizer.kind=cpu_offload",), "does not clip gradients"),
+    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.weights={kind: nf4}"), "block_swap with memory.weights nf4"),
+    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "train.method=full"), "optimizer must step there"),
     (("memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null", "train.grad_accum=2"),
      "cannot accumulate"),
 ])

@@ -40,6 +40,28 @@ def test_terms_by_hand():
     assert e.gpu["optimizer state"] == 0 and e.host["optimizer state"] * GIB == pytest.approx(1000 * 16)
 
 
+def test_block_swap_terms_by_hand():
+    units = [300, 200, 100, 100]  # parameters per block, of the denoiser's 1000
+    h = _hints(swap_units=units, denoiser="unet")
+    base = resolve(sets=["memory.weights.kind=bf16"]).config
+    swap = resolve(sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 3}"]).config
+    e0, e = estimate(base, h), estimate(swap, h)
+    # the 3 largest (600 params) leave the GPU; 2 of them (prefetch 1 + the one computing, the largest: 300) come back
+    assert (e0.gpu["weights"] - e.gpu["weights"]) * GIB == pytest.approx(600 * 2 - 2 * 300 * 2)
+    assert e.host["swapped blocks (pinned)"] * GIB == pytest.approx(600 * 2)
+    more = resolve(sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 1}"]).config
+    assert (e0.gpu["weights"] - estimate(more, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 2 * 300 * 2)
+
+
+def test_plan_search_offers_block_swap_below_what_fp8_reaches(cli):
+    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "2GiB")
+    assert r.code == 0, r
+    assert "block_swap" in r.out
+    sets = [line.split(" ", 1)[1].strip("'") for line in r.out.splitlines()]
+    cfg = resolve(recipe="sdxl-lora-8gb", sets=sets).config
+    assert plan_memory(cfg).gpu_reserved <= 2.0
+
+
 # measured on an H200 with benchmarks/memory_tiers.py (docs/benchmarks.md): peak allocated GiB per case
 MEASURED = {
     "L1": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=checkpoint"], 5.853),

@@ -48,7 +48,7 @@ def plan(
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..trainers.loop import plan_memory
+    from ..trainers.loop import memory_hints, plan_memory
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config
@@ -60,7 +60,7 @@ def plan(
         return
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
     fits = []
-    for override in candidates(cfg):
+    for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", []))):
         try:
             c = resolve(recipe=recipe, config_file=config, sets=set_, extra=override).config
         except ConfigError:

@@ -21,9 +21,10 @@ class Strict(BaseModel):
 # ----------------------------------------------------------------- model
 class ModelConfig(Strict):
     path: Optional[Path] = Field(None, description="diffusers folder or single-file checkpoint")
-    config: str = Field(
-        "sdxl-base-1.0",
-        description="bundled architecture config used for single-file checkpoints (offline)",
+    config: Optional[str] = Field(
+        None,
+        description="bundled architecture config used for single-file checkpoints (offline); "
+        "default: the family's base model (sdxl-base-1.0, sd3-medium)",
     )
     tokenizer_path: Optional[Path] = Field(
         None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
@@ -69,6 +70,31 @@ class PrecomputeConfig(Strict):
     batch_size: int = Field(4, ge=1)
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     shard_max_mb: int = Field(512, ge=1)
+
+
+class T5Options(Strict):
+    """SD3's T5-XXL: the largest encoder, used only at precompute time (its embeddings are cached)."""
+
+    precision: Literal["int8", "nf4", "bf16", "fp16", "fp32"] = Field(
+        "int8", description="int8/nf4 through bitsandbytes (CUDA only): about 5.5 / 3 GB instead of 11 GB in bf16"
+    )
+    max_length: int = Field(256, ge=77, le=512, description="T5 tokens per caption (SD3 was trained with 256)")
+    enabled: bool = Field(True, description="false: T5 is never loaded and its embeddings are zeros (SD3 allows it)")
+
+
+class TextEncodersConfig(Strict):
+    t5: T5Options = Field(default_factory=T5Options)
+
+
+class FlowConfig(Strict):
+    """Rectified-flow training (SD3): how timesteps are drawn and how the loss is weighted (diffusers' names)."""
+
+    timestep_sampling: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = Field(1.29, description="for timestep_sampling: mode")
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    shift: Optional[float] = Field(None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)")
 
 
 # ----------------------------------------------------------------- LoRA
@@ -150,6 +176,14 @@ class OffloadNone(Strict):
     kind: Literal["none"] = "none"
 
 
+class OffloadBlockSwap(Strict):
+    """Keep the largest ``blocks_to_swap`` denoiser blocks in pinned host RAM, streamed in as each is needed."""
+
+    kind: Literal["block_swap"] = "block_swap"
+    blocks_to_swap: int = Field(ge=1, description="how many blocks live in host RAM (more: less GPU memory, more copying)")
+    prefetch: int = Field(1, ge=1, description="blocks copied ahead of the one computing")
+
+
 class EngineSingle(Strict):
     kind: Literal["single"] = "single"
 
@@ -174,7 +208,7 @@ class WeightsInt8(Strict):
 Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, WeightsNF4, WeightsInt8], Field(discriminator="kind")]
 Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
-Offload = Annotated[Union[OffloadNone], Field(discriminator="kind")]
+Offload = Annotated[Union[OffloadNone, OffloadBlockSwap], Field(discriminator="kind")]
 Engine = Annotated[Union[EngineSingle], Field(discriminator="kind")]
 
 
@@ -247,9 +281,14 @@ class TrainConfig(Strict):
         return "no" if v is False else v  # YAML reads a bare `no` as false
 
 
+DEFAULT_ARCHITECTURE = {"sdxl": "sdxl-base-1.0", "sd3": "sd3-medium"}
+
+
 class Config(Strict):
-    family: Literal["sdxl"] = "sdxl"
+    family: Literal["sdxl", "sd3"] = "sdxl"
     model: ModelConfig = Field(default_factory=ModelConfig)
+    text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -261,6 +300,8 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _combinations(self):
+        if self.model.config is None:
+            self.model.config = DEFAULT_ARCHITECTURE[self.family]
         if self.train.warmup_steps and self.train.lr_scheduler == "constant":
             raise ValueError(
                 "train.warmup_steps is set but train.lr_scheduler is 'constant', which ignores it: "
@@ -289,6 +330,17 @@ class Config(Strict):
                 raise ValueError("memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16")
             if m.optimizer.kind == "cpu_offload":
                 raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
+        if m.offload.kind == "block_swap":
+            if m.weights.kind in ("nf4", "int8"):
+                raise ValueError(f"memory.offload block_swap with memory.weights {m.weights.kind}: bitsandbytes' quantized "
+                                 "weights cannot be moved between devices layer by layer; use memory.weights fp8 or bf16")
+            if t.method == "full" and not (m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients):
+                raise ValueError("memory.offload block_swap with train.method full: the swapped blocks' weights live in host "
+                                 "RAM, so their optimizer must step there: set memory.optimizer "
+                                 "{kind: cpu_offload, offload_gradients: true} (and train.max_grad_norm: null)")
+            if t.method == "full" and self.ema.enabled and self.ema.device != "cpu":
+                raise ValueError("memory.offload block_swap with ema on the GPU: the swapped weights live in host RAM; "
+                                 "set ema.device: cpu")
         if m.optimizer.kind == "cpu_offload":
             if t.max_grad_norm:
                 raise ValueError(

@@ -15,21 +15,33 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ..config.schema import ModelConfig
+from ..config.schema import ModelConfig, TextEncodersConfig
 
 
 class ModelFamily(Protocol):
     name: str
     image_encoder: str  # the part precompute encodes pixels with
     text_encoders: tuple[str, ...]  # the parts precompute encodes captions with
+    #: precompute loads each group of text encoders on its own, encodes every caption, frees it:
+    #: peak memory is that of the largest group. Each stage is cached under its own key.
+    text_stages: dict[str, tuple[str, ...]]
     denoiser: str  # the part training always runs
+    #: the training objective: "ddpm" (epsilon / v-prediction, from the scheduler config)
+    #: or "flow" (rectified flow: x_t = (1 - s) x0 + s noise, target noise - x0)
+    objective: str
     default_lora_targets: list[str]
     text_encoder_lora_targets: list[str]
+    trainable_text_encoders: tuple[str, ...]  # what train_text_encoders / full.train_text_encoder_N may train
     high_precision_modules: dict[str, tuple[str, ...]]  # per part: layers that stay out of fp8/nf4/int8
 
     # loading
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
-        """Load the named parts (and what they need: tokenizers) on ``device``."""
+    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str,
+             precision: dict[str, str] | None = None) -> dict[str, Any]:
+        """Load the named parts (and what they need: tokenizers) on ``device``.
+
+        ``precision`` may name a storage precision per part that differs from
+        ``dtype`` (SD3's T5: "int8" | "nf4" through bitsandbytes, or a float type).
+        """
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights for cache keys; ``memo`` (file stat -> hash) makes reruns cheap."""
@@ -41,21 +53,33 @@ class ModelFamily(Protocol):
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], [B, 3, H, W] -> scaled latents [B, C, h, w]."""
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
-        """captions -> named per-item tensors (batch first)."""
+    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str,
+                       options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+        """captions -> named per-item tensors (batch first) of one text stage (its encoders loaded in ``comps``)."""
+
+    def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
+        """What besides weights and dtype decides a stage's output (T5 precision, length): part of its cache key."""
+
+    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
+        """The ``precision`` argument ``load`` gets for one text stage (None: the precompute dtype)."""
+
+    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
+        """The text stages that run (SD3 without T5: its embeddings are zeros, the encoder never loads)."""
+
+    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One sample's non-text denoiser inputs (SDXL: time ids) from its index item and latent cache entry."""
+
+    def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+        """Batched outputs of each enabled text stage (cached, or encoded on the fly when one of its encoders
+        trains) -> the text conditioning the denoiser takes ("prompt_embeds", "pooled_prompt_embeds")."""
 
     # training
-    def tokenize(self, comps: dict[str, Any], captions: list[str]) -> tuple[torch.Tensor, ...]:
-        """Token ids for each text encoder (for on-the-fly encoding when a text encoder trains)."""
-
-    def encode_tokens(self, comps: dict[str, Any], *ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Token ids -> the conditioning tensors the denoiser takes (differentiable)."""
-
-    def time_ids(self, original_hw, crop_tl, target_hw) -> torch.Tensor:
-        """Per-sample micro-conditioning (SDXL) from the cached sizes and crop."""
-
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run the denoiser on a batch of cached conditioning."""
+        """Run the denoiser on a batch of conditioning (``timesteps``: integer steps for ddpm,
+        sigma * 1000 as floats for flow)."""
+
+    def swap_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The denoiser's repeated blocks, in forward order: what block swap may keep in host memory."""
 
     def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
                      loaded: list[str], trained: list[str], method: str) -> dict:
@@ -78,6 +102,12 @@ class ModelFamily(Protocol):
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig) -> Any:
         """The family's diffusers inference pipeline over loaded components."""
 
-    # tests
+    # tests and benchmarks
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """Write a tiny seeded model in diffusers layout to ``folder``."""
+
+    def build_random(self, config_name: str, path: Path, device: str = "cpu", seed: int = 0) -> Path:
+        """Random weights of a bundled architecture, saved loadable by ``load`` (memory and speed of a real one)."""
+
+    def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Shapes of one cached item at the largest square bucket: {"latent": {...}, <text stage>: {...}}."""

@@ -32,6 +32,10 @@ def bundled_config_dir(name: str) -> Path:
     return Path(str(d))
 
 
+def _arch(mcfg: ModelConfig) -> str:
+    return mcfg.config or "sdxl-base-1.0"
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
@@ -57,9 +61,12 @@ class SDXL:
     name = "sdxl"
     image_encoder = "vae"
     text_encoders = ("text_encoder", "text_encoder_2")
+    text_stages = {"clip": ("text_encoder", "text_encoder_2")}  # both CLIPs together (small)
     denoiser = "unet"
+    objective = "ddpm"
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+    trainable_text_encoders = ("text_encoder", "text_encoder_2")
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8
     #: (the UNet's first and last convolutions and the timestep/micro-conditioning embeddings)
     high_precision_modules = {"unet": ("conv_in", "conv_out", "time_embedding*", "add_embedding*")}
@@ -98,7 +105,7 @@ class SDXL:
 
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
         kind, p = self._source(mcfg)
-        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config)
+        base = p if kind == "diffusers" else bundled_config_dir(_arch(mcfg))
         cfg = _read_json(base / "scheduler" / "scheduler_config.json")
         if mcfg.prediction_type:
             cfg["prediction_type"] = mcfg.prediction_type
@@ -128,7 +135,8 @@ class SDXL:
             out[name] = CLIPTokenizer.from_pretrained(base / name)
         return out
 
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu") -> dict[str, Any]:
+    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
+             precision: dict[str, str] | None = None) -> dict[str, Any]:
         kind, p = self._source(mcfg)
         parts = list(parts)
         comps: dict[str, Any] = {}
@@ -167,7 +175,7 @@ class SDXL:
     def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype, device) -> dict[str, Any]:
         from accelerate import init_empty_weights
 
-        configs = {part: _read_json(bundled_config_dir(mcfg.config) / part / "config.json") for part in PARTS}
+        configs = {part: _read_json(bundled_config_dir(_arch(mcfg)) / part / "config.json") for part in PARTS}
         if kind == "single":
             from safetensors import safe_open
 
@@ -190,9 +198,9 @@ class SDXL:
             # RAM never holds more than one tensor beyond the OS page cache of the file
             sds = single_file.original_to_diffusers(lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts)
         except ModelLoadError as e:
-            known = ", ".join(sorted(p.name for p in bundled_config_dir(mcfg.config).parent.iterdir() if p.name.startswith("sdxl")))
+            known = ", ".join(sorted(p.name for p in bundled_config_dir(_arch(mcfg)).parent.iterdir() if p.name.startswith("sdxl")))
             raise ModelLoadError(
-                f"{p.name} does not fit the bundled architecture {mcfg.config!r}: {e.message}",
+                f"{p.name} does not fit the bundled architecture {_arch(mcfg)!r}: {e.message}",
                 hint=f"Set model.config to this checkpoint's architecture (bundled: {known}). {e.hint or ''}".strip(),
             ) from None
         out = {}
@@ -203,7 +211,7 @@ class SDXL:
             missing = [m for m in missing if not m.endswith("position_ids")]
             if missing or unexpected:
                 raise ModelLoadError(
-                    f"{p.name} does not match the bundled config {mcfg.config!r} for {part}: "
+                    f"{p.name} does not match the bundled config {_arch(mcfg)!r} for {part}: "
                     f"missing {missing[:3]}, unexpected {unexpected[:3]}.",
                     hint="Set model.config to the architecture of this checkpoint.",
                 )
@@ -231,7 +239,7 @@ class SDXL:
 
         folder = Path(folder)
         src_kind, src = self._source(mcfg)
-        base = src if src_kind == "diffusers" else bundled_config_dir(mcfg.config)
+        base = src if src_kind == "diffusers" else bundled_config_dir(_arch(mcfg))
         with atomic_dir(folder) as tmp:
             for part in PARTS:
                 (tmp / part).mkdir()
@@ -250,7 +258,7 @@ class SDXL:
             toks = self._tokenizers(src_kind, src, mcfg)
             for name, tok in toks.items():
                 tok.save_pretrained(tmp / name)
-            shutil.copy(bundled_config_dir(mcfg.config) / "model_index.json", tmp / "model_index.json")
+            shutil.copy(bundled_config_dir(_arch(mcfg)) / "model_index.json", tmp / "model_index.json")
         return folder
 
     # ------------------------------------------------------------ memory hints (plain numbers)
@@ -262,8 +270,8 @@ class SDXL:
         if mcfg.path is not None and Path(mcfg.path).is_dir():
             base = Path(mcfg.path)
         else:
-            base = bundled_config_dir(mcfg.config)
-        parts, lora, largest = {}, 0, 0
+            base = bundled_config_dir(_arch(mcfg))
+        parts, lora, largest, swap_units = {}, 0, 0, []
         for part in PARTS:
             if part not in loaded:
                 continue
@@ -287,10 +295,14 @@ class SDXL:
             total = sum(p.numel() for p in module.parameters())
             largest = max([largest] + [p.numel() for p in module.parameters()])
             parts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
-        data_file = bundled_config_dir(mcfg.config) / "memory.json"
+            if part == self.denoiser:
+                swap_units = [sum(p.numel() for p in u.parameters()) for u in self.swap_blocks(module)]
+        data_file = bundled_config_dir(_arch(mcfg)) / "memory.json"
         data = _read_json(data_file) if data_file.exists() else {}
         return {
             "parts": parts,
+            "denoiser": self.denoiser,
+            "swap_units": swap_units,
             "trained_parts": list(trained),
             "lora_params": lora,
             "largest_param": largest,
@@ -312,14 +324,15 @@ class SDXL:
         return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
                                      dtype=torch.float16)
 
-    def cache_shapes(self, config_name: str, resolution: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest (square) bucket: what precompute would store."""
         cfgdir = bundled_config_dir(config_name)
         te1, te2 = (_read_json(cfgdir / p / "config.json") for p in ("text_encoder", "text_encoder_2"))
         latent_channels = _read_json(cfgdir / "vae" / "config.json")["latent_channels"]
         side = resolution // 8
-        return {"latents": (latent_channels, side, side), "prompt_embeds": (77, te1["hidden_size"] + te2["hidden_size"]),
-                "pooled_prompt_embeds": (te2["projection_dim"],)}
+        return {"latent": {"latents": (latent_channels, side, side), "crop": (2,)},
+                "clip": {"prompt_embeds": (77, te1["hidden_size"] + te2["hidden_size"]),
+                         "pooled_prompt_embeds": (te2["projection_dim"],)}}
 
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
@@ -379,15 +392,55 @@ class SDXL:
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str = "clip", options=None) -> dict[str, torch.Tensor]:
         ids1, ids2 = self.tokenize(comps, captions)
         return {k: v.float() for k, v in self.encode_tokens(comps, ids1, ids2).items()}
+
+    def text_stage_tag(self, stage: str, options) -> str:
+        return ""
+
+    def stage_precision(self, stage: str, options) -> None:
+        return None
 
     # ------------------------------------------------------------ training
     @staticmethod
     def time_ids(original_hw, crop_tl, target_hw) -> torch.Tensor:
         """SDXL micro-conditioning: (orig_h, orig_w, crop_top, crop_left, target_h, target_w)."""
         return torch.tensor([*original_hw, *crop_tl, *target_hw], dtype=torch.float32)
+
+    def enabled_stages(self, options) -> list[str]:
+        return ["clip"]
+
+    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        w, h = item["bucket"]
+        return {"time_ids": self.time_ids(item["original_size"], latent_entry["crop"].tolist(), (h, w))}
+
+    def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options=None) -> dict[str, torch.Tensor]:
+        return dict(stages["clip"])
+
+    def swap_blocks(self, unet) -> list[torch.nn.Module]:
+        """The UNet's resnets and transformer layers, in forward order: the units block swap moves.
+
+        The UNet is not a plain stack like a transformer: its levels differ in
+        size (the 1280-channel levels hold ten transformer layers per stack and
+        most of the weights). Each resnet and each transformer layer is one unit,
+        so block swap can keep the largest ones in host memory and stream them
+        one layer at a time; the small projections around them stay resident.
+        """
+        units: list[torch.nn.Module] = []
+        for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+            resnets = list(getattr(block, "resnets", None) or [])
+            stacks = [list(a.transformer_blocks) for a in (getattr(block, "attentions", None) or [])]
+            if block is unet.mid_block:  # resnet, (attention, resnet) * n
+                units.append(resnets[0])
+                for layers, r in zip(stacks, resnets[1:]):
+                    units += layers + [r]
+            else:  # (resnet, attention?) * n
+                for i, r in enumerate(resnets):
+                    units.append(r)
+                    if i < len(stacks):
+                        units += stacks[i]
+        return units
 
     def denoise(self, unet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": batch["time_ids"]}

@@ -81,7 +81,8 @@ class AdamWBF16(torch.optim.Optimizer):
 
 
 def _cuda_only(kind: str, params) -> None:
-    if not all(p.is_cuda for p in params):
+    # block swap keeps some weights in pinned host memory: those count as on the GPU's side
+    if not all(p.is_cuda or p.is_pinned() for p in params) or not any(p.is_cuda for p in params):
         raise BackendUnavailable(f"memory.optimizer {kind} runs on a CUDA GPU only.",
                                  hint="Use memory.optimizer.kind: adamw on this device.")
 
@@ -119,7 +120,11 @@ def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int =
         ao = _import("torchao.optim", "cpu_offload", "torchao")
         _cuda_only("cpu_offload", params)
         # the host-side AdamW runs fused on the CPU; weights stay on the GPU
-        return ao.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True, **common)
+        # with block swap some weights live on the host: every parameter must step there (torchao keeps the
+        # ones under minimal_size on the device by default, which would mix devices in one optimizer)
+        extra = {"minimal_size": 0} if mem.offload.kind == "block_swap" else {}
+        return ao.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True,
+                                      **common, **extra)
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common)

@@ -26,8 +26,9 @@ QUANTIZED = ("fp8", "nf4", "int8")
 
 
 def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
-    """Quantized weights are loaded on the CPU and quantized onto the GPU layer by layer."""
-    return torch.device("cpu") if mem.weights.kind in QUANTIZED else device
+    """Quantized weights are loaded on the CPU and quantized onto the GPU layer by layer;
+    with block swap the swapped blocks never go to the GPU whole."""
+    return torch.device("cpu") if mem.weights.kind in QUANTIZED or mem.offload.kind == "block_swap" else device
 
 
 def apply_weights_before_adapters(mem: MemoryConfig, module: torch.nn.Module, device: torch.device,
@@ -40,14 +41,33 @@ def apply_weights_before_adapters(mem: MemoryConfig, module: torch.nn.Module, de
                 threshold=getattr(mem.weights, "outlier_threshold", 0.0))
 
 
-def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = ()) -> None:
-    """Store the frozen weights as the plan says (fp8: quantize layer by layer onto ``device``), after the adapters."""
+def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = (),
+                  swapped: bool = False) -> None:
+    """Store the frozen weights as the plan says (fp8: quantize layer by layer), after the adapters.
+
+    ``swapped``: the module's blocks will be placed by block swap, so it stays
+    where it is (fp8 quantizes on the CPU then).
+    """
+    target = torch.device("cpu") if swapped else device
     if mem.weights.kind in ("nf4", "int8"):
         module.to(device)  # the bnb layers are already there; the rest follows
     elif mem.weights.kind == "fp8":
         from .fp8 import convert
 
-        convert(module, device, per_channel=mem.weights.scale == "channel", skip=keep)
+        convert(module, target, per_channel=mem.weights.scale == "channel", skip=keep)
+    else:
+        module.to(target)
+
+
+def apply_offload(mem: MemoryConfig, module: torch.nn.Module, units: list[torch.nn.Module], device: torch.device,
+                  full: bool):
+    """Block swap over the family's units (returns the BlockSwap, or None when the plan has none)."""
+    if mem.offload.kind != "block_swap":
+        return None
+    from .block_swap import BlockSwap
+
+    o = mem.offload
+    return BlockSwap(module, units, o.blocks_to_swap, device, prefetch=o.prefetch, swap_trainable=full)
 
 
 def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:

@@ -23,7 +23,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "cpu_offload": (0, 16)}
 # relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
 SPEED = {"checkpoint": 1.6, "checkpoint_every_2": 1.35, "fp8": 1.2, "cpu_offload": 1.6, "fused_backward": 1.0,
-         "adamw8bit": 1.01, "adamw4bit": 1.05}  # 8-bit: a little slower, and an optional engine: loses ties
+         "adamw8bit": 1.01, "adamw4bit": 1.05, "block_swap": 1.5}  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 
 
@@ -56,6 +56,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     trained_parts = hints["trained_parts"]
     weights = 0.0
     trainable = 0
+    part_bytes = {}
     for name, p in parts.items():
         if not p.get("loaded", True):
             continue
@@ -63,11 +64,22 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         if wk in ("fp8", "nf4", "int8") and not full_trained:
             # fp8: Linear and Conv2d; bitsandbytes: Linear only (nf4 ~0.53 bytes with double-quantized scales)
             q = p["fp8_eligible"] if wk == "fp8" else p.get("linear", p["fp8_eligible"])
-            weights += q * {"fp8": 1, "nf4": 0.53, "int8": 1}[wk] + (p["total"] - q) * BYTES[compute]
+            part_bytes[name] = q * {"fp8": 1, "nf4": 0.53, "int8": 1}[wk] + (p["total"] - q) * BYTES[compute]
         else:
-            weights += p["total"] * BYTES[compute]
+            part_bytes[name] = p["total"] * BYTES[compute]
+        weights += part_bytes[name]
         if full_trained:
             trainable += p["total"]
+    swapped_bytes = 0.0
+    if m.offload.kind == "block_swap" and hints.get("swap_units"):
+        # the N largest units live in host RAM; prefetch + 1 of them are on the GPU at a time
+        den = hints["denoiser"]
+        per_param = part_bytes[den] / parts[den]["total"]
+        units = sorted(hints["swap_units"], reverse=True)[: m.offload.blocks_to_swap]
+        swapped_bytes = sum(units) * per_param
+        weights -= swapped_bytes - min(len(units), m.offload.prefetch + 1) * units[0] * per_param
+    elif m.offload.kind == "block_swap":
+        e.notes.append("no block list for this architecture: block swap not counted")
     if t.method == "lora":
         trainable = hints["lora_params"]
         weights += trainable * 4  # LoRA weights are kept in fp32
@@ -105,9 +117,12 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     # host
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
     e.host["optimizer state"] = trainable * host_state / GIB
-    if wk in ("fp8", "nf4", "int8"):
-        e.host["load (one high-precision copy, freed)"] = sum(
-            p["total"] for p in parts.values() if p.get("loaded", True)) * BYTES[compute] / GIB
+    if swapped_bytes:
+        e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
+    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
+        # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
+        load = sum(p["total"] for p in parts.values() if p.get("loaded", True)) * BYTES[compute]
+        e.host["load (one high-precision copy, freed)"] = max(0.0, load - swapped_bytes) / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":
         e.host["EMA"] = trainable * 4 / GIB
     elif cfg.ema.enabled:
@@ -123,11 +138,16 @@ def speed_cost(cfg: Config) -> float:
     if m.weights.kind == "fp8":
         c *= SPEED["fp8"]
     c *= SPEED.get(m.optimizer.kind, 1.0)
+    if m.offload.kind == "block_swap":
+        c *= SPEED["block_swap"]
     return c
 
 
-def candidates(cfg: Config) -> list[dict]:
-    """Overrides worth trying, as nested dicts (each validated before use)."""
+def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
+    """Overrides worth trying, as nested dicts (each validated before use).
+
+    ``swap_units``: how many blocks the denoiser has for block swap (0: none tried).
+    """
     full = cfg.train.method == "full"
     weights = [{"kind": "bf16"}] if full else [{"kind": "bf16"}, {"kind": "fp8"}]
     acts = [{"kind": "none"}, {"kind": "checkpoint", "every": 2}, {"kind": "checkpoint", "every": 1}]
@@ -136,11 +156,17 @@ def candidates(cfg: Config) -> list[dict]:
     if full:
         opts.append({"kind": "cpu_offload", "offload_gradients": True})
         extra.append({"fused_backward": True})
+    offloads = [{"kind": "none"}]
+    if swap_units:  # half or all of the blocks in host RAM
+        offloads += [{"kind": "block_swap", "blocks_to_swap": max(1, swap_units // 2)},
+                     {"kind": "block_swap", "blocks_to_swap": swap_units}]
     out = []
-    for w, a, o, x in itertools.product(weights, acts, opts, extra):
+    for w, a, o, x, off in itertools.product(weights, acts, opts, extra, offloads):
         if x and o["kind"] == "cpu_offload":
             continue
         mem = {"weights": w, "activations": a, "optimizer": o, **x}
+        if off["kind"] != "none":
+            mem["offload"] = off
         train = {"max_grad_norm": None} if (x or o["kind"] == "cpu_offload") else {}
         out.append({"memory": mem, "train": train} if train else {"memory": mem})
     return out

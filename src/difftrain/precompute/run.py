@@ -63,9 +63,16 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
 
     memo = cache.read_json("fingerprints.json", {})
     vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
-    te_fp = sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_encoders))
-    cache.write_json("fingerprints.json", memo)
     pc = cfg.precompute
+    opts = cfg.text_encoders
+    stages = family.enabled_stages(opts)
+    # each text stage has its own key: a changed T5 precision re-encodes T5 only
+    stage_fp = {
+        s: sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]), pc.text_encoder_dtype,
+                       family.text_stage_tag(s, opts))
+        for s in stages
+    }
+    cache.write_json("fingerprints.json", memo)
     crop_mode = "random" if d.random_crop else "center"
 
     plan = []
@@ -77,8 +84,8 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
             continue
         img_hash = sha256_file(r.path)
         lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash)
-        tkey = sha256_text("text", family.name, te_fp, pc.text_encoder_dtype, r.caption)
-        plan.append({"record": r, "bucket": bucket, "latent": lkey, "text": tkey, "image_sha256": img_hash})
+        tkeys = {s: sha256_text("text", family.name, s, stage_fp[s], r.caption) for s in stages}
+        plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash})
 
     device = pick_device(pc.device)
     missing_lat = set(cache.missing(p["latent"] for p in plan))
@@ -130,23 +137,34 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     report.latents_encoded = len({p["latent"] for p in plan if p["latent"] in missing_lat})
     report.latents_reused = len(plan) - sum(p["latent"] in missing_lat for p in plan)
 
-    missing_txt = cache.missing(p["text"] for p in plan)
-    if missing_txt:
-        comps = family.load(cfg.model, list(family.text_encoders), dtype=to_dtype(pc.text_encoder_dtype), device=device)
-        caption_of = {p["text"]: p["record"].caption for p in plan}
+    # text stages one after another: only one stage's encoders are loaded at a time
+    caption_of = {}
+    for p in plan:
+        for s_, k in p["texts"].items():
+            caption_of[k] = p["record"].caption
+    all_keys = set(caption_of)
+    for stage in stages:
+        keys = sorted({p["texts"][stage] for p in plan})
+        missing_txt = cache.missing(keys)
+        report.texts_encoded += len(missing_txt)
+        if not missing_txt:
+            continue
+        comps = family.load(cfg.model, list(family.text_stages[stage]), dtype=to_dtype(pc.text_encoder_dtype), device=device,
+                            precision=family.stage_precision(stage, opts))
         with progress() as bar, torch.no_grad():
-            task = bar.add_task("encoding captions", total=len(missing_txt))
+            task = bar.add_task(f"encoding captions ({stage})", total=len(missing_txt))
             for i in range(0, len(missing_txt), pc.batch_size):
-                keys = missing_txt[i : i + pc.batch_size]
-                out = family.encode_prompts(comps, [caption_of[k] for k in keys])
-                for j, k in enumerate(keys):
-                    cache.put(k, {name: t[j] for name, t in out.items()})
-                bar.advance(task, len(keys))
+                chunk = missing_txt[i : i + pc.batch_size]
+                out = family.encode_prompts(comps, [caption_of[k] for k in chunk], stage, opts)
+                for j, k in enumerate(chunk):
+                    cache.put(k, {name: t[j].float().cpu() for name, t in out.items()})
+                bar.advance(task, len(chunk))
         cache.flush()
         del comps
         gc.collect()
-    report.texts_encoded = len(missing_txt)
-    report.texts_reused = len({p["text"] for p in plan}) - len(missing_txt)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report.texts_reused = len(all_keys) - report.texts_encoded
 
     for path, why in report.skipped:
         warn(f"skipped {path}: {why}")
@@ -169,7 +187,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
                 "bucket": [bw, bh],
                 "original_size": [r.height, r.width],
                 "latent": p["latent"],
-                "text": p["text"],
+                "texts": p["texts"],
             }
         )
         report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1
@@ -179,7 +197,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
             "family": family.name,
             "model": str(cfg.model.path),
             "vae": vae_fp,
-            "text_encoders": te_fp,
+            "text_stages": stage_fp,
             "vae_dtype": pc.vae_dtype,
             "text_encoder_dtype": pc.text_encoder_dtype,
             "items": items,

@@ -30,7 +30,8 @@ from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..errors import CacheMismatch, CheckpointError, DifftrainError
 from ..families.registry import get_family
-from ..memory.plan import (apply_activations, apply_weights, apply_weights_before_adapters, load_device, make_optimizer,
+from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
+                           make_optimizer,
                            weights_dtype)
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device, to_dtype
@@ -80,35 +81,72 @@ def _peak_memory(device: torch.device) -> str:
 
 
 def plan_parts(cfg: Config, family) -> tuple[list[str], dict[str, float]]:
-    """Which parts training loads, and the learning rate of each trained part."""
+    """Which parts training loads, and the learning rate of each trained part.
+
+    A text stage runs on the fly when one of its encoders trains; the other
+    stages come from the cache (SD3 trains CLIP LoRA over cached T5 embeddings).
+    """
     t = cfg.train
-    te1, te2 = family.text_encoders
+    te = family.trainable_text_encoders
+    lrs = {}
     if t.method == "lora":
-        lrs = {family.denoiser: t.learning_rate}
+        lrs[family.denoiser] = t.learning_rate
         if t.train_text_encoders:
-            lrs.update({te1: t.learning_rate, te2: t.learning_rate})
+            lrs.update({p: t.learning_rate for p in te})
     else:
         f = cfg.full
-        lrs = {}
         if f.train_unet:
             lrs[family.denoiser] = t.learning_rate
         if f.train_text_encoder_1:
-            lrs[te1] = f.learning_rate_te1 or t.learning_rate
+            lrs[te[0]] = f.learning_rate_te1 or t.learning_rate
         if f.train_text_encoder_2:
-            lrs[te2] = f.learning_rate_te2 or t.learning_rate
-    encode_on_the_fly = te1 in lrs or te2 in lrs
-    parts = [family.denoiser] + ([te1, te2] if encode_on_the_fly else [])
+            lrs[te[1]] = f.learning_rate_te2 or t.learning_rate
+    parts = [family.denoiser] + [p for s in live_stages(cfg, family, lrs) for p in family.text_stages[s]]
     return parts, lrs
+
+
+def live_stages(cfg: Config, family, lrs: dict) -> list[str]:
+    """The text stages encoded each step (one of their encoders trains)."""
+    return [s for s in family.enabled_stages(cfg.text_encoders) if any(p in lrs for p in family.text_stages[s])]
+
+
+def sample_sigmas(flow, n: int, shift: float, gen: torch.Generator, device) -> torch.Tensor:
+    """Noise levels in (0, 1) drawn as diffusers' SD3 scripts and sd-scripts do, then shifted.
+
+    logit_normal: sigmoid of N(mean, std); mode: 1 - u - scale (cos^2(pi u / 2) - 1 + u)
+    (Esser et al. 2024, eq. 20); uniform: u. Shift: s' = shift s / (1 + (shift - 1) s).
+    """
+    if flow.timestep_sampling == "logit_normal":
+        u = torch.sigmoid(flow.logit_mean + flow.logit_std * torch.randn(n, generator=gen, device=device))
+    else:
+        u = torch.rand(n, generator=gen, device=device)
+        if flow.timestep_sampling == "mode":
+            u = 1 - u - flow.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    u = u.clamp(1e-5, 1 - 1e-5)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def flow_loss_weight(kind: str, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """SD3's loss weightings (diffusers' compute_loss_weighting_for_sd3)."""
+    if kind == "sigma_sqrt":
+        return sigmas.float() ** -2.0
+    if kind == "cosmap":
+        bot = 1 - 2 * sigmas + 2 * sigmas**2
+        return 2 / (math.pi * bot)
+    return None
+
+
+def memory_hints(cfg: Config) -> dict:
+    family = get_family(cfg.family)
+    parts, lrs = plan_parts(cfg, family)
+    return family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method)
 
 
 def plan_memory(cfg: Config):
     """The planner's estimate for a config: no weight is loaded."""
     from ..memory.planner import estimate
 
-    family = get_family(cfg.family)
-    parts, lrs = plan_parts(cfg, family)
-    hints = family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method)
-    return estimate(cfg, hints)
+    return estimate(cfg, memory_hints(cfg))
 
 
 class Trainer:
@@ -142,12 +180,17 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.cache, self.items = self._load_index()
         parts, lrs = plan_parts(cfg, self.family)
-        self.encode_captions = len(parts) > 1
-        if self.encode_captions:
-            info("text encoders are trained: captions are encoded on the fly each step; the cached text embeddings are not used")
+        self.live_stages = live_stages(cfg, self.family, lrs)
+        if self.live_stages:
+            info(f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
+                 "those cached embeddings are not used")
+        precision = {}
+        for stage in self.live_stages:
+            precision.update(self.family.stage_precision(stage, cfg.text_encoders) or {})
         self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory),
-                                      device=load_device(cfg.memory, self.device))
+                                      device=load_device(cfg.memory, self.device), precision=precision or None)
         self.trained: dict[str, torch.nn.Module] = {}
+        self.block_swap = None
         groups = []
         for part in parts:
             module = self.comps[part]
@@ -169,7 +212,15 @@ class Trainer:
             # checkpointing pays on every module that backward runs through
             if part in lrs or part == self.family.denoiser:
                 apply_activations(cfg.memory, module)
-            apply_weights(cfg.memory, module, self.device, keep=keep)
+            swapped = part == self.family.denoiser and cfg.memory.offload.kind == "block_swap"
+            apply_weights(cfg.memory, module, self.device, keep=keep, swapped=swapped)
+            if swapped:
+                if self.device.type != "cuda":
+                    warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
+                self.block_swap = apply_offload(cfg.memory, module, self.family.swap_blocks(module), self.device,
+                                                full=part in lrs and t.method == "full")
+                info(f"block swap: {len(self.block_swap.swapped)} of {len(self.block_swap.units)} blocks of {part} "
+                     f"({self.block_swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM")
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
@@ -188,6 +239,8 @@ class Trainer:
             t.lr_scheduler, self.optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=self.total_steps
         )
         self.noise_scheduler = self.family.training_scheduler(cfg.model)
+        if self.family.objective == "flow":
+            self.flow_shift = cfg.flow.shift or float(self.noise_scheduler.config.get("shift", 1.0))
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.mixed_precision)
         self.compute_dtype = weights_dtype(cfg.memory)  # inputs match the (non-fp8) weights
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.mixed_precision == "fp16")
@@ -198,26 +251,20 @@ class Trainer:
 
     # ---------------------------------------------------------------- data
     def _batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
-        lat, emb, pooled, time_ids, captions = [], [], [], [], []
-        for i in idx:
-            it = self.items[i]
-            le = self.cache.get(it["latent"])
-            lat.append(le["latents"])
-            w, h = it["bucket"]
-            time_ids.append(self.family.time_ids(it["original_size"], le["crop"].tolist(), (h, w)))
-            if not self.encode_captions:
-                te = self.cache.get(it["text"])
-                emb.append(te["prompt_embeds"])
-                pooled.append(te["pooled_prompt_embeds"])
-            captions.append(it["caption"])
-        dev = self.device
-        batch = {"latents": torch.stack(lat).to(dev), "time_ids": torch.stack(time_ids).to(dev)}
-        if emb:
-            batch["prompt_embeds"] = torch.stack(emb).to(dev)
-            batch["pooled_prompt_embeds"] = torch.stack(pooled).to(dev)
-        else:
-            ids1, ids2 = self.family.tokenize(self.comps, captions)
-            batch.update(self.family.encode_tokens(self.comps, ids1, ids2))
+        fam, dev = self.family, self.device
+        items = [self.items[i] for i in idx]
+        lat_entries = [self.cache.get(it["latent"]) for it in items]
+        rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
+        batch = {"latents": torch.stack([le["latents"] for le in lat_entries]).to(dev)}
+        batch.update({k: torch.stack([r[k] for r in rows]).to(dev) for k in rows[0]})
+        stages = {}
+        for stage in fam.enabled_stages(self.cfg.text_encoders):
+            if stage in self.live_stages:
+                stages[stage] = fam.encode_prompts(self.comps, [it["caption"] for it in items], stage, self.cfg.text_encoders)
+            else:
+                entries = [self.cache.get(it["texts"][stage]) for it in items]
+                stages[stage] = {k: torch.stack([e[k] for e in entries]).to(dev) for k in entries[0]}
+        batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
 
     # ---------------------------------------------------------------- one micro-batch
@@ -227,23 +274,40 @@ class Trainer:
         b = latents.shape[0]
         noise = torch.randn(latents.shape, generator=self.gen, device=self.device)
         if t.noise_offset:
-            noise = noise + t.noise_offset * torch.randn((b, latents.shape[1], 1, 1), generator=self.gen, device=self.device)
-        n_train = self.noise_scheduler.config.num_train_timesteps
-        timesteps = torch.randint(0, n_train, (b,), generator=self.gen, device=self.device)
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        pred_type = self.noise_scheduler.config.prediction_type
-        target = noise if pred_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        unet = self.comps[self.family.denoiser]
+            shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
+            noise = noise + t.noise_offset * torch.randn(shape, generator=self.gen, device=self.device)
+        if self.family.objective == "flow":
+            noisy, timesteps, target, weight = self._flow_inputs(latents, noise)
+        else:
+            noisy, timesteps, target, weight = self._ddpm_inputs(latents, noise)
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            pred = self.family.denoise(unet, noisy.to(self.compute_dtype), timesteps, cond)
+            pred = self.family.denoise(self.comps[self.family.denoiser], noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+        if weight is not None:
+            loss = loss * weight
+        return loss.mean()
+
+    def _ddpm_inputs(self, latents, noise):
+        """Epsilon or v-prediction from the scheduler config, with optional Min-SNR weighting."""
+        t, sched = self.cfg.train, self.noise_scheduler
+        timesteps = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), generator=self.gen, device=self.device)
+        noisy = sched.add_noise(latents, noise, timesteps)
+        pred_type = sched.config.prediction_type
+        target = noise if pred_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
+        weight = None
         if t.min_snr_gamma:
             # Min-SNR weighting (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v
-            snr = _snr(self.noise_scheduler.alphas_cumprod, timesteps)
-            w = torch.clamp(snr, max=t.min_snr_gamma) / (snr + 1 if pred_type == "v_prediction" else snr)
-            loss = loss * w
-        return loss.mean()
+            snr = _snr(sched.alphas_cumprod, timesteps)
+            weight = torch.clamp(snr, max=t.min_snr_gamma) / (snr + 1 if pred_type == "v_prediction" else snr)
+        return noisy, timesteps, target, weight
+
+    def _flow_inputs(self, latents, noise):
+        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3)."""
+        sigmas = sample_sigmas(self.cfg.flow, latents.shape[0], self.flow_shift, self.gen, self.device)
+        s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
+        noisy = (1 - s) * latents + s * noise
+        return noisy, sigmas * 1000, noise - latents, flow_loss_weight(self.cfg.flow.loss_weighting, sigmas)
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
@@ -280,6 +344,8 @@ class Trainer:
                             "or re-run precompute if the cache was made with an fp16 VAE.",
                         )
                     self.scaler.scale(loss).backward()
+                    if self.block_swap is not None:
+                        self.block_swap.end_backward()
                     accum += loss.item()
                     micro += 1
                     if micro < t.grad_accum:

@@ -1,0 +1,167 @@
+"""Block swap: keep some of the denoiser's blocks in pinned host memory and stream them in.
+
+The family names the denoiser's repeated units in forward order (transformer
+blocks; for the SDXL UNet its resnets and transformer layers). The
+``blocks_to_swap`` largest live in pinned host RAM; a unit's weights are
+copied to the GPU on a side stream while the unit before it computes, used,
+and dropped again, so at most ``prefetch + 1`` swapped units sit on the GPU.
+
+Why our own and not accelerate's ``cpu_offload`` hooks or DeepSpeed's
+parameter offload: accelerate's hooks copy synchronously on the compute stream
+(no overlap) and are made for inference; ZeRO-3 offload partitions every
+parameter and needs its engine. Peers that swap blocks (kohya's musubi-tuner
+and sd-scripts for FLUX/SD3) swap weights between blocks of equal shape, which
+a UNet does not have; this one copies into fresh buffers, so any unit shape works.
+
+How backward finds its weights: autograd saves a frozen weight as the
+parameter itself, so it reads whatever ``param.data`` holds when backward
+runs. A hook on each unit's output fires as the unit's backward begins; it
+brings the unit back (with gradient checkpointing, the recompute's forward
+hook does the same) and drops units later in forward order, whose backward
+is over. A weight used while evicted fails loudly (wrong device), never silently.
+
+Trained weights in swapped units (full fine-tuning) live on the host too: the
+optimizer must step there (torchao's CPU-offload optimizer, with gradient
+offload); the config validator requires it. LoRA weights stay on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockSwap:
+    def __init__(self, root: torch.nn.Module, units: list[torch.nn.Module], blocks_to_swap: int, device: torch.device,
+                 prefetch: int = 1, swap_trainable: bool = False, poison: bool = False):
+        """Place ``root`` (which may sit on the CPU) on ``device`` except the swapped units' weights.
+
+        ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
+        """
+        self.units = units
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+        self.poison = poison
+        self.cuda = self.device.type == "cuda"
+        sizes = [sum(p.numel() * p.element_size() for p in u.parameters() if swap_trainable or not p.requires_grad)
+                 for u in units]
+        order = sorted(range(len(units)), key=lambda i: (-sizes[i], -i))
+        self.swapped = sorted(order[: min(blocks_to_swap, len(units))])
+        self.index = {i: k for k, i in enumerate(self.swapped)}  # unit index -> position among swapped
+        self.swapped_bytes = sum(sizes[i] for i in self.swapped)
+        self.params: dict[int, list[torch.nn.Parameter]] = {}
+        self.home: dict[int, list[torch.Tensor]] = {}
+        self.resident: dict[int, tuple[list[torch.Tensor], object]] = {}
+        self.backward = False
+        self.peak_resident = 0  # most swapped units on the device at once (tests, benchmarks)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._handles = []
+        swapped_ids = set()
+        for i in self.swapped:
+            ps = [p for p in units[i].parameters() if swap_trainable or not p.requires_grad]
+            self.params[i] = ps
+            self.home[i] = []
+            for p in ps:  # one tensor at a time: host RAM holds one extra tensor at most
+                self.home[i].append(self._to_host(p.data))
+                p.data = self.home[i][-1]
+            swapped_ids.update(id(p) for p in ps)
+            self._evict(i)
+        with torch.no_grad():
+            for t in [*root.parameters(), *root.buffers()]:
+                if id(t) not in swapped_ids and t.device != self.device:
+                    t.data = t.data.to(self.device)
+        for i in self.swapped:
+            u = units[i]
+            self._handles.append(u.register_forward_pre_hook(self._pre_hook(i)))
+            self._handles.append(u.register_forward_hook(self._post_hook(i)))
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped
+        return torch.empty_like(t, device="cpu", pin_memory=self.cuda).copy_(t.detach())
+
+    # ------------------------------------------------------------ moves
+    def _fetch_async(self, i: int) -> None:
+        if i in self.resident:
+            return
+        home = self.home[i]
+        if not self.cuda:
+            self.resident[i] = ([h.clone() for h in home], None)
+            self.peak_resident = max(self.peak_resident, len(self.resident))
+            return
+        compute = torch.cuda.current_stream(self.device)
+        # allocate on the compute stream, so the allocator orders reuse of the memory with its kernels
+        bufs = [torch.empty_like(h, device=self.device) for h in home]
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for b, h in zip(bufs, home):
+                b.copy_(h, non_blocking=True)
+            done.record(self.stream)
+        self.resident[i] = (bufs, done)
+        self.peak_resident = max(self.peak_resident, len(self.resident))
+
+    def _ensure(self, i: int) -> None:
+        self._fetch_async(i)
+        bufs, done = self.resident[i]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        for p, b in zip(self.params[i], bufs):
+            p.data = b
+
+    def _evict(self, i: int) -> None:
+        entry = self.resident.pop(i, None)
+        if entry is not None and entry[1] is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry[1])  # a prefetch never used: let it land first
+        for p, h in zip(self.params[i], self.home[i]):
+            p.data = torch.empty(0, dtype=h.dtype) if self.poison else h
+
+    def _prefetch_after(self, i: int, forward: bool) -> None:
+        k = self.index[i]
+        step = 1 if forward else -1
+        for j in range(1, self.prefetch + 1):
+            n = k + step * j
+            if 0 <= n < len(self.swapped):
+                self._fetch_async(self.swapped[n])
+
+    # ------------------------------------------------------------ hooks
+    def _pre_hook(self, i: int):
+        def hook(module, args):
+            self._ensure(i)
+            self._prefetch_after(i, forward=not self.backward)
+
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module, args, output):
+            if self.backward:  # a checkpoint recompute: this unit's backward runs next
+                return
+            if torch.is_grad_enabled():
+                outs = output if isinstance(output, (tuple, list)) else (output,)
+                for t in outs:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._grad_hook(i))
+            self._evict(i)
+
+        return hook
+
+    def _grad_hook(self, i: int):
+        def hook(grad):
+            self.backward = True
+            for j in [j for j in self.resident if j > i]:
+                self._evict(j)
+            self._ensure(i)
+            self._prefetch_after(i, forward=False)
+
+        return hook
+
+    def end_backward(self) -> None:
+        """After each backward: every swapped unit goes home; the next forward starts afresh."""
+        for i in list(self.resident):
+            self._evict(i)
+        self.backward = False
+
+    def remove(self) -> None:
+        self.end_backward()
+        for h in self._handles:
+            h.remove()
