@@ -40,8 +40,9 @@ CASES = {
         "memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
     "L10": ("LoRA r16, fp8 weights, checkpointing, block swap (all 87 blocks)", LORA + [
         "memory.weights={kind: fp8}", "memory.activations.kind=checkpoint", "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
-    "L11": ("LoRA r16, bf16, no checkpointing, block swap (43 blocks)", LORA + [
-        "memory.weights.kind=bf16", "memory.activations.kind=none", "memory.offload={kind: block_swap, blocks_to_swap: 43}"]),
+    "L11": ("LoRA r16, bf16, checkpoint every 2nd block, block swap (all 87 blocks)", LORA + [
+        "memory.weights.kind=bf16", "memory.activations={kind: checkpoint, every: 2}",
+        "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
     "F1": ("full UNet, bf16, 8-bit AdamW, checkpointing (sdxl-full)", FULL + ["memory.optimizer.kind=adamw8bit"]),
     "F2": ("full UNet, bf16, 8-bit AdamW, checkpointing, fused backward", FULL + ["memory.optimizer.kind=adamw8bit",
                                                                                 "memory.fused_backward=true", "train.max_grad_norm=null"]),

