@@ -12,7 +12,13 @@ def _sdxl():
     return SDXL()
 
 
-FAMILIES = {"sdxl": _sdxl}
+def _sd3():
+    from .sd3 import SD3
+
+    return SD3()
+
+
+FAMILIES = {"sdxl": _sdxl, "sd3": _sd3}
 
 
 def get_family(name: str) -> ModelFamily:
