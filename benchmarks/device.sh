@@ -3,6 +3,8 @@
 #   bash benchmarks/device.sh "<command>"
 # Installs the wheel kit (diffusers, bitsandbytes, torchao, deepspeed, pydantic, pytest)
 # that ../shared/tools/device-wheels.sh builds, puts src/ on the path, then runs the command.
+# pydantic 2.14 there also needs typing_inspection and typing_extensions>=4.16 in .whl:
+#   pip download --no-deps -d .whl "typing_inspection==0.4.5" "typing_extensions==4.16.0"
 set -eo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

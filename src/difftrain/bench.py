@@ -70,9 +70,12 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6) -> BenchResult:
     device = pick_device(cfg.train.device)
     update: dict = {}
     if cfg.model.path is None:
-        path = work / f"random-{cfg.model.config}.safetensors"
+        from .trainers.loop import plan_parts
+
+        parts = plan_parts(cfg, family)[0]  # only what training loads (SD3's T5 alone is 4.7 B parameters)
+        path = work / f"random-{cfg.model.config}-{'-'.join(parts)}.safetensors"
         if not path.exists():
-            family.build_random(cfg.model.config, path, device=device)
+            family.build_random(cfg.model.config, path, device=device, parts=parts)
             if device.type == "cuda":  # the stand-in was built on the GPU: give its blocks back before measuring
                 import gc
 

@@ -157,7 +157,8 @@ def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_pat
     cfg = _cfg(tiny_model, dataset, tmp_path, **{
         "train.method": "full", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16", "train.max_grad_norm": "null",
         "memory.optimizer": "{kind: cpu_offload, offload_gradients: true}", "train.max_steps": 20, "train.batch_size": 4,
-        "train.learning_rate": 1e-3, "memory.offload": "{kind: block_swap, blocks_to_swap: 20}", "save.formats": "[]"})
+        "train.learning_rate": 1e-3, "memory.offload": "{kind: block_swap, blocks_to_swap: 20}", "save.formats": "[]",
+        "memory.activations.kind": "checkpoint"})
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()

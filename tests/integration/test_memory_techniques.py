@@ -58,8 +58,8 @@ def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
 
 
 @pytest.mark.parametrize("ref_name,ref_sets", [
-    ("lora-bf16", LORA_BF16),
-    ("fp8-tensor", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16")),
+    ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}")),
+    ("fp8-checkpoint", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16", "memory.activations={kind: checkpoint}")),
 ])
 def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_sets):
     _, ref = runs(ref_name, *ref_sets)
@@ -107,8 +107,11 @@ def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
       "memory.weights.kind=fp32"), "fp16 overflow"),
     (("memory.fused_backward=true",), "for train.method full"),
     (("memory.optimizer.kind=cpu_offload",), "does not clip gradients"),
-    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.weights={kind: nf4}"), "block_swap with memory.weights nf4"),
-    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "train.method=full"), "optimizer must step there"),
+    (("memory.offload={kind: block_swap, blocks_to_swap: 4}",), "set memory.activations.kind: checkpoint"),
+    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.activations.kind=checkpoint", "memory.weights={kind: nf4}"),
+     "block_swap with memory.weights nf4"),
+    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.activations.kind=checkpoint", "train.method=full"),
+     "optimizer must step there"),
     (("memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null", "train.grad_accum=2"),
      "cannot accumulate"),
 ])

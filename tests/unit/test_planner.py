@@ -106,11 +106,31 @@ def test_planner_block_swap_errs_on_the_safe_side(case):
     assert 0 <= (predicted - measured) / measured < 0.20, (predicted, measured)
 
 
+# SD3-medium LoRA r16 / full at 1024, H200, benchmarks/family_memory.py (activations seeded from shared/reference's
+# H100 eager run, not fitted to these)
+MEASURED_SD3 = {
+    "S1": ("sd3-lora-8gb", [], 4.741),
+    "S2": ("sd3-lora-8gb", ["memory.activations.kind=none"], 9.125),
+    "S3": ("sd3-lora-8gb", ["memory.weights={kind: fp8}"], 2.847),
+    "S4": ("sd3-lora-4gb", [], 1.252),
+    "S5": ("sd3-lora-8gb", ["train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+                            "train.max_grad_norm=null", "memory.offload={kind: block_swap, blocks_to_swap: 24}"], 1.257),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED_SD3))
+def test_planner_within_ten_percent_of_measured_sd3(case):
+    recipe, sets, measured = MEASURED_SD3[case]
+    predicted = plan_memory(resolve(recipe=recipe, sets=sets).config).gpu_total
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
 RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M)]
 
 
 def test_tiered_recipes_exist():
-    assert {"sdxl-lora-4gb", "sdxl-lora-8gb", "sdxl-full-8gb", "sdxl-full-12gb"} <= set(RECIPES_WITH_TIERS)
+    assert {"sdxl-lora-2gb", "sdxl-lora-4gb", "sdxl-lora-8gb", "sdxl-full-2gb", "sdxl-full-8gb", "sdxl-full-12gb",
+            "sd3-lora-4gb", "sd3-lora-8gb"} <= set(RECIPES_WITH_TIERS)
 
 
 @pytest.mark.parametrize("name", RECIPES_WITH_TIERS)

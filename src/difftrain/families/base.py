@@ -106,8 +106,10 @@ class ModelFamily(Protocol):
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """Write a tiny seeded model in diffusers layout to ``folder``."""
 
-    def build_random(self, config_name: str, path: Path, device: str = "cpu", seed: int = 0) -> Path:
-        """Random weights of a bundled architecture, saved loadable by ``load`` (memory and speed of a real one)."""
+    def build_random(self, config_name: str, path: Path, device: str = "cpu", seed: int = 0,
+                     parts: Sequence[str] = ...) -> Path:
+        """Random weights of a bundled architecture's ``parts`` (default: all), saved loadable by ``load``
+        (the memory and speed of a real one)."""
 
     def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest square bucket: {"latent": {...}, <text stage>: {...}}."""

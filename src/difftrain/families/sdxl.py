@@ -315,12 +315,12 @@ class SDXL:
         }
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
-    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0) -> Path:
+    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's."""
         cfgdir = bundled_config_dir(config_name)
         torch.manual_seed(seed)
         with torch.device(device):
-            comps = {part: _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in PARTS}
+            comps = {part: _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in parts}
         return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
                                      dtype=torch.float16)
 

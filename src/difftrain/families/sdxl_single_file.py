@@ -680,11 +680,13 @@ def detect_sdxl_single_file(keys: Iterable[str]) -> bool:
     SDXL base has the UNet under model.diffusion_model. and OpenCLIP bigG as the
     second embedder (conditioner.embedders.1.model.); the refiner has bigG as
     embedder 0 and no embedder 1; SD 1.x/2.x use cond_stage_model.
+    A UNet-only file (no text encoders) is known by the UNet's micro-conditioning
+    embedding (label_emb), which SD 1.x/2.x lack; SD3's MMDiT has joint_blocks instead.
     """
     has_unet = has_bigg = False
     for key in keys:
         has_unet = has_unet or key.startswith(PREFIXES["unet"])
-        has_bigg = has_bigg or key.startswith(PREFIXES["text_encoder_2"])
+        has_bigg = has_bigg or key.startswith(PREFIXES["text_encoder_2"]) or key.startswith(PREFIXES["unet"] + "label_emb.")
         if has_unet and has_bigg:
             return True
     return False

@@ -1,0 +1,144 @@
+"""Memory and step time of difftrain configs of any family, through `difftrain bench memory`'s code path,
+beside an eager plain-PyTorch baseline measured in the same run.
+
+Random weights of the full-size bundled architecture, a synthetic cache of the real shapes, 6 steps a
+case, each case in a fresh subprocess (clean CUDA state). Prints a table last; JSON under --out.
+
+    python benchmarks/family_memory.py --work /tmp/fam --out $OUT [--cases E-sd3,S1,S4]
+    DIFFTRAIN_BENCH_TINY=1 python benchmarks/family_memory.py --work /tmp/fam   # CPU smoke run, tiny models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
+SD3 = ["train.device=cuda", "train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16"]
+CASES = {
+    "S1": ("SD3-medium LoRA r16, bf16, checkpointing (sd3-lora-8gb)", "sd3-lora-8gb", SD3),
+    "S2": ("SD3-medium LoRA r16, bf16, no checkpointing", "sd3-lora-8gb", SD3 + ["memory.activations.kind=none"]),
+    "S3": ("SD3-medium LoRA r16, fp8 weights, checkpointing", "sd3-lora-8gb", SD3 + ["memory.weights={kind: fp8}"]),
+    "S4": ("SD3-medium LoRA r16, bf16, checkpointing, block swap 24 of 24 (sd3-lora-4gb)", "sd3-lora-4gb", SD3),
+    "S5": ("SD3-medium full, bf16, CPU-offload AdamW, checkpointing, block swap 24", "sd3-lora-8gb", SD3 + [
+        "train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
+        "memory.offload={kind: block_swap, blocks_to_swap: 24}"]),
+}
+
+
+def _tiny(recipe: str, sets: list[str]) -> tuple[str, list[str]]:
+    sets = [s.replace("=cuda", "=cpu").replace("resolution=1024", "resolution=128").replace("mixed_precision=bf16", "mixed_precision=no")
+            for s in sets if "cpu_offload" not in s and "max_grad_norm" not in s]
+    return "tiny-sd3-lora", sets
+
+
+def run_case(name: str, work: Path, steps: int) -> dict:
+    import torch
+
+    from difftrain.bench import bench_memory
+    from difftrain.config.load import resolve
+
+    what, recipe, sets = CASES[name]
+    if TINY:
+        recipe, sets = _tiny(recipe, sets)
+    cfg = resolve(recipe=recipe, sets=sets).config
+    r = bench_memory(cfg, work / cfg.family, steps)
+    return {"case": name, "what": what, "alloc": r.peak_train_alloc_gib, "reserved": r.peak_train_reserved_gib,
+            "after_load": r.peak_after_load_gib, "planned_alloc": r.planned_alloc_gib, "planned_reserved": r.planned_reserved_gib,
+            "s_per_step": r.s_per_step, "rss_train": r.stats.get("peak_rss_gib_train"),
+            "versions": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}}
+
+
+def eager_sd3(work: Path, steps: int) -> dict:
+    """Plain diffusers/peft/torch loop, no difftrain code: SD3-medium transformer, LoRA r16 on the attention
+    projections, checkpointing, bf16, torch AdamW, random inputs of the cached shapes (as shared/reference)."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    root = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
+    cfg = json.loads((root / ("sd3-tiny" if TINY else "sd3-medium") / "transformer/config.json").read_text())
+    dev = "cpu" if TINY else "cuda"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = SD3Transformer2DModel.from_config(cfg).to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    side = 16 if TINY else 128
+    x = torch.randn(1, 16, side, side, device=dev, dtype=torch.bfloat16)
+    ctx = torch.randn(1, 333, cfg["joint_attention_dim"], device=dev, dtype=torch.bfloat16)
+    pooled = torch.randn(1, cfg["pooled_projection_dim"], device=dev, dtype=torch.bfloat16)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.time()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            out = model(hidden_states=x, timestep=torch.tensor([500.0], device=dev), encoder_hidden_states=ctx,
+                        pooled_projections=pooled, return_dict=False)[0]
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+    return {"case": "E-sd3", "what": "eager: SD3-medium LoRA r16, bf16, checkpointing (no difftrain code)",
+            "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
+            "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
+            "s_per_step": round(statistics.median(times[2:]), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-family-bench"))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cases", default=",".join(["E-sd3", *CASES]))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.case:
+        r = eager_sd3(a.work, a.steps) if a.case == "E-sd3" else run_case(a.case, a.work, a.steps)
+        print("RESULT " + json.dumps(r), flush=True)
+        return
+    a.work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in a.cases.split(","):
+        t = time.time()
+        p = subprocess.run([sys.executable, __file__, "--case", name, "--work", str(a.work), "--steps", str(a.steps)],
+                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
+            results.append({"case": name, "error": p.stderr[-2000:]})
+            continue
+        r = json.loads(line[0][7:])
+        r["wall_seconds"] = round(time.time() - t, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "family_memory.json").write_text(json.dumps(results, indent=1))
+    print("\n| case | alloc GiB | reserved GiB | planned alloc | planned reserved | s/step | host RSS GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['case']} | failed | | | | | |")
+            continue
+        print(f"| {r['case']} {r['what']} | {r.get('alloc')} | {r.get('reserved')} | {r.get('planned_alloc', '')} | "
+              f"{r.get('planned_reserved', '')} | {r['s_per_step']} | {r.get('rss_train', '')} |")
+
+
+if __name__ == "__main__":
+    main()
