@@ -51,6 +51,14 @@ CASES = {
     "F5": ("full UNet, bf16, CPU-offload AdamW, checkpointing, block swap (all 87 blocks)", FULL + [
         "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
         "memory.offload={kind: block_swap, blocks_to_swap: 87}"]),
+    "F6": ("full UNet, bf16, DeepSpeed ZeRO-2, optimizer offloaded to the CPU, checkpointing", FULL + [
+        "memory.optimizer.kind=adamw", "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu}"]),
+    "F7": ("full UNet, bf16, DeepSpeed ZeRO-3, optimizer and parameters offloaded to the CPU, checkpointing", FULL + [
+        "memory.optimizer.kind=adamw",
+        "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}"]),
+    "L12": ("LoRA r16, bf16, DeepSpeed ZeRO-2 (optimizer on the GPU), checkpointing", LORA + [
+        "memory.weights.kind=bf16", "memory.activations.kind=checkpoint",
+        "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: none}"]),
     "F4": ("full UNet + both TEs, bf16, 8-bit AdamW, checkpointing", FULL + ["memory.optimizer.kind=adamw8bit", *sf.TE]),
 }
 

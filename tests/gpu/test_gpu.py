@@ -164,3 +164,51 @@ def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_pat
     r = t.run()
     assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5  # the swapped weights do learn
     assert all(p.device.type == "cpu" for i in t.block_swap.swapped for p in t.block_swap.params[i])
+
+
+def _ds(tiny_model, dataset, out, engine: str, **extra):
+    sets = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16", "memory.engine": engine,
+            "train.batch_size": 4, "train.learning_rate": 3e-3, "train.checkpoint_every": 1000}
+    sets.update(extra)
+    return _cfg(tiny_model, dataset, out, **sets)
+
+
+def test_deepspeed_zero2_lora_learns_and_exports(tiny_model, dataset, tmp_path):
+    from difftrain.trainers.loop import Trainer
+
+    cfg = _ds(tiny_model, dataset, tmp_path, "{kind: deepspeed, stage: 2, offload_optimizer_device: cpu}",
+              **{"train.max_steps": 30})
+    precompute(cfg)
+    t = Trainer(cfg)
+    r = t.run()
+    assert t.engine is not None and t.engine.zero_optimization_stage() == 2
+    assert type(t.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
+    from safetensors.torch import load_file
+
+    assert any("lora" in k for k in load_file(r.lora_path))
+
+
+def test_deepspeed_zero2_resumes_exactly(tiny_model, dataset, tmp_path):
+    eng = "{kind: deepspeed, stage: 2, offload_optimizer_device: none}"
+    a = _ds(tiny_model, dataset, tmp_path / "a", eng, **{"train.max_steps": 6, "data.cache_dir": tmp_path / "cache"})
+    precompute(a)
+    ref = train(a)
+    b = _ds(tiny_model, dataset, tmp_path / "b", eng, **{"train.max_steps": 6, "train.checkpoint_every": 3,
+                                                         "data.cache_dir": tmp_path / "cache", "model.allow_pickle": "true"})
+    train(b, stop_at=3)
+    assert train(b, resume="latest").losses == pytest.approx(ref.losses[3:], rel=1e-4)
+
+
+def test_deepspeed_zero3_param_offload_full_finetune(tiny_model, dataset, tmp_path):
+    from difftrain.trainers.loop import Trainer
+
+    cfg = _ds(tiny_model, dataset, tmp_path,
+              "{kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+              **{"train.method": "full", "train.max_steps": 20, "train.learning_rate": 1e-3, "save.formats": "[single_file]"})
+    precompute(cfg)
+    t = Trainer(cfg)
+    r = t.run()
+    assert t.engine.zero_optimization_stage() == 3
+    assert sum(r.losses[-5:]) / 5 < 0.9 * sum(r.losses[:5]) / 5
+    assert r.saved and r.saved[0].stat().st_size > 1000

@@ -188,6 +188,16 @@ class EngineSingle(Strict):
     kind: Literal["single"] = "single"
 
 
+class EngineDeepSpeed(Strict):
+    """DeepSpeed ZeRO (accelerate's DeepSpeed plugin names). DeepSpeed owns the optimizer (AdamW)."""
+
+    kind: Literal["deepspeed"] = "deepspeed"
+    stage: Literal[2, 3] = 2
+    offload_optimizer_device: Literal["none", "cpu"] = Field("cpu", description="AdamW state and step in host RAM")
+    offload_param_device: Literal["none", "cpu"] = Field("none", description="ZeRO-3: weights in host RAM, fetched per layer")
+    config_file: Optional[Path] = Field(None, description="a DeepSpeed JSON whose keys override the generated config")
+
+
 class WeightsNF4(Strict):
     """Frozen Linear weights in 4-bit NormalFloat through bitsandbytes (QLoRA); LoRA only, CUDA only."""
 
@@ -209,7 +219,7 @@ Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, Wei
 Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
 Offload = Annotated[Union[OffloadNone, OffloadBlockSwap], Field(discriminator="kind")]
-Engine = Annotated[Union[EngineSingle], Field(discriminator="kind")]
+Engine = Annotated[Union[EngineSingle, EngineDeepSpeed], Field(discriminator="kind")]
 
 
 class MemoryConfig(Strict):
@@ -330,6 +340,33 @@ class Config(Strict):
                 raise ValueError("memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16")
             if m.optimizer.kind == "cpu_offload":
                 raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
+        if m.engine.kind == "deepspeed":
+            e = m.engine
+            if e.offload_param_device != "none" and e.stage != 3:
+                raise ValueError("memory.engine.offload_param_device needs ZeRO stage 3 (stage 2 keeps the weights whole on "
+                                 "the GPU): set memory.engine.stage: 3")
+            if m.optimizer.kind != "adamw":
+                raise ValueError(f"memory.engine deepspeed with memory.optimizer {m.optimizer.kind}: DeepSpeed brings its own "
+                                 "AdamW (on the CPU with offload_optimizer_device: cpu); set memory.optimizer.kind: adamw")
+            if m.fused_backward:
+                raise ValueError("memory.engine deepspeed with memory.fused_backward: DeepSpeed steps the optimizer itself; "
+                                 "set fused_backward: false")
+            if m.offload.kind != "none":
+                raise ValueError("memory.engine deepspeed with memory.offload block_swap: ZeRO-3's offload_param_device "
+                                 "is DeepSpeed's own way to keep weights in host RAM; pick one")
+            if m.weights.kind in ("fp8", "nf4", "int8", "fp16"):
+                raise ValueError(f"memory.engine deepspeed with memory.weights {m.weights.kind}: DeepSpeed casts every "
+                                 "parameter to its bf16 compute type; use memory.weights bf16")
+            if t.mixed_precision != "bf16":
+                raise ValueError("memory.engine deepspeed needs train.mixed_precision bf16 (its bf16 mode keeps fp32 master "
+                                 "weights in the optimizer)")
+            if (t.method == "lora" and t.train_text_encoders) or (
+                    t.method == "full" and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2)):
+                raise ValueError("memory.engine deepspeed trains the denoiser only for now: set train.train_text_encoders "
+                                 "false (full.train_text_encoder_*: false) or memory.engine.kind: single")
+            if self.ema.enabled and e.stage == 3:
+                raise ValueError("ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
+                                 "use stage 2 or ema.enabled: false")
         if m.offload.kind == "block_swap":
             if m.activations.kind != "checkpoint":
                 raise ValueError("memory.offload block_swap with memory.activations none: without checkpointing autograd keeps "

@@ -97,6 +97,18 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     else:
         e.gpu["gradients"] = trainable * grad_bytes / GIB
     gpu_state, host_state = OPT_STATE[m.optimizer.kind]
+    if m.engine.kind == "deepspeed":
+        # ZeRO keeps fp32 master weights and AdamW moments (12 bytes) with the optimizer, plus an fp32
+        # gradient partition where the step runs; the model's weights and gradients are bf16
+        e_ = m.engine
+        gpu_state, host_state = (0, 16) if e_.offload_optimizer_device != "none" else (16, 0)
+        e.gpu["gradients"] = trainable * 2 / GIB
+        if e_.stage == 3 and e_.offload_param_device != "none":
+            # weights fetched layer by layer: a prefetch bucket and the largest layer are on the GPU
+            resident = hints["largest_param"] * 2 + 5e7 * 2
+            e.host["weights (ZeRO-3 offload)"] = e.gpu["weights"] - resident / GIB
+            e.gpu["weights"] = resident / GIB
+        e.notes.append("DeepSpeed's terms are a first estimate (ZeRO buckets not modelled)")
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
     if wk == "int8":
         e.notes.append("bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "

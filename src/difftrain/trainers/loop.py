@@ -222,7 +222,14 @@ class Trainer:
                 info(f"block swap: {len(self.block_swap.swapped)} of {len(self.block_swap.units)} blocks of {part} "
                      f"({self.block_swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM")
         self.params = [p for g in groups for p in g["params"]]
-        self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
+        self.engine = None
+        if cfg.memory.engine.kind == "deepspeed":
+            from ..memory.deepspeed_engine import initialize
+
+            # the validator allows the denoiser as the only trained part
+            self.engine, self.optimizer = initialize(cfg, self.trained[self.family.denoiser], self.params)
+        else:
+            self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
             warn("adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
                  "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
@@ -282,7 +289,8 @@ class Trainer:
             noisy, timesteps, target, weight = self._ddpm_inputs(latents, noise)
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            pred = self.family.denoise(self.comps[self.family.denoiser], noisy.to(self.compute_dtype), timesteps, cond)
+            denoiser = self.engine if self.engine is not None else self.comps[self.family.denoiser]
+            pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
         if weight is not None:
             loss = loss * weight
@@ -343,7 +351,11 @@ class Trainer:
                             hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
                             "or re-run precompute if the cache was made with an fp16 VAE.",
                         )
-                    self.scaler.scale(loss).backward()
+                    if self.engine is not None:  # DeepSpeed accumulates, clips and steps at its boundary
+                        self.engine.backward(loss, scale_wrt_gas=False)
+                        self.engine.step()
+                    else:
+                        self.scaler.scale(loss).backward()
                     if self.block_swap is not None:
                         self.block_swap.end_backward()
                     accum += loss.item()
@@ -396,6 +408,10 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         t = self.cfg.train
+        if self.engine is not None:  # the engine stepped in engine.step()
+            self.lr_scheduler.step()
+            self.step += 1
+            return
         if t.max_grad_norm:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
@@ -407,7 +423,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {part: export_layers(m) for part, m in self.trained.items()}
+        from ..memory.deepspeed_engine import gathered
+
+        with gathered(self.engine, self.params):  # ZeRO-3 partitions the LoRA weights too
+            return {part: {n: t.detach().clone() for n, t in export_layers(m).items()} for part, m in self.trained.items()}
 
     def _save_lora(self, folder: Path, use_ema: bool = False) -> None:
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
@@ -449,8 +468,14 @@ class Trainer:
         extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
         modules = {p: self.comps.get(p, extra.get(p)) for p in parts}
         sds = {}
+        from ..memory.deepspeed_engine import gathered
+
         for part, m in modules.items():
-            sd = m.state_dict()
+            if self.engine is not None and part in self.trained:
+                with gathered(self.engine, list(m.parameters())):
+                    sd = {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
+            else:
+                sd = m.state_dict()
             if part in self.trained and self._use_ema_for_export():
                 sd.update({n[len(part) + 1 :]: t for n, t in self.ema.shadow.items() if n.startswith(part + ".")})
             sds[part] = sd
@@ -474,10 +499,20 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         final = ckpt.checkpoint_dir(self.out, self.step)
+        from ..memory.deepspeed_engine import gathered
+
         with atomic_dir(final) as tmp:
-            weights = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in trainable_state(m).items()}
+            with gathered(self.engine, self.params):
+                weights = {f"{part}.{n}": p.detach().clone() for part, m in self.trained.items()
+                           for n, p in trainable_state(m).items()}
             save_tree(weights, tmp, "trainable")
-            save_tree(self.optimizer.state_dict(), tmp, "optimizer")
+            if self.engine is not None:
+                # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
+                # from them needs --allow-pickle, as any pickle does)
+                self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False,
+                                            exclude_frozen_parameters=True)
+            else:
+                save_tree(self.optimizer.state_dict(), tmp, "optimizer")
             rng = {
                 "python": list(random.getstate()[1]),
                 "python_version": random.getstate()[0],
@@ -517,7 +552,16 @@ class Trainer:
                 for n, p in m.named_parameters():
                     if n in sub:
                         p.copy_(sub[n])
-        self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
+        if self.engine is not None:
+            if not self.cfg.model.allow_pickle:
+                raise CheckpointError(
+                    f"{folder} holds DeepSpeed's optimizer state, which DeepSpeed stores as torch pickles; "
+                    "difftrain does not unpickle files unless told to.",
+                    hint="If you trust this folder (difftrain wrote it), resume with --allow-pickle.")
+            self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
+                                        load_optimizer_states=True, load_lr_scheduler_states=False)
+        else:
+            self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
         if self.ema is not None:
             self.ema.load_state_dict(load_tree(folder, "ema"))
         schedule = load_tree(folder, "schedule")
