@@ -14,7 +14,7 @@ def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
     assert r.code == 0, r
     assert "step time (median)" in r.err and "planned" in r.err
     # a random single file of the bundled architecture, and a cache of the shapes precompute writes
-    with safe_open(str(tmp_path / "random-sdxl-tiny.safetensors"), "pt") as f:
+    with safe_open(str(tmp_path / "random-sdxl-tiny-unet.safetensors"), "pt") as f:  # only what training loads
         assert f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").shape == (32, 4, 3, 3)
     from difftrain.data.cache import DataCache
 

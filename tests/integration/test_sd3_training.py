@@ -94,3 +94,63 @@ def test_int8_t5_on_cpu_is_refused_with_the_way_out(cli, tiny_sd3, dataset, tmp_
     r = cli("precompute", "--recipe", "tiny-sd3-lora", *[a for s in sets for a in ("--set", s)])
     assert r.code != 0
     assert "text_encoders.t5.precision: bf16" in r.err and "Traceback" not in r.err
+
+
+def test_dreambooth_prior_preservation_generates_caches_and_adds_the_class_loss(tiny_sd3, dataset, tmp_path):
+    import json
+
+    from difftrain.data.cache import DataCache
+
+    cls = tmp_path / "class"
+    db = {"dreambooth.instance_prompt": "a photo of sks shape", "dreambooth.with_prior_preservation": "true",
+          "dreambooth.class_prompt": "a photo of a shape", "dreambooth.class_data_dir": cls,
+          "dreambooth.num_class_images": 3, "dreambooth.class_sample_steps": 2, "dreambooth.prior_loss_weight": 0.5}
+    cfg = _cfg(tiny_sd3, dataset, tmp_path, **db, **{"train.max_steps": 4, "train.checkpoint_every": 1000})
+    r = precompute(cfg)
+    assert len(list(cls.glob("class-*.png"))) == 3 and r.items == 8 + 3
+    items = DataCache(tmp_path / "cache").read_json("index.json")["items"]
+    assert {it["caption"] for it in items if not it.get("prior")} == {"a photo of sks shape"}
+    assert {it["caption"] for it in items if it.get("prior")} == {"a photo of a shape"}
+    # a second precompute finds the class images there: none generated, nothing encoded
+    assert precompute(cfg).latents_encoded == 0 and len(list(cls.glob("*.png"))) == 3
+
+    from difftrain.trainers.loop import Trainer
+
+    t = Trainer(cfg)
+    res = t.run()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(t.items) == 8 and len(t.prior_items) == 3
+    assert all(rec["prior_loss"] > 0 for rec in recs)
+    # the logged loss is the instance loss plus the weighted class loss: with weight 0.5 it differs from
+    # a run with weight 0 (same draws) by exactly half the class loss
+    cfg0 = _cfg(tiny_sd3, dataset, tmp_path / "w0", **{**db, "dreambooth.prior_loss_weight": 0.0},
+                **{"train.max_steps": 1, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache"})
+    t0 = Trainer(cfg0)
+    r0 = t0.run()
+    rec0 = json.loads((tmp_path / "w0" / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert res.losses[0] == pytest.approx(r0.losses[0] + 0.5 * rec0["prior_loss"], rel=1e-5)
+
+
+def test_long_captions_are_cut_to_the_t5_length_with_a_warning(tiny_sd3, capsys):
+    from difftrain.config.schema import TextEncodersConfig
+    from difftrain.families.sd3 import SD3
+
+    fam = SD3()
+    comps = fam.load(__import__("difftrain.config.schema", fromlist=["ModelConfig"]).ModelConfig(path=tiny_sd3),
+                     ["text_encoder_3"])
+    out = fam.encode_prompts(comps, ["a " * 200], "t5", TextEncodersConfig(t5={"precision": "fp32", "max_length": 77}))
+    assert out["t5_embeds"].shape[1] == 77
+    assert "longer than text_encoders.t5.max_length (77 tokens)" in capsys.readouterr().err
+
+
+def test_the_whole_sd3_flow_through_the_cli(cli, tiny_sd3, dataset, tmp_path):
+    sets = tiny_sets(tiny_sd3, dataset, tmp_path, **{"train.max_steps": 3})
+    args = [a for s in sets for a in ("--set", s)]
+    assert cli("merge-tags", dataset, tmp_path / "meta.json").code == 0
+    r = cli("precompute", "--recipe", "tiny-sd3-lora", *args, "--set", f"data.metadata={tmp_path / 'meta.json'}")
+    assert r.code == 0, r
+    r = cli("train", "--recipe", "tiny-sd3-lora", *args, "--set", f"data.metadata={tmp_path / 'meta.json'}")
+    assert r.code == 0, r
+    assert (tmp_path / "run" / "pytorch_lora_weights.safetensors").exists()
+    r = cli("plan", "--recipe", "sd3-lora-8gb")
+    assert r.code == 0 and "sd3" in r.err

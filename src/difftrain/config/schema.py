@@ -97,6 +97,26 @@ class FlowConfig(Strict):
     shift: Optional[float] = Field(None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)")
 
 
+class DreamBoothConfig(Strict):
+    """DreamBooth (the diffusers scripts' names): one instance prompt, optional prior preservation."""
+
+    instance_prompt: Optional[str] = Field(None, description='e.g. "a photo of sks dog": the caption of every training image')
+    use_captions: bool = Field(False, description="per-image captions where an image has one, the instance prompt for the rest")
+    with_prior_preservation: bool = False
+    class_prompt: Optional[str] = Field(None, description='e.g. "a photo of a dog"')
+    class_data_dir: Optional[Path] = Field(None, description="class images: supplied, or generated here up to num_class_images")
+    num_class_images: int = Field(100, ge=1)
+    prior_loss_weight: float = Field(1.0, ge=0)
+    class_sample_steps: int = Field(25, ge=1, description="denoising steps when generating class images")
+
+    @model_validator(mode="after")
+    def _prior(self):
+        if self.with_prior_preservation and not (self.class_prompt and self.class_data_dir):
+            raise ValueError("dreambooth.with_prior_preservation needs dreambooth.class_prompt and dreambooth.class_data_dir "
+                             "(class images are generated there when it holds fewer than num_class_images)")
+        return self
+
+
 # ----------------------------------------------------------------- LoRA
 class LoraConfig(Strict):
     rank: int = Field(16, ge=1)
@@ -298,6 +318,7 @@ class Config(Strict):
     family: Literal["sdxl", "sd3"] = "sdxl"
     model: ModelConfig = Field(default_factory=ModelConfig)
     text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
+    dreambooth: DreamBoothConfig = Field(default_factory=DreamBoothConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)

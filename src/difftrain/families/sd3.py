@@ -710,7 +710,15 @@ class SD3:
             if not options.t5.enabled:
                 return {}
             te = comps["text_encoder_3"]
-            ids = self._t5_ids(comps["tokenizer_3"], captions, options.t5.max_length)
+            n = options.t5.max_length
+            lengths = [len(x) for x in comps["tokenizer_3"](captions, add_special_tokens=True).input_ids]
+            long = [c for c, k in zip(captions, lengths) if k > n]
+            if long:
+                from ..console import warn
+
+                warn(f"{len(long)} caption(s) longer than text_encoders.t5.max_length ({n} tokens) are cut to it, "
+                     f"e.g. {long[0][:60]!r}...; raise max_length (up to 512) to keep them whole")
+            ids = self._t5_ids(comps["tokenizer_3"], captions, n)
             return {"t5_embeds": te(ids.to(te.device))[0].float()}
         raise ConfigError(f"SD3 has no text stage {stage!r}.", hint=f"Stages: {', '.join(self.text_stages)}.")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from ..data.cache import DataCache, cache_dir_for
 from ..data.sources import load_rgb, scan_dataset
 from ..errors import DataError, UsageError
 from ..families.registry import get_family
+from .prior import ensure_class_images
 from ..utils import pick_device, sha256_file, sha256_text, to_dtype
 
 
@@ -58,6 +59,15 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         caption_source=cfg.data.caption_source,
     )
     report.skipped += [(str(p), why) for p, why in skipped]
+    db = cfg.dreambooth
+    if db.instance_prompt:
+        records = [replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records]
+    records = [(r, False) for r in records]
+    if db.with_prior_preservation:
+        folder = ensure_class_images(cfg, family, pick_device(cfg.precompute.device))
+        class_records, class_skipped = scan_dataset(folder)
+        report.skipped += [(str(p), why) for p, why in class_skipped]
+        records += [(replace(r, key="class:" + r.key, caption=db.class_prompt), True) for r in class_records]
     d = cfg.data
     buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
 
@@ -76,7 +86,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     crop_mode = "random" if d.random_crop else "center"
 
     plan = []
-    for r in records:
+    for r, is_prior in records:
         try:
             bucket = choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step, no_upscale=d.no_upscale)
         except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
@@ -85,7 +95,8 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         img_hash = sha256_file(r.path)
         lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash)
         tkeys = {s: sha256_text("text", family.name, s, stage_fp[s], r.caption) for s in stages}
-        plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash})
+        plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
+                     "prior": is_prior})
 
     device = pick_device(pc.device)
     missing_lat = set(cache.missing(p["latent"] for p in plan))
@@ -188,6 +199,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
                 "original_size": [r.height, r.width],
                 "latent": p["latent"],
                 "texts": p["texts"],
+                **({"prior": True} if p["prior"] else {}),
             }
         )
         report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1

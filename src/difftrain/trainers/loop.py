@@ -178,7 +178,15 @@ class Trainer:
         # seed before anything random happens (the LoRA init draws from the global RNG)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.cache, self.items = self._load_index()
+        self.cache, items = self._load_index()
+        # DreamBooth prior preservation: class images ride along with each instance batch
+        self.items = [it for it in items if not it.get("prior")]
+        self.prior_items = [it for it in items if it.get("prior")]
+        if cfg.dreambooth.with_prior_preservation and not self.prior_items:
+            raise CacheMismatch("dreambooth.with_prior_preservation is set but the cache has no class images.",
+                                hint="Run `difftrain precompute` with the same config (it generates and caches them).")
+        if not self.items:
+            raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
         parts, lrs = plan_parts(cfg, self.family)
         self.live_stages = live_stages(cfg, self.family, lrs)
         if self.live_stages:
@@ -257,9 +265,18 @@ class Trainer:
         self.batch_pos = 0
 
     # ---------------------------------------------------------------- data
-    def _batch(self, idx: list[int]) -> dict[str, torch.Tensor]:
+    def _prior_batch(self, n: int) -> list[dict]:
+        """n class items for the instance batch at the current position: a function of (seed, epoch, batch),
+        so a resumed run draws the same ones. One bucket per batch (the instance batch's when it has one)."""
+        rng = random.Random(f"difftrain-prior:{self.cfg.train.seed}:{self.epoch}:{self.batch_pos}")
+        buckets = sorted({tuple(it["bucket"]) for it in self.prior_items})
+        bucket = rng.choice(buckets)
+        pool = [it for it in self.prior_items if tuple(it["bucket"]) == bucket]
+        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+    def _batch(self, idx: list[int], items: list[dict] | None = None) -> dict[str, torch.Tensor]:
         fam, dev = self.family, self.device
-        items = [self.items[i] for i in idx]
+        items = items if items is not None else [self.items[i] for i in idx]
         lat_entries = [self.cache.get(it["latent"]) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
         batch = {"latents": torch.stack([le["latents"] for le in lat_entries]).to(dev)}
@@ -338,13 +355,21 @@ class Trainer:
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
         with progress(loss_col, RateColumn()) as bar:
             task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
-            accum, micro = 0.0, 0
+            accum, micro, prior_sum = 0.0, 0, 0.0
             while self.step < end:
                 batches = self.sampler.epoch(self.epoch)
                 while self.batch_pos < len(batches) and self.step < end:
-                    batch = self._batch(batches[self.batch_pos])
+                    idx = batches[self.batch_pos]
+                    prior = self._prior_batch(len(idx)) if self.prior_items else None
+                    batch = self._batch(idx)
                     self.batch_pos += 1
-                    loss = self._loss(batch) / t.grad_accum
+                    loss = self._loss(batch)
+                    if prior is not None:
+                        # as diffusers' DreamBooth scripts: instance loss + prior_loss_weight * class loss
+                        prior_loss = self._loss(self._batch([], prior))
+                        prior_sum += prior_loss.item() / t.grad_accum
+                        loss = loss + self.cfg.dreambooth.prior_loss_weight * prior_loss
+                    loss = loss / t.grad_accum
                     if not torch.isfinite(loss):
                         raise DifftrainError(
                             f"The loss became {loss.item()} at step {self.step + 1}.",
@@ -369,10 +394,12 @@ class Trainer:
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": float(self.lr_scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
                                "time": round(time.time() - t0, 4)}
+                        if self.prior_items:
+                            rec["prior_loss"] = prior_sum
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
                     bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
-                    accum, micro = 0.0, 0
+                    accum, micro, prior_sum = 0.0, 0, 0.0
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                         result.checkpoints.append(self.save_checkpoint())
                     every = self.cfg.save.every_n_steps

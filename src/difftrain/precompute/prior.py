@@ -1,0 +1,56 @@
+"""DreamBooth class images: use the ones supplied, generate the missing ones with the base model.
+
+Generation runs once, before encoding: the family's diffusers pipeline on the
+base model draws ``num_class_images - present`` images of ``class_prompt``,
+each from its own seed (train.seed + its index), so a rerun that finds some
+missing makes the same ones. Each PNG is written to a temporary name and
+renamed, so an interrupted run leaves no half-written image.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import torch
+
+from ..config.schema import Config
+from ..console import info, progress
+from ..data.tags import list_images
+
+
+def ensure_class_images(cfg: Config, family, device: torch.device) -> Path:
+    db = cfg.dreambooth
+    folder = Path(db.class_data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    present = len(list_images(folder, True))
+    missing = db.num_class_images - present
+    if missing <= 0:
+        return folder
+    info(f"dreambooth: generating {missing} class image(s) of {db.class_prompt!r} into {folder}")
+    parts = [family.denoiser, family.image_encoder, *family.text_encoders]
+    precision: dict[str, str] = {}
+    for stage in family.enabled_stages(cfg.text_encoders):
+        precision.update(family.stage_precision(stage, cfg.text_encoders) or {})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    comps = family.load(cfg.model, parts, dtype=dtype, device=device, precision=precision or None)
+    pipe = family.pipeline(comps, cfg.model)
+    side = cfg.data.resolution
+    with progress() as bar, torch.no_grad():
+        task = bar.add_task("class images", total=missing)
+        for k in range(missing):
+            i = present + k
+            g = torch.Generator(device=device).manual_seed(cfg.train.seed + i)
+            image = pipe(prompt=db.class_prompt, num_inference_steps=db.class_sample_steps, height=side, width=side,
+                         generator=g).images[0]
+            path = folder / f"class-{i:05d}.png"
+            tmp = folder / f".class-{i:05d}.png.tmp"
+            image.save(tmp, format="PNG")
+            os.replace(tmp, path)
+            bar.advance(task)
+    del pipe, comps
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return folder
