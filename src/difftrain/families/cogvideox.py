@@ -502,6 +502,14 @@ class CogVideoX:
         # of the 2b is a non-persistent buffer the constructor computes, so it is built for real
         with init_empty_weights(include_buffers=bool(config.get("use_learned_positional_embeddings"))):
             module = _new_module("transformer", config)
+        expected = {k: tuple(t.shape) for k, t in module.state_dict().items()}
+        missing = sorted(set(expected) - set(keys))
+        unexpected = sorted(set(keys) - set(expected))
+        if missing or unexpected:  # named before a byte of weights is read
+            raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
+        wrong = [f"{k}: {shape(k)} in the file, {expected[k]} in the config" for k in keys if shape(k) != expected[k]]
+        if wrong:
+            raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
         sd = {k: get(k).to(device=device, dtype=dtype) for k in keys}  # one tensor at a time from the mapped file
         try:
             missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
