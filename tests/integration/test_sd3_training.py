@@ -179,3 +179,31 @@ def test_sd3_full_finetune_exports_a_single_file_and_a_diffusers_folder(tiny_sd3
     folder = next(p for p in r.saved if p.is_dir())
     pipe = StableDiffusion3Pipeline.from_pretrained(folder)
     torch.testing.assert_close(pipe.transformer.state_dict()["proj_out.weight"], trained["proj_out.weight"], rtol=0, atol=0)
+
+
+def test_flow_matching_inputs_follow_the_formulas():
+    from types import SimpleNamespace
+
+    from difftrain.config.schema import FlowConfig
+    from difftrain.trainers.loop import Trainer
+
+    for sampling in ("logit_normal", "mode", "uniform"):
+        flow = FlowConfig(timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap")
+        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, gen=torch.Generator().manual_seed(1), device="cpu")
+        x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
+        noisy, t, target, w = Trainer._flow_inputs(fake, x0, noise)
+        s = t / 1000
+        # the draw, by hand with the same generator
+        g = torch.Generator().manual_seed(1)
+        if sampling == "logit_normal":
+            u = torch.sigmoid(0.3 + 0.7 * torch.randn(64, generator=g))
+        else:
+            u = torch.rand(64, generator=g)
+            if sampling == "mode":
+                u = 1 - u - 1.29 * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
+        u = u.clamp(1e-5, 1 - 1e-5)
+        torch.testing.assert_close(s, 3.0 * u / (1 + 2.0 * u))
+        sb = s.reshape(-1, 1, 1, 1)
+        torch.testing.assert_close(noisy, (1 - sb) * x0 + sb * noise)
+        torch.testing.assert_close(target, noise - x0)
+        torch.testing.assert_close(w, 2 / (torch.pi * (1 - 2 * s + 2 * s**2)))
