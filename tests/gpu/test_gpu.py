@@ -212,3 +212,24 @@ def test_deepspeed_zero3_param_offload_full_finetune(tiny_model, dataset, tmp_pa
     assert t.engine.zero_optimization_stage() == 3
     assert sum(r.losses[-5:]) / 5 < 0.9 * sum(r.losses[:5]) / 5
     assert r.saved and r.saved[0].stat().st_size > 1000
+
+
+def test_sd3_lora_with_8bit_adam_and_int8_t5_precompute(dataset, tmp_path):
+    import bitsandbytes as bnb
+
+    from difftrain.families.sd3 import SD3
+    from difftrain.trainers.loop import Trainer
+
+    model = SD3().build_tiny(tmp_path / "tiny-sd3")
+    sets = tiny_sets(model, dataset, tmp_path, **{
+        "train.device": "cuda", "precompute.device": "cuda", "text_encoders.t5.precision": "int8",
+        "memory.optimizer.kind": "adamw8bit", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
+        "train.max_steps": 20, "train.batch_size": 4, "train.learning_rate": 3e-3, "memory.activations.kind": "checkpoint"})
+    cfg = resolve(recipe="tiny-sd3-lora", sets=sets).config
+    r = precompute(cfg)
+    assert r.texts_encoded == 24
+    t = Trainer(cfg)
+    res = t.run()
+    assert isinstance(t.optimizer, bnb.optim.AdamW8bit)
+    assert all(torch.isfinite(torch.tensor(res.losses)))
+    assert sum(res.losses[-5:]) / 5 < sum(res.losses[:5]) / 5
