@@ -198,7 +198,8 @@ def test_original_layout(tiny_original, tiny_state_dicts):
 def test_detect_sdxl_single_file(tiny_original):
     assert detect_sdxl_single_file(iter(tiny_original))
     unet_only = [k for k in tiny_original if k.startswith(UNET)]
-    assert not detect_sdxl_single_file(unet_only)
+    assert detect_sdxl_single_file(unet_only)  # a UNet-only SDXL file: known by its label_emb
+    assert not detect_sdxl_single_file([k for k in unet_only if ".label_emb." not in k])  # SD 1.x's UNet has none
     # SD 1.x style and the SDXL refiner (bigG as embedder 0) are not SDXL base files.
     assert not detect_sdxl_single_file([UNET + "out.2.weight", "cond_stage_model.transformer.text_model.x"])
     assert not detect_sdxl_single_file([UNET + "out.2.weight", "conditioner.embedders.0.model.text_projection"])

@@ -683,10 +683,9 @@ def detect_sdxl_single_file(keys: Iterable[str]) -> bool:
     A UNet-only file (no text encoders) is known by the UNet's micro-conditioning
     embedding (label_emb), which SD 1.x/2.x lack; SD3's MMDiT has joint_blocks instead.
     """
-    has_unet = has_bigg = False
+    has_unet = has_bigg = refiner = False
     for key in keys:
         has_unet = has_unet or key.startswith(PREFIXES["unet"])
         has_bigg = has_bigg or key.startswith(PREFIXES["text_encoder_2"]) or key.startswith(PREFIXES["unet"] + "label_emb.")
-        if has_unet and has_bigg:
-            return True
-    return False
+        refiner = refiner or key.startswith("conditioner.embedders.0.model.")  # bigG as embedder 0
+    return has_unet and has_bigg and not refiner
