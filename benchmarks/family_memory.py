@@ -21,6 +21,10 @@ from pathlib import Path
 
 TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
 SD3 = ["train.device=cuda", "train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16"]
+COG = ["train.device=cuda", "train.batch_size=1", "data.resolution=592", "data.bucket_step=16", "data.frames=49",
+       "lora.rank=64", "lora.alpha=64", "train.mixed_precision=bf16", "memory.weights.kind=bf16",
+       "memory.activations.kind=checkpoint", "train.learning_rate=1e-4", "train.checkpoint_every=100000"]
+SIZE = {"C": (480, 720)}  # CogVideoX cases: the cache holds 49x480x720 clips (the planner assumes 592^2, +1.4 %)
 CASES = {
     "S1": ("SD3-medium LoRA r16, bf16, checkpointing (sd3-lora-8gb)", "sd3-lora-8gb", SD3),
     "S2": ("SD3-medium LoRA r16, bf16, no checkpointing", "sd3-lora-8gb", SD3 + ["memory.activations.kind=none"]),
@@ -29,13 +33,25 @@ CASES = {
     "S5": ("SD3-medium full, bf16, CPU-offload AdamW, checkpointing, block swap 24", "sd3-lora-8gb", SD3 + [
         "train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
         "memory.offload={kind: block_swap, blocks_to_swap: 24}"]),
+    "C1": ("CogVideoX-2b LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox", "model.config=cogvideox-2b"]),
+    "C2": ("CogVideoX-5b LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox", "model.config=cogvideox-5b"]),
+    "C3": ("CogVideoX-2b LoRA r64, bf16, checkpointing, block swap 30 of 30", None, COG + [
+        "family=cogvideox", "model.config=cogvideox-2b", "memory.offload={kind: block_swap, blocks_to_swap: 30}"]),
+    "C4": ("CogVideoX-5b LoRA r64, bf16, checkpointing, block swap 42 of 42", None, COG + [
+        "family=cogvideox", "model.config=cogvideox-5b", "memory.offload={kind: block_swap, blocks_to_swap: 42}"]),
+    "C5": ("CogVideoX-5b full, bf16, CPU-offload AdamW, checkpointing, block swap 42", None, COG + [
+        "family=cogvideox", "model.config=cogvideox-5b", "train.method=full", "train.learning_rate=1e-5",
+        "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
+        "memory.offload={kind: block_swap, blocks_to_swap: 42}"]),
 }
 
 
-def _tiny(recipe: str, sets: list[str]) -> tuple[str, list[str]]:
-    sets = [s.replace("=cuda", "=cpu").replace("resolution=1024", "resolution=128").replace("mixed_precision=bf16", "mixed_precision=no")
-            for s in sets if "cpu_offload" not in s and "max_grad_norm" not in s]
-    return "tiny-sd3-lora", sets
+def _tiny(recipe: str | None, sets: list[str]) -> tuple[str, list[str]]:
+    video = any("cogvideox" in s for s in sets)
+    drop = ("cpu_offload", "max_grad_norm", "model.config", "resolution=", "frames=", "family=", "block_swap")
+    sets = [s.replace("=cuda", "=cpu").replace("mixed_precision=bf16", "mixed_precision=no").replace("weights.kind=bf16", "weights.kind=fp32")
+            for s in sets if not any(d in s for d in drop)]
+    return ("tiny-cogvideox-lora" if video else "tiny-sd3-lora"), sets
 
 
 def run_case(name: str, work: Path, steps: int) -> dict:
@@ -48,7 +64,8 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     if TINY:
         recipe, sets = _tiny(recipe, sets)
     cfg = resolve(recipe=recipe, sets=sets).config
-    r = bench_memory(cfg, work / cfg.family, steps)
+    size = None if TINY else SIZE.get(name[0])
+    r = bench_memory(cfg, work / cfg.family, steps, size=size)
     return {"case": name, "what": what, "alloc": r.peak_train_alloc_gib, "reserved": r.peak_train_reserved_gib,
             "after_load": r.peak_after_load_gib, "planned_alloc": r.planned_alloc_gib, "planned_reserved": r.planned_reserved_gib,
             "s_per_step": r.s_per_step, "rss_train": r.stats.get("peak_rss_gib_train"),
@@ -100,16 +117,63 @@ def eager_sd3(work: Path, steps: int) -> dict:
             "s_per_step": round(statistics.median(times[2:]), 3)}
 
 
+def eager_cogvideox(work: Path, steps: int) -> dict:
+    """Plain loop, no difftrain code: CogVideoX-2b transformer, LoRA r64 on to_q/to_k/to_v/to_out.0 (fp32),
+    checkpointing, bf16, torch AdamW, random 49x480x720 latents (1x13x16x60x90) and 226x4096 text, as
+    shared/reference measured it (no rotary embeddings in 2b)."""
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+    from peft import LoraConfig
+
+    root = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
+    cfg = json.loads((root / ("cogvideox-tiny" if TINY else "cogvideox-2b") / "transformer/config.json").read_text())
+    dev = "cpu" if TINY else "cuda"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = CogVideoXTransformer3DModel.from_config(cfg).to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=64, lora_alpha=64, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    f, h, w = (3, 8, 8) if TINY else (13, 60, 90)
+    x = torch.randn(1, f, cfg["in_channels"], h, w, device=dev, dtype=torch.bfloat16)
+    ctx = torch.randn(1, 226, cfg["text_embed_dim"], device=dev, dtype=torch.bfloat16)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.time()
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+            out = model(hidden_states=x, encoder_hidden_states=ctx, timestep=torch.tensor([500], device=dev), return_dict=False)[0]
+        out.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.time() - t)
+    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+    return {"case": "E-cog", "what": "eager: CogVideoX-2b LoRA r64, bf16, checkpointing (no difftrain code)",
+            "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
+            "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
+            "s_per_step": round(statistics.median(times[2:]), 3)}
+
+
+EAGER = {"E-sd3": eager_sd3, "E-cog": eager_cogvideox}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-family-bench"))
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--cases", default=",".join(["E-sd3", *CASES]))
+    ap.add_argument("--cases", default=",".join([*EAGER, *CASES]))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
-        r = eager_sd3(a.work, a.steps) if a.case == "E-sd3" else run_case(a.case, a.work, a.steps)
+        r = EAGER[a.case](a.work, a.steps) if a.case in EAGER else run_case(a.case, a.work, a.steps)
         print("RESULT " + json.dumps(r), flush=True)
         return
     a.work.mkdir(parents=True, exist_ok=True)

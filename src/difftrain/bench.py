@@ -42,9 +42,11 @@ def synthetic_tokenizers(folder: Path) -> Path:
     return folder
 
 
-def synthetic_cache(cfg: Config, root: Path, n: int = 4) -> Path:
+def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] | None = None) -> Path:
+    """``size`` (height, width): a non-square shape (CogVideoX's 480x720); default the square resolution."""
     family = get_family(cfg.family)
-    shapes = family.cache_shapes(cfg.model.config, cfg.data.resolution)
+    video = {"frames": cfg.data.frames} if getattr(family, "video", False) else {}
+    shapes = family.cache_shapes(cfg.model.config, size or cfg.data.resolution, **video)
     cache = DataCache(root)
     g = torch.Generator().manual_seed(0)
     items = []
@@ -64,7 +66,7 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4) -> Path:
     return root
 
 
-def bench_memory(cfg: Config, work: Path, steps: int = 6) -> BenchResult:
+def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None) -> BenchResult:
     work = Path(work)
     family = get_family(cfg.family)
     device = pick_device(cfg.train.device)
@@ -83,7 +85,8 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6) -> BenchResult:
                 torch.cuda.empty_cache()
         tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
-    cache_dir = synthetic_cache(cfg, work / f"cache-{cfg.data.resolution}")
+    tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
+    cache_dir = synthetic_cache(cfg, work / f"cache-{tag}-{cfg.data.frames}", size=size)
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})
     update["train"] = cfg.train.model_copy(update={"max_steps": steps, "output_dir": work / "run", "checkpoint_every": None,
                                                    "device": str(device)})

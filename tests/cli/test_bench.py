@@ -18,7 +18,7 @@ def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
         assert f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").shape == (32, 4, 3, 3)
     from difftrain.data.cache import DataCache
 
-    entry = DataCache(tmp_path / "cache-128").get("lat0")
+    entry = DataCache(tmp_path / "cache-128-49").get("lat0")
     assert entry["latents"].shape == (4, 16, 16)
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 4
 

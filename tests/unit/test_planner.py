@@ -125,6 +125,23 @@ def test_planner_within_ten_percent_of_measured_sd3(case):
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
+# CogVideoX LoRA r64 / full at 49x480x720 (H200, benchmarks/family_memory.py); 5b's checkpoint coefficient was fitted to C2
+MEASURED_COG = {
+    "C1": ("cogvideox-2b-lora-24gb", [], 7.695),
+    "C2": ("cogvideox-5b-lora-24gb", [], 18.558),
+    "C3": ("cogvideox-2b-lora-6gb", [], 4.728),
+    "C4": ("cogvideox-5b-lora-12gb", [], 8.709),
+    "C5": ("cogvideox-5b-full-12gb", [], 8.676),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED_COG))
+def test_planner_within_ten_percent_of_measured_cogvideox(case):
+    recipe, sets, measured = MEASURED_COG[case]
+    predicted = plan_memory(resolve(recipe=recipe, sets=sets).config).gpu_total
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
 RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M)]
 
 

@@ -49,6 +49,7 @@ class DataConfig(Strict):
     no_upscale: bool = False
     random_crop: bool = False
     cache_dir: Optional[Path] = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
+    frames: int = Field(49, ge=1, description="video families: frames per clip (4k+1; CogVideoX was trained with 49)")
 
     @model_validator(mode="after")
     def _sides(self):
@@ -57,6 +58,9 @@ class DataConfig(Strict):
                 f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) and max_side ({self.max_side}): "
                 "lower data.min_side or raise data.resolution"
             )
+        if self.frames % 4 != 1:
+            raise ValueError(f"data.frames ({self.frames}) must be 4k+1 (1, 5, ..., 49): the video VAE compresses time 4x "
+                             "after the first frame")
         if self.resolution % self.bucket_step:
             raise ValueError(f"resolution ({self.resolution}) must be a multiple of bucket_step ({self.bucket_step})")
         return self
@@ -311,11 +315,12 @@ class TrainConfig(Strict):
         return "no" if v is False else v  # YAML reads a bare `no` as false
 
 
-DEFAULT_ARCHITECTURE = {"sdxl": "sdxl-base-1.0", "sd3": "sd3-medium"}
+DEFAULT_ARCHITECTURE = {"sdxl": "sdxl-base-1.0", "sd3": "sd3-medium", "cogvideox": "cogvideox-5b",
+                        "cogvideox-i2v": "cogvideox-5b-i2v"}
 
 
 class Config(Strict):
-    family: Literal["sdxl", "sd3"] = "sdxl"
+    family: Literal["sdxl", "sd3", "cogvideox", "cogvideox-i2v"] = "sdxl"
     model: ModelConfig = Field(default_factory=ModelConfig)
     text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
     dreambooth: DreamBoothConfig = Field(default_factory=DreamBoothConfig)

@@ -186,6 +186,7 @@ class CogVideoX:
     """Text-to-video CogVideoX (2b, 5b, 1.5-5b)."""
 
     name = "cogvideox"
+    video = True  # memory_hints and cache_shapes take a frame count
     #: whether the denoiser also takes first-frame image latents (precompute then calls ``encode_first_frame``)
     image_conditioned = False
     default_config = DEFAULT_CONFIG

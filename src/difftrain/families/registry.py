@@ -18,7 +18,19 @@ def _sd3():
     return SD3()
 
 
-FAMILIES = {"sdxl": _sdxl, "sd3": _sd3}
+def _cogvideox():
+    from .cogvideox import CogVideoX
+
+    return CogVideoX()
+
+
+def _cogvideox_i2v():
+    from .cogvideox import CogVideoXI2V
+
+    return CogVideoXI2V()
+
+
+FAMILIES = {"sdxl": _sdxl, "sd3": _sd3, "cogvideox": _cogvideox, "cogvideox-i2v": _cogvideox_i2v}
 
 
 def get_family(name: str) -> ModelFamily:

@@ -139,7 +139,9 @@ def flow_loss_weight(kind: str, sigmas: torch.Tensor) -> torch.Tensor | None:
 def memory_hints(cfg: Config) -> dict:
     family = get_family(cfg.family)
     parts, lrs = plan_parts(cfg, family)
-    return family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method)
+    video = {"frames": cfg.data.frames} if getattr(family, "video", False) else {}
+    return family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs),
+                               cfg.train.method, **video)
 
 
 def plan_memory(cfg: Config):
