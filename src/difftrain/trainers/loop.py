@@ -247,7 +247,8 @@ class Trainer:
         if cfg.ema.enabled:
             named = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad}
             self.ema = EMA(named, cfg.ema.decay, cfg.ema.update_every, cfg.ema.device)
-        self.sampler = BucketBatchSampler([tuple(it["bucket"]) for it in self.items], t.batch_size, t.seed)
+        # a batch never mixes sizes, nor (video) frame counts
+        self.sampler = BucketBatchSampler([(*it["bucket"], it.get("frames", 1)) for it in self.items], t.batch_size, t.seed)
         per_epoch = math.ceil(len(self.sampler) / t.grad_accum)
         self.total_steps = t.max_steps or per_epoch * t.epochs
         from diffusers.optimization import get_scheduler
@@ -271,9 +272,10 @@ class Trainer:
         """n class items for the instance batch at the current position: a function of (seed, epoch, batch),
         so a resumed run draws the same ones. One bucket per batch (the instance batch's when it has one)."""
         rng = random.Random(f"difftrain-prior:{self.cfg.train.seed}:{self.epoch}:{self.batch_pos}")
-        buckets = sorted({tuple(it["bucket"]) for it in self.prior_items})
+        key = lambda it: (*it["bucket"], it.get("frames", 1))  # noqa: E731
+        buckets = sorted({key(it) for it in self.prior_items})
         bucket = rng.choice(buckets)
-        pool = [it for it in self.prior_items if tuple(it["bucket"]) == bucket]
+        pool = [it for it in self.prior_items if key(it) == bucket]
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
     def _batch(self, idx: list[int], items: list[dict] | None = None) -> dict[str, torch.Tensor]:
@@ -302,6 +304,8 @@ class Trainer:
         if t.noise_offset:
             shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
             noise = noise + t.noise_offset * torch.randn(shape, generator=self.gen, device=self.device)
+        if hasattr(self.family, "drop_image_conditioning"):  # image-to-video: sometimes train without the image
+            batch = self.family.drop_image_conditioning(batch, self.gen)
         if self.family.objective == "flow":
             noisy, timesteps, target, weight = self._flow_inputs(latents, noise)
         else:
