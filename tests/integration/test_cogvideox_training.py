@@ -47,3 +47,94 @@ def test_bench_on_video_shaped_latents_with_block_swap(tiny_cog, tmp_path):
 
     assert DataCache(tmp_path / "cache-32x48-9").get("lat0")["latents"].shape == (16, 3, 4, 6)  # 9 frames -> 3
     assert r.s_per_step > 0
+
+
+def _clip(path, n_frames, size=(64, 48), seed=0):
+    """A small test clip whose frames change (a moving bright square on a coloured background)."""
+    import av
+    import numpy as np
+
+    codec = next((c for c in ("libx264", "mpeg4") if c in av.codecs_available), None)
+    if codec is None:
+        pytest.skip("this PyAV build has neither libx264 nor mpeg4")
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, 3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=8)
+        s.width, s.height = size
+        s.pix_fmt = "yuv420p"
+        for i in range(n_frames):
+            px = np.tile(base.astype(np.uint8), (size[1], size[0], 1))
+            px[8:24, 4 * i % size[0]:4 * i % size[0] + 16] = 255
+            for pkt in s.encode(av.VideoFrame.from_ndarray(px, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    return path
+
+
+@pytest.fixture
+def clips(tmp_path):
+    pytest.importorskip("av")
+    d = tmp_path / "clips"
+    for i in range(3):
+        _clip(d / f"clip{i}.mp4", 12, seed=i)
+        (d / f"clip{i}.txt").write_text(f"a square moving over colour {i}")
+    _clip(d / "short.mp4", 3)
+    (d / "short.txt").write_text("too short")
+    (d / "broken.mp4").write_bytes(b"\x00\x01 not a video" * 40)
+    return d
+
+
+def test_video_clips_precompute_and_train_through_the_cli(cli, tiny_cog, clips, tmp_path):
+    from difftrain.data.cache import DataCache
+
+    sets = tiny_sets(tiny_cog, clips, tmp_path, **{"train.max_steps": 30, "train.learning_rate": 3e-3,
+                                                   "train.batch_size": 3, "data.caption_ext": ".txt"})
+    args = [a for s in sets for a in ("--set", s)]
+    r = cli("precompute", "--recipe", "tiny-cogvideox-lora", *args)
+    assert r.code == 0, r
+    assert "short.mp4" in r.err and "broken.mp4" in r.err  # skipped and reported
+    cache = DataCache(tmp_path / "cache")
+    items = cache.read_json("index.json")["items"]
+    assert len(items) == 3 and {it["frames"] for it in items} == {9}  # 12 frames -> the 9-frame bucket
+    assert cache.get(items[0]["latent"])["latents"].shape[1] == 3  # 9 frames -> 3 latent frames
+    r = cli("train", "--recipe", "tiny-cogvideox-lora", *args)
+    assert r.code == 0, r
+    import json
+
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6  # overfitting three clips
+
+
+def test_changing_the_frame_sampling_re_encodes_only_the_latents(tiny_cog, clips, tmp_path):
+    base = tiny_sets(tiny_cog, clips, tmp_path, **{"data.caption_ext": ".txt"})
+    r1 = precompute(resolve(recipe="tiny-cogvideox-lora", sets=base).config)
+    r2 = precompute(resolve(recipe="tiny-cogvideox-lora", sets=base + ["data.frame_sampling=first"]).config)
+    assert (r1.latents_encoded, r2.latents_encoded, r2.texts_encoded) == (3, 3, 0)
+
+
+def test_image_to_video_caches_first_frame_latents_and_trains(tmp_path):
+    pytest.importorskip("av")
+    from diffusers import CogVideoXImageToVideoPipeline
+
+    from difftrain.data.cache import DataCache
+    from difftrain.families.cogvideox import CogVideoXI2V
+
+    model = CogVideoXI2V().build_tiny(tmp_path / "tiny-i2v", seed=0)
+    d = tmp_path / "clips"
+    for i in range(2):
+        _clip(d / f"c{i}.mp4", 9, size=(64, 64), seed=i)  # the tiny I2V's learned positions: 9 frames of 64x64
+        (d / f"c{i}.txt").write_text(f"clip {i}")
+    sets = tiny_sets(model, d, tmp_path, **{"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v",
+                                            "data.caption_ext": ".txt", "train.max_steps": 3, "train.batch_size": 2})
+    cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets).config
+    precompute(cfg)
+    cache = DataCache(tmp_path / "cache")
+    entry = cache.get(cache.read_json("index.json")["items"][0]["latent"])
+    assert entry["image_latents"].shape == (16, 1, 8, 8) and entry["latents"].shape == (16, 3, 8, 8)
+    r = train(cfg)
+    assert len(r.losses) == 3 and all(torch.isfinite(torch.tensor(r.losses)))
+    pipe = CogVideoXImageToVideoPipeline.from_pretrained(model)
+    pipe.load_lora_weights(str(r.lora_path))

@@ -49,7 +49,9 @@ class DataConfig(Strict):
     no_upscale: bool = False
     random_crop: bool = False
     cache_dir: Optional[Path] = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
-    frames: int = Field(49, ge=1, description="video families: frames per clip (4k+1; CogVideoX was trained with 49)")
+    frames: int = Field(49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)")
+    frame_sampling: Literal["uniform", "first"] = Field(
+        "uniform", description="video families: frames spread evenly over the clip, or the first N")
 
     @model_validator(mode="after")
     def _sides(self):

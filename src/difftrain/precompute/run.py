@@ -51,15 +51,25 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=cfg.precompute.shard_max_mb << 20)
     report = PrecomputeReport(cache_dir=cache.root)
 
-    records, skipped = scan_dataset(
-        Path(cfg.data.dir),
-        metadata=cfg.data.metadata,
-        caption_ext=cfg.data.caption_ext,
-        tag_ext=cfg.data.tag_ext,
-        caption_source=cfg.data.caption_source,
-    )
+    video = getattr(family, "video", False)
+    if video:
+        from ..data.video import frame_buckets, scan_videos
+
+        fbuckets = frame_buckets(cfg.data.frames)
+        records, skipped = scan_videos(Path(cfg.data.dir), caption_ext=cfg.data.caption_ext, buckets=fbuckets)
+    else:
+        records, skipped = scan_dataset(
+            Path(cfg.data.dir),
+            metadata=cfg.data.metadata,
+            caption_ext=cfg.data.caption_ext,
+            tag_ext=cfg.data.tag_ext,
+            caption_source=cfg.data.caption_source,
+        )
     report.skipped += [(str(p), why) for p, why in skipped]
     db = cfg.dreambooth
+    if video and db.with_prior_preservation:
+        raise UsageError("dreambooth.with_prior_preservation is not available for video families yet "
+                         "(class clips would have to be generated).", hint="Set dreambooth.with_prior_preservation: false.")
     if db.instance_prompt:
         records = [replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records]
     records = [(r, False) for r in records]
@@ -69,7 +79,12 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         report.skipped += [(str(p), why) for p, why in class_skipped]
         records += [(replace(r, key="class:" + r.key, caption=db.class_prompt), True) for r in class_records]
     d = cfg.data
-    buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
+    if video:
+        from ..data.video import video_size_buckets
+
+        buckets = video_size_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
+    else:
+        buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
 
     memo = cache.read_json("fingerprints.json", {})
     vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
@@ -87,23 +102,35 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
 
     plan = []
     for r, is_prior in records:
+        frames = None
         try:
-            bucket = choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step, no_upscale=d.no_upscale)
+            if video:
+                from ..data.video import choose_frames, choose_video_bucket, sample_frame_indices
+
+                bucket = choose_video_bucket(r.width, r.height, buckets)
+                frames = choose_frames(r.frames, fbuckets, is_image=r.is_image)
+                if frames is None:
+                    raise ValueError(f"{r.frames} frames: shorter than the smallest frame bucket ({fbuckets[1]})")
+                indices = sample_frame_indices(r.frames, frames, mode=d.frame_sampling)
+            else:
+                bucket = choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step,
+                                       no_upscale=d.no_upscale)
         except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
             report.skipped.append((str(r.path), str(e)))
             continue
         img_hash = sha256_file(r.path)
-        lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash)
+        clip = f"{frames}:{d.frame_sampling}" if video else ""  # the frames taken are part of what is encoded
+        lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip)
         tkeys = {s: sha256_text("text", family.name, s, stage_fp[s], r.caption) for s in stages}
         plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
-                     "prior": is_prior})
+                     "prior": is_prior, "frames": frames, "indices": indices if video else None})
 
     device = pick_device(pc.device)
     missing_lat = set(cache.missing(p["latent"] for p in plan))
     if missing_lat:
         comps = family.load(cfg.model, [family.image_encoder], dtype=to_dtype(pc.vae_dtype), device=device)
         todo = [p for p in plan if p["latent"] in missing_lat]
-        todo.sort(key=lambda p: p["bucket"])
+        todo.sort(key=lambda p: (p["bucket"], p["frames"] or 1))
         with progress() as bar, torch.no_grad():
             task = bar.add_task("encoding latents", total=len(todo))
             done: set[str] = set()
@@ -112,32 +139,46 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
                 if p is not None and p["latent"] in done:
                     bar.advance(task)
                     continue
-                flush = p is None or (batch and (batch[0]["bucket"] != p["bucket"] or len(batch) >= pc.batch_size))
+                shape = None if p is None else (p["bucket"], p["frames"])
+                flush = p is None or (batch and (batch[0]["shape"] != shape or len(batch) >= pc.batch_size))
                 if flush and batch:
                     pix = torch.stack([b["pixels"] for b in batch])
                     lat = family.encode_images(comps, pix)
+                    extra = {}
+                    if getattr(family, "image_conditioned", False):
+                        # image-to-video: the noise-augmented first frame, seeded by the clip's content; only its
+                        # first latent frame is stored (the rest are zeros, added back at training time)
+                        g = torch.Generator().manual_seed(int(batch[0]["latent"][:15], 16))
+                        extra["image_latents"] = family.encode_first_frame(comps, pix, generator=g)[:, :, :1]
                     if not torch.isfinite(lat).all():
                         raise DataError(
                             "The VAE produced NaN/inf latents.",
                             hint="SDXL's VAE overflows in fp16: set precompute.vae_dtype: fp32 (or bf16).",
                         )
-                    for b, l in zip(batch, lat):
+                    for j, (b, l) in enumerate(zip(batch, lat)):
                         # the crop offsets are SDXL conditioning: they live with the latent
-                        cache.put(b["latent"], {"latents": l, "crop": torch.tensor(b["crop"], dtype=torch.int64)})
+                        entry = {"latents": l, "crop": torch.tensor(b["crop"], dtype=torch.int64)}
+                        entry.update({k: v[j] for k, v in extra.items()})
+                        cache.put(b["latent"], entry)
                         bar.advance(task)
                     batch = []
                 if p is None:
                     break
+                rng = random.Random(p["image_sha256"]) if d.random_crop else None
                 try:
-                    img = load_rgb(p["record"].path)
+                    if video:
+                        from ..data.video import load_clip
+
+                        pixels, crop = load_clip(p["record"], p["indices"], p["bucket"], rng=rng)
+                    else:
+                        fitted, crop = fit_to_bucket(load_rgb(p["record"].path), p["bucket"], rng=rng)
+                        pixels = _to_pixels(fitted)
                 except DataError as e:
                     report.skipped.append((str(p["record"].path), e.message))
                     p["bad"] = True
                     bar.advance(task)
                     continue
-                rng = random.Random(p["image_sha256"]) if d.random_crop else None
-                fitted, crop = fit_to_bucket(img, p["bucket"], rng=rng)
-                batch.append({"latent": p["latent"], "pixels": _to_pixels(fitted), "crop": crop, "bucket": p["bucket"]})
+                batch.append({"latent": p["latent"], "pixels": pixels, "crop": crop, "shape": shape})
                 done.add(p["latent"])
         cache.flush()
         del comps
@@ -196,6 +237,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
                 "image": str(r.path),
                 "caption": r.caption,
                 "bucket": [bw, bh],
+                **({"frames": p["frames"]} if p["frames"] else {}),
                 "original_size": [r.height, r.width],
                 "latent": p["latent"],
                 "texts": p["texts"],
