@@ -123,6 +123,18 @@ class DreamBoothConfig(Strict):
         return self
 
 
+class ValidationConfig(Strict):
+    """Sample images (mp4 for video families) from fixed prompts and seed while training."""
+
+    prompts: list[str] = Field(default_factory=list, description="empty: no validation samples")
+    every_n_steps: Optional[int] = Field(None, ge=1, description="also sampled once at the end of training")
+    num_inference_steps: int = Field(25, ge=1)
+    guidance_scale: float = Field(5.0, ge=0)
+    seed: int = 0
+    resolution: Optional[int] = Field(None, ge=64, description="square side; default data.resolution")
+    fps: int = Field(8, ge=1, description="video families: frames per second of the mp4 (CogVideoX: 8; 1.5: 16)")
+
+
 # ----------------------------------------------------------------- LoRA
 class LoraConfig(Strict):
     rank: int = Field(16, ge=1)
@@ -326,6 +338,7 @@ class Config(Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
     dreambooth: DreamBoothConfig = Field(default_factory=DreamBoothConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
@@ -392,6 +405,9 @@ class Config(Strict):
                     t.method == "full" and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2)):
                 raise ValueError("memory.engine deepspeed trains the denoiser only for now: set train.train_text_encoders "
                                  "false (full.train_text_encoder_*: false) or memory.engine.kind: single")
+            if self.validation.prompts and e.stage == 3:
+                raise ValueError("validation.prompts with ZeRO stage 3: the pipeline cannot run on partitioned weights; "
+                                 "use stage 2 or leave validation.prompts empty")
             if self.ema.enabled and e.stage == 3:
                 raise ValueError("ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
                                  "use stage 2 or ema.enabled: false")

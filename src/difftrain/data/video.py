@@ -555,3 +555,32 @@ def load_clip(
         fitted.append(np.asarray(image, dtype=np.uint8))
     clip = torch.from_numpy(np.stack(fitted)).permute(3, 0, 1, 2).float()  # [F, H, W, 3] -> [3, F, H, W]
     return clip / 127.5 - 1.0, crop
+
+
+def write_mp4(path: Path, frames, fps: int) -> Path:
+    """Frames [F, H, W, 3] (floats in [0, 1] or uint8) as an H.264 mp4 (mpeg4 where this FFmpeg has no
+    libx264), written to a temporary name and renamed. Odd sides are padded to even (yuv420p needs it)."""
+    import os
+
+    import numpy as np
+
+    av = _av()
+    arr = np.asarray(frames)
+    if arr.dtype != np.uint8:
+        arr = (np.clip(arr, 0, 1) * 255).round().astype(np.uint8)
+    f, h, w, _ = arr.shape
+    arr = np.pad(arr, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    with av.open(str(tmp), "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = arr.shape[2], arr.shape[1]
+        stream.pix_fmt = "yuv420p"
+        for frame in arr:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    os.replace(tmp, path)
+    return path

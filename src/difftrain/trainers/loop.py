@@ -408,6 +408,9 @@ class Trainer:
                     accum, micro, prior_sum = 0.0, 0, 0.0
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                         result.checkpoints.append(self.save_checkpoint())
+                    v = self.cfg.validation
+                    if v.prompts and v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps:
+                        self._validate(f"step-{self.step:08d}", stats)
                     every = self.cfg.save.every_n_steps
                     if t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"step-{self.step:08d}")
@@ -418,6 +421,8 @@ class Trainer:
                     if t.method == "full" and every and self.epoch % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         metrics.close()
+        if self.cfg.validation.prompts and self.step >= self.total_steps:
+            self._validate("final", stats)
         stats["peak_rss_gib_train"] = round(_rss_peak_gib(), 3)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
@@ -438,6 +443,16 @@ class Trainer:
         result.stats = stats
         atomic_write_text(self.out / "stats.json", json.dumps(stats, indent=1) + "\n")
         return result
+
+    def _validate(self, tag: str, stats: dict) -> None:
+        """A round of validation samples; GPU memory before it, and the peak with it, go into stats."""
+        from .validation import validate
+
+        if self.device.type == "cuda":
+            stats.setdefault("gpu_peak_alloc_gib_before_validation", round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3))
+        self.samples = getattr(self, "samples", []) + validate(self, tag)
+        if self.device.type == "cuda":
+            stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
 
     def _optimizer_step(self) -> None:
         t = self.cfg.train
