@@ -14,10 +14,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+import sdxl_full as sf
 
 TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
 SD3 = ["train.device=cuda", "train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16"]
@@ -43,6 +43,7 @@ CASES = {
         "family=cogvideox", "model.config=cogvideox-5b", "train.method=full", "train.learning_rate=1e-5",
         "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
         "memory.offload={kind: block_swap, blocks_to_swap: 42}"]),
+    "C6": ("CogVideoX-5b-I2V LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox-i2v", "model.config=cogvideox-5b-i2v"]),
 }
 
 
@@ -72,38 +73,34 @@ def run_case(name: str, work: Path, steps: int) -> dict:
             "versions": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}}
 
 
-def eager_sd3(work: Path, steps: int) -> dict:
-    """Plain diffusers/peft/torch loop, no difftrain code: SD3-medium transformer, LoRA r16 on the attention
-    projections, checkpointing, bf16, torch AdamW, random inputs of the cached shapes (as shared/reference)."""
+def eager(case: str, what: str, model_class, config: str, rank: int, inputs, timestep: float, steps: int) -> dict:
+    """Plain diffusers/peft/torch loop, no difftrain code: a bundled ``config``'s transformer in bf16, LoRA of ``rank``
+    (alpha = rank) on to_q/to_k/to_v/to_out.0 in fp32, checkpointing, torch AdamW, on the random tensors
+    ``inputs(cfg, device)`` gives (keyword arguments of the model) at ``timestep``."""
     import torch
-    from diffusers import SD3Transformer2DModel
     from peft import LoraConfig
 
     root = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
-    cfg = json.loads((root / ("sd3-tiny" if TINY else "sd3-medium") / "transformer/config.json").read_text())
+    cfg = json.loads((root / config / "transformer/config.json").read_text())
     dev = "cpu" if TINY else "cuda"
     torch.manual_seed(0)
     with torch.device(dev):
-        model = SD3Transformer2DModel.from_config(cfg).to(torch.bfloat16)
+        model = model_class.from_config(cfg).to(torch.bfloat16)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
-    model.add_adapter(LoraConfig(r=16, lora_alpha=16, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
     opt = torch.optim.AdamW(params, lr=1e-4)
-    side = 16 if TINY else 128
-    x = torch.randn(1, 16, side, side, device=dev, dtype=torch.bfloat16)
-    ctx = torch.randn(1, 333, cfg["joint_attention_dim"], device=dev, dtype=torch.bfloat16)
-    pooled = torch.randn(1, cfg["pooled_projection_dim"], device=dev, dtype=torch.bfloat16)
+    kwargs = inputs(cfg, dev)
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         t = time.time()
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            out = model(hidden_states=x, timestep=torch.tensor([500.0], device=dev), encoder_hidden_states=ctx,
-                        pooled_projections=pooled, return_dict=False)[0]
+            out = model(**kwargs, timestep=torch.tensor([timestep], device=dev), return_dict=False)[0]
         out.float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -111,54 +108,43 @@ def eager_sd3(work: Path, steps: int) -> dict:
             torch.cuda.synchronize()
         times.append(time.time() - t)
     gib = lambda b: round(b / 2**30, 3)  # noqa: E731
-    return {"case": "E-sd3", "what": "eager: SD3-medium LoRA r16, bf16, checkpointing (no difftrain code)",
+    return {"case": case, "what": what,
             "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
             "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
             "s_per_step": round(statistics.median(times[2:]), 3)}
+
+
+def eager_sd3(work: Path, steps: int) -> dict:
+    """The eager loop on the SD3-medium transformer, LoRA r16 on the attention projections, random inputs of the
+    cached shapes (as shared/reference)."""
+    from diffusers import SD3Transformer2DModel
+
+    def inputs(cfg: dict, dev: str) -> dict:
+        import torch
+
+        side = 16 if TINY else 128
+        return {"hidden_states": torch.randn(1, 16, side, side, device=dev, dtype=torch.bfloat16),
+                "encoder_hidden_states": torch.randn(1, 333, cfg["joint_attention_dim"], device=dev, dtype=torch.bfloat16),
+                "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], device=dev, dtype=torch.bfloat16)}
+
+    return eager("E-sd3", "eager: SD3-medium LoRA r16, bf16, checkpointing (no difftrain code)", SD3Transformer2DModel,
+                 "sd3-tiny" if TINY else "sd3-medium", 16, inputs, 500.0, steps)
 
 
 def eager_cogvideox(work: Path, steps: int) -> dict:
-    """Plain loop, no difftrain code: CogVideoX-2b transformer, LoRA r64 on to_q/to_k/to_v/to_out.0 (fp32),
-    checkpointing, bf16, torch AdamW, random 49x480x720 latents (1x13x16x60x90) and 226x4096 text, as
-    shared/reference measured it (no rotary embeddings in 2b)."""
-    import torch
+    """The eager loop on the CogVideoX-2b transformer, LoRA r64, random 49x480x720 latents (1x13x16x60x90) and
+    226x4096 text, as shared/reference measured it (no rotary embeddings in 2b)."""
     from diffusers import CogVideoXTransformer3DModel
-    from peft import LoraConfig
 
-    root = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
-    cfg = json.loads((root / ("cogvideox-tiny" if TINY else "cogvideox-2b") / "transformer/config.json").read_text())
-    dev = "cpu" if TINY else "cuda"
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = CogVideoXTransformer3DModel.from_config(cfg).to(torch.bfloat16)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    model.add_adapter(LoraConfig(r=64, lora_alpha=64, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    f, h, w = (3, 8, 8) if TINY else (13, 60, 90)
-    x = torch.randn(1, f, cfg["in_channels"], h, w, device=dev, dtype=torch.bfloat16)
-    ctx = torch.randn(1, 226, cfg["text_embed_dim"], device=dev, dtype=torch.bfloat16)
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t = time.time()
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-            out = model(hidden_states=x, encoder_hidden_states=ctx, timestep=torch.tensor([500], device=dev), return_dict=False)[0]
-        out.float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.time() - t)
-    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
-    return {"case": "E-cog", "what": "eager: CogVideoX-2b LoRA r64, bf16, checkpointing (no difftrain code)",
-            "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
-            "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
-            "s_per_step": round(statistics.median(times[2:]), 3)}
+    def inputs(cfg: dict, dev: str) -> dict:
+        import torch
+
+        f, h, w = (3, 8, 8) if TINY else (13, 60, 90)
+        return {"hidden_states": torch.randn(1, f, cfg["in_channels"], h, w, device=dev, dtype=torch.bfloat16),
+                "encoder_hidden_states": torch.randn(1, 226, cfg["text_embed_dim"], device=dev, dtype=torch.bfloat16)}
+
+    return eager("E-cog", "eager: CogVideoX-2b LoRA r64, bf16, checkpointing (no difftrain code)", CogVideoXTransformer3DModel,
+                 "cogvideox-tiny" if TINY else "cogvideox-2b", 64, inputs, 500, steps)
 
 
 EAGER = {"E-sd3": eager_sd3, "E-cog": eager_cogvideox}
@@ -177,20 +163,7 @@ def main() -> None:
         print("RESULT " + json.dumps(r), flush=True)
         return
     a.work.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in a.cases.split(","):
-        t = time.time()
-        p = subprocess.run([sys.executable, __file__, "--case", name, "--work", str(a.work), "--steps", str(a.steps)],
-                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
-        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not line:
-            print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-            results.append({"case": name, "error": p.stderr[-2000:]})
-            continue
-        r = json.loads(line[0][7:])
-        r["wall_seconds"] = round(time.time() - t, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+    results = sf.run_cases(__file__, a.cases.split(","), a.work, a.steps)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "family_memory.json").write_text(json.dumps(results, indent=1))

@@ -148,8 +148,11 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     }
 
 
-def run_cases(script: str, names: list[str], work: Path, steps: int, what: dict[str, str]) -> list[dict]:
-    """Run each case in a fresh subprocess of ``script`` (clean RSS and CUDA state); collect their results."""
+def run_cases(script: str, names: list[str], work: Path, steps: int, what: dict[str, str] | None = None) -> list[dict]:
+    """Run each case in a fresh subprocess of ``script`` (clean RSS and CUDA state); collect their results.
+
+    A failed case's result holds its stderr (and its description from ``what``, when given).
+    """
     results = []
     for name in names:
         t = time.time()
@@ -158,7 +161,7 @@ def run_cases(script: str, names: list[str], work: Path, steps: int, what: dict[
         line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
         if p.returncode or not line:
             print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-            results.append({"case": name, "what": what.get(name, ""), "error": p.stderr[-2000:]})
+            results.append({"case": name, **({"what": what.get(name, "")} if what is not None else {}), "error": p.stderr[-2000:]})
             continue
         r = json.loads(line[0][7:])
         r["wall_seconds"] = round(time.time() - t, 1)

@@ -42,13 +42,10 @@ in a float type, exactly as SD3's T5 does.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import json
 import shutil
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,18 +53,18 @@ import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
 from ..errors import (
-    BackendUnavailable,
     CacheMismatch,
     CheckpointError,
     ConfigError,
     DataError,
     ModelLoadError,
-    UnsafeCheckpoint,
 )
-from ..utils import DTYPES, atomic_dir, sha256_file, stream_save_safetensors
+from ..utils import atomic_dir, stream_save_safetensors
+from . import common
+from .common import hf_config as _hf_config
+from .common import read_json as _read_json
 from .sd3 import tiny_t5_tokenizer
 
-PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
 PARTS = ("transformer", "vae", "text_encoder")
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "T5-XXL text encoder"}
 DEFAULT_CONFIG = "cogvideox-5b"
@@ -84,22 +81,13 @@ IMAGE_NOISE_MEAN, IMAGE_NOISE_STD = -3.0, 0.5
 IMAGE_DROPOUT = 0.05
 #: the ``ofs`` value CogVideoX1.5-5b-I2V is run with (its pipeline and its fine-tuning code)
 OFS = 2.0
-QUANTIZED = ("int8", "nf4")
 #: single-file header keys
 META_FAMILY, META_CONFIG, META_TRANSFORMER = "difftrain.family", "difftrain.config", "difftrain.transformer_config"
-
-_T5_HINT = "set text_encoders.t5.precision: bf16"
+#: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
+SAVE_AS = {"transformer": "CogVideoXTransformer3DModel", "vae": "AutoencoderKLCogVideoX", "text_encoder": ("T5EncoderModel", "t5")}
 
 
 # ------------------------------------------------------------------ bundled configs
-def _configs_root() -> Path:
-    return Path(str(resources.files("difftrain") / "families" / "configs"))
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
 def is_i2v_config(transformer_cfg: dict) -> bool:
     """An image-to-video transformer takes the video and the image latents side by side: in = 2 x out channels."""
     out = transformer_cfg.get("out_channels") or transformer_cfg.get("in_channels", 16)
@@ -109,7 +97,7 @@ def is_i2v_config(transformer_cfg: dict) -> bool:
 def known_configs(i2v: bool | None = None) -> list[str]:
     """Bundled CogVideoX architectures (only the text-to-video or image-to-video ones when ``i2v`` is given)."""
     names = []
-    for p in sorted(_configs_root().iterdir()):
+    for p in sorted(common.configs_root().iterdir()):
         cfg = p / "transformer" / "config.json"
         if p.name.startswith("cogvideox") and cfg.exists() and (i2v is None or is_i2v_config(_read_json(cfg)) == i2v):
             names.append(p.name)
@@ -117,15 +105,7 @@ def known_configs(i2v: bool | None = None) -> list[str]:
 
 
 def bundled_config_dir(name: str | None) -> Path:
-    name = name or DEFAULT_CONFIG
-    d = _configs_root() / name
-    if not name.startswith("cogvideox") or not d.is_dir():
-        raise ModelLoadError(f"No bundled CogVideoX config named {name!r}.", hint=f"Use model.config: one of {', '.join(known_configs())}.")
-    return d
-
-
-def _hf_config(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "_name_or_path", "transformers_version")}
+    return common.bundled_dir(name or DEFAULT_CONFIG, "CogVideoX", known_configs, prefix="cogvideox")
 
 
 def _new_module(part: str, cfg: dict):
@@ -142,11 +122,6 @@ def _new_module(part: str, cfg: dict):
     raise ModelLoadError(f"CogVideoX has no part named {part!r}.", hint=f"Parts: {', '.join(PARTS)}.")
 
 
-def _module_config(module) -> dict:
-    cfg = module.config
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
-
-
 def _architecture(transformer_cfg: dict) -> dict:
     """A transformer config with every constructor default filled in and bookkeeping keys dropped (comparable)."""
     from diffusers import CogVideoXTransformer3DModel
@@ -161,7 +136,7 @@ def config_name_of(transformer_cfg: dict) -> str | None:
     """The bundled architecture whose transformer config this is, if any."""
     arch = _architecture(transformer_cfg)
     for name in known_configs():
-        if _architecture(_read_json(_configs_root() / name / "transformer" / "config.json")) == arch:
+        if _architecture(_read_json(common.configs_root() / name / "transformer" / "config.json")) == arch:
             return name
     return None
 
@@ -240,47 +215,33 @@ class CogVideoX:
         return d
 
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        if mcfg.path is None:
-            raise ModelLoadError(
-                "No model was given.",
-                hint="Set model.path to a diffusers CogVideoX folder (--set model.path=/path/to/CogVideoX-5b), "
-                "or to a transformer .safetensors a difftrain full fine-tune exported.",
-            )
-        p = Path(mcfg.path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(
-                f"The model path {p} does not exist.",
-                hint="Point model.path at a diffusers CogVideoX folder (with transformer/, vae/, text_encoder/, tokenizer/).",
-            )
-        if p.is_dir():
-            if not (p / "transformer").is_dir() and not (p / "vae").is_dir():
-                hint = "Give the folder that holds model_index.json (a CogVideoX download: THUDM/CogVideoX-5b and the like)."
-                if (p / "unet").is_dir():
-                    hint = "It has a unet/ folder: it looks like an SDXL model; set family: sdxl."
-                elif (p / "config.json").exists() and any(p.glob("diffusion_pytorch_model*.safetensors")):
-                    hint = "It looks like a transformer/ subfolder: give its parent, the folder with model_index.json."
-                raise ModelLoadError(f"{p} is a folder but not a diffusers CogVideoX folder (it has no transformer/ or vae/).",
-                                     hint=hint)
-            if (p / "text_encoder_3").is_dir():
-                raise ModelLoadError(f"{p} is an SD3 folder (it has text_encoder_3/), not CogVideoX.", hint="Set family: sd3.")
-            cfg_file = p / "transformer" / "config.json"
-            if cfg_file.exists():
-                cfg = _read_json(cfg_file)
-                if cfg.get("_class_name", "CogVideoXTransformer3DModel") != "CogVideoXTransformer3DModel":
-                    raise ModelLoadError(f"{p}'s transformer is a {cfg.get('_class_name')}, not a CogVideoX transformer.",
-                                         hint="Pick the family of that model, or give a CogVideoX folder.")
-                self._check_variant(cfg, str(p))
-            return "diffusers", p
-        if p.suffix.lower() == ".safetensors":
-            return "single", p
-        if p.suffix.lower() in PICKLE_EXTS:
-            if not mcfg.allow_pickle:
-                raise UnsafeCheckpoint(
-                    f"{p.name} is a pickle checkpoint; loading one can run arbitrary code, so difftrain refuses it by default.",
-                    hint="Convert it to .safetensors, or pass --allow-pickle (it is then read with torch.load(weights_only=True)).",
-                )
-            return "pickle", p
-        raise ModelLoadError(f"Unrecognised model file {p.name}.", hint="Use a diffusers CogVideoX folder or a .safetensors transformer.")
+        return common.resolve_source(
+            mcfg,
+            no_model_hint="Set model.path to a diffusers CogVideoX folder (--set model.path=/path/to/CogVideoX-5b), "
+            "or to a transformer .safetensors a difftrain full fine-tune exported.",
+            missing_hint="Point model.path at a diffusers CogVideoX folder (with transformer/, vae/, text_encoder/, tokenizer/).",
+            check_folder=self._check_folder,
+            unrecognised_hint="Use a diffusers CogVideoX folder or a .safetensors transformer.",
+        )
+
+    def _check_folder(self, p: Path) -> None:
+        if not (p / "transformer").is_dir() and not (p / "vae").is_dir():
+            hint = "Give the folder that holds model_index.json (a CogVideoX download: THUDM/CogVideoX-5b and the like)."
+            if (p / "unet").is_dir():
+                hint = common.SDXL_FOLDER_HINT
+            elif (p / "config.json").exists() and any(p.glob("diffusion_pytorch_model*.safetensors")):
+                hint = "It looks like a transformer/ subfolder: give its parent, the folder with model_index.json."
+            raise ModelLoadError(f"{p} is a folder but not a diffusers CogVideoX folder (it has no transformer/ or vae/).",
+                                 hint=hint)
+        if (p / "text_encoder_3").is_dir():
+            raise ModelLoadError(f"{p} is an SD3 folder (it has text_encoder_3/), not CogVideoX.", hint="Set family: sd3.")
+        cfg_file = p / "transformer" / "config.json"
+        if cfg_file.exists():
+            cfg = _read_json(cfg_file)
+            if cfg.get("_class_name", "CogVideoXTransformer3DModel") != "CogVideoXTransformer3DModel":
+                raise ModelLoadError(f"{p}'s transformer is a {cfg.get('_class_name')}, not a CogVideoX transformer.",
+                                     hint="Pick the family of that model, or give a CogVideoX folder.")
+            self._check_variant(cfg, str(p))
 
     def _single_file_missing(self, p: Path, missing: list[str]) -> ModelLoadError:
         names = ", ".join(LABELS[m] for m in missing)
@@ -336,47 +297,6 @@ class CogVideoX:
                 "`pip install sentencepiece protobuf` (once: save_pretrained writes a tokenizer.json).",
             ) from None
 
-    @staticmethod
-    def _precisions(parts: list[str], dtype: torch.dtype, precision: dict[str, str] | None) -> tuple[dict, dict]:
-        """Per part: the float dtype, and (for T5 only) the bitsandbytes quantization."""
-        dtypes, quant = {part: dtype for part in parts}, {}
-        for part, prec in (precision or {}).items():
-            if part not in parts:
-                continue
-            if prec in QUANTIZED:
-                if part != "text_encoder":
-                    raise ConfigError(f"{prec} storage is offered for CogVideoX's T5 encoder only, not for {part}.")
-                quant[part] = prec
-            elif prec in DTYPES:
-                dtypes[part] = DTYPES[prec]
-            else:
-                raise ConfigError(f"Unknown precision {prec!r} for {part}.", hint="Use one of int8, nf4, bf16, fp16, fp32.")
-        return dtypes, quant
-
-    @staticmethod
-    def _check_quantization(prec: str, device) -> None:
-        """int8/nf4 go through bitsandbytes, which needs CUDA: refuse early, offering a float precision."""
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            raise BackendUnavailable(
-                f"T5 precision {prec} needs bitsandbytes on a CUDA GPU, but the T5 encoder would load on {dev}.",
-                hint=f"{_T5_HINT} (about 9.5 GB; it is loaded on its own, before the VAE and the transformer), "
-                "or precompute on a machine with a CUDA GPU.",
-            )
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise BackendUnavailable(
-                f"T5 precision {prec} needs bitsandbytes, which is not installed.",
-                hint=f"pip install 'difftrain[bnb]', or {_T5_HINT}.",
-            )
-
-    @staticmethod
-    def _bnb_config(prec: str, dtype: torch.dtype):
-        from transformers import BitsAndBytesConfig
-
-        if prec == "int8":
-            return BitsAndBytesConfig(load_in_8bit=True)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-
     # ------------------------------------------------------------ loading
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
              precision: dict[str, str] | None = None) -> dict[str, Any]:
@@ -389,12 +309,10 @@ class CogVideoX:
         """
         kind, p = self._source(mcfg)
         parts = list(parts)
-        unknown = [part for part in parts if part not in PARTS]
-        if unknown:
-            raise ModelLoadError(f"CogVideoX has no part named {unknown[0]!r}.", hint=f"Parts: {', '.join(PARTS)}.")
-        dtypes, quant = self._precisions(parts, dtype, precision)
-        for prec in quant.values():
-            self._check_quantization(prec, device)  # before reading a byte
+        common.check_parts("CogVideoX", parts, PARTS)
+        # quantization is checked to be possible before reading a byte
+        dtypes, quant = common.t5_precisions(parts, dtype, precision, device, t5="text_encoder", label="CogVideoX",
+                                             loaded_before="the VAE and the transformer")
         if kind == "diffusers":
             comps = self._load_diffusers(p, parts, dtypes, quant, device)
         else:
@@ -402,10 +320,7 @@ class CogVideoX:
             if missing:
                 raise self._single_file_missing(p, missing)
             comps = {"transformer": self._load_single(kind, p, mcfg, dtypes["transformer"], device)} if parts else {}
-        for part in parts:
-            comps[part].requires_grad_(False).eval()
-            if part not in quant:  # bitsandbytes modules are placed by device_map and refuse .to()
-                comps[part].to(device)
+        common.freeze(comps, parts, device, quant)
         if "vae" in comps:
             comps["vae"].enable_slicing()
             comps["vae"].enable_tiling()
@@ -418,36 +333,9 @@ class CogVideoX:
         from transformers import T5EncoderModel
 
         classes = {"transformer": CogVideoXTransformer3DModel, "vae": AutoencoderKLCogVideoX, "text_encoder": T5EncoderModel}
-        for part in parts:  # every missing part is named before gigabytes are read
-            if not (p / part).is_dir():
-                raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint="Is it a complete CogVideoX folder?")
-        out = {}
-        for part in parts:
-            extra: dict[str, Any] = {}
-            if torch.device(device).type == "cuda":
-                # device_map: weights go to the GPU as they are read (no full host copy first)
-                extra["device_map"] = {"": str(device)}
-            if part in quant:
-                extra["quantization_config"] = self._bnb_config(quant[part], dtypes[part])
-            try:
-                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra)
-            except OSError as e:
-                raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
-        return out
-
-    def _open(self, kind: str, p: Path):
-        """(keys, tensor reader, shape reader, header metadata) of a single file."""
-        if kind == "single":
-            from safetensors import safe_open
-
-            try:
-                handle = safe_open(str(p), framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-                raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
-            return list(handle.keys()), handle.get_tensor, lambda k: tuple(handle.get_slice(k).get_shape()), handle.metadata() or {}
-        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        state = state.get("state_dict", state) if isinstance(state, dict) else state
-        return list(state.keys()), state.__getitem__, lambda k: tuple(state[k].shape), {}
+        # every missing part is named before gigabytes are read
+        return common.load_diffusers_parts(p, parts, classes, dtypes, device, lambda part: "Is it a complete CogVideoX folder?",
+                                           quant, check_first=True)
 
     @staticmethod
     def _guess_config(keys: list[str], shape) -> str | None:
@@ -459,7 +347,7 @@ class CogVideoX:
         except (ValueError, KeyError, IndexError):
             return None
         for name in known_configs():
-            cfg = _architecture(_read_json(_configs_root() / name / "transformer" / "config.json"))
+            cfg = _architecture(_read_json(common.configs_root() / name / "transformer" / "config.json"))
             p, pt = cfg["patch_size"], cfg["patch_size_t"]
             # 1.0: a Conv2d patch [inner, C, p, p]; 1.5: a Linear over p x p x p_t patches [inner, C p p p_t]
             patch_in = (len(proj) == 4 and proj[1] == cfg["in_channels"]) if pt is None else (
@@ -474,7 +362,7 @@ class CogVideoX:
         """The transformer of a single file in diffusers key layout, built from a bundled config."""
         from accelerate import init_empty_weights
 
-        keys, get, shape, meta = self._open(kind, p)
+        keys, get, shape, meta = common.open_checkpoint(kind, p)
         if not ("patch_embed.proj.weight" in keys and "transformer_blocks.0.attn1.to_q.weight" in keys):
             hint = "Give a diffusers CogVideoX folder, or the transformer file a difftrain full fine-tune exported."
             if any(k.startswith("model.diffusion_model.mixins.") or ".mixins." in k for k in keys):
@@ -512,21 +400,13 @@ class CogVideoX:
         if wrong:
             raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
         sd = {k: get(k).to(device=device, dtype=dtype) for k in keys}  # one tensor at a time from the mapped file
-        try:
-            missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
-        except RuntimeError as e:  # shape mismatches
-            raise mismatch(str(e).splitlines()[-1].strip()) from None
-        if missing or unexpected:
-            raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
-        empty = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-        if empty:
-            raise mismatch(f"no weights for {empty[:3]}.")
+        common.assign_state_dict(module, sd, mismatch)
         return module
 
     # ------------------------------------------------------------ saving
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return {part: _module_config(comps[part]) for part in PARTS if part in comps}
+        return common.module_configs(comps, PARTS)
 
     @staticmethod
     def _clean_diffusers_config(cfg: dict) -> dict:
@@ -554,20 +434,9 @@ class CogVideoX:
 
     @staticmethod
     def _write_part(tmp: Path, part: str, sd: dict, cfg: dict, dtype: torch.dtype | None) -> None:
-        (tmp / part).mkdir()
-        cfg = dict(cfg)
-        sd = {k: v for k, v in sd.items() if not k.endswith("position_ids")}
-        if part == "text_encoder":
-            cfg.setdefault("architectures", ["T5EncoderModel"])
-            cfg.setdefault("model_type", "t5")
-            sd.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight; transformers re-ties it on load
-            name = "model.safetensors"
-        else:
+        if part != "text_encoder":
             cfg = CogVideoX._clean_diffusers_config(cfg)
-            cfg.setdefault("_class_name", "CogVideoXTransformer3DModel" if part == "transformer" else "AutoencoderKLCogVideoX")
-            name = "diffusion_pytorch_model.safetensors"
-        (tmp / part / "config.json").write_text(json.dumps(cfg, indent=2, default=str), encoding="utf-8")
-        stream_save_safetensors(tmp / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
+        common.write_part(tmp, part, sd, cfg, dtype, SAVE_AS[part])
 
     def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
                        dtype: torch.dtype | None = None) -> Path:
@@ -626,52 +495,18 @@ class CogVideoX:
         13 x 74^2 = 71188). The transformer then patchifies 2x2 (2x2x2 for 1.5), so
         it attends over latent_pixels / 4 (/ 8) video tokens plus 226 text tokens.
         """
-        import fnmatch
-
         bundled = self.config_dir(self._arch(mcfg))
         folder = Path(mcfg.path).expanduser() if mcfg.path is not None and Path(mcfg.path).is_dir() else None
-        parts, lora, largest, swap_units = {}, 0, 0, []
-        for part in PARTS:
-            if part not in loaded:
-                continue
+
+        def config_file(part: str) -> Path:  # the folder's config, else the bundled architecture's
             cfg_file = folder / part / "config.json" if folder is not None else None
-            if cfg_file is None or not cfg_file.exists():
-                cfg_file = bundled / part / "config.json"
-            with torch.device("meta"):
-                module = _new_module(part, _read_json(cfg_file))
-            keep = self.high_precision_modules.get(part, ())
-            eligible = linear = 0
-            for name, m in module.named_modules():
-                if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
-                    if not any(fnmatch.fnmatch(name, k) for k in keep):
-                        eligible += m.weight.numel()
-                        linear += m.weight.numel() if type(m) is torch.nn.Linear else 0
-                    targeted = any(name == tg or name.endswith("." + tg) for tg in lora_targets)
-                    if method == "lora" and part in trained and part == self.denoiser and targeted:
-                        if isinstance(m, torch.nn.Linear):
-                            lora += lora_rank * (m.in_features + m.out_features)
-                        else:
-                            kh, kw = m.kernel_size
-                            lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
-            total = sum(p.numel() for p in module.parameters())
-            largest = max([largest] + [p.numel() for p in module.parameters()])
-            parts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
-            if part == self.denoiser:
-                swap_units = [sum(p.numel() for p in u.parameters()) for u in self.swap_blocks(module)]
-        data_file = bundled / "memory.json"
-        data = _read_json(data_file) if data_file.exists() else {}
+            return cfg_file if cfg_file is not None and cfg_file.exists() else bundled / part / "config.json"
+
+        # text_encoder_lora_targets is empty: LoRA parameters are the transformer's alone
         return {
-            "parts": parts,
-            "denoiser": self.denoiser,
-            "swap_units": swap_units,
-            "trained_parts": list(trained),
-            "lora_params": lora,
-            "largest_param": largest,
+            **common.parameter_hints(self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank),
             "latent_pixels": latent_frames(frames) * (resolution // 8) ** 2,
-            "activations": data.get("activations_bytes_per_latent_pixel", {}),
-            "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
-            "workspace": data.get("workspace_bytes", 0),
-            "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
+            **common.measured_hints(bundled / "memory.json"),
             "encode_captions": False,  # T5 never trains: its embeddings always come from the cache
         }
 
@@ -687,11 +522,7 @@ class CogVideoX:
         """
         cfgdir = self.config_dir(config_name)
         parts = list(parts)
-        torch.manual_seed(seed)
-        comps = {}
-        with torch.device(device):
-            for part in parts:
-                comps[part] = _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16)
+        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
         sds, configs = {p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps)
         if parts == ["transformer"]:
             return self.save_single_file(sds, configs, path, dtype=torch.bfloat16)
@@ -729,20 +560,12 @@ class CogVideoX:
         """A content hash of one part's weights, memoised by file path, size and mtime."""
         kind, p = self._source(mcfg)
         if kind == "diffusers":
-            d = p / part
-            files = sorted(f for f in d.iterdir() if f.suffix in (".safetensors", ".bin")) if d.is_dir() else []
+            files = common.weight_files(p / part) if (p / part).is_dir() else []
         else:
             if part != "transformer":
                 raise self._single_file_missing(p, [part])
             files = [p]
-        h = hashlib.sha256(f"{self.name}:{part}".encode())
-        for f in files:
-            st = f.stat()
-            key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-            if key not in memo:
-                memo[key] = sha256_file(f)
-            h.update(memo[key].encode())
-        return h.hexdigest()
+        return common.hash_files(self.name, part, files, memo)
 
     # ------------------------------------------------------------ encoding
     @staticmethod

@@ -25,29 +25,23 @@ as the pipeline does with ``text_encoder_3=None``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import string
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import (
-    BackendUnavailable,
-    CheckpointError,
-    ConfigError,
-    ModelLoadError,
-    UnsafeCheckpoint,
-)
-from ..utils import DTYPES, atomic_dir, sha256_file, stream_save_safetensors
+from ..errors import CheckpointError, ConfigError, ModelLoadError
+from ..utils import atomic_dir, stream_save_safetensors
+from . import common
 from . import sd3_single_file as single_file
-from .tokenizers import clip_vocab_from_open_clip, tiny_clip_vocab
+from .common import hf_config as _hf_config
+from .common import read_json as _read_json
+from .tokenizers import tiny_clip_vocab
 
-PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 DEFAULT_CONFIG = "sd3-medium"
 #: the tokenizer each text encoder needs
@@ -57,33 +51,18 @@ CLIP_TOKENS = 77
 DEFAULT_T5_TOKENS = 256
 #: the width of SD3's joint text sequence (T5-XXL's d_model) in every released SD3/SD3.5 model
 DEFAULT_JOINT_DIM = 4096
-QUANTIZED = ("int8", "nf4")
-
-_T5_HINT = "set text_encoders.t5.precision: bf16"
-
-
-def _configs_root() -> Path:
-    return Path(str(resources.files("difftrain") / "families" / "configs"))
+#: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
+SAVE_AS = {"transformer": "SD3Transformer2DModel", "vae": "AutoencoderKL",
+           "text_encoder": ("CLIPTextModelWithProjection", "clip_text_model"),
+           "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model"), "text_encoder_3": ("T5EncoderModel", "t5")}
 
 
 def known_configs() -> list[str]:
-    return sorted(p.name for p in _configs_root().iterdir() if p.name.startswith("sd3") and p.is_dir())
+    return common.config_names("sd3")
 
 
 def bundled_config_dir(name: str | None) -> Path:
-    name = name or DEFAULT_CONFIG
-    d = _configs_root() / name
-    if not name.startswith("sd3") or not d.is_dir():
-        raise ModelLoadError(f"No bundled SD3 config named {name!r}.", hint=f"Use model.config: one of {', '.join(known_configs())}.")
-    return d
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
-def _hf_config(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "_name_or_path", "transformers_version")}
+    return common.bundled_dir(name or DEFAULT_CONFIG, "SD3", known_configs, prefix="sd3")
 
 
 def _new_module(part: str, cfg: dict):
@@ -103,11 +82,6 @@ def _new_module(part: str, cfg: dict):
     if part == "text_encoder_3":
         return T5EncoderModel(T5Config(**_hf_config(cfg)))
     return CLIPTextModelWithProjection(CLIPTextConfig(**_hf_config(cfg)))
-
-
-def _module_config(module) -> dict:
-    cfg = module.config
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
 def _identity_projection(clip_l) -> None:
@@ -164,35 +138,13 @@ class SD3:
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        if mcfg.path is None:
-            raise ModelLoadError(
-                "No model was given.",
-                hint="Set model.path to a diffusers SD3 folder or an SD3 .safetensors file "
-                "(--set model.path=/path/to/sd3_medium_incl_clips_t5xxlfp8.safetensors).",
-            )
-        p = Path(mcfg.path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(
-                f"The model path {p} does not exist.",
-                hint="Point model.path at a diffusers folder (with transformer/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
-            )
-        if p.is_dir():
-            if not (p / "transformer").is_dir():
-                hint = "Give the folder that holds model_index.json, or a single-file .safetensors checkpoint."
-                if (p / "unet").is_dir():
-                    hint = "It has a unet/ folder: it looks like an SDXL model; set family: sdxl."
-                raise ModelLoadError(f"{p} is a folder but not a diffusers SD3 folder (it has no transformer/ subfolder).", hint=hint)
-            return "diffusers", p
-        if p.suffix.lower() == ".safetensors":
-            return "single", p
-        if p.suffix.lower() in PICKLE_EXTS:
-            if not mcfg.allow_pickle:
-                raise UnsafeCheckpoint(
-                    f"{p.name} is a pickle checkpoint; loading one can run arbitrary code, so difftrain refuses it by default.",
-                    hint="Convert it to .safetensors, or pass --allow-pickle (it is then read with torch.load(weights_only=True)).",
-                )
-            return "pickle", p
-        raise ModelLoadError(f"Unrecognised model file {p.name}.", hint="Use a .safetensors checkpoint or a diffusers folder.")
+        return common.resolve_source(
+            mcfg,
+            no_model_hint="Set model.path to a diffusers SD3 folder or an SD3 .safetensors file "
+            "(--set model.path=/path/to/sd3_medium_incl_clips_t5xxlfp8.safetensors).",
+            missing_hint="Point model.path at a diffusers folder (with transformer/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
+            check_folder=lambda p: common.require_subfolder(p, "transformer", "SD3"),
+        )
 
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
         if mcfg.prediction_type:
@@ -238,56 +190,11 @@ class SD3:
                 continue
             if folder is None or (kind != "diffusers" and not folder.is_dir()):
                 # derive CLIP's real vocabulary offline (cached, shared with SDXL: the same two tokenizers)
-                cache = Path.home() / ".cache" / "difftrain" / "clip-tokenizer"
-                if not (cache / "tokenizer_2" / "vocab.json").exists():
-                    clip_vocab_from_open_clip(cache / "tokenizer")
-                    clip_vocab_from_open_clip(cache / "tokenizer_2", pad_token="!")
-                folder = cache / name
+                folder = common.offline_clip_tokenizers() / name
             if not folder.is_dir():
                 raise ModelLoadError(f"No {name}/ folder in {folder.parent}.", hint="Is it a complete diffusers SD3 folder?")
             out[name] = CLIPTokenizer.from_pretrained(folder)
         return out
-
-    @staticmethod
-    def _precisions(parts: list[str], dtype: torch.dtype, precision: dict[str, str] | None) -> tuple[dict, dict]:
-        """Per part: the float dtype, and (for T5 only) the bitsandbytes quantization."""
-        dtypes, quant = {part: dtype for part in parts}, {}
-        for part, prec in (precision or {}).items():
-            if part not in parts:
-                continue
-            if prec in QUANTIZED:
-                if part != "text_encoder_3":
-                    raise ConfigError(f"{prec} storage is offered for SD3's T5 encoder only, not for {part}.")
-                quant[part] = prec
-            elif prec in DTYPES:
-                dtypes[part] = DTYPES[prec]
-            else:
-                raise ConfigError(f"Unknown precision {prec!r} for {part}.", hint="Use one of int8, nf4, bf16, fp16, fp32.")
-        return dtypes, quant
-
-    @staticmethod
-    def _check_quantization(prec: str, device) -> None:
-        """int8/nf4 go through bitsandbytes, which needs CUDA: refuse early, offering a float precision."""
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            raise BackendUnavailable(
-                f"T5 precision {prec} needs bitsandbytes on a CUDA GPU, but the T5 encoder would load on {dev}.",
-                hint=f"{_T5_HINT} (about 9.5 GB; it is loaded on its own, before the other encoders), "
-                "or precompute on a machine with a CUDA GPU.",
-            )
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise BackendUnavailable(
-                f"T5 precision {prec} needs bitsandbytes, which is not installed.",
-                hint=f"pip install 'difftrain[bnb]', or {_T5_HINT}.",
-            )
-
-    @staticmethod
-    def _bnb_config(prec: str, dtype: torch.dtype):
-        from transformers import BitsAndBytesConfig
-
-        if prec == "int8":
-            return BitsAndBytesConfig(load_in_8bit=True)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
              precision: dict[str, str] | None = None) -> dict[str, Any]:
@@ -299,12 +206,10 @@ class SD3:
         """
         kind, p = self._source(mcfg)
         parts = list(parts)
-        unknown = [part for part in parts if part not in PARTS]
-        if unknown:
-            raise ModelLoadError(f"SD3 has no part named {unknown[0]!r}.", hint=f"Parts: {', '.join(PARTS)}.")
-        dtypes, quant = self._precisions(parts, dtype, precision)
-        for prec in quant.values():
-            self._check_quantization(prec, device)  # before reading a byte
+        common.check_parts("SD3", parts, PARTS)
+        # quantization is checked to be possible before reading a byte
+        dtypes, quant = common.t5_precisions(parts, dtype, precision, device, t5="text_encoder_3", label="SD3",
+                                             loaded_before="the other encoders")
         # what can be wrong is reported before gigabytes are read: the file's parts, then the tokenizers
         opened = self._open_checked(kind, p, parts) if kind != "diffusers" else None
         tok_names = [TOKENIZER_OF[part] for part in parts if part in TOKENIZER_OF]
@@ -315,10 +220,7 @@ class SD3:
             comps = self._load_single(*opened, p, mcfg, parts, dtypes, quant, device)
         if "transformer" in comps:
             self.joint_attention_dim = int(comps["transformer"].config.joint_attention_dim)
-        for part in parts:
-            comps[part].requires_grad_(False).eval()
-            if part not in quant:  # bitsandbytes modules are placed by device_map and refuse .to()
-                comps[part].to(device)
+        common.freeze(comps, parts, device, quant)
         comps.update(toks)
         return comps
 
@@ -333,41 +235,17 @@ class SD3:
             "text_encoder_2": CLIPTextModelWithProjection,
             "text_encoder_3": T5EncoderModel,
         }
-        out = {}
-        for part in parts:
-            if not (p / part).is_dir():
-                hint = "Is it an SD3 model folder?"
-                if part == "text_encoder_3":
-                    hint = "This folder has no T5 encoder: set text_encoders.t5.enabled: false to train without T5."
-                raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint=hint)
-            extra: dict[str, Any] = {}
-            if torch.device(device).type == "cuda":
-                # device_map: weights go to the GPU as they are read (no full host copy first)
-                extra["device_map"] = {"": str(device)}
-            if part in quant:
-                extra["quantization_config"] = self._bnb_config(quant[part], dtypes[part])
-            try:
-                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra)
-            except OSError as e:
-                raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
-        return out
 
-    def _open(self, kind: str, p: Path):
-        if kind == "single":
-            from safetensors import safe_open
+        def missing_hint(part: str) -> str:
+            if part == "text_encoder_3":
+                return "This folder has no T5 encoder: set text_encoders.t5.enabled: false to train without T5."
+            return "Is it an SD3 model folder?"
 
-            try:
-                handle = safe_open(str(p), framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-                raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
-            return list(handle.keys()), handle.get_tensor
-        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        state = state.get("state_dict", state) if isinstance(state, dict) else state
-        return list(state.keys()), state.__getitem__
+        return common.load_diffusers_parts(p, parts, classes, dtypes, device, missing_hint, quant)
 
     def _open_checked(self, kind: str, p: Path, parts: list[str]):
         """The file's keys and a reader, once its layout is SD3's and it holds every requested part."""
-        keys, get = self._open(kind, p)
+        keys, get, _, _ = common.open_checkpoint(kind, p)
         if not single_file.detect_sd3_single_file(keys):
             sdxl = any(k.startswith("model.diffusion_model.input_blocks.") for k in keys)
             raise ModelLoadError(
@@ -434,16 +312,7 @@ class SD3:
             # on the meta device too; the text encoders' non-persistent buffers (position ids) are built
             with init_empty_weights(include_buffers=part == "transformer"):
                 module = _new_module(part, config)
-            try:
-                missing_k, unexpected = module.load_state_dict(sd, strict=False, assign=True)
-            except RuntimeError as e:  # shape mismatches
-                raise mismatch(part, str(e).splitlines()[-1].strip()) from None
-            missing_k = [m for m in missing_k if not m.endswith("position_ids")]
-            if missing_k or unexpected:
-                raise mismatch(part, f"missing {missing_k[:3]}, unexpected {unexpected[:3]}.")
-            empty = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-            if empty:
-                raise mismatch(part, f"no weights for {empty[:3]}.")
+            common.assign_state_dict(module, sd, lambda what, part=part: mismatch(part, what))
             if part == "text_encoder_3":  # assign=True replaced shared.weight: re-tie the encoder's embedding
                 module.encoder.embed_tokens.weight = module.shared.weight
             out[part] = module
@@ -459,12 +328,12 @@ class SD3:
 
         return T5EncoderModel.from_pretrained(
             None, config=T5Config(**_hf_config(config)), state_dict=sd, torch_dtype=dtype,
-            quantization_config=self._bnb_config(prec, dtype), device_map={"": str(device)},
+            quantization_config=common.bnb_config(prec, dtype), device_map={"": str(device)},
         )
 
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return {part: _module_config(comps[part]) for part in PARTS if part in comps}
+        return common.module_configs(comps, PARTS)
 
     @staticmethod
     def _modelspec(configs: dict[str, dict]) -> str:
@@ -516,21 +385,7 @@ class SD3:
             for part in PARTS:
                 if part not in sds:
                     continue
-                (tmp / part).mkdir()
-                cfg = dict(configs[part])
-                sd = {k: v for k, v in sds[part].items() if not k.endswith("position_ids")}
-                if part.startswith("text_encoder"):
-                    t5 = part == "text_encoder_3"
-                    cfg.setdefault("architectures", ["T5EncoderModel" if t5 else "CLIPTextModelWithProjection"])
-                    cfg.setdefault("model_type", "t5" if t5 else "clip_text_model")
-                    if t5:  # tied to shared.weight; transformers re-ties it on load
-                        sd.pop("encoder.embed_tokens.weight", None)
-                    name = "model.safetensors"
-                else:
-                    cfg.setdefault("_class_name", "SD3Transformer2DModel" if part == "transformer" else "AutoencoderKL")
-                    name = "diffusion_pytorch_model.safetensors"
-                (tmp / part / "config.json").write_text(json.dumps(cfg, indent=2, default=str), encoding="utf-8")
-                stream_save_safetensors(tmp / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
+                common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
             if copy_t5:
                 shutil.copytree(src / "text_encoder_3", tmp / "text_encoder_3")
             if not with_t5:
@@ -546,55 +401,18 @@ class SD3:
     def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
                      loaded: list[str], trained: list[str], method: str) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
-        import fnmatch
-
         if mcfg.path is not None and Path(mcfg.path).is_dir() and (Path(mcfg.path) / "transformer").is_dir():
             base = Path(mcfg.path)
         else:
             base = bundled_config_dir(mcfg.config)
-        parts, lora, largest, swap_units = {}, 0, 0, []
-        for part in PARTS:
-            if part not in loaded:
-                continue
-            with torch.device("meta"):
-                module = _new_module(part, _read_json(base / part / "config.json"))
-            keep = self.high_precision_modules.get(part, ())
-            eligible = linear = 0
-            for name, m in module.named_modules():
-                if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
-                    if not any(fnmatch.fnmatch(name, k) for k in keep):
-                        eligible += m.weight.numel()
-                        linear += m.weight.numel() if type(m) is torch.nn.Linear else 0
-                    if method == "lora" and part in trained:
-                        targets = lora_targets if part == self.denoiser else self.text_encoder_lora_targets
-                        if any(name == tg or name.endswith("." + tg) for tg in targets):
-                            if isinstance(m, torch.nn.Linear):
-                                lora += lora_rank * (m.in_features + m.out_features)
-                            else:
-                                kh, kw = m.kernel_size
-                                lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
-            total = sum(p.numel() for p in module.parameters())
-            largest = max([largest] + [p.numel() for p in module.parameters()])
-            parts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
-            if part == self.denoiser:
-                swap_units = [sum(p.numel() for p in u.parameters()) for u in self.swap_blocks(module)]
-        data_file = bundled_config_dir(mcfg.config) / "memory.json"
-        data = _read_json(data_file) if data_file.exists() else {}
         return {
-            "parts": parts,
-            "denoiser": self.denoiser,
-            "swap_units": swap_units,
-            "trained_parts": list(trained),
-            "lora_params": lora,
-            "largest_param": largest,
+            **common.parameter_hints(self, _new_module, lambda part: base / part / "config.json", PARTS, loaded, trained,
+                                     method, lora_targets, lora_rank),
             # the largest bucket's latent area (SD3's VAE downsamples 8x). The MMDiT then patchifies 2x2, so it
             # attends over latent_pixels / 4 image tokens plus 77 + 256 text tokens; activation data per latent
             # pixel (memory.json) is measured on that real shape, so the planner's arithmetic stays the same.
             "latent_pixels": (resolution // 8) ** 2,
-            "activations": data.get("activations_bytes_per_latent_pixel", {}),
-            "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
-            "workspace": data.get("workspace_bytes", 0),
-            "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
+            **common.measured_hints(bundled_config_dir(mcfg.config) / "memory.json"),
             "encode_captions": any(p.startswith("text_encoder") for p in trained),
         }
 
@@ -605,12 +423,7 @@ class SD3:
 
         ``parts`` may leave out T5 (4.7B parameters) for a file like sd3_medium_incl_clips.safetensors.
         """
-        cfgdir = bundled_config_dir(config_name)
-        torch.manual_seed(seed)
-        comps = {}
-        with torch.device(device):
-            for part in parts:
-                comps[part] = _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16)
+        comps = common.random_parts(_new_module, bundled_config_dir(config_name), parts, device, seed)
         if "text_encoder" in comps:
             _identity_projection(comps["text_encoder"])
         return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
@@ -631,40 +444,16 @@ class SD3:
 
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        """A content hash of one part's weights, memoised by file path, size and mtime."""
-        import hashlib
+        """A content hash of one part's weights, memoised by file path, size and mtime.
 
+        Of a single file only this part's tensors are hashed, so a changed transformer keeps the T5 cache valid.
+        """
         kind, p = self._source(mcfg)
         if kind == "diffusers":
-            files = sorted(f for f in (p / part).iterdir() if f.suffix in (".safetensors", ".bin")) if (p / part).is_dir() else []
+            files = common.weight_files(p / part) if (p / part).is_dir() else []
         else:
             files = [p]
-        h = hashlib.sha256(f"{self.name}:{part}".encode())
-        for f in files:
-            st = f.stat()
-            key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{part if kind != 'diffusers' else ''}"
-            if key not in memo:
-                memo[key] = sha256_file(f) if kind == "diffusers" else self._part_hash(kind, f, part)
-            h.update(memo[key].encode())
-        return h.hexdigest()
-
-    @staticmethod
-    def _part_hash(kind: str, f: Path, part: str) -> str:
-        """Hash only this part's tensors of a single file, so a changed transformer keeps the T5 cache valid."""
-        import hashlib
-
-        prefix = single_file.PREFIXES[part]
-        h = hashlib.sha256()
-        if kind == "single":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for k in sorted(k for k in handle.keys() if k.startswith(prefix)):  # noqa: SIM118 (safe_open is not a dict)
-                    t = handle.get_tensor(k)
-                    h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
-                    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            return h.hexdigest()
-        return sha256_file(f)
+        return common.split_fingerprint(self.name, part, kind, files, memo, single_file.PREFIXES)
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:

@@ -7,37 +7,35 @@ using the architecture configs bundled in ``configs/``.
 
 from __future__ import annotations
 
-import json
-from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from ..config.schema import ModelConfig
-from ..errors import ModelLoadError, UnsafeCheckpoint
-from ..utils import atomic_dir, sha256_file, stream_save_safetensors
+from ..errors import ModelLoadError
+from ..utils import atomic_dir, stream_save_safetensors
+from . import common
 from . import sdxl_single_file as single_file
-from .tokenizers import clip_vocab_from_open_clip, tiny_clip_vocab
+from .common import read_json as _read_json
+from .tokenizers import tiny_clip_vocab
 
-PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+#: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
+SAVE_AS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": ("CLIPTextModel", "clip_text_model"),
+           "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model")}
+
+
+def known_configs() -> list[str]:
+    return common.config_names("sdxl")
 
 
 def bundled_config_dir(name: str) -> Path:
-    d = resources.files("difftrain") / "families" / "configs" / name
-    if not d.is_dir():
-        known = sorted(p.name for p in (resources.files("difftrain") / "families" / "configs").iterdir() if p.name.startswith("sdxl"))
-        raise ModelLoadError(f"No bundled SDXL config named {name!r}.", hint=f"Use model.config: one of {', '.join(known)}.")
-    return Path(str(d))
+    return common.bundled_dir(name, "SDXL", known_configs)
 
 
 def _arch(mcfg: ModelConfig) -> str:
     return mcfg.config or "sdxl-base-1.0"
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def _new_module(part: str, cfg: dict):
@@ -50,11 +48,6 @@ def _new_module(part: str, cfg: dict):
         return AutoencoderKL.from_config(cfg)
     conf = CLIPTextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     return CLIPTextModel(conf) if part == "text_encoder" else CLIPTextModelWithProjection(conf)
-
-
-def _module_config(module) -> dict:
-    cfg = module.config
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
 class SDXL:
@@ -73,35 +66,13 @@ class SDXL:
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        if mcfg.path is None:
-            raise ModelLoadError(
-                "No model was given.",
-                hint="Set model.path to a diffusers folder or an SDXL .safetensors file "
-                "(--set model.path=/path/to/sd_xl_base_1.0.safetensors).",
-            )
-        p = Path(mcfg.path).expanduser()
-        if not p.exists():
-            raise ModelLoadError(
-                f"The model path {p} does not exist.",
-                hint="Point model.path at a diffusers folder (with unet/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
-            )
-        if p.is_dir():
-            if not (p / "unet").is_dir():
-                raise ModelLoadError(
-                    f"{p} is a folder but not a diffusers SDXL folder (it has no unet/ subfolder).",
-                    hint="Give the folder that holds model_index.json, or a single-file .safetensors checkpoint.",
-                )
-            return "diffusers", p
-        if p.suffix.lower() == ".safetensors":
-            return "single", p
-        if p.suffix.lower() in PICKLE_EXTS:
-            if not mcfg.allow_pickle:
-                raise UnsafeCheckpoint(
-                    f"{p.name} is a pickle checkpoint; loading one can run arbitrary code, so difftrain refuses it by default.",
-                    hint="Convert it to .safetensors, or pass --allow-pickle (it is then read with torch.load(weights_only=True)).",
-                )
-            return "pickle", p
-        raise ModelLoadError(f"Unrecognised model file {p.name}.", hint="Use a .safetensors checkpoint or a diffusers folder.")
+        return common.resolve_source(
+            mcfg,
+            no_model_hint="Set model.path to a diffusers folder or an SDXL .safetensors file "
+            "(--set model.path=/path/to/sd_xl_base_1.0.safetensors).",
+            missing_hint="Point model.path at a diffusers folder (with unet/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
+            check_folder=lambda p: common.require_subfolder(p, "unet", "SDXL"),
+        )
 
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
         kind, p = self._source(mcfg)
@@ -124,10 +95,7 @@ class SDXL:
         elif mcfg.tokenizer_path is not None:
             base = Path(mcfg.tokenizer_path)
         else:  # derive CLIP's real vocabulary offline (cached next to the checkpoint's user cache)
-            base = Path.home() / ".cache" / "difftrain" / "clip-tokenizer"
-            if not (base / "tokenizer_2" / "vocab.json").exists():
-                clip_vocab_from_open_clip(base / "tokenizer")
-                clip_vocab_from_open_clip(base / "tokenizer_2", pad_token="!")
+            base = common.offline_clip_tokenizers()
         out = {}
         for name in ("tokenizer", "tokenizer_2"):
             if not (base / name).is_dir():
@@ -144,8 +112,7 @@ class SDXL:
             comps.update(self._load_diffusers(p, parts, dtype, device))
         else:
             comps.update(self._load_single(kind, p, mcfg, parts, dtype, device))
-        for part in parts:
-            comps[part].requires_grad_(False).eval().to(device)
+        common.freeze(comps, parts, device)
         if any(part.startswith("text_encoder") for part in parts):
             comps.update(self._tokenizers(kind, p, mcfg))
         return comps
@@ -160,34 +127,14 @@ class SDXL:
             "text_encoder": CLIPTextModel,
             "text_encoder_2": CLIPTextModelWithProjection,
         }
-        out = {}
-        for part in parts:
-            if not (p / part).is_dir():
-                raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint="Is it an SDXL model folder?")
-            try:
-                # device_map: weights go to the GPU as they are read (no full host copy first)
-                extra = {"device_map": {"": str(device)}} if torch.device(device).type == "cuda" else {}
-                out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtype, local_files_only=True, **extra)
-            except OSError as e:
-                raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
-        return out
+        return common.load_diffusers_parts(p, parts, classes, {part: dtype for part in parts}, device,
+                                           missing_hint=lambda part: "Is it an SDXL model folder?")
 
     def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype, device) -> dict[str, Any]:
         from accelerate import init_empty_weights
 
         configs = {part: _read_json(bundled_config_dir(_arch(mcfg)) / part / "config.json") for part in PARTS}
-        if kind == "single":
-            from safetensors import safe_open
-
-            try:
-                handle = safe_open(str(p), framework="pt", device="cpu")
-            except Exception as e:  # safetensors raises its own error types
-                raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
-            keys, get = list(handle.keys()), handle.get_tensor
-        else:
-            state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-            state = state.get("state_dict", state) if isinstance(state, dict) else state
-            keys, get = list(state.keys()), state.__getitem__
+        keys, get, _, _ = common.open_checkpoint(kind, p)
         if not single_file.detect_sdxl_single_file(keys):
             raise ModelLoadError(
                 f"{p.name} does not look like an SDXL checkpoint (no model.diffusion_model / conditioner.embedders keys).",
@@ -198,7 +145,7 @@ class SDXL:
             # RAM never holds more than one tensor beyond the OS page cache of the file
             sds = single_file.original_to_diffusers(lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts)
         except ModelLoadError as e:
-            known = ", ".join(sorted(p.name for p in bundled_config_dir(_arch(mcfg)).parent.iterdir() if p.name.startswith("sdxl")))
+            known = ", ".join(known_configs())
             raise ModelLoadError(
                 f"{p.name} does not fit the bundled architecture {_arch(mcfg)!r}: {e.message}",
                 hint=f"Set model.config to this checkpoint's architecture (bundled: {known}). {e.hint or ''}".strip(),
@@ -220,7 +167,7 @@ class SDXL:
 
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return {part: _module_config(comps[part]) for part in PARTS if part in comps}
+        return common.module_configs(comps, PARTS)
 
     def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
         """Write UNet, VAE and both text encoders as one .safetensors in the distributed SDXL layout.
@@ -242,18 +189,7 @@ class SDXL:
         base = src if src_kind == "diffusers" else bundled_config_dir(_arch(mcfg))
         with atomic_dir(folder) as tmp:
             for part in PARTS:
-                (tmp / part).mkdir()
-                cfg = dict(configs[part])
-                if part.startswith("text_encoder"):
-                    cfg.setdefault("architectures", ["CLIPTextModel" if part == "text_encoder" else "CLIPTextModelWithProjection"])
-                    cfg.setdefault("model_type", "clip_text_model")
-                    name = "model.safetensors"
-                else:
-                    cfg.setdefault("_class_name", "UNet2DConditionModel" if part == "unet" else "AutoencoderKL")
-                    name = "diffusion_pytorch_model.safetensors"
-                (tmp / part / "config.json").write_text(json.dumps(cfg, indent=2, default=str), encoding="utf-8")
-                sd = {k: v for k, v in sds[part].items() if not k.endswith("position_ids")}
-                stream_save_safetensors(tmp / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
+                common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
             shutil.copytree(base / "scheduler", tmp / "scheduler")
             toks = self._tokenizers(src_kind, src, mcfg)
             for name, tok in toks.items():
@@ -265,62 +201,22 @@ class SDXL:
     def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
                      loaded: list[str], trained: list[str], method: str) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
-        import fnmatch
-
         if mcfg.path is not None and Path(mcfg.path).is_dir():
             base = Path(mcfg.path)
         else:
             base = bundled_config_dir(_arch(mcfg))
-        parts, lora, largest, swap_units = {}, 0, 0, []
-        for part in PARTS:
-            if part not in loaded:
-                continue
-            with torch.device("meta"):
-                module = _new_module(part, _read_json(base / part / "config.json"))
-            keep = self.high_precision_modules.get(part, ())
-            eligible = linear = 0
-            for name, m in module.named_modules():
-                if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
-                    if not any(fnmatch.fnmatch(name, k) for k in keep):
-                        eligible += m.weight.numel()
-                        linear += m.weight.numel() if type(m) is torch.nn.Linear else 0
-                    if method == "lora" and part in trained:
-                        targets = lora_targets if part == self.denoiser else self.text_encoder_lora_targets
-                        if any(name == tg or name.endswith("." + tg) for tg in targets):
-                            if isinstance(m, torch.nn.Linear):
-                                lora += lora_rank * (m.in_features + m.out_features)
-                            else:
-                                kh, kw = m.kernel_size
-                                lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
-            total = sum(p.numel() for p in module.parameters())
-            largest = max([largest] + [p.numel() for p in module.parameters()])
-            parts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
-            if part == self.denoiser:
-                swap_units = [sum(p.numel() for p in u.parameters()) for u in self.swap_blocks(module)]
-        data_file = bundled_config_dir(_arch(mcfg)) / "memory.json"
-        data = _read_json(data_file) if data_file.exists() else {}
         return {
-            "parts": parts,
-            "denoiser": self.denoiser,
-            "swap_units": swap_units,
-            "trained_parts": list(trained),
-            "lora_params": lora,
-            "largest_param": largest,
+            **common.parameter_hints(self, _new_module, lambda part: base / part / "config.json", PARTS, loaded, trained,
+                                     method, lora_targets, lora_rank),
             "latent_pixels": (resolution // 8) ** 2,  # the largest bucket's latent area, SDXL's VAE downsamples 8x
-            "activations": data.get("activations_bytes_per_latent_pixel", {}),
-            "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
-            "workspace": data.get("workspace_bytes", 0),
-            "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
+            **common.measured_hints(bundled_config_dir(_arch(mcfg)) / "memory.json"),
             "encode_captions": any(p.startswith("text_encoder") for p in trained),
         }
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's."""
-        cfgdir = bundled_config_dir(config_name)
-        torch.manual_seed(seed)
-        with torch.device(device):
-            comps = {part: _new_module(part, _read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in parts}
+        comps = common.random_parts(_new_module, bundled_config_dir(config_name), parts, device, seed)
         return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
                                      dtype=torch.float16)
 
@@ -336,36 +232,13 @@ class SDXL:
 
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        """A content hash of one part's weights, memoised by file path, size and mtime."""
-        import hashlib
+        """A content hash of one part's weights, memoised by file path, size and mtime.
 
+        Of a single file only this part's tensors are hashed, so a changed UNet keeps the VAE cache valid.
+        """
         kind, p = self._source(mcfg)
-        files = [p] if kind != "diffusers" else sorted(f for f in (p / part).iterdir() if f.suffix in (".safetensors", ".bin"))
-        h = hashlib.sha256(f"{self.name}:{part}".encode())
-        for f in files:
-            st = f.stat()
-            key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{part if kind != 'diffusers' else ''}"
-            if key not in memo:
-                memo[key] = sha256_file(f) if kind == "diffusers" else self._part_hash(kind, f, mcfg, part)
-            h.update(memo[key].encode())
-        return h.hexdigest()
-
-    def _part_hash(self, kind: str, f: Path, mcfg: ModelConfig, part: str) -> str:
-        """Hash only this part's tensors of a single file, so a changed UNet keeps the VAE cache valid."""
-        import hashlib
-
-        prefix = single_file.PREFIXES[part]
-        h = hashlib.sha256()
-        if kind == "single":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
-                for k in sorted(k for k in handle.keys() if k.startswith(prefix)):
-                    t = handle.get_tensor(k)
-                    h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
-                    h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            return h.hexdigest()
-        return sha256_file(f)
+        files = [p] if kind != "diffusers" else common.weight_files(p / part)
+        return common.split_fingerprint(self.name, part, kind, files, memo, single_file.PREFIXES)
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,369 @@
+"""What the families share: bundled configs, model sources, checkpoint files, loading and saving parts,
+fingerprints, T5 storage precisions and the planner's parameter counts.
+
+Each helper takes what differs between families (names, subfolders, hints) as
+arguments, so every family's messages keep naming that family.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import importlib.util
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config.schema import ModelConfig
+from ..errors import BackendUnavailable, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ..utils import DTYPES, sha256_file, stream_save_safetensors
+from .tokenizers import clip_vocab_from_open_clip
+
+PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
+#: storage precisions a T5 encoder may be quantized to (bitsandbytes, CUDA only)
+QUANTIZED = ("int8", "nf4")
+FOLDER_HINT = "Give the folder that holds model_index.json, or a single-file .safetensors checkpoint."
+SDXL_FOLDER_HINT = "It has a unet/ folder: it looks like an SDXL model; set family: sdxl."
+_T5_HINT = "set text_encoders.t5.precision: bf16"
+
+
+# ------------------------------------------------------------------ bundled configs
+def configs_root() -> Path:
+    return Path(str(resources.files("difftrain") / "families" / "configs"))
+
+
+def config_names(prefix: str) -> list[str]:
+    """The bundled architectures whose names start with ``prefix``."""
+    return sorted(p.name for p in configs_root().iterdir() if p.name.startswith(prefix) and p.is_dir())
+
+
+def bundled_dir(name: str, label: str, known: Callable[[], list[str]], prefix: str = "") -> Path:
+    """The bundled config folder ``name`` (which must start with ``prefix``); ``label`` and ``known()`` word the error."""
+    d = configs_root() / name
+    if not name.startswith(prefix) or not d.is_dir():
+        raise ModelLoadError(f"No bundled {label} config named {name!r}.", hint=f"Use model.config: one of {', '.join(known())}.")
+    return d
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def hf_config(cfg: dict) -> dict:
+    """A transformers config dict without its bookkeeping keys (what the config class's constructor takes)."""
+    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "_name_or_path", "transformers_version")}
+
+
+def module_config(module) -> dict:
+    cfg = module.config
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+def module_configs(comps: Mapping[str, Any], parts: Sequence[str]) -> dict[str, dict]:
+    return {part: module_config(comps[part]) for part in parts if part in comps}
+
+
+# ------------------------------------------------------------------ model sources
+def resolve_source(mcfg: ModelConfig, *, no_model_hint: str, missing_hint: str, check_folder: Callable[[Path], None],
+                   unrecognised_hint: str = "Use a .safetensors checkpoint or a diffusers folder.") -> tuple[str, Path]:
+    """model.path -> ("diffusers" | "single" | "pickle", path).
+
+    ``check_folder`` raises if a folder is not one of the family's; pickle
+    checkpoints are refused unless ``model.allow_pickle``.
+    """
+    if mcfg.path is None:
+        raise ModelLoadError("No model was given.", hint=no_model_hint)
+    p = Path(mcfg.path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"The model path {p} does not exist.", hint=missing_hint)
+    if p.is_dir():
+        check_folder(p)
+        return "diffusers", p
+    if p.suffix.lower() == ".safetensors":
+        return "single", p
+    if p.suffix.lower() in PICKLE_EXTS:
+        if not mcfg.allow_pickle:
+            raise UnsafeCheckpoint(
+                f"{p.name} is a pickle checkpoint; loading one can run arbitrary code, so difftrain refuses it by default.",
+                hint="Convert it to .safetensors, or pass --allow-pickle (it is then read with torch.load(weights_only=True)).",
+            )
+        return "pickle", p
+    raise ModelLoadError(f"Unrecognised model file {p.name}.", hint=unrecognised_hint)
+
+
+def require_subfolder(p: Path, sub: str, label: str) -> None:
+    """A diffusers folder of family ``label`` has ``sub``/ (its denoiser); else say what the folder looks like."""
+    if not (p / sub).is_dir():
+        hint = SDXL_FOLDER_HINT if (p / "unet").is_dir() else FOLDER_HINT
+        raise ModelLoadError(f"{p} is a folder but not a diffusers {label} folder (it has no {sub}/ subfolder).", hint=hint)
+
+
+def open_checkpoint(kind: str, p: Path):
+    """(keys, tensor reader, shape reader, header metadata) of a single file ("single": safetensors, memory-mapped;
+    "pickle": torch.load with weights_only=True)."""
+    if kind == "single":
+        from safetensors import safe_open
+
+        try:
+            handle = safe_open(str(p), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
+            raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
+        return list(handle.keys()), handle.get_tensor, lambda k: tuple(handle.get_slice(k).get_shape()), handle.metadata() or {}
+    state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    return list(state.keys()), state.__getitem__, lambda k: tuple(state[k].shape), {}
+
+
+# ------------------------------------------------------------------ loading
+def check_parts(label: str, parts: Sequence[str], known: Sequence[str]) -> None:
+    unknown = [part for part in parts if part not in known]
+    if unknown:
+        raise ModelLoadError(f"{label} has no part named {unknown[0]!r}.", hint=f"Parts: {', '.join(known)}.")
+
+
+def load_diffusers_parts(p: Path, parts: Sequence[str], classes: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], device,
+                         missing_hint: Callable[[str], str], quant: Mapping[str, str] | None = None,
+                         check_first: bool = False) -> dict[str, Any]:
+    """Each part from its subfolder of a diffusers folder, straight to ``device`` (T5 parts in ``quant`` through bitsandbytes).
+
+    A missing subfolder is named as its turn comes, or before anything is read with ``check_first``.
+    """
+    quant = quant or {}
+
+    def require(part: str) -> None:
+        if not (p / part).is_dir():
+            raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint=missing_hint(part))
+
+    if check_first:
+        for part in parts:
+            require(part)
+    out = {}
+    for part in parts:
+        require(part)
+        extra: dict[str, Any] = {}
+        if torch.device(device).type == "cuda":
+            # device_map: weights go to the GPU as they are read (no full host copy first)
+            extra["device_map"] = {"": str(device)}
+        if part in quant:
+            extra["quantization_config"] = bnb_config(quant[part], dtypes[part])
+        try:
+            out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra)
+        except OSError as e:
+            raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
+    return out
+
+
+def freeze(comps: Mapping[str, Any], parts: Iterable[str], device, quant: Mapping[str, str] | None = None) -> None:
+    """Frozen, in eval mode, on ``device`` (bitsandbytes modules are placed by device_map and refuse .to())."""
+    for part in parts:
+        comps[part].requires_grad_(False).eval()
+        if part not in (quant or {}):
+            comps[part].to(device)
+
+
+def assign_state_dict(module: torch.nn.Module, sd: Mapping[str, torch.Tensor], mismatch: Callable[[str], Exception]) -> None:
+    """Load ``sd`` into a module built on the meta device; ``mismatch(what)`` is raised if it does not fit exactly."""
+    try:
+        missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
+    except RuntimeError as e:  # shape mismatches
+        raise mismatch(str(e).splitlines()[-1].strip()) from None
+    missing = [m for m in missing if not m.endswith("position_ids")]
+    if missing or unexpected:
+        raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    empty = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if empty:
+        raise mismatch(f"no weights for {empty[:3]}.")
+
+
+def offline_clip_tokenizers() -> Path:
+    """A folder with tokenizer/ and tokenizer_2/: CLIP's real vocabulary, derived offline once (shared by SDXL and SD3)."""
+    base = Path.home() / ".cache" / "difftrain" / "clip-tokenizer"
+    if not (base / "tokenizer_2" / "vocab.json").exists():
+        clip_vocab_from_open_clip(base / "tokenizer")
+        clip_vocab_from_open_clip(base / "tokenizer_2", pad_token="!")
+    return base
+
+
+# ------------------------------------------------------------------ T5 storage precision
+def t5_precisions(parts: Sequence[str], dtype: torch.dtype, precision: Mapping[str, str] | None, device, *, t5: str,
+                  label: str, loaded_before: str) -> tuple[dict, dict]:
+    """Per part: the float dtype, and (for the T5 part ``t5`` only) the bitsandbytes quantization, checked to be
+    possible on ``device`` before a byte is read. ``label`` names the family, ``loaded_before`` what T5 precedes."""
+    dtypes, quant = {part: dtype for part in parts}, {}
+    for part, prec in (precision or {}).items():
+        if part not in parts:
+            continue
+        if prec in QUANTIZED:
+            if part != t5:
+                raise ConfigError(f"{prec} storage is offered for {label}'s T5 encoder only, not for {part}.")
+            quant[part] = prec
+        elif prec in DTYPES:
+            dtypes[part] = DTYPES[prec]
+        else:
+            raise ConfigError(f"Unknown precision {prec!r} for {part}.", hint="Use one of int8, nf4, bf16, fp16, fp32.")
+    for prec in quant.values():
+        check_quantization(prec, device, loaded_before)
+    return dtypes, quant
+
+
+def check_quantization(prec: str, device, loaded_before: str) -> None:
+    """int8/nf4 go through bitsandbytes, which needs CUDA: refuse early, offering a float precision."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise BackendUnavailable(
+            f"T5 precision {prec} needs bitsandbytes on a CUDA GPU, but the T5 encoder would load on {dev}.",
+            hint=f"{_T5_HINT} (about 9.5 GB; it is loaded on its own, before {loaded_before}), "
+            "or precompute on a machine with a CUDA GPU.",
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise BackendUnavailable(
+            f"T5 precision {prec} needs bitsandbytes, which is not installed.",
+            hint=f"pip install 'difftrain[bnb]', or {_T5_HINT}.",
+        )
+
+
+def bnb_config(prec: str, dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    if prec == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+# ------------------------------------------------------------------ saving
+def write_part(folder: Path, part: str, sd: Mapping[str, torch.Tensor], cfg: dict, dtype: torch.dtype | None,
+               model: str | tuple[str, str]) -> None:
+    """One part of a diffusers folder: ``part``/config.json and its weights, atomically per file.
+
+    ``model``: a diffusers model's class name, or (architecture, model_type) of
+    a transformers model. Position ids are dropped, and T5's embedding, which is
+    tied to shared.weight (transformers re-ties it on load).
+    """
+    (folder / part).mkdir()
+    cfg = dict(cfg)
+    sd = {k: v for k, v in sd.items() if not k.endswith("position_ids")}
+    if isinstance(model, tuple):
+        cfg.setdefault("architectures", [model[0]])
+        cfg.setdefault("model_type", model[1])
+        if model[1] == "t5":
+            sd.pop("encoder.embed_tokens.weight", None)
+        name = "model.safetensors"
+    else:
+        cfg.setdefault("_class_name", model)
+        name = "diffusion_pytorch_model.safetensors"
+    (folder / part / "config.json").write_text(json.dumps(cfg, indent=2, default=str), encoding="utf-8")
+    stream_save_safetensors(folder / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
+
+
+def random_parts(new_module: Callable[[str, dict], torch.nn.Module], cfgdir: Path, parts: Iterable[str], device,
+                 seed: int) -> dict[str, torch.nn.Module]:
+    """Seeded random bf16 modules of a bundled architecture's ``parts``, built on ``device``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return {part: new_module(part, read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in parts}
+
+
+# ------------------------------------------------------------------ fingerprints
+def weight_files(folder: Path) -> list[Path]:
+    """The weight files of a diffusers part folder, sorted."""
+    return sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
+
+
+def hash_files(name: str, part: str, files: Iterable[Path], memo: dict[str, str],
+               hash_file: Callable[[Path], str] = sha256_file, key_suffix: str = "") -> str:
+    """A hash of ``files``' hashes; ``memo`` keeps each file's by path, size and mtime (plus ``key_suffix``)."""
+    h = hashlib.sha256(f"{name}:{part}".encode())
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}{key_suffix}"
+        if key not in memo:
+            memo[key] = hash_file(f)
+        h.update(memo[key].encode())
+    return h.hexdigest()
+
+
+def split_fingerprint(name: str, part: str, kind: str, files: Iterable[Path], memo: dict[str, str],
+                      prefixes: Mapping[str, str]) -> str:
+    """A part's fingerprint where a single file holds every part: only its tensors (keys under ``prefixes[part]``)
+    are hashed, so a changed denoiser keeps the encoders' caches valid (a diffusers folder's files are hashed whole)."""
+    if kind == "diffusers":
+        return hash_files(name, part, files, memo, key_suffix="|")
+    return hash_files(name, part, files, memo, lambda f: part_hash(kind, f, prefixes[part]), key_suffix=f"|{part}")
+
+
+def part_hash(kind: str, f: Path, prefix: str) -> str:
+    """Hash only the tensors under ``prefix`` of a safetensors file (the whole file otherwise)."""
+    h = hashlib.sha256()
+    if kind == "single":
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for k in sorted(k for k in handle.keys() if k.startswith(prefix)):  # noqa: SIM118 (safe_open is not a dict)
+                t = handle.get_tensor(k)
+                h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+    return sha256_file(f)
+
+
+# ------------------------------------------------------------------ memory hints
+def parameter_hints(family, new_module: Callable[[str, dict], torch.nn.Module], config_file: Callable[[str], Path],
+                    parts: Sequence[str], loaded: Sequence[str], trained: Sequence[str], method: str,
+                    lora_targets: Sequence[str], lora_rank: int) -> dict:
+    """Parameter counts of each loaded part, built on the meta device from ``config_file(part)``.
+
+    Per part: the total, what fp8 may store (Linear and Conv2d weights outside
+    ``family.high_precision_modules``) and its Linear share; the LoRA parameters
+    of the trained parts' targets (``lora_targets`` on the denoiser,
+    ``family.text_encoder_lora_targets`` on text encoders); the largest
+    parameter; and the sizes of the denoiser's ``swap_blocks``.
+    """
+    counts, lora, largest, swap_units = {}, 0, 0, []
+    for part in parts:
+        if part not in loaded:
+            continue
+        with torch.device("meta"):
+            module = new_module(part, read_json(config_file(part)))
+        keep = family.high_precision_modules.get(part, ())
+        targets = lora_targets if part == family.denoiser else family.text_encoder_lora_targets
+        adapted = method == "lora" and part in trained
+        eligible = linear = 0
+        for name, m in module.named_modules():
+            if type(m) in (torch.nn.Linear, torch.nn.Conv2d):
+                if not any(fnmatch.fnmatch(name, k) for k in keep):
+                    eligible += m.weight.numel()
+                    linear += m.weight.numel() if type(m) is torch.nn.Linear else 0
+                if adapted and any(name == tg or name.endswith("." + tg) for tg in targets):
+                    if isinstance(m, torch.nn.Linear):
+                        lora += lora_rank * (m.in_features + m.out_features)
+                    else:
+                        kh, kw = m.kernel_size
+                        lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
+        total = sum(p.numel() for p in module.parameters())
+        largest = max([largest] + [p.numel() for p in module.parameters()])
+        counts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
+        if part == family.denoiser:
+            swap_units = [sum(p.numel() for p in u.parameters()) for u in family.swap_blocks(module)]
+    return {
+        "parts": counts,
+        "denoiser": family.denoiser,
+        "swap_units": swap_units,
+        "trained_parts": list(trained),
+        "lora_params": lora,
+        "largest_param": largest,
+    }
+
+
+def measured_hints(data_file: Path) -> dict:
+    """The activation data measured for an architecture (its bundled memory.json; zeros without one)."""
+    data = read_json(data_file) if data_file.exists() else {}
+    return {
+        "activations": data.get("activations_bytes_per_latent_pixel", {}),
+        "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
+        "workspace": data.get("workspace_bytes", 0),
+        "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
+    }
