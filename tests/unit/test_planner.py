@@ -118,13 +118,6 @@ MEASURED_SD3 = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MEASURED_SD3))
-def test_planner_within_ten_percent_of_measured_sd3(case):
-    recipe, sets, measured = MEASURED_SD3[case]
-    predicted = plan_memory(resolve(recipe=recipe, sets=sets).config).gpu_total
-    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
-
-
 # CogVideoX LoRA r64 / full at 49x480x720 (H200, benchmarks/family_memory.py); 5b's checkpoint coefficient was fitted to C2
 MEASURED_COG = {
     "C1": ("cogvideox-2b-lora-24gb", [], 7.695),
@@ -135,9 +128,9 @@ MEASURED_COG = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MEASURED_COG))
-def test_planner_within_ten_percent_of_measured_cogvideox(case):
-    recipe, sets, measured = MEASURED_COG[case]
+@pytest.mark.parametrize("case", sorted({**MEASURED_SD3, **MEASURED_COG}))
+def test_planner_within_ten_percent_of_measured_recipes(case):
+    recipe, sets, measured = {**MEASURED_SD3, **MEASURED_COG}[case]
     predicted = plan_memory(resolve(recipe=recipe, sets=sets).config).gpu_total
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
