@@ -138,3 +138,31 @@ def test_image_to_video_caches_first_frame_latents_and_trains(tmp_path):
     assert len(r.losses) == 3 and all(torch.isfinite(torch.tensor(r.losses)))
     pipe = CogVideoXImageToVideoPipeline.from_pretrained(model)
     pipe.load_lora_weights(str(r.lora_path))
+
+
+def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipeline(tiny_cog, dataset, tmp_path):
+    from diffusers import CogVideoXPipeline
+
+    from difftrain.trainers.loop import Trainer
+
+    cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(tiny_cog, dataset, tmp_path / "full", **{
+        "train.method": "full", "train.max_steps": 2, "train.learning_rate": 1e-3, "save.formats": "[diffusers]",
+        "save.precision": "fp32"})).config
+    precompute(cfg)
+    t = Trainer(cfg)
+    r = t.run()
+    folder = next(p for p in r.saved if p.is_dir())
+    pipe = CogVideoXPipeline.from_pretrained(folder)
+    trained = t.comps["transformer"].state_dict()
+    for k, v in pipe.transformer.state_dict().items():
+        torch.testing.assert_close(v, trained[k], rtol=0, atol=0)
+
+    lora_cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(tiny_cog, dataset, tmp_path / "lora", **{
+        "train.max_steps": 3, "train.learning_rate": 1e-2, "data.cache_dir": tmp_path / "full" / "cache"})).config
+    lora = train(lora_cfg).lora_path
+    base = CogVideoXPipeline.from_pretrained(tiny_cog)
+    kw = dict(prompt="a square", num_frames=9, height=32, width=32, num_inference_steps=2, output_type="pt")
+    before = base(generator=torch.Generator().manual_seed(0), **kw).frames
+    base.load_lora_weights(str(lora))
+    after = base(generator=torch.Generator().manual_seed(0), **kw).frames
+    assert (after - before).abs().max() > 1e-4
