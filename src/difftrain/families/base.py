@@ -113,3 +113,11 @@ class ModelFamily(Protocol):
 
     def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest square bucket: {"latent": {...}, <text stage>: {...}}."""
+
+
+def stage_precisions(family: ModelFamily, options: TextEncodersConfig, stages) -> dict[str, str] | None:
+    """The ``precision`` argument of ``family.load`` for the encoders of several text stages (None: none set)."""
+    out: dict[str, str] = {}
+    for stage in stages:
+        out.update(family.stage_precision(stage, options) or {})
+    return out or None

@@ -18,6 +18,7 @@ import torch
 from ..config.schema import Config
 from ..console import info, progress
 from ..data.tags import list_images
+from ..families.base import stage_precisions
 
 
 def ensure_class_images(cfg: Config, family, device: torch.device) -> Path:
@@ -30,11 +31,9 @@ def ensure_class_images(cfg: Config, family, device: torch.device) -> Path:
         return folder
     info(f"dreambooth: generating {missing} class image(s) of {db.class_prompt!r} into {folder}")
     parts = [family.denoiser, family.image_encoder, *family.text_encoders]
-    precision: dict[str, str] = {}
-    for stage in family.enabled_stages(cfg.text_encoders):
-        precision.update(family.stage_precision(stage, cfg.text_encoders) or {})
+    precision = stage_precisions(family, cfg.text_encoders, family.enabled_stages(cfg.text_encoders))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    comps = family.load(cfg.model, parts, dtype=dtype, device=device, precision=precision or None)
+    comps = family.load(cfg.model, parts, dtype=dtype, device=device, precision=precision)
     pipe = family.pipeline(comps, cfg.model)
     side = cfg.data.resolution
     with progress() as bar, torch.no_grad():

@@ -29,6 +29,7 @@ from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..errors import CacheMismatch, CheckpointError, DifftrainError
+from ..families.base import stage_precisions
 from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
                            make_optimizer,
@@ -194,11 +195,9 @@ class Trainer:
         if self.live_stages:
             info(f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
                  "those cached embeddings are not used")
-        precision = {}
-        for stage in self.live_stages:
-            precision.update(self.family.stage_precision(stage, cfg.text_encoders) or {})
         self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory),
-                                      device=load_device(cfg.memory, self.device), precision=precision or None)
+                                      device=load_device(cfg.memory, self.device),
+                                      precision=stage_precisions(self.family, cfg.text_encoders, self.live_stages))
         self.trained: dict[str, torch.nn.Module] = {}
         self.block_swap = None
         groups = []

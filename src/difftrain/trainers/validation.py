@@ -18,6 +18,7 @@ import torch
 
 from ..console import info
 from ..errors import UsageError
+from ..families.base import stage_precisions
 
 
 def validate(trainer, tag: str) -> list[Path]:
@@ -28,11 +29,9 @@ def validate(trainer, tag: str) -> list[Path]:
                          hint="Leave validation.prompts empty for image-to-video runs.")
     parts = [fam.image_encoder] + [p for s in fam.enabled_stages(cfg.text_encoders) for p in fam.text_stages[s]]
     missing = [p for p in dict.fromkeys(parts) if p not in trainer.comps]
-    precision: dict[str, str] = {}
-    for stage in fam.enabled_stages(cfg.text_encoders):
-        precision.update(fam.stage_precision(stage, cfg.text_encoders) or {})
+    precision = stage_precisions(fam, cfg.text_encoders, fam.enabled_stages(cfg.text_encoders))
     dev = trainer.device
-    extra = fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=dev, precision=precision or None) if missing else {}
+    extra = fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=dev, precision=precision) if missing else {}
     comps = {**trainer.comps, **extra}
     pipe = fam.pipeline(comps, cfg.model)
     pipe.set_progress_bar_config(disable=True)
