@@ -166,3 +166,32 @@ def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipelin
     base.load_lora_weights(str(lora))
     after = base(generator=torch.Generator().manual_seed(0), **kw).frames
     assert (after - before).abs().max() > 1e-4
+
+
+def test_image_to_video_flow_through_the_cli_with_validation_samples(cli, tmp_path):
+    av = pytest.importorskip("av")
+    from PIL import Image
+
+    from difftrain.families.cogvideox import CogVideoXI2V
+
+    model = CogVideoXI2V().build_tiny(tmp_path / "tiny-i2v", seed=0)
+    d = tmp_path / "clips"
+    for i in range(2):
+        _clip(d / f"c{i}.mp4", 10, size=(64, 64), seed=i)
+        (d / f"c{i}.txt").write_text(f"clip {i}")
+    start = tmp_path / "start.png"
+    Image.new("RGB", (80, 80), (200, 40, 40)).save(start)
+    sets = tiny_sets(model, d, tmp_path, **{
+        "family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v", "data.caption_ext": ".txt",
+        "train.max_steps": 2, "validation.prompts": "[a red start]", "validation.images": f"[{start}]",
+        "validation.num_inference_steps": 2, "validation.resolution": 64})
+    args = [a for s in sets for a in ("--set", s)]
+    r = cli("precompute", "--recipe", "tiny-cogvideox-lora", *args)
+    assert r.code == 0, r
+    r = cli("train", "--recipe", "tiny-cogvideox-lora", *args)
+    assert r.code == 0, r
+    with av.open(str(tmp_path / "run" / "samples" / "final" / "00.mp4")) as c:
+        assert len(list(c.decode(video=0))) == 9
+    # one start image per prompt, or none
+    r = cli("train", "--recipe", "tiny-cogvideox-lora", *args, "--set", "validation.prompts=[a, b]")
+    assert r.code == 2 and "one start image per prompt" in r.err

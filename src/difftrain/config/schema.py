@@ -126,7 +126,15 @@ class DreamBoothConfig(Strict):
 class ValidationConfig(Strict):
     """Sample images (mp4 for video families) from fixed prompts and seed while training."""
 
+    @model_validator(mode="after")
+    def _images(self):
+        if self.images and len(self.images) != len(self.prompts):
+            raise ValueError(f"validation.images has {len(self.images)} entries for {len(self.prompts)} prompts: "
+                             "give one start image per prompt (image-to-video), or none")
+        return self
+
     prompts: list[str] = Field(default_factory=list, description="empty: no validation samples")
+    images: list[Path] = Field(default_factory=list, description="image-to-video: the start image of each prompt, in order")
     every_n_steps: Optional[int] = Field(None, ge=1, description="also sampled once at the end of training")
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(5.0, ge=0)

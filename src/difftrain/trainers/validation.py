@@ -24,9 +24,10 @@ from ..families.base import stage_precisions
 def validate(trainer, tag: str) -> list[Path]:
     cfg, fam = trainer.cfg, trainer.family
     v = cfg.validation
-    if getattr(fam, "image_conditioned", False):
-        raise UsageError("validation samples for image-to-video need a start image per prompt, which is not supported yet.",
-                         hint="Leave validation.prompts empty for image-to-video runs.")
+    i2v = getattr(fam, "image_conditioned", False)
+    if i2v and not v.images:
+        raise UsageError("validation samples for image-to-video need a start image per prompt.",
+                         hint="Set validation.images to one image file per validation prompt.")
     parts = [fam.image_encoder] + [p for s in fam.enabled_stages(cfg.text_encoders) for p in fam.text_stages[s]]
     missing = [p for p in dict.fromkeys(parts) if p not in trainer.comps]
     precision = stage_precisions(fam, cfg.text_encoders, fam.enabled_stages(cfg.text_encoders))
@@ -49,6 +50,10 @@ def validate(trainer, tag: str) -> list[Path]:
                 g = torch.Generator(device=dev).manual_seed(v.seed + i)
                 kw = dict(prompt=prompt, num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
                           height=side, width=side, generator=g)
+                if i2v:
+                    from ..data.sources import load_rgb
+
+                    kw["image"] = load_rgb(v.images[i]).resize((side, side))
                 if getattr(fam, "video", False):
                     frames = pipe(num_frames=cfg.data.frames, output_type="np", **kw).frames[0]
                     from ..data.video import write_mp4
