@@ -115,29 +115,44 @@ def test_changing_the_frame_sampling_re_encodes_only_the_latents(tiny_cog, clips
     assert (r1.latents_encoded, r2.latents_encoded, r2.texts_encoded) == (3, 3, 0)
 
 
-def test_image_to_video_caches_first_frame_latents_and_trains(tmp_path):
+def test_image_to_video_trains_on_several_sizes_and_the_lora_needs_no_edit_at_inference(tmp_path):
+    """Multi-resolution I2V: buckets off the learned positional table's size train (the table is resampled, not
+    dropped), and the exported LoRA runs in the stock pipeline at the native size and changes its output."""
     pytest.importorskip("av")
     from diffusers import CogVideoXImageToVideoPipeline
+    from PIL import Image
 
     from difftrain.data.cache import DataCache
     from difftrain.families.cogvideox import CogVideoXI2V
 
     model = CogVideoXI2V().build_tiny(tmp_path / "tiny-i2v", seed=0)
     d = tmp_path / "clips"
-    for i in range(2):
-        _clip(d / f"c{i}.mp4", 9, size=(64, 64), seed=i)  # the tiny I2V's learned positions: 9 frames of 64x64
+    # the tiny I2V's table: 9 frames of 64x64; the others: 5 frames of 64x64, 9 frames of 96x48 (bucket 80x48)
+    for i, (n, size) in enumerate([(9, (64, 64)), (6, (64, 64)), (9, (96, 48))]):
+        _clip(d / f"c{i}.mp4", n, size=size, seed=i)
         (d / f"c{i}.txt").write_text(f"clip {i}")
     sets = tiny_sets(model, d, tmp_path, **{"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v",
-                                            "data.caption_ext": ".txt", "train.max_steps": 3, "train.batch_size": 2})
+                                            "data.caption_ext": ".txt", "train.max_steps": 6, "train.batch_size": 1,
+                                            "train.learning_rate": 1e-2})
     cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets).config
     precompute(cfg)
     cache = DataCache(tmp_path / "cache")
-    entry = cache.get(cache.read_json("index.json")["items"][0]["latent"])
-    assert entry["image_latents"].shape == (16, 1, 8, 8) and entry["latents"].shape == (16, 3, 8, 8)
+    shapes = {}
+    for it in cache.read_json("index.json")["items"]:
+        entry = cache.get(it["latent"])
+        shapes[tuple(entry["latents"].shape)] = tuple(entry["image_latents"].shape)
+    assert shapes == {(16, 3, 8, 8): (16, 1, 8, 8), (16, 2, 8, 8): (16, 1, 8, 8), (16, 3, 6, 10): (16, 1, 6, 10)}
     r = train(cfg)
-    assert len(r.losses) == 3 and all(torch.isfinite(torch.tensor(r.losses)))
-    pipe = CogVideoXImageToVideoPipeline.from_pretrained(model)
+    assert len(r.losses) == 6 and all(torch.isfinite(torch.tensor(r.losses)))
+
+    pipe = CogVideoXImageToVideoPipeline.from_pretrained(model)  # stock: no difftrain hook, table as shipped
+    assert not hasattr(pipe.transformer.patch_embed, "_difftrain_native")
+    kw = dict(image=Image.new("RGB", (64, 64), (200, 40, 40)), prompt="clip 0", num_frames=9, height=64, width=64,
+              num_inference_steps=2, output_type="pt")
+    before = pipe(generator=torch.Generator().manual_seed(0), **kw).frames
     pipe.load_lora_weights(str(r.lora_path))
+    after = pipe(generator=torch.Generator().manual_seed(0), **kw).frames
+    assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
 
 
 def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipeline(tiny_cog, dataset, tmp_path):
@@ -184,7 +199,7 @@ def test_image_to_video_flow_through_the_cli_with_validation_samples(cli, tmp_pa
     sets = tiny_sets(model, d, tmp_path, **{
         "family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v", "data.caption_ext": ".txt",
         "train.max_steps": 2, "validation.prompts": "[a red start]", "validation.images": f"[{start}]",
-        "validation.num_inference_steps": 2, "validation.resolution": 64})
+        "validation.num_inference_steps": 2, "validation.resolution": 96})  # off the table: resampled
     args = [a for s in sets for a in ("--set", s)]
     r = cli("precompute", "--recipe", "tiny-cogvideox-lora", *args)
     assert r.code == 0, r

@@ -28,6 +28,7 @@ from difftrain.errors import (
     UnsafeCheckpoint,
 )
 from difftrain.families.cogvideox import (
+    resample_positional_table,
     PARTS,
     T5_TOKENS,
     CogVideoX,
@@ -463,18 +464,45 @@ def test_encode_first_frame_is_the_noise_augmented_first_frame_padded_with_zeros
     assert dropped["image_latents"].abs().sum() == 0 and dropped["x"] is pixels and img.abs().sum() > 0
 
 
-def test_learned_positional_table_fits_one_size_unless_dropped(i2v, comps_i2v):
+@torch.no_grad()
+def test_learned_positional_table_is_resampled_per_bucket_and_untouched_at_the_native_size(i2v, comps_i2v):
     cfg = dict(comps_i2v["transformer"].config)
-    tr = _new_module("transformer", cfg).eval()
+    stock, tr = (_new_module("transformer", cfg).eval() for _ in range(2))
+    stock.load_state_dict(comps_i2v["transformer"].state_dict())
     tr.load_state_dict(comps_i2v["transformer"].state_dict())
-    batch = {"prompt_embeds": torch.zeros(1, T5_TOKENS, 96), "image_latents": torch.zeros(1, 16, 3, 4, 6)}
-    with torch.no_grad(), pytest.raises(DataError) as e:  # 32x48 pixels instead of the table's 64x64
-        i2v.denoise(tr, torch.zeros(1, 16, 3, 4, 6), torch.tensor([1]), batch)
-    assert "drop_learned_positional_embeddings" in e.value.hint
-    i2v.drop_learned_positional_embeddings(tr)
-    assert not tr.config.use_learned_positional_embeddings and "patch_embed.pos_embedding" not in tr.state_dict()
-    with torch.no_grad():
-        assert i2v.denoise(tr, torch.zeros(1, 16, 3, 4, 6), torch.tensor([1]), batch).shape == (1, 16, 3, 4, 6)
+    pe = tr.patch_embed
+    table = pe.pos_embedding
+    grid = table[:, T5_TOKENS:].reshape(3, 4, 4, -1)  # the tiny table: 9 frames of 64x64 -> 3 x 4 x 4 patches
+    assert grid.abs().sum() > 0
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, T5_TOKENS, 96, generator=g)
+
+    def run(model, f, h, w):
+        noisy, img = torch.randn(1, 16, f, h, w, generator=g), torch.randn(1, 16, f, h, w, generator=g)
+        return noisy, img, i2v.denoise(model, noisy, torch.tensor([7]), {"prompt_embeds": embeds, "image_latents": img})
+
+    # native size: the stored table, exactly what the stock pipeline's transformer computes
+    noisy, img, out = run(tr, 3, 8, 8)
+    want = stock(hidden_states=torch.cat([noisy, img], 1).permute(0, 2, 1, 3, 4), encoder_hidden_states=embeds,
+                 timestep=torch.tensor([7]), image_rotary_emb=i2v.rotary_embeddings(stock, 3, 8, 8, "cpu"),
+                 return_dict=False)[0].permute(0, 2, 1, 3, 4)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    # other sizes, which stock diffusers refuses (height/width) or silently gives a sincos table (frames)
+    with pytest.raises(ValueError, match="different resolution"):
+        stock.patch_embed(embeds, torch.zeros(1, 3, 32, 4, 8))
+    assert run(tr, 2, 4, 8)[2].shape == (1, 16, 2, 4, 8)
+    assert pe.pos_embedding is table and (pe.sample_frames, pe.sample_height, pe.sample_width) == (9, 8, 8)
+    # fewer frames: the table's first frames; 2 x 4 patches in the 4 x 4 grid: RoPE's crop rows 1 and 1.5
+    torch.testing.assert_close(resample_positional_table(pe, 2, 8, 8), table[:, :T5_TOKENS + 2 * 16], rtol=0, atol=0)
+    got = resample_positional_table(pe, 2, 4, 8)[0, T5_TOKENS:].reshape(2, 2, 4, -1)
+    assert got.shape[0] == 2 and table[:, :T5_TOKENS].abs().sum() == 0
+    torch.testing.assert_close(got[:, 0], grid[:2, 1])
+    torch.testing.assert_close(got[:, 1], (grid[:2, 1] + grid[:2, 2]) / 2)
+    # a forward that raises leaves the stored table in place (the state dict a checkpoint would save)
+    with pytest.raises(RuntimeError):
+        pe(torch.zeros(1, T5_TOKENS, 5), torch.zeros(1, 2, 32, 4, 8))
+    assert pe.pos_embedding is table and pe.sample_height == 8
+    assert torch.equal(tr.state_dict()["patch_embed.pos_embedding"], stock.state_dict()["patch_embed.pos_embedding"])
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ Two families share this module:
 * ``CogVideoXI2V`` ("cogvideox-i2v", image to video): CogVideoX-5b-I2V (the
   5b transformer with ``in_channels = 32``: noisy video latents and the
   first-frame image latents concatenated on channels, plus a learned positional
-  embedding) and CogVideoX1.5-5b-I2V (1.5 with an ``ofs`` embedding).
+  table for 49 frames of 480x720, resampled for other buckets: see
+  ``fit_positional_table``) and CogVideoX1.5-5b-I2V (1.5 with an ``ofs`` embedding).
 
 Architectures are bundled in ``configs/`` (cogvideox-2b, cogvideox-5b,
 cogvideox-5b-i2v, cogvideox1.5-5b, cogvideox1.5-5b-i2v; cogvideox-tiny and
@@ -155,6 +156,65 @@ def _resize_crop_region(src: tuple[int, int], tgt_width: int, tgt_height: int) -
         rw, rh = tgt_width, round(tgt_width / w * h)
     top, left = round((tgt_height - rh) / 2.0), round((tgt_width - rw) / 2.0)
     return (top, left), (top + rh, left + rw)
+
+
+def resample_positional_table(pe, frames: int, height: int, width: int) -> torch.Tensor:
+    """``pe.pos_embedding`` (``[1, text + T*H*W, D]``, text rows zero) for ``frames`` latent frames of
+    ``height`` x ``width`` latents, sampled where the model's 3D RoPE puts those patches.
+
+    Time: patch ``t`` takes the table's frame ``t`` (RoPE's temporal positions are
+    the integers 0, 1, ...; frames past the table's last repeat it). Space: the
+    grid is fitted inside the table's grid with the crop box and linspace
+    positions of CogVideoXPipeline's RoPE (``_resize_crop_region``), and rows and
+    columns are interpolated linearly between table cells (clamped at the
+    edges). At the native size every position is an integer and the result is
+    the table itself. A ViT-style resize of a learned table, placed as RoPE
+    places the patches, so both position signals agree.
+    """
+    p, text = pe.patch_size, pe.max_text_seq_length
+    t0, h0, w0 = latent_frames(pe._difftrain_native[0]), pe._difftrain_native[1] // p, pe._difftrain_native[2] // p
+    table = pe.pos_embedding
+    grid = table[:, text:].reshape(t0, h0, w0, table.shape[-1]).float()
+    gh, gw = height // p, width // p
+    (top, left), (bottom, right) = _resize_crop_region((gh, gw), w0, h0)
+    rows = torch.linspace(top, bottom * (gh - 1) / gh, gh, device=table.device, dtype=torch.float64)
+    cols = torch.linspace(left, right * (gw - 1) / gw, gw, device=table.device, dtype=torch.float64)
+    times = torch.arange(frames, device=table.device, dtype=torch.float64)
+    for dim, pos in ((0, times), (1, rows), (2, cols)):
+        grid = _lerp_along(grid, pos, dim)
+    return torch.cat([table[:, :text], grid.reshape(1, -1, table.shape[-1]).to(table.dtype)], dim=1)
+
+
+def _lerp_along(x: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` sampled at fractional indices ``pos`` along ``dim``: linear between neighbours, clamped to the ends."""
+    pos = pos.clamp(0, x.shape[dim] - 1)
+    lo = pos.floor().long()
+    hi = (lo + 1).clamp(max=x.shape[dim] - 1)
+    shape = [1] * x.dim()
+    shape[dim] = -1
+    frac = (pos - lo).to(x.dtype).view(shape)
+    a, b = x.index_select(dim, lo), x.index_select(dim, hi)
+    return torch.where(frac == 0, a, a + (b - a) * frac)  # exact at integer positions
+
+
+def _fit_table(pe, args) -> None:
+    """patch_embed pre-hook: for a batch off the table's size, swap in the resampled table (and the sizes
+    diffusers compares against) for this one call; ``_restore_table`` puts the stored one back."""
+    _restore_table(pe, args, None)  # a previous call that raised left the resampled table in place
+    _, frames, _, height, width = args[1].shape
+    size = ((frames - 1) * pe.temporal_compression_ratio + 1, height, width)
+    if size == pe._difftrain_native:
+        return
+    table = pe.pos_embedding
+    pe.pos_embedding = resample_positional_table(pe, frames, height, width)
+    pe._difftrain_table = table
+    pe.sample_frames, pe.sample_height, pe.sample_width = size
+
+
+def _restore_table(pe, args, output) -> None:
+    if pe._difftrain_table is not None:
+        pe.pos_embedding, pe._difftrain_table = pe._difftrain_table, None
+        pe.sample_frames, pe.sample_height, pe.sample_width = pe._difftrain_native
 
 
 class CogVideoX:
@@ -668,34 +728,34 @@ class CogVideoX:
         return self._rotary[key]
 
     @staticmethod
-    def drop_learned_positional_embeddings(transformer) -> None:
-        """Remove CogVideoX-5b-I2V's learned positional table, so it trains at any resolution and frame count.
+    def fit_positional_table(transformer) -> None:
+        """Let CogVideoX-5b-I2V's learned positional table serve every bucket; idempotent, a no-op without one.
 
-        The table has a fixed size (49 x 480 x 720); its weights are near zero and
-        RoPE carries the positions, so removing it changes outputs very little
-        (finetrainers issue #26, PR #31; cogvideox-factory's
-        ``--ignore_learned_positional_embeddings``). A model or LoRA trained this
-        way must be run with the table removed too: these same three lines on
-        ``pipe.transformer`` before inference.
+        The table is a frozen buffer trained for one size (49 frames of 480x720:
+        13 x 30 x 45 patches). diffusers refuses any other height or width and,
+        for another frame count, silently swaps in a sincos table the model never
+        saw. finetrainers (cogvideox-factory's ``--ignore_learned_positional_embeddings``)
+        drops the table for multi-resolution training, which changes the model:
+        every LoRA trained so must be run with the same edit by hand at inference.
+
+        difftrain keeps the model as it is and resamples the table per batch
+        (forward hooks on ``patch_embed``, see :func:`resample_positional_table`):
+        at the native size the stored table is used untouched, so a LoRA or full
+        fine-tune trained on any mix of sizes runs in the stock
+        ``CogVideoXImageToVideoPipeline`` with no edit; with the hooks installed
+        (training, difftrain's validation) other sizes run too.
         """
-        pe = transformer.patch_embed
-        if getattr(pe, "use_learned_positional_embeddings", False):
-            del pe.pos_embedding
-            pe.use_learned_positional_embeddings = False
-            transformer.register_to_config(use_learned_positional_embeddings=False)
-
-    def _check_positions(self, transformer, frames: int, height: int, width: int) -> None:
         pe = getattr(transformer, "patch_embed", None)
-        if pe is None or not getattr(pe, "use_learned_positional_embeddings", False):
+        if pe is None or not getattr(pe, "use_learned_positional_embeddings", False) or hasattr(pe, "_difftrain_native"):
             return
-        sample = (pe.sample_frames, pe.sample_height, pe.sample_width)
-        if ((frames - 1) * pe.temporal_compression_ratio + 1, height, width) != sample:
-            raise DataError(
-                f"This CogVideoX-I2V transformer has a learned positional table for {sample[0]} frames of "
-                f"{sample[1] * 8}x{sample[2] * 8} only; the batch is {(frames - 1) * 4 + 1} frames of {height * 8}x{width * 8}.",
-                hint="Train at 49 frames of 480x720, or drop the table (CogVideoXI2V.drop_learned_positional_embeddings, "
-                "as finetrainers does for multi-resolution I2V); inference then needs it dropped as well.",
-            )
+        if pe.patch_size_t is not None:  # no released model has both; refuse rather than guess the layout
+            raise ModelLoadError("This CogVideoX transformer has a learned positional table and a temporal patch size; "
+                                 "difftrain cannot resample that table.",
+                                 hint="Set use_learned_positional_embeddings to false in its config, or use patch_size_t null.")
+        pe._difftrain_native = (pe.sample_frames, pe.sample_height, pe.sample_width)
+        pe._difftrain_table = None
+        pe.register_forward_pre_hook(_fit_table)
+        pe.register_forward_hook(_restore_table, always_call=True)  # also when the forward raises
 
     def denoise(self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's v-prediction for noisy latents [B, C, F, h, w]; the output has the same layout.
@@ -711,7 +771,7 @@ class CogVideoX:
         cfg = transformer.config
         lat = noisy.permute(0, 2, 1, 3, 4)
         b, frames, _, h, w = lat.shape
-        self._check_positions(transformer, frames, h, w)
+        self.fit_positional_table(transformer)
         pad = 0
         if cfg.patch_size_t and frames % cfg.patch_size_t:
             pad = cfg.patch_size_t - frames % cfg.patch_size_t
@@ -760,6 +820,7 @@ class CogVideoX:
 
         cfg = self.scheduler_config(mcfg)
         cls = CogVideoXDDIMScheduler if cfg.get("_class_name") == "CogVideoXDDIMScheduler" else CogVideoXDPMScheduler
+        self.fit_positional_table(comps["transformer"])  # validation samples at any size, as training ran
         return self._pipeline_class()(
             tokenizer=comps.get("tokenizer"),
             text_encoder=comps.get("text_encoder"),
@@ -776,11 +837,10 @@ class CogVideoX:
         CogVideoX LoRA format holds the transformer only.
 
         Image-to-video: LoRA layers are Linear adapters (to_q, to_k, to_v, to_out.0
-        by default); the learned positional table of CogVideoX-5b-I2V is a buffer,
-        never part of a LoRA, so there is nothing to strip here. A LoRA trained on
-        a transformer whose table was dropped (multi-resolution,
-        ``drop_learned_positional_embeddings``) must be used with the table dropped
-        at inference as well (finetrainers PR #31).
+        by default); the learned positional table of CogVideoX-5b-I2V is a frozen
+        buffer, never part of a LoRA, and training resamples it per bucket without
+        changing the model (``fit_positional_table``), so the file loads into the
+        stock pipeline with no edit, whatever sizes it was trained on.
         """
         extra = [part for part, sd in layers.items() if sd and part != "transformer"]
         if extra:
