@@ -264,3 +264,47 @@ def test_cogvideox_lora_with_block_swap_on_cuda(dataset, tmp_path):
     t = Trainer(cfg)
     r = t.run()
     assert len(t.block_swap.swapped) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+
+
+def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_path):
+    """With validation.cpu_offload, T5 is back on the CPU while the transformer denoises, the VAE visits
+    for the I2V image and the decode, and the transformer being trained never leaves the GPU."""
+    from PIL import Image
+
+    from difftrain.families.cogvideox import CogVideoXI2V
+    from difftrain.trainers.loop import Trainer
+    from difftrain.trainers.validation import validate
+
+    model = CogVideoXI2V().build_tiny(tmp_path / "tiny-i2v", seed=0)
+    start = tmp_path / "start.png"
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(start)
+    cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(model, dataset, tmp_path, **{
+        "family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v", "train.device": "cuda",
+        "precompute.device": "cuda", "train.max_steps": 1, "validation.prompts": "[a red start]",
+        "validation.images": f"[{start}]", "validation.num_inference_steps": 2, "validation.resolution": 64,
+        "data.frames": 9})).config
+    precompute(cfg)
+    t = Trainer(cfg)
+    t.run()
+    plain = validate(t, "plain")
+    seen = []
+    tr = t.comps["transformer"]
+    loaded = {}
+    real_load = t.family.load
+
+    def spy_load(*a, **k):
+        loaded.update(real_load(*a, **k))
+        return loaded
+
+    t.family.load = spy_load
+    # on the first block: after the transformer's own pre-hooks (difftrain's offload among them) have run
+    handle = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a: seen.append(
+        {n: next(loaded[n].parameters()).device.type for n in ("text_encoder", "vae")}))
+    t.cfg.validation.cpu_offload = True
+    try:
+        offloaded = validate(t, "offloaded")
+    finally:
+        handle.remove()
+        del t.family.load
+    assert seen and all(d == {"text_encoder": "cpu", "vae": "cpu"} for d in seen)
+    assert next(tr.parameters()).is_cuda and plain[0].stat().st_size > 0 and offloaded[0].stat().st_size > 0

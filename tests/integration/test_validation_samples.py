@@ -34,6 +34,13 @@ def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path
     assert np.array_equal(np.asarray(Image.open(again[0])), np.asarray(Image.open(final[0])))
     # and training changed what the model draws between step 2 and the end
     assert not np.array_equal(np.asarray(Image.open(step2[0])), np.asarray(Image.open(final[0])))
+    # CPU offload of the VAE and text encoders draws the same sample and leaves no hook on the UNet
+    unet = t.comps["unet"]
+    hooks = len(unet._forward_pre_hooks)
+    t.cfg.validation.cpu_offload = True
+    offloaded = validate(t, "offloaded")
+    assert np.array_equal(np.asarray(Image.open(offloaded[0])), np.asarray(Image.open(final[0])))
+    assert len(unet._forward_pre_hooks) == hooks and not hasattr(unet, "_hf_hook") and set(t.comps) == {"unet"}
 
 
 def test_cogvideox_validation_writes_an_mp4(tmp_path, dataset):

@@ -141,6 +141,8 @@ class ValidationConfig(Strict):
     seed: int = 0
     resolution: Optional[int] = Field(None, ge=64, description="square side; default data.resolution")
     fps: int = Field(8, ge=1, description="video families: frames per second of the mp4 (CogVideoX: 8; 1.5: 16)")
+    cpu_offload: bool = Field(False, description="VAE and text encoders wait on the CPU and visit the GPU one at a time "
+                              "(T5 in bf16); the denoiser stays where training keeps it")
 
 
 # ----------------------------------------------------------------- LoRA

@@ -7,6 +7,11 @@ denoiser being trained (its LoRA active), the samples are written as PNG
 (images) or mp4 (video families, at ``validation.fps``) under
 ``<output_dir>/samples/<tag>/``, and the extra parts are freed. GPU memory
 before and after each round goes into stats.json.
+
+``validation.cpu_offload``: the extra parts load on the CPU and each moves to
+the GPU only for its own calls (model CPU offload, see :func:`_offload_extras`),
+so at most one of them sits beside the training state at a time; T5 then runs
+in bf16, since bitsandbytes-quantized weights cannot move between devices.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ def validate(trainer, tag: str) -> list[Path]:
     missing = [p for p in dict.fromkeys(parts) if p not in trainer.comps]
     precision = stage_precisions(fam, cfg.text_encoders, fam.enabled_stages(cfg.text_encoders))
     dev = trainer.device
-    extra = fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=dev, precision=precision) if missing else {}
+    load_on = "cpu" if v.cpu_offload else dev
+    extra = fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=load_on, precision=precision) if missing else {}
     comps = {**trainer.comps, **extra}
     pipe = fam.pipeline(comps, cfg.model)
+    offload = _offload_extras(pipe, extra, comps[fam.denoiser], dev) if v.cpu_offload else None
     pipe.set_progress_bar_config(disable=True)
     side = v.resolution or cfg.data.resolution
     folder = Path(cfg.train.output_dir) / "samples" / tag
@@ -64,7 +71,11 @@ def validate(trainer, tag: str) -> list[Path]:
                     path = folder / f"{i:02d}.png"
                     image.save(path)
                     out.append(path)
+                if offload:
+                    offload.offload_all()
     finally:
+        if offload:
+            offload.remove()
         denoiser.train(was_training)
         del pipe, comps, extra
         gc.collect()
@@ -72,3 +83,48 @@ def validate(trainer, tag: str) -> list[Path]:
             torch.cuda.empty_cache()
     info(f"validation: {len(out)} sample(s) in {folder}")
     return out
+
+
+class _Offload:
+    def __init__(self, hooks: list, handle) -> None:
+        self.hooks, self.handle = hooks, handle
+
+    def offload_all(self) -> None:
+        for h in self.hooks:
+            h.offload()
+
+    def remove(self) -> None:
+        self.handle.remove()
+        for h in self.hooks:
+            h.remove()
+
+
+def _offload_extras(pipe, extra: dict, denoiser: torch.nn.Module, dev: torch.device) -> _Offload:
+    """Model CPU offload of the parts loaded for validation, in the pipeline's own order
+    (``model_cpu_offload_seq``): each moves to ``dev`` when called and sends the one
+    before it back (accelerate's ``cpu_offload_with_hook``, the mechanism of diffusers'
+    ``enable_model_cpu_offload``), and the denoiser's first call sends them all back.
+
+    Not ``pipe.enable_model_cpu_offload()`` itself: it first moves every part to the
+    CPU, the denoiser being trained (its optimizer state, block-swap buffers, fp8
+    weights) included, and hooks it; here the denoiser stays exactly where training
+    keeps it.
+    """
+    from accelerate import cpu_offload_with_hook
+
+    modules = {k: m for k, m in extra.items() if isinstance(m, torch.nn.Module)}
+    order = [k for k in (pipe.model_cpu_offload_seq or "").split("->") if k in modules]
+    order += [k for k in modules if k not in order]
+    hooks, prev = [], None
+    for name in order:
+        _, prev = cpu_offload_with_hook(modules[name], dev, prev_module_hook=prev)
+        hooks.append(prev)
+    off = _Offload(hooks, None)
+
+    def before_denoiser(module, args):
+        for h in hooks:
+            if next(h.model.parameters()).device.type != "cpu":
+                h.offload()
+
+    off.handle = denoiser.register_forward_pre_hook(before_denoiser)
+    return off
