@@ -66,3 +66,7 @@ class CheckpointError(DifftrainError):
 
 class BackendUnavailable(DifftrainError):
     pass
+
+
+class LossNotFinite(DifftrainError):
+    """The loss became NaN or infinite: the run diverged (a sweep records the trial as 'nan')."""

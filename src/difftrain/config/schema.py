@@ -124,7 +124,7 @@ class DreamBoothConfig(Strict):
 
 
 class ValidationConfig(Strict):
-    """Sample images (mp4 for video families) from fixed prompts and seed while training."""
+    """Sample images (mp4 for video families) from fixed prompts and seed while training, and a held-out loss."""
 
     @model_validator(mode="after")
     def _images(self):
@@ -135,7 +135,10 @@ class ValidationConfig(Strict):
 
     prompts: list[str] = Field(default_factory=list, description="empty: no validation samples")
     images: list[Path] = Field(default_factory=list, description="image-to-video: the start image of each prompt, in order")
-    every_n_steps: Optional[int] = Field(None, ge=1, description="also sampled once at the end of training")
+    every_n_steps: Optional[int] = Field(None, ge=1, description="samples and validation loss; also once at the end of training")
+    loss_items: int = Field(0, ge=0, description="cached items held out of training (chosen by validation.seed) for a "
+                            "validation loss on fixed (item, noise level, noise) triples; 0: none")
+    loss_timesteps: int = Field(4, ge=1, description="noise levels per held-out item: the quantiles (k + 1/2) / K")
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(5.0, ge=0)
     seed: int = 0

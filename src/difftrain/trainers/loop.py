@@ -28,7 +28,7 @@ from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
-from ..errors import CacheMismatch, CheckpointError, DifftrainError
+from ..errors import CacheMismatch, CheckpointError, ConfigError, DifftrainError, LossNotFinite
 from ..families.base import stage_precisions
 from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
@@ -53,6 +53,8 @@ class TrainResult:
     saved: list[Path] = field(default_factory=list)
     seconds: float = 0.0
     stats: dict = field(default_factory=dict)
+    #: (step, validation loss) at every validation.every_n_steps and at the end, when items are held out
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 class RateColumn(ProgressColumn):
@@ -190,6 +192,7 @@ class Trainer:
                                 hint="Run `difftrain precompute` with the same config (it generates and caches them).")
         if not self.items:
             raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
+        self.val_items = self._hold_out()
         parts, lrs = plan_parts(cfg, self.family)
         self.live_stages = live_stages(cfg, self.family, lrs)
         if self.live_stages:
@@ -267,6 +270,22 @@ class Trainer:
         self.batch_pos = 0
 
     # ---------------------------------------------------------------- data
+    def _hold_out(self) -> list[dict]:
+        """``validation.loss_items`` items taken out of training for the validation loss: drawn with
+        ``validation.seed`` from the items in content order, so every trial of a sweep over one cache
+        holds out the same ones whatever its training seed."""
+        n = self.cfg.validation.loss_items
+        if not n:
+            return []
+        if n >= len(self.items):
+            raise ConfigError(f"validation.loss_items is {n}, but the cache has {len(self.items)} training items.",
+                              hint="Hold out fewer items, so that some are left to train on.")
+        order = sorted(range(len(self.items)), key=lambda i: self.items[i]["latent"])
+        pick = set(random.Random(f"difftrain-val:{self.cfg.validation.seed}").sample(order, n))
+        held = [it for i, it in enumerate(self.items) if i in pick]
+        self.items = [it for i, it in enumerate(self.items) if i not in pick]
+        return held
+
     def _prior_batch(self, n: int) -> list[dict]:
         """n class items for the instance batch at the current position: a function of (seed, epoch, batch),
         so a resumed run draws the same ones. One bucket per batch (the instance batch's when it has one)."""
@@ -295,20 +314,29 @@ class Trainer:
         return batch
 
     # ---------------------------------------------------------------- one micro-batch
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _loss(self, batch: dict[str, torch.Tensor], fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The training loss of a micro-batch. ``fixed = (noise, q)`` gives the noise and the noise level as
+        a quantile q in (0, 1) instead of drawing them, and drops what only training adds (noise offset,
+        image dropout, loss weighting): the validation loss, comparable across trials."""
         t = self.cfg.train
         latents = batch["latents"]
         b = latents.shape[0]
-        noise = torch.randn(latents.shape, generator=self.gen, device=self.device)
-        if t.noise_offset:
-            shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
-            noise = noise + t.noise_offset * torch.randn(shape, generator=self.gen, device=self.device)
-        if hasattr(self.family, "drop_image_conditioning"):  # image-to-video: sometimes train without the image
-            batch = self.family.drop_image_conditioning(batch, self.gen)
-        if self.family.objective == "flow":
-            noisy, timesteps, target, weight = self._flow_inputs(latents, noise)
+        if fixed is not None:
+            noise = fixed[0]
         else:
-            noisy, timesteps, target, weight = self._ddpm_inputs(latents, noise)
+            noise = torch.randn(latents.shape, generator=self.gen, device=self.device)
+            if t.noise_offset:
+                shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
+                noise = noise + t.noise_offset * torch.randn(shape, generator=self.gen, device=self.device)
+            if hasattr(self.family, "drop_image_conditioning"):  # image-to-video: sometimes train without the image
+                batch = self.family.drop_image_conditioning(batch, self.gen)
+        q = fixed[1] if fixed is not None else None
+        if self.family.objective == "flow":
+            noisy, timesteps, target, weight = self._flow_inputs(latents, noise, q)
+        else:
+            noisy, timesteps, target, weight = self._ddpm_inputs(latents, noise, q)
+        if fixed is not None:
+            weight = None
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
             denoiser = self.engine if self.engine is not None else self.comps[self.family.denoiser]
@@ -318,10 +346,14 @@ class Trainer:
             loss = loss * weight
         return loss.mean()
 
-    def _ddpm_inputs(self, latents, noise):
+    def _ddpm_inputs(self, latents, noise, q=None):
         """Epsilon or v-prediction from the scheduler config, with optional Min-SNR weighting."""
         t, sched = self.cfg.train, self.noise_scheduler
-        timesteps = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), generator=self.gen, device=self.device)
+        n = sched.config.num_train_timesteps
+        if q is None:
+            timesteps = torch.randint(0, n, (latents.shape[0],), generator=self.gen, device=self.device)
+        else:
+            timesteps = (q * n).long().clamp(0, n - 1)
         noisy = sched.add_noise(latents, noise, timesteps)
         pred_type = sched.config.prediction_type
         target = noise if pred_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
@@ -332,12 +364,41 @@ class Trainer:
             weight = torch.clamp(snr, max=t.min_snr_gamma) / (snr + 1 if pred_type == "v_prediction" else snr)
         return noisy, timesteps, target, weight
 
-    def _flow_inputs(self, latents, noise):
-        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3)."""
-        sigmas = sample_sigmas(self.cfg.flow, latents.shape[0], self.flow_shift, self.gen, self.device)
+    def _flow_inputs(self, latents, noise, q=None):
+        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3). A given quantile q is shifted
+        as the scheduler shifts its sigmas."""
+        if q is None:
+            sigmas = sample_sigmas(self.cfg.flow, latents.shape[0], self.flow_shift, self.gen, self.device)
+        else:
+            sigmas = self.flow_shift * q / (1 + (self.flow_shift - 1) * q)
         s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
         noisy = (1 - s) * latents + s * noise
         return noisy, sigmas * 1000, noise - latents, flow_loss_weight(self.cfg.flow.loss_weighting, sigmas)
+
+    @torch.no_grad()
+    def validation_loss(self) -> float | None:
+        """Mean loss over the held-out items, each at ``validation.loss_timesteps`` fixed noise levels (the
+        quantiles (k + 1/2) / K) with noise drawn on the CPU from a seed per item: the same triples on every
+        call, device and trial, so two evaluations of the same weights agree and trials compare."""
+        v = self.cfg.validation
+        if not self.val_items:
+            return None
+        denoiser = self.comps[self.family.denoiser]
+        was = denoiser.training
+        denoiser.eval()
+        total, n = 0.0, 0
+        try:
+            for j, item in enumerate(self.val_items):
+                batch = self._batch([], [item])
+                g = torch.Generator().manual_seed(v.seed * 1_000_003 + j)
+                for k in range(v.loss_timesteps):
+                    noise = torch.randn(batch["latents"].shape, generator=g).to(self.device)
+                    q = torch.full((1,), (k + 0.5) / v.loss_timesteps, device=self.device)
+                    total += self._loss(batch, fixed=(noise, q)).item()
+                    n += 1
+        finally:
+            denoiser.train(was)
+        return total / n
 
     # ---------------------------------------------------------------- the loop
     def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
@@ -376,7 +437,7 @@ class Trainer:
                         loss = loss + self.cfg.dreambooth.prior_loss_weight * prior_loss
                     loss = loss / t.grad_accum
                     if not torch.isfinite(loss):
-                        raise DifftrainError(
+                        raise LossNotFinite(
                             f"The loss became {loss.item()} at step {self.step + 1}.",
                             hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
                             "or re-run precompute if the cache was made with an fp16 VAE.",
@@ -401,6 +462,8 @@ class Trainer:
                                "time": round(time.time() - t0, 4)}
                         if self.prior_items:
                             rec["prior_loss"] = prior_sum
+                        if self.device.type == "cuda":
+                            rec["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
                         metrics.write(json.dumps(rec) + "\n")
                         metrics.flush()
                     bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
@@ -408,8 +471,8 @@ class Trainer:
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0:
                         result.checkpoints.append(self.save_checkpoint())
                     v = self.cfg.validation
-                    if v.prompts and v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps:
-                        self._validate(f"step-{self.step:08d}", stats)
+                    if v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps:
+                        self._validate(f"step-{self.step:08d}", stats, metrics, result)
                     every = self.cfg.save.every_n_steps
                     if t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"step-{self.step:08d}")
@@ -419,9 +482,9 @@ class Trainer:
                     every = self.cfg.save.every_n_epochs
                     if t.method == "full" and every and self.epoch % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
+        if self.step >= self.total_steps:
+            self._validate("final", stats, metrics, result)
         metrics.close()
-        if self.cfg.validation.prompts and self.step >= self.total_steps:
-            self._validate("final", stats)
         stats["peak_rss_gib_train"] = round(_rss_peak_gib(), 3)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
@@ -443,13 +506,25 @@ class Trainer:
         atomic_write_text(self.out / "stats.json", json.dumps(stats, indent=1) + "\n")
         return result
 
-    def _validate(self, tag: str, stats: dict) -> None:
-        """A round of validation samples; GPU memory before it, and the peak with it, go into stats."""
-        from .validation import validate
-
+    def _validate(self, tag: str, stats: dict, metrics, result: TrainResult) -> None:
+        """A validation round: the held-out loss (into metrics.jsonl and the result) and the samples.
+        GPU memory before the first round and the peak with them go into stats (the memory report
+        cogvideox-factory publishes: after load, before validation, with validation, end)."""
+        v = self.cfg.validation
+        if not (v.prompts or self.val_items):
+            return
         if self.device.type == "cuda":
             stats.setdefault("gpu_peak_alloc_gib_before_validation", round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3))
-        self.samples = getattr(self, "samples", []) + validate(self, tag)
+        if self.val_items:
+            val = self.validation_loss()
+            result.val_losses.append((self.step, val))
+            metrics.write(json.dumps({"step": self.step, "val_loss": val}) + "\n")
+            metrics.flush()
+            info(f"validation loss at step {self.step}: {val:.5f} ({len(self.val_items)} held-out items)")
+        if v.prompts:
+            from .validation import validate
+
+            self.samples = getattr(self, "samples", []) + validate(self, tag)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
 
