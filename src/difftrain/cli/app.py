@@ -20,7 +20,7 @@ from ..errors import DifftrainError
 
 app = typer.Typer(
     name="difftrain",
-    help="Fine-tune SDXL (SD3 and CogVideoX to come) with LoRA on the GPU you own.",
+    help="Fine-tune SDXL, SD3 and CogVideoX (LoRA or full) on the GPU you own.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -28,7 +28,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import bench_cmd, convert_cmd, data_cmds, plan_cmd, quickstart_cmd, recipes_cmd, train_cmd
+    from . import bench_cmd, convert_cmd, data_cmds, plan_cmd, quickstart_cmd, recipes_cmd, sweep_cmd, train_cmd
 
     app.command("quickstart")(quickstart_cmd.quickstart)
     app.command("merge-tags")(data_cmds.merge_tags)
@@ -37,6 +37,7 @@ def _register() -> None:
     app.command("export")(train_cmd.export)
     app.command("convert-args")(convert_cmd.convert_args)
     app.command("plan")(plan_cmd.plan)
+    app.add_typer(sweep_cmd.app, name="sweep")
     app.add_typer(bench_cmd.app, name="bench")
     app.add_typer(recipes_cmd.app, name="recipes")
 

@@ -148,6 +148,18 @@ class ValidationConfig(Strict):
                               "(T5 in bf16); the denoiser stays where training keeps it")
 
 
+# ----------------------------------------------------------------- reports
+class ReportConfig(Strict):
+    """Where a run's metrics go besides metrics.jsonl (diffusers' scripts call it --report_to), and its report page."""
+
+    to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="tensorboard: event files in RUN/tensorboard; "
+        "wandb: Weights & Biases (pip install wandb), offline unless report.wandb_mode is online")
+    wandb_project: str = "difftrain"
+    wandb_mode: Literal["offline", "online"] = "offline"
+    html: bool = Field(True, description="RUN/report.html (loss plots, validation samples, memory, config) and RUN/plots/*.png")
+
+
 # ----------------------------------------------------------------- LoRA
 class LoraConfig(Strict):
     rank: int = Field(16, ge=1)
@@ -352,6 +364,7 @@ class Config(Strict):
     text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
     dreambooth: DreamBoothConfig = Field(default_factory=DreamBoothConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
     flow: FlowConfig = Field(default_factory=FlowConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)

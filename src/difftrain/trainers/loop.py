@@ -405,7 +405,6 @@ class Trainer:
         """Train to the configured step count; ``stop_at`` ends early (with a checkpoint), as an interruption would."""
         t0 = time.time()
         self._setup()
-        t = self.cfg.train
         stats = {"load_seconds": round(time.time() - t0, 2), "peak_rss_gib_load": round(_rss_peak_gib(), 3)}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -417,7 +416,26 @@ class Trainer:
             atomic_write_text(self.out / "config.yaml", self.config_yaml)
         end = min(self.total_steps, stop_at) if stop_at else self.total_steps
         result = TrainResult(self.out, end)
-        metrics = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+        from .sinks import MetricSinks
+
+        metrics = MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
+        self._val_seconds, start_step, t_loop = 0.0, self.step, time.time()
+        try:
+            self._loop(result, metrics, stats, end, t0)
+        finally:
+            metrics.close()
+        if self.step > start_step:  # optimizer steps only: validation rounds are timed apart
+            stats["s_per_step"] = round((time.time() - t_loop - self._val_seconds) / (self.step - start_step), 4)
+        stats["validation_seconds"] = round(self._val_seconds, 2)
+        result = self._finish(result, stats, t0)
+        if self.cfg.report.html:
+            from ..report import write_run_report
+
+            write_run_report(self.out)
+        return result
+
+    def _loop(self, result: TrainResult, metrics, stats: dict, end: int, t0: float) -> None:
+        t = self.cfg.train
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
         with progress(loss_col, RateColumn()) as bar:
             task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
@@ -464,8 +482,7 @@ class Trainer:
                             rec["prior_loss"] = prior_sum
                         if self.device.type == "cuda":
                             rec["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
-                        metrics.write(json.dumps(rec) + "\n")
-                        metrics.flush()
+                        metrics.log(rec)
                     bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
                     accum, micro, prior_sum = 0.0, 0, 0.0
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0:
@@ -484,7 +501,9 @@ class Trainer:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         if self.step >= self.total_steps:
             self._validate("final", stats, metrics, result)
-        metrics.close()
+
+    def _finish(self, result: TrainResult, stats: dict, t0: float) -> TrainResult:
+        t = self.cfg.train
         stats["peak_rss_gib_train"] = round(_rss_peak_gib(), 3)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
@@ -502,6 +521,11 @@ class Trainer:
         stats["save_seconds"] = round(time.time() - t_save, 2)
         stats["peak_rss_gib_end"] = round(_rss_peak_gib(), 3)
         result.seconds = time.time() - t0
+        try:  # a resumed run keeps what the earlier part measured and this part did not (s/step of no steps)
+            earlier = json.loads((self.out / "stats.json").read_text(encoding="utf-8"))
+            stats = {**{k: v for k, v in earlier.items() if k not in stats}, **stats}
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass
         result.stats = stats
         atomic_write_text(self.out / "stats.json", json.dumps(stats, indent=1) + "\n")
         return result
@@ -513,13 +537,13 @@ class Trainer:
         v = self.cfg.validation
         if not (v.prompts or self.val_items):
             return
+        t_val = time.time()
         if self.device.type == "cuda":
             stats.setdefault("gpu_peak_alloc_gib_before_validation", round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3))
         if self.val_items:
             val = self.validation_loss()
             result.val_losses.append((self.step, val))
-            metrics.write(json.dumps({"step": self.step, "val_loss": val}) + "\n")
-            metrics.flush()
+            metrics.log({"step": self.step, "val_loss": val})
             info(f"validation loss at step {self.step}: {val:.5f} ({len(self.val_items)} held-out items)")
         if v.prompts:
             from .validation import validate
@@ -527,6 +551,7 @@ class Trainer:
             self.samples = getattr(self, "samples", []) + validate(self, tag)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+        self._val_seconds += time.time() - t_val
 
     def _optimizer_step(self) -> None:
         t = self.cfg.train
