@@ -507,7 +507,10 @@ def write_results(out: Path, sort: str | None = None, descending: bool = False) 
     headers = [("trial", "trial"), *((a, a) for a in axes), ("status", "status"),
                *((k, v) for k, v in STAT_LABELS.items()), ("seconds", "seconds"), ("error", "error")]
     dirs = {r["trial"]: out / "trials" / r["trial"] for r in rows if (out / "trials" / r["trial"]).is_dir()}
-    write_sweep_report(out, rows, headers, dirs, sort_key=sort)
+    try:
+        write_sweep_report(out, rows, headers, dirs, sort_key=sort)
+    except ImportError as e:  # matplotlib missing: the table and files above stand
+        warn(f"no report.html: {e} (pip install matplotlib)")
     _print_table(rows, axes)
     return rows
 

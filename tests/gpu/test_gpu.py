@@ -308,3 +308,19 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
         del t.family.load
     assert seen and all(d == {"text_encoder": "cpu", "vae": "cpu"} for d in seen)
     assert next(tr.parameters()).is_cuda and plain[0].stat().st_size > 0 and offloaded[0].stat().st_size > 0
+
+
+def test_sweep_on_the_gpu_records_peak_memory_and_an_out_of_memory_trial(tiny_model, dataset, tmp_path):
+    """One trial capped far below what it needs (train.gpu_memory_limit_gib) is recorded as oom; the other
+    finishes with its peak GPU memory in the table."""
+    import json
+
+    from difftrain.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{
+        "train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 3}),
+        grid={"train.gpu_memory_limit_gib": [0.001, 64]})
+    rows = {r["train.gpu_memory_limit_gib"]: r for r in run_sweep(spec, tmp_path / "sw", gpus=["0"])}
+    assert rows[0.001]["status"] == "oom" and "memory" in rows[0.001]["error"].lower()
+    assert rows[64]["status"] == "ok" and 0 < rows[64]["gpu_peak_alloc_gib"] < 2
+    assert json.loads((tmp_path / "sw" / "trials" / rows[64]["trial"] / "result.json").read_text())["gpu"] == "0"

@@ -58,3 +58,21 @@ def test_asking_for_wandb_without_it_says_how_to_get_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(BackendUnavailable, match="pip install wandb"):
         MetricSinks(tmp_path, ReportConfig(to=["wandb"]))
+
+
+def test_missing_tensorboard_costs_the_event_files_not_the_run(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    s = MetricSinks(tmp_path, ReportConfig())
+    s.log({"step": 1, "loss": 0.5})
+    s.close()
+    assert s.tb is None and (tmp_path / "metrics.jsonl").read_text().count("loss") == 1
+    assert not (tmp_path / "tensorboard").exists()

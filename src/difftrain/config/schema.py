@@ -333,6 +333,9 @@ class TrainConfig(Strict):
     seed: int = 42
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    gpu_memory_limit_gib: Optional[float] = Field(
+        None, gt=0, description="cap this process's GPU memory (torch's per-process fraction): try a smaller card's "
+        "tier on a bigger one; going over is an out-of-memory error")
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps; default from epochs")

@@ -180,6 +180,10 @@ class Trainer:
 
     def _setup(self):
         cfg, t = self.cfg, self.cfg.train
+        if t.gpu_memory_limit_gib and self.device.type == "cuda":
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(idx).total_memory / 2**30
+            torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib / total), idx)
         # seed before anything random happens (the LoRA init draws from the global RNG)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
@@ -429,9 +433,12 @@ class Trainer:
         stats["validation_seconds"] = round(self._val_seconds, 2)
         result = self._finish(result, stats, t0)
         if self.cfg.report.html:
-            from ..report import write_run_report
+            try:
+                from ..report import write_run_report
 
-            write_run_report(self.out)
+                write_run_report(self.out)
+            except ImportError as e:  # matplotlib missing: the run's results stand without their page
+                warn(f"no report.html: {e} (pip install matplotlib)")
         return result
 
     def _loop(self, result: TrainResult, metrics, stats: dict, end: int, t0: float) -> None:

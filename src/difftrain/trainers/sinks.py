@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from ..config.schema import ReportConfig
+from ..console import warn
 from ..errors import BackendUnavailable
 
 #: record keys that are coordinates, not metrics
@@ -27,10 +28,11 @@ class MetricSinks:
             if "tensorboard" in report.to:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
-                except ImportError as e:
-                    raise BackendUnavailable(f"report.to has tensorboard, but it does not import ({e}).",
-                                             hint="pip install tensorboard, or set report.to: [] (metrics.jsonl is always written).") from None
-                self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+                except ImportError as e:  # the default sink: its absence costs the event files, not the run
+                    warn(f"no TensorBoard event files: tensorboard does not import ({e}); pip install tensorboard, "
+                         "or set report.to: [] (metrics.jsonl is written either way)")
+                else:
+                    self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
             if "wandb" in report.to:
                 try:
                     import wandb
