@@ -134,7 +134,7 @@ def plot_losses(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, titl
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right", ncol=1 if len(runs) <= 8 else 2)
+    ax.legend(fontsize=8, loc="best", ncol=1 if len(runs) <= 8 else 2)
     fig.tight_layout()
     return _save_figure(fig, path)
 
@@ -337,15 +337,19 @@ def write_run_report(run_dir: Path) -> Path:
 
 
 def write_sweep_report(sweep_dir: Path, rows: list[dict], columns: list[tuple[str, str]],
-                       trial_dirs: dict[str, Path], sort_key: str | None = None) -> Path:
-    """plots/loss.png (every trial's training loss overlaid), plots/val_loss.png and report.html of a sweep."""
+                       trial_dirs: dict[str, Path], sort_key: str | None = None, axes: tuple[str, ...] = ()) -> Path:
+    """plots/loss.png (every trial's training loss overlaid), plots/val_loss.png and report.html of a sweep.
+    Plot legends name each trial with its swept values (``axes``)."""
     sweep_dir = Path(sweep_dir)
-    runs = {name: read_metrics(d) for name, d in trial_dirs.items()}
+    label = {r["trial"]: r["trial"] + (" (" + ", ".join(f"{a.rsplit('.', 1)[-1]}={_cell(r.get(a))}" for a in axes) + ")"
+                                        if axes else "") for r in rows}
+    runs = {label.get(name, name): read_metrics(d) for name, d in trial_dirs.items()}
     loss_png = plot_losses({k: (t, []) for k, (t, _) in runs.items()}, sweep_dir / "plots" / "loss.png",
                            "training loss (smoothed), every trial", named=True)
     val_png = plot_losses({k: ([], v) for k, (_, v) in runs.items() if v}, sweep_dir / "plots" / "val_loss.png",
                           "validation loss, every trial", named=True)
-    samples_png = plot_trial_samples({r["trial"]: trial_dirs[r["trial"]] for r in rows if r["trial"] in trial_dirs},
+    samples_png = plot_trial_samples({label[r["trial"]].replace(" (", "\n("): trial_dirs[r["trial"]] for r in rows
+                                      if r["trial"] in trial_dirs},
                                      sweep_dir / "plots" / "samples.png")
     best = _best_row(rows)
     links = {name: f"{d.relative_to(sweep_dir).as_posix()}/report.html" for name, d in trial_dirs.items()

@@ -344,9 +344,13 @@ def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in values.items())
 
 
+_PARALLEL = [1]  # how many trials run at once (the children's thread cap)
+
+
 def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
     """One child process per trial: in turn, or one per GPU at once."""
     slots = gpus or [None]
+    _PARALLEL[0] = len(slots)
     queue = list(todo)
     running: dict[str | None, tuple[Trial, subprocess.Popen, float, Any]] = {}
     n = 0
@@ -392,6 +396,8 @@ def _start(t: Trial, gpu: str | None) -> tuple[subprocess.Popen, float, Any]:
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+        # trials side by side share the host's cores: without a cap each one's thread pools take them all
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, _PARALLEL[0]))))
     env.setdefault("DIFFTRAIN_PROGRESS", "0")  # children's bars would interleave; the log has the lines
     src = str(Path(__file__).resolve().parents[1])  # the running difftrain, also when it is not installed
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -445,6 +451,7 @@ def run_trial(folder: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - every other failure is the trial's, recorded for the table
         res.update(status="oom" if "out of memory" in str(e).lower() else "failed", error=_error_text(e))
     res["seconds"] = round(time.time() - t0, 1)
+    res["started"], res["ended"] = round(t0, 2), round(time.time(), 2)
     if res["status"] != "ok":
         print(f"difftrain sweep: trial {folder.name} {res['status']}: {res['error']}", file=sys.stderr)
     res.update(run_summary(folder))
@@ -508,7 +515,7 @@ def write_results(out: Path, sort: str | None = None, descending: bool = False) 
                *((k, v) for k, v in STAT_LABELS.items()), ("seconds", "seconds"), ("error", "error")]
     dirs = {r["trial"]: out / "trials" / r["trial"] for r in rows if (out / "trials" / r["trial"]).is_dir()}
     try:
-        write_sweep_report(out, rows, headers, dirs, sort_key=sort)
+        write_sweep_report(out, rows, headers, dirs, sort_key=sort, axes=tuple(axes))
     except ImportError as e:  # matplotlib missing: the table and files above stand
         warn(f"no report.html: {e} (pip install matplotlib)")
     _print_table(rows, axes)
@@ -547,7 +554,14 @@ def _print_table(rows: list[dict], axes: list[str]) -> None:
         color = {"ok": "green", "pending": "yellow"}.get(r["status"], "red")
         table.add_row(r["trial"], *(str(r[a]) for a in axes), f"[{color}]{r['status']}[/{color}]",
                       *(_fmt4(r.get(k)) for k in ("final_loss", "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib")))
-    console.print(table)
+    # as wide as its content: a narrow or piped terminal would cut the numbers to "0.00…"
+    need = sum(max([len(str(c.header))] + [len(x) for x in c.cells]) + 3 for c in table.columns) + 1
+    saved = console._width  # rich caps print(width=) at the console's width: widen the console for this print
+    console.width = max(console.width, need)
+    try:
+        console.print(table)
+    finally:
+        console._width = saved
 
 
 def _fmt4(v) -> str:

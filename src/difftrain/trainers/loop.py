@@ -558,6 +558,7 @@ class Trainer:
             self.samples = getattr(self, "samples", []) + validate(self, tag)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            stats["gpu_alloc_gib_after_validation"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)  # freed again?
         self._val_seconds += time.time() - t_val
 
     def _optimizer_step(self) -> None:
