@@ -21,12 +21,19 @@ def debug_enabled() -> bool:
     return os.environ.get("DIFFTRAIN_DEBUG", "") not in ("", "0", "false", "False")
 
 
+def quiet_rank() -> bool:
+    """True in every process but the first of a multi-process run: they print nothing but their errors."""
+    return os.environ.get("RANK", "0") not in ("", "0")
+
+
 def info(msg: str) -> None:
-    console.print(msg)
+    if not quiet_rank():
+        console.print(msg)
 
 
 def warn(msg: str) -> None:
-    console.print(f"[yellow]warning:[/yellow] {msg}")
+    if not quiet_rank():
+        console.print(f"[yellow]warning:[/yellow] {msg}")
 
 
 def progress(*extra_columns, transient: bool = False) -> Progress:
@@ -41,5 +48,5 @@ def progress(*extra_columns, transient: bool = False) -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=transient,
-        disable=os.environ.get("DIFFTRAIN_PROGRESS", "") == "0",
+        disable=os.environ.get("DIFFTRAIN_PROGRESS", "") == "0" or quiet_rank(),
     )

@@ -62,6 +62,25 @@ def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` (beside ``final``) become ``final``: files fsynced, then renamed; an
+    existing ``final`` is replaced only once the new one is in place. What :func:`atomic_dir` does on success,
+    for a folder that several processes filled."""
+    for p in Path(tmp).rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
 @contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temporary folder beside ``final``; on success it is renamed to ``final``.
@@ -74,19 +93,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                with open(p, "rb") as f:
-                    os.fsync(f.fileno())
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
+        commit_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -47,6 +47,8 @@ _register()
 
 def report_error(e: BaseException) -> int:
     """Print an error the user can act on; return the exit code."""
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):  # several processes: say which one failed
+        console.print(f"[bold]rank {os.environ.get('RANK', '?')}:[/bold]", end=" ")
     if isinstance(e, DifftrainError):
         console.print(f"[bold red]error:[/bold red] {e.message}")
         for path, msg in getattr(e, "problems", []):
@@ -71,6 +73,9 @@ def report_error(e: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .common import remember_argv
+
+    remember_argv(sys.argv[1:] if argv is None else argv)
     try:
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int):  # click returns Exit codes (e.g. --help) in this mode

@@ -21,3 +21,15 @@ def print_config(res: Resolved) -> None:
     for key, value, source in rows:
         left = f"{key}: {json.dumps(value)}"
         typer.echo(f"{left:<{width}}# {source}")
+
+
+_ARGV: list[str] = []
+
+
+def remember_argv(argv: list[str]) -> None:
+    """The command line as given (app.main keeps it): the launcher re-runs it on every process."""
+    _ARGV[:] = list(argv)
+
+
+def invoked_argv() -> list[str]:
+    return list(_ARGV)

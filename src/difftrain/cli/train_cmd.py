@@ -25,9 +25,30 @@ def train(
     save_precision: Annotated[Optional[str], typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")] = None,
     strict_memory: Annotated[bool, typer.Option("--strict-memory", help="refuse to start when the plan exceeds free GPU memory")] = False,
     print_config_: PrintConfigOpt = False,
+    gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) on this machine, started through torchrun")] = 1,
+    nodes: Annotated[int, typer.Option("--nodes", help="machines taking part (with --node-rank and --master-addr, or --rdzv-endpoint)")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="this machine's index, 0 .. nodes-1")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="address of the node with --node-rank 0")] = None,
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="its port (default 29500)")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of torchrun's c10d rendezvous (instead of --master-addr)")] = None,
 ) -> None:
     """Train (LoRA or full) from the precompute cache: a recipe plus your overrides."""
+    import os
+
     from ..trainers.loop import train as run
+
+    if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
+        from ..errors import UsageError
+        from ..trainers.distributed import launch
+        from .common import invoked_argv
+
+        if gpus < 1 or nodes < 1 or not 0 <= node_rank < nodes:
+            raise UsageError(f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes.")
+        resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors once, here
+        launch(gpus, invoked_argv(), nodes=nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+               rdzv_endpoint=rdzv_endpoint)
+        info(f"trained on {gpus * nodes} processes")
+        return
 
     extra = shortcuts(data_dir, model, allow_pickle)
     if output_dir is not None:

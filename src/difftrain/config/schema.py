@@ -251,6 +251,15 @@ class EngineSingle(Strict):
     kind: Literal["single"] = "single"
 
 
+class EngineDDP(Strict):
+    """torch DistributedDataParallel: each process holds the whole model and all-reduces gradients in buckets.
+    A plain ``single`` config launched on several processes runs as ``ddp`` with these defaults."""
+
+    kind: Literal["ddp"] = "ddp"
+    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements")
+    find_unused_parameters: bool = False
+
+
 class EngineDeepSpeed(Strict):
     """DeepSpeed ZeRO (accelerate's DeepSpeed plugin names). DeepSpeed owns the optimizer (AdamW)."""
 
@@ -282,7 +291,7 @@ Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, Wei
 Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
 Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
 Offload = Annotated[Union[OffloadNone, OffloadBlockSwap], Field(discriminator="kind")]
-Engine = Annotated[Union[EngineSingle, EngineDeepSpeed], Field(discriminator="kind")]
+Engine = Annotated[Union[EngineSingle, EngineDDP, EngineDeepSpeed], Field(discriminator="kind")]
 
 
 class MemoryConfig(Strict):
@@ -410,6 +419,13 @@ class Config(Strict):
                 raise ValueError("memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16")
             if m.optimizer.kind == "cpu_offload":
                 raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
+        if m.engine.kind == "ddp":
+            if m.fused_backward:
+                raise ValueError("memory.engine ddp with memory.fused_backward: the step would run before the gradients are "
+                                 "averaged across processes; set fused_backward: false")
+            if m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients:
+                raise ValueError("memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
+                                 "before they are averaged; set offload_gradients: false or use memory.engine deepspeed")
         if m.engine.kind == "deepspeed":
             e = m.engine
             if e.offload_param_device != "none" and e.stage != 3:

@@ -8,6 +8,7 @@ checkpoint, so N steps + resume + N steps equal 2N steps in one go.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -37,6 +38,7 @@ from ..memory.plan import (apply_activations, apply_offload, apply_weights, appl
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device, to_dtype
 from . import checkpoint as ckpt
+from . import distributed as dist_
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
 from .state import load_tree, save_tree
 
@@ -159,8 +161,16 @@ class Trainer:
         self.cfg = cfg
         self.config_yaml = config_yaml
         self.family = get_family(cfg.family)
+        self.world = dist_.world_from_env()
         self.device = pick_device(cfg.train.device)
+        if self.world.distributed and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.world.local_rank)  # one GPU per process
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
         self.out = Path(cfg.train.output_dir)
+        self.wrapped: dict[str, torch.nn.Module] = {}  # DDP wrappers of the trained parts, for their forward
+        self._share: tuple[slice, int] | None = None  # this process's slice of the global batch, and its size
+        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, batches) of an epoch re-cut on resume
 
     # ---------------------------------------------------------------- set-up
     def _load_index(self) -> tuple[DataCache, list[dict]]:
@@ -180,6 +190,7 @@ class Trainer:
 
     def _setup(self):
         cfg, t = self.cfg, self.cfg.train
+        dist_.init(self.world, self.device)
         if t.gpu_memory_limit_gib and self.device.type == "cuda":
             idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
             total = torch.cuda.get_device_properties(idx).total_memory / 2**30
@@ -249,12 +260,16 @@ class Trainer:
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
             warn("adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
                  "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
+        if self.world.distributed and cfg.memory.engine.kind in ("single", "ddp"):
+            self._wrap_ddp()
         self.ema = None
         if cfg.ema.enabled:
             named = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad}
             self.ema = EMA(named, cfg.ema.decay, cfg.ema.update_every, cfg.ema.device)
         # a batch never mixes sizes, nor (video) frame counts
-        self.sampler = BucketBatchSampler([(*it["bucket"], it.get("frames", 1)) for it in self.items], t.batch_size, t.seed)
+        # the global batch: batch_size per process (as the diffusers scripts and sd-scripts count it)
+        self.global_batch = t.batch_size * self.world.size
+        self.sampler = BucketBatchSampler(self._bucket_keys(), self.global_batch, t.seed)
         per_epoch = math.ceil(len(self.sampler) / t.grad_accum)
         self.total_steps = t.max_steps or per_epoch * t.epochs
         from diffusers.optimization import get_scheduler
@@ -272,6 +287,69 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batch_pos = 0
+
+    def _wrap_ddp(self) -> None:
+        """DistributedDataParallel around each trained part (its gradients averaged in buckets during backward).
+        The wrappers serve the forward passes only: state dicts, exports and validation use the parts
+        themselves. Attribute reads fall through to the part, so family code that reads ``.config`` works."""
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        e = self.cfg.memory.engine
+        cap = getattr(e, "bucket_cap_mb", 25.0)
+        n = sum(p.numel() for p in self.params)
+        opts = dist_.ddp_options(n, dist_.backend_for(self.device), cap)
+        opts["find_unused_parameters"] = getattr(e, "find_unused_parameters", False)
+        if "init_sync" in inspect.signature(DistributedDataParallel).parameters:
+            opts["init_sync"] = False  # every process loaded the same weights and drew the same LoRA init
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        for part, module in self.trained.items():
+            self.wrapped[part] = _DDP(module, device_ids=ids, **opts)
+        if self.cfg.memory.engine.kind == "single":
+            info(f"{self.world.size} processes: gradients averaged with DDP (memory.engine ddp)")
+
+    def _fwd(self, part: str) -> torch.nn.Module:
+        w = self.wrapped.get(part)
+        return w if w is not None else self.comps[part]
+
+    def _check_replicas(self) -> None:
+        """Several DDP processes must end with the same weights, bit for bit: compare checksums, and stop
+        with the reason if they drifted apart (a nondeterministic kernel, a rank that skipped a step)."""
+        if not self.wrapped:
+            return
+        import torch.distributed as dist
+
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        mine = torch.zeros(2, dtype=torch.float64, device=dev)
+        for p in self.params:
+            d = p.detach().to(dev, torch.float64)
+            mine[0] += d.sum()
+            mine[1] += (d * d).sum()
+        every = [torch.zeros_like(mine) for _ in range(self.world.size)]
+        dist.all_gather(every, mine)
+        if any(not torch.equal(every[0], e) for e in every[1:]):
+            raise DifftrainError(f"The {self.world.size} processes ended with different weights (checksums "
+                                 f"{[tuple(round(x, 6) for x in e.tolist()) for e in every]}).",
+                                 hint="Report it with the config; a run on one process is unaffected.")
+        info(f"the {self.world.size} processes' trained weights agree (checksum {every[0][0].item():.6f})")
+
+    def _bucket_keys(self) -> list:
+        return [(*it["bucket"], it.get("frames", 1)) for it in self.items]
+
+    def _epoch_batches(self) -> list[list[int]]:
+        if self._plan is not None and self._plan[0] == self.epoch:
+            return self._plan[1]
+        self._plan = None
+        return self.sampler.epoch(self.epoch)
+
+    def _draw(self, draw, n_local: int) -> torch.Tensor:
+        """``draw(n)`` for this process's items: on several processes the whole global batch is drawn on each
+        (same generator, same seed) and sliced, so N processes see exactly the draws one process would."""
+        if self._share is None:
+            return draw(n_local)
+        sl, n = self._share
+        return draw(n)[sl]
 
     # ---------------------------------------------------------------- data
     def _hold_out(self) -> list[dict]:
@@ -310,7 +388,8 @@ class Trainer:
         stages = {}
         for stage in fam.enabled_stages(self.cfg.text_encoders):
             if stage in self.live_stages:
-                stages[stage] = fam.encode_prompts(self.comps, [it["caption"] for it in items], stage, self.cfg.text_encoders)
+                comps = {**self.comps, **self.wrapped}
+                stages[stage] = fam.encode_prompts(comps, [it["caption"] for it in items], stage, self.cfg.text_encoders)
             else:
                 entries = [self.cache.get(it["texts"][stage]) for it in items]
                 stages[stage] = {k: torch.stack([e[k] for e in entries]).to(dev) for k in entries[0]}
@@ -318,7 +397,8 @@ class Trainer:
         return batch
 
     # ---------------------------------------------------------------- one micro-batch
-    def _loss(self, batch: dict[str, torch.Tensor], fixed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def _loss(self, batch: dict[str, torch.Tensor], fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+              per_sample: bool = False) -> torch.Tensor:
         """The training loss of a micro-batch. ``fixed = (noise, q)`` gives the noise and the noise level as
         a quantile q in (0, 1) instead of drawing them, and drops what only training adds (noise offset,
         image dropout, loss weighting): the validation loss, comparable across trials."""
@@ -328,10 +408,12 @@ class Trainer:
         if fixed is not None:
             noise = fixed[0]
         else:
-            noise = torch.randn(latents.shape, generator=self.gen, device=self.device)
+            rest = tuple(latents.shape[1:])
+            noise = self._draw(lambda n: torch.randn((n, *rest), generator=self.gen, device=self.device), b)
             if t.noise_offset:
-                shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
-                noise = noise + t.noise_offset * torch.randn(shape, generator=self.gen, device=self.device)
+                shape = (latents.shape[1],) + (1,) * (latents.ndim - 2)
+                noise = noise + t.noise_offset * self._draw(
+                    lambda n: torch.randn((n, *shape), generator=self.gen, device=self.device), b)
             if hasattr(self.family, "drop_image_conditioning"):  # image-to-video: sometimes train without the image
                 batch = self.family.drop_image_conditioning(batch, self.gen)
         q = fixed[1] if fixed is not None else None
@@ -343,19 +425,19 @@ class Trainer:
             weight = None
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            denoiser = self.engine if self.engine is not None else self.comps[self.family.denoiser]
+            denoiser = self.engine if self.engine is not None else self._fwd(self.family.denoiser)
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
         if weight is not None:
             loss = loss * weight
-        return loss.mean()
+        return loss if per_sample else loss.mean()
 
     def _ddpm_inputs(self, latents, noise, q=None):
         """Epsilon or v-prediction from the scheduler config, with optional Min-SNR weighting."""
         t, sched = self.cfg.train, self.noise_scheduler
         n = sched.config.num_train_timesteps
         if q is None:
-            timesteps = torch.randint(0, n, (latents.shape[0],), generator=self.gen, device=self.device)
+            timesteps = self._draw(lambda k: torch.randint(0, n, (k,), generator=self.gen, device=self.device), latents.shape[0])
         else:
             timesteps = (q * n).long().clamp(0, n - 1)
         noisy = sched.add_noise(latents, noise, timesteps)
@@ -372,7 +454,7 @@ class Trainer:
         """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3). A given quantile q is shifted
         as the scheduler shifts its sigmas."""
         if q is None:
-            sigmas = sample_sigmas(self.cfg.flow, latents.shape[0], self.flow_shift, self.gen, self.device)
+            sigmas = self._draw(lambda k: sample_sigmas(self.cfg.flow, k, self.flow_shift, self.gen, self.device), latents.shape[0])
         else:
             sigmas = self.flow_shift * q / (1 + (self.flow_shift - 1) * q)
         s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
@@ -416,13 +498,14 @@ class Trainer:
         if resume:
             self._load(ckpt.resolve_resume(self.out, resume))
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.config_yaml is not None:
+        if self.config_yaml is not None and self.world.main:
             atomic_write_text(self.out / "config.yaml", self.config_yaml)
         end = min(self.total_steps, stop_at) if stop_at else self.total_steps
         result = TrainResult(self.out, end)
         from .sinks import MetricSinks
 
-        metrics = MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
+        metrics = (MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
+                   if self.world.main else _NoSinks())
         self._val_seconds, start_step, t_loop = 0.0, self.step, time.time()
         try:
             self._loop(result, metrics, stats, end, t0)
@@ -432,7 +515,7 @@ class Trainer:
             stats["s_per_step"] = round((time.time() - t_loop - self._val_seconds) / (self.step - start_step), 4)
         stats["validation_seconds"] = round(self._val_seconds, 2)
         result = self._finish(result, stats, t0)
-        if self.cfg.report.html:
+        if self.cfg.report.html and self.world.main:
             try:
                 from ..report import write_run_report
 
@@ -448,39 +531,36 @@ class Trainer:
             task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
             accum, micro, prior_sum = 0.0, 0, 0.0
             while self.step < end:
-                batches = self.sampler.epoch(self.epoch)
+                batches = self._epoch_batches()
                 while self.batch_pos < len(batches) and self.step < end:
                     idx = batches[self.batch_pos]
                     prior = self._prior_batch(len(idx)) if self.prior_items else None
-                    batch = self._batch(idx)
                     self.batch_pos += 1
-                    loss = self._loss(batch)
-                    if prior is not None:
-                        # as diffusers' DreamBooth scripts: instance loss + prior_loss_weight * class loss
-                        prior_loss = self._loss(self._batch([], prior))
-                        prior_sum += prior_loss.item() / t.grad_accum
-                        loss = loss + self.cfg.dreambooth.prior_loss_weight * prior_loss
-                    loss = loss / t.grad_accum
-                    if not torch.isfinite(loss):
-                        raise LossNotFinite(
-                            f"The loss became {loss.item()} at step {self.step + 1}.",
-                            hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
-                            "or re-run precompute if the cache was made with an fp16 VAE.",
-                        )
-                    if self.engine is not None:  # DeepSpeed accumulates, clips and steps at its boundary
-                        self.engine.backward(loss, scale_wrt_gas=False)
-                        self.engine.step()
-                    else:
-                        self.scaler.scale(loss).backward()
-                    if self.block_swap is not None:
-                        self.block_swap.end_backward()
-                    accum += loss.item()
+                    scale = 1.0
+                    if self.world.distributed:
+                        if len(idx) < self.world.size:  # a bucket's tail too small to share: skipped
+                            continue
+                        sl = dist_.local_slice(len(idx), self.world)
+                        self._share = (sl, len(idx))
+                        # the averaged gradient is the global batch's mean: weight this slice by its share
+                        scale = self.world.size * (sl.stop - sl.start) / len(idx)
+                        idx = idx[sl]
+                        prior = prior[sl] if prior is not None else None
+                    batch = self._batch(idx)
+                    sync = self._no_sync() if micro + 1 < t.grad_accum else contextlib.nullcontext()
+                    with sync:
+                        loss, prior_value = self._micro_step(batch, prior, scale)
+                    prior_sum += prior_value
+                    accum += loss
                     micro += 1
                     if micro < t.grad_accum:
                         continue
                     self._optimizer_step()
                     if self.ema is not None:
                         self.ema.update(self.step)
+                    accum = self._mean_across(accum)
+                    if self.prior_items:
+                        prior_sum = self._mean_across(prior_sum)
                     result.losses.append(accum)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": float(self.lr_scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
@@ -511,6 +591,7 @@ class Trainer:
 
     def _finish(self, result: TrainResult, stats: dict, t0: float) -> TrainResult:
         t = self.cfg.train
+        self._check_replicas()
         stats["peak_rss_gib_train"] = round(_rss_peak_gib(), 3)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
@@ -529,12 +610,14 @@ class Trainer:
         stats["peak_rss_gib_end"] = round(_rss_peak_gib(), 3)
         result.seconds = time.time() - t0
         try:  # a resumed run keeps what the earlier part measured and this part did not (s/step of no steps)
-            earlier = json.loads((self.out / "stats.json").read_text(encoding="utf-8"))
+            earlier = json.loads((self.out / ("stats.json" if self.world.main else f"stats.rank{self.world.rank}.json"))
+                                 .read_text(encoding="utf-8"))
             stats = {**{k: v for k, v in earlier.items() if k not in stats}, **stats}
         except (OSError, json.JSONDecodeError, AttributeError):
             pass
         result.stats = stats
-        atomic_write_text(self.out / "stats.json", json.dumps(stats, indent=1) + "\n")
+        name = "stats.json" if self.world.main else f"stats.rank{self.world.rank}.json"  # every process's memory
+        atomic_write_text(self.out / name, json.dumps(stats, indent=1) + "\n")
         return result
 
     def _validate(self, tag: str, stats: dict, metrics, result: TrainResult) -> None:
@@ -543,6 +626,8 @@ class Trainer:
         cogvideox-factory publishes: after load, before validation, with validation, end)."""
         v = self.cfg.validation
         if not (v.prompts or self.val_items):
+            return
+        if not self.world.main:  # the other processes wait for it at their next collective
             return
         t_val = time.time()
         if self.device.type == "cuda":
@@ -560,6 +645,62 @@ class Trainer:
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
             stats["gpu_alloc_gib_after_validation"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)  # freed again?
         self._val_seconds += time.time() - t_val
+
+    def _micro_step(self, batch: dict[str, torch.Tensor], prior: list[dict] | None, scale: float) -> tuple[float, float]:
+        """Loss and backward of one micro-batch; (its loss, its prior loss) as numbers, for the log."""
+        t = self.cfg.train
+        prior_value = 0.0
+        if prior is not None and self.wrapped:
+            # DDP takes one forward per backward: instance and class images in one batch (one bucket), split after
+            pb = self._batch([], prior)
+            both = {k: torch.cat([batch[k], pb[k]]) for k in batch}
+            n = batch["latents"].shape[0]
+            per = self._loss(both, per_sample=True)
+            prior_loss = per[n:].mean()
+            prior_value = prior_loss.item() / t.grad_accum
+            loss = per[:n].mean() + self.cfg.dreambooth.prior_loss_weight * prior_loss
+        else:
+            loss = self._loss(batch)
+            if prior is not None:
+                # as diffusers' DreamBooth scripts: instance loss + prior_loss_weight * class loss
+                prior_loss = self._loss(self._batch([], prior))
+                prior_value = prior_loss.item() / t.grad_accum
+                loss = loss + self.cfg.dreambooth.prior_loss_weight * prior_loss
+        loss = loss / t.grad_accum
+        if not torch.isfinite(loss):
+            raise LossNotFinite(
+                f"The loss became {loss.item()} at step {self.step + 1}.",
+                hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
+                "or re-run precompute if the cache was made with an fp16 VAE.",
+            )
+        if scale != 1.0:
+            loss = loss * scale
+        value = loss.item()  # scaled: its mean over the processes is the global batch's loss
+        if self.engine is not None:  # DeepSpeed accumulates, clips and steps at its boundary
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()
+        else:
+            self.scaler.scale(loss).backward()
+        if self.block_swap is not None:
+            self.block_swap.end_backward()
+        return value, prior_value
+
+    def _no_sync(self):
+        """DDP's no_sync on every wrapper: micro-batches before the last of an accumulation keep their gradients local."""
+        stack = contextlib.ExitStack()
+        for w in self.wrapped.values():
+            stack.enter_context(w.no_sync())
+        return stack
+
+    def _mean_across(self, value: float) -> float:
+        """The mean of a number over the processes (the logged loss of the global batch)."""
+        if not self.world.distributed:
+            return value
+        import torch.distributed as dist
+
+        v = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(v)
+        return float(v.item()) / self.world.size
 
     def _optimizer_step(self) -> None:
         t = self.cfg.train
@@ -583,8 +724,11 @@ class Trainer:
         with gathered(self.engine, self.params):  # ZeRO-3 partitions the LoRA weights too
             return {part: {n: t.detach().clone() for n, t in export_layers(m).items()} for part, m in self.trained.items()}
 
-    def _save_lora(self, folder: Path, use_ema: bool = False) -> None:
+    def _save_lora(self, folder: Path, use_ema: bool = False, layers: dict | None = None) -> None:
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
+        if layers is not None and not use_ema:
+            self.family.save_lora(folder, layers, meta)
+            return
         if use_ema:
             with self._ema_swapped():
                 layers = {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
@@ -616,6 +760,14 @@ class Trainer:
         from the base model for the export and freed after it.
         """
         sv, fam = self.cfg.save, self.family
+        if not self.world.main:
+            from ..memory.deepspeed_engine import gathered
+
+            for part, m in self.trained.items():  # ZeRO-3's gathers are collective: take part, write nothing
+                if self.engine is not None:
+                    with gathered(self.engine, list(m.parameters())):
+                        pass
+            return []
         dest = self.out if tag is None else self.out / "saved" / tag
         dtype = to_dtype(sv.precision)
         parts = (fam.denoiser, fam.image_encoder, *fam.text_encoders)
@@ -645,7 +797,11 @@ class Trainer:
         return out
 
     def export(self, path: Path) -> Path:
-        """Write the LoRA as pytorch_lora_weights.safetensors (diffusers layout), atomically."""
+        """Write the LoRA as pytorch_lora_weights.safetensors (diffusers layout), atomically (the first process)."""
+        if not self.world.main:
+            if self.engine is not None:
+                self._layers()  # ZeRO-3's gathers are collective: take part, write nothing
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
             self._save_lora(Path(tmp), use_ema=self._use_ema_for_export())
@@ -653,43 +809,72 @@ class Trainer:
         return path
 
     def save_checkpoint(self) -> Path:
+        """The training state, atomically. Several processes: each takes part in what is collective (ZeRO's
+        gathers and its own checkpoint files), the first one writes the rest and renames the folder."""
         final = ckpt.checkpoint_dir(self.out, self.step)
+        if not self.world.distributed:
+            with atomic_dir(final) as tmp:
+                self._write_state(tmp, write=True)
+        else:
+            import shutil
+
+            from ..utils import commit_dir
+
+            tmp = final.with_name(f".{final.name}.shared.tmp")  # one name every process can compute
+            if self.world.main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist_.barrier(self.world)
+            self._write_state(tmp, write=self.world.main)
+            dist_.barrier(self.world)
+            if self.world.main:
+                commit_dir(tmp, final)
+        if self.world.main:
+            ckpt.prune(self.out, self.cfg.train.keep_checkpoints)
+        dist_.barrier(self.world)
+        return final
+
+    def _write_state(self, tmp: Path, write: bool) -> None:
         from ..memory.deepspeed_engine import gathered
 
-        with atomic_dir(final) as tmp:
-            with gathered(self.engine, self.params):
-                weights = {f"{part}.{n}": p.detach().clone() for part, m in self.trained.items()
-                           for n, p in trainable_state(m).items()}
+        with gathered(self.engine, self.params):
+            weights = {f"{part}.{n}": p.detach().clone() for part, m in self.trained.items()
+                       for n, p in trainable_state(m).items()}
+        if write:
             save_tree(weights, tmp, "trainable")
-            if self.engine is not None:
-                # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
-                # from them needs --allow-pickle, as any pickle does)
-                self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False,
-                                            exclude_frozen_parameters=True)
-            else:
-                save_tree(self.optimizer.state_dict(), tmp, "optimizer")
-            rng = {
-                "python": list(random.getstate()[1]),
-                "python_version": random.getstate()[0],
-                "python_gauss": random.getstate()[2],
-                "torch": torch.get_rng_state(),
-                "generator": self.gen.get_state(),
-            }
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            save_tree(rng, tmp, "rng")
-            if self.ema is not None:
-                save_tree(self.ema.state_dict(), tmp, "ema")
-            # scheduler state may hold tensors (torchao keeps lr as one): a tree, not JSON
-            save_tree({"lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict()}, tmp, "schedule")
-            state = {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos, "total_steps": self.total_steps}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
-            if self.config_yaml is not None:
-                (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
-            if self.cfg.train.method == "lora":
-                self._save_lora(tmp, use_ema=self._use_ema_for_export())
-        ckpt.prune(self.out, self.cfg.train.keep_checkpoints)
-        return final
+        if self.engine is not None:
+            # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
+            # from them needs --allow-pickle, as any pickle does); every process writes its own partition
+            self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False,
+                                        exclude_frozen_parameters=True)
+        elif write:
+            save_tree(self.optimizer.state_dict(), tmp, "optimizer")
+        layers = self._layers() if self.cfg.train.method == "lora" and self.engine is not None else None
+        if not write:
+            return
+        rng = {
+            "python": list(random.getstate()[1]),
+            "python_version": random.getstate()[0],
+            "python_gauss": random.getstate()[2],
+            "torch": torch.get_rng_state(),
+            "generator": self.gen.get_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        save_tree(rng, tmp, "rng")
+        if self.ema is not None:
+            save_tree(self.ema.state_dict(), tmp, "ema")
+        # scheduler state may hold tensors (torchao keeps lr as one): a tree, not JSON
+        save_tree({"lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict()}, tmp, "schedule")
+        state = {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos, "total_steps": self.total_steps,
+                 "global_batch": self.global_batch, "world_size": self.world.size}
+        if self._plan is not None and self._plan[0] == self.epoch:
+            state["epoch_plan"] = self._plan[1]  # an epoch re-cut for another process count: its batches
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+        if self.config_yaml is not None:
+            (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
+        if self.cfg.train.method == "lora":
+            self._save_lora(tmp, use_ema=self._use_ema_for_export(), layers=layers)
 
     def _load(self, folder: Path) -> None:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
@@ -729,7 +914,55 @@ class Trainer:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step, self.epoch, self.batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        old_global = state.get("global_batch", self.global_batch)
+        plan = state.get("epoch_plan")
+        if old_global != self.global_batch or plan is not None:
+            # another process count (or batch size): the rest of this epoch's items, re-cut to the new global batch
+            old = plan if plan is not None else BucketBatchSampler(self._bucket_keys(), old_global, self.cfg.train.seed).epoch(self.epoch)
+            self._plan = (self.epoch, recut(old[self.batch_pos:], self._bucket_keys(), self.global_batch))
+            self.batch_pos = 0
+            info(f"the global batch changed from {old_global} to {self.global_batch}: the rest of epoch {self.epoch} "
+                 f"({sum(map(len, self._plan[1]))} items) is re-cut into {len(self._plan[1])} batches")
         info(f"resumed from {folder} at step {self.step} (epoch {self.epoch}, batch {self.batch_pos})")
+
+
+def recut(batches: list[list[int]], keys: list, size: int) -> list[list[int]]:
+    """The items of ``batches`` (in order) cut into batches of ``size`` within each bucket: every item once,
+    buckets in the order they first appear. How an epoch continues when the global batch changes."""
+    order: dict = {}
+    for b in batches:
+        for i in b:
+            order.setdefault(keys[i], []).append(i)
+    return [items[j : j + size] for items in order.values() for j in range(0, len(items), size)]
+
+
+class _NoSinks:
+    """The metric sinks of processes other than the first: they log nothing."""
+
+    def log(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    class DDP(DistributedDataParallel):
+        """DDP whose attribute reads fall through to the wrapped module (family code reads ``.config``)."""
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.module, name)
+
+    return DDP
+
+
+def _DDP(module, **kw):
+    return _ddp_class()(module, **kw)
 
 
 def train(cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None) -> TrainResult:
