@@ -325,18 +325,3 @@ def test_sweep_on_the_gpu_records_peak_memory_and_an_out_of_memory_trial(tiny_mo
     assert rows[64]["status"] == "ok" and 0 < rows[64]["gpu_peak_alloc_gib"] < 2
     assert json.loads((tmp_path / "sw" / "trials" / rows[64]["trial"] / "result.json").read_text())["gpu"] == "0"
 
-
-def test_sweep_runs_one_trial_per_gpu_at_once(tiny_model, dataset, tmp_path):
-    import json
-
-    from difftrain.sweep import SweepSpec, run_sweep
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    spec = SweepSpec(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 30}), grid={"train.seed": [1, 2]})
-    rows = run_sweep(spec, tmp_path / "sw", gpus=["0", "1"])
-    assert [r["status"] for r in rows] == ["ok", "ok"]
-    res = [json.loads((tmp_path / "sw" / "trials" / r["trial"] / "result.json").read_text()) for r in rows]
-    assert {r["gpu"] for r in res} == {"0", "1"}
-    assert max(r["started"] for r in res) < min(r["ended"] for r in res)  # they overlapped in time

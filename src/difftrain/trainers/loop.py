@@ -262,6 +262,11 @@ class Trainer:
                  "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
         if self.world.distributed and cfg.memory.engine.kind in ("single", "ddp"):
             self._wrap_ddp()
+        e = cfg.memory.engine
+        if self.world.distributed and e.kind == "deepspeed" and e.stage == 3 and (cfg.validation.prompts or cfg.validation.loss_items):
+            raise ConfigError("validation with DeepSpeed ZeRO-3 on several processes is not supported yet (the first "
+                              "process alone cannot run a model whose weights are spread over all of them).",
+                              hint="Drop validation.prompts / validation.loss_items for this run, or use ZeRO-2.")
         self.ema = None
         if cfg.ema.enabled:
             named = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad}

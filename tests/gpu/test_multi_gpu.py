@@ -1,0 +1,73 @@
+"""Several GPUs of one machine (skipped with fewer than two): DDP on NCCL and DeepSpeed ZeRO through --gpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+LORA = "pytorch_lora_weights.safetensors"
+
+
+def _run(*args):
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
+    return subprocess.run([sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def _args(model, data, out, cache, **extra):
+    base = {"train.device": "cuda", "train.max_steps": 6, "train.learning_rate": 1e-3, "data.cache_dir": cache,
+            "train.checkpoint_every": 3}
+    return [a for s in tiny_sets(model, data, out, **{**base, **extra}) for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tiny_model, _dataset_master):
+    root = tmp_path_factory.mktemp("mgpu")
+    precompute(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, _dataset_master, root / "x", **{
+        "data.cache_dir": root / "cache", "precompute.device": "cuda"})).config)
+    return root
+
+
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dataset_master, engine):
+    extra = {"memory.engine.kind": engine, "train.mixed_precision": "bf16", "memory.weights.kind": "bf16"}
+    if engine == "deepspeed":
+        extra["memory.engine.offload_optimizer_device"] = "none"
+    two = _run("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
+               *_args(tiny_model, _dataset_master, cache / f"two-{engine}", cache / "cache", **{"train.batch_size": 2, **extra}))
+    assert two.returncode == 0, two.stderr[-4000:]
+    one = _run("train", "--recipe", "tiny-sdxl-lora",
+               *_args(tiny_model, _dataset_master, cache / f"one-{engine}", cache / "cache", **{"train.batch_size": 4, **extra}))
+    assert one.returncode == 0, one.stderr[-4000:]
+    if engine == "ddp":
+        assert "the 2 processes' trained weights agree" in two.stderr
+    la = [json.loads(x)["loss"] for x in (cache / f"two-{engine}" / "run" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (cache / f"one-{engine}" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=0.02)  # bf16 on two GPUs vs one: the same run within rounding
+    a, b = load_file(cache / f"two-{engine}" / "run" / LORA), load_file(cache / f"one-{engine}" / "run" / LORA)
+    # bf16 compute and Adam's normalised steps make single elements noisy: compare the LoRA as a whole
+    va, vb = (torch.cat([x[k].float().flatten() for k in sorted(x)]) for x in (a, b))
+    assert ((va - vb).norm() / vb.norm()).item() < 0.02
+    stats = [json.loads((cache / f"two-{engine}" / "run" / n).read_text()) for n in ("stats.json", "stats.rank1.json")]
+    assert all(s["gpu_peak_alloc_gib"] > 0 for s in stats)
+
+
+def test_sweep_two_trials_on_two_gpus(tiny_model, dataset, tmp_path):
+    from difftrain.sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{
+        "train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 30}), grid={"train.seed": [1, 2]})
+    rows = run_sweep(spec, tmp_path / "sw", gpus=["0", "1"])
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    res = [json.loads((tmp_path / "sw" / "trials" / r["trial"] / "result.json").read_text()) for r in rows]
+    assert {r["gpu"] for r in res} == {"0", "1"} and max(r["started"] for r in res) < min(r["ended"] for r in res)
