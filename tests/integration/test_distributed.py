@@ -98,10 +98,33 @@ def test_rank_one_is_quiet_and_every_error_names_its_rank(tiny_model, dataset, t
                      *_sets(tiny_model, dataset, tmp_path, tmp_path / "nocache"))
     assert bad.returncode == 1
     assert "rank 0: error: No precomputed data" in bad.stderr and "rank 1: error: No precomputed data" in bad.stderr
-    assert "failed in 2 of the processes" in bad.stderr
+    assert "train failed in 2 of the processes" in bad.stderr
 
 
 def test_a_single_process_trainer_is_not_distributed(tiny_model, dataset, tmp_path):
     cfg = resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path)).config
     t = Trainer(cfg)
     assert not t.world.distributed and t.world.main
+
+
+def test_precompute_on_two_processes_builds_the_same_cache(tiny_model, _dataset_master, tmp_path):
+    from difftrain.data.cache import DataCache
+
+    one = tmp_path / "one"
+    precompute(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, _dataset_master, one, **{
+        "data.cache_dir": one / "cache"})).config)
+    r = _difftrain("precompute", "--recipe", "tiny-sdxl-lora", "--gpus", "2", "--model", str(tiny_model),
+                   "--data-dir", str(_dataset_master), "--set", f"data.cache_dir={tmp_path / 'two' / 'cache'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = DataCache(one / "cache"), DataCache(tmp_path / "two" / "cache")
+    ia, ib = a.read_json("index.json"), b.read_json("index.json")
+    assert ia["items"] == ib["items"] and len(ia["items"]) == 8
+    assert set(a.manifest["entries"]) == set(b.manifest["entries"])
+    assert not list((tmp_path / "two" / "cache").glob("manifest.rank*.json"))
+    # both processes wrote shards, and every entry reads back as the one process encoded it
+    assert len(b.manifest["shards"]) >= 2
+    for it in ia["items"][:3]:
+        for key in (it["latent"], *it["texts"].values()):
+            for name, t in a.get(key).items():
+                torch.testing.assert_close(b.get(key)[name], t)
+    assert "latents: 8 encoded" in r.stderr  # the first process reports the whole job

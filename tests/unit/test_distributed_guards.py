@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from difftrain.trainers import distributed as d
+from difftrain import distributed as d
 
 
 def test_world_comes_from_torchruns_environment():

@@ -43,15 +43,28 @@ def precompute(
     allow_pickle: AllowPickleOpt = False,
     strict: Annotated[bool, typer.Option("--strict", help="fail if any image cannot be used")] = False,
     print_config_: PrintConfigOpt = False,
+    gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) sharing the encoding, started through torchrun")] = 1,
 ) -> None:
     """Cache aspect buckets, VAE latents and text embeddings once, keyed by content."""
+    import os
+
+    from ..console import quiet_rank
     from ..precompute.run import precompute as run
 
     res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))
     if print_config_:
         print_config(res)
         return
+    if gpus > 1 and "LOCAL_RANK" not in os.environ:
+        from ..distributed import launch
+        from .common import invoked_argv
+
+        launch(gpus, invoked_argv())
+        info(f"precomputed on {gpus} processes")
+        return
     r = run(res.config, strict=strict)
+    if quiet_rank():
+        return
     table = Table(title=f"buckets ({r.items} images)")
     table.add_column("bucket (w x h)")
     table.add_column("images", justify="right")

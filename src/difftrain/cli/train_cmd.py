@@ -39,7 +39,7 @@ def train(
 
     if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
         from ..errors import UsageError
-        from ..trainers.distributed import launch
+        from ..distributed import launch
         from .common import invoked_argv
 
         if gpus < 1 or nodes < 1 or not 0 <= node_rank < nodes:

@@ -48,10 +48,14 @@ def cache_dir_for(cfg: Config) -> Path:
 
 
 class DataCache:
-    def __init__(self, root: Path, shard_max_bytes: int = 512 << 20):
+    def __init__(self, root: Path, shard_max_bytes: int = 512 << 20, writer: int = 0):
+        """``writer``: 0 for the one process that owns manifest.json; process ``r`` of a precompute on several
+        processes records its new shards in ``manifest.rank<r>.json`` (see :func:`merge_manifests`)."""
         self.root = Path(root)
         self.shard_max_bytes = shard_max_bytes
+        self.manifest_name = "manifest.json" if writer == 0 else f"manifest.rank{writer}.json"
         self.manifest = self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}})
+        self._own = {"version": CACHE_VERSION, "entries": {}, "shards": {}}  # what this writer added
         if self.manifest.get("version") != CACHE_VERSION:
             raise CacheMismatch(
                 f"The cache at {self.root} has format version {self.manifest.get('version')}, this difftrain writes {CACHE_VERSION}.",
@@ -115,10 +119,15 @@ class DataCache:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         for k, names in self._pending_keys.items():
-            self.manifest["entries"][k] = {"shard": rel, "names": names}
-        self.manifest["shards"][rel] = path.stat().st_size
-        self.write_json("manifest.json", self.manifest)
+            self.manifest["entries"][k] = self._own["entries"][k] = {"shard": rel, "names": names}
+        self.manifest["shards"][rel] = self._own["shards"][rel] = path.stat().st_size
+        # the main writer rewrites the whole manifest; another process writes only what it added
+        self.write_json(self.manifest_name, self.manifest if self.manifest_name == "manifest.json" else self._own)
         self._pending, self._pending_keys, self._pending_bytes = {}, {}, 0
+
+    def reload(self) -> None:
+        """Read manifest.json again (another process merged into it)."""
+        self.manifest = self._read("manifest.json", self.manifest)
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         try:
@@ -142,3 +151,22 @@ class DataCache:
         if len(self._handles) > 8:  # a few open shards at a time: memory stays flat
             self._handles.popitem(last=False)
         return h
+
+
+def merge_manifests(root: Path) -> int:
+    """Fold every ``manifest.rank<r>.json`` of a several-process precompute into manifest.json (atomically),
+    then delete them; returns how many entries were added. Their shards are complete files already."""
+    root = Path(root)
+    cache = DataCache(root)
+    added = 0
+    parts = sorted(root.glob("manifest.rank*.json"))
+    for part in parts:
+        own = json.loads(part.read_text(encoding="utf-8"))
+        added += sum(k not in cache.manifest["entries"] for k in own["entries"])
+        cache.manifest["entries"].update(own["entries"])
+        cache.manifest["shards"].update(own["shards"])
+    if parts:
+        cache.write_json("manifest.json", cache.manifest)
+        for part in parts:
+            part.unlink()
+    return added

@@ -17,7 +17,10 @@ import torch
 from ..config.schema import Config
 from ..console import progress, warn
 from ..data.buckets import choose_bucket, fit_to_bucket, make_buckets
-from ..data.cache import DataCache, cache_dir_for
+from ..data.cache import DataCache, cache_dir_for, merge_manifests
+from ..distributed import barrier as dist_barrier
+from ..distributed import init as dist_init
+from ..distributed import world_from_env
 from ..data.sources import load_rgb, scan_dataset
 from ..errors import DataError, UsageError
 from ..families.registry import get_family
@@ -45,10 +48,19 @@ def _to_pixels(img) -> torch.Tensor:
 
 
 def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
+    """Encode what the cache lacks. On several processes (``difftrain precompute --gpus N``, or torchrun) each
+    encodes every N-th missing latent and caption on its own GPU into its own shards; the first process
+    merges their manifests after each phase and alone writes index.json. The plan (scan, buckets, keys) is
+    made identically by every process."""
     if cfg.data.dir is None:
         raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
     family = get_family(cfg.family)
-    cache = DataCache(cache_dir_for(cfg), shard_max_bytes=cfg.precompute.shard_max_mb << 20)
+    world = world_from_env()
+    device = pick_device(cfg.precompute.device)
+    if world.distributed and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", world.local_rank)
+    dist_init(world, device)
+    cache = DataCache(cache_dir_for(cfg), shard_max_bytes=cfg.precompute.shard_max_mb << 20, writer=world.rank)
     report = PrecomputeReport(cache_dir=cache.root)
 
     video = getattr(family, "video", False)
@@ -74,7 +86,11 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         records = [replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records]
     records = [(r, False) for r in records]
     if db.with_prior_preservation:
-        folder = ensure_class_images(cfg, family, pick_device(cfg.precompute.device))
+        if not world.main:  # the first process generates missing class images; the others then find them
+            dist_barrier(world)
+        folder = ensure_class_images(cfg, family, device)
+        if world.main:
+            dist_barrier(world)
         class_records, class_skipped = scan_dataset(folder)
         report.skipped += [(str(p), why) for p, why in class_skipped]
         records += [(replace(r, key="class:" + r.key, caption=db.class_prompt), True) for r in class_records]
@@ -97,7 +113,8 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
                        family.text_stage_tag(s, opts))
         for s in stages
     }
-    cache.write_json("fingerprints.json", memo)
+    if world.main:
+        cache.write_json("fingerprints.json", memo)
     crop_mode = "random" if d.random_crop else "center"
 
     plan = []
@@ -125,11 +142,12 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
                      "prior": is_prior, "frames": frames, "indices": indices if video else None})
 
-    device = pick_device(pc.device)
+    n_skipped_before = len(report.skipped)  # the same on every process: what the scan and the plan dropped
     missing_lat = set(cache.missing(p["latent"] for p in plan))
-    if missing_lat:
+    mine_lat = set(sorted(missing_lat)[world.rank :: world.size])  # this process's share
+    if mine_lat:
         comps = family.load(cfg.model, [family.image_encoder], dtype=to_dtype(pc.vae_dtype), device=device)
-        todo = [p for p in plan if p["latent"] in missing_lat]
+        todo = [p for p in plan if p["latent"] in mine_lat]
         todo.sort(key=lambda p: (p["bucket"], p["frames"] or 1))
         with progress() as bar, torch.no_grad():
             task = bar.add_task("encoding latents", total=len(todo))
@@ -185,6 +203,13 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if world.distributed:  # every process learns which items the others could not read
+        bad_keys = set(_gather([p["latent"] for p in plan if p.get("bad")], world))
+        report.skipped = report.skipped[:n_skipped_before] + [tuple(x) for x in _gather(report.skipped[n_skipped_before:], world)]
+        for p in plan:
+            if p["latent"] in bad_keys:
+                p["bad"] = True
+        _merge(cache, world)
     plan = [p for p in plan if not p.get("bad")]
     report.latents_encoded = len({p["latent"] for p in plan if p["latent"] in missing_lat})
     report.latents_reused = len(plan) - sum(p["latent"] in missing_lat for p in plan)
@@ -197,9 +222,11 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     all_keys = set(caption_of)
     for stage in stages:
         keys = sorted({p["texts"][stage] for p in plan})
-        missing_txt = cache.missing(keys)
-        report.texts_encoded += len(missing_txt)
+        missing_all = cache.missing(keys)
+        report.texts_encoded += len(missing_all)
+        missing_txt = missing_all[world.rank :: world.size]  # this process's share
         if not missing_txt:
+            _merge(cache, world)
             continue
         comps = family.load(cfg.model, list(family.text_stages[stage]), dtype=to_dtype(pc.text_encoder_dtype), device=device,
                             precision=family.stage_precision(stage, opts))
@@ -216,6 +243,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        _merge(cache, world)
     report.texts_reused = len(all_keys) - report.texts_encoded
 
     for path, why in report.skipped:
@@ -229,6 +257,13 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         raise DataError(f"{len(report.skipped)} image(s) could not be used and --strict is set.", hint="Fix or remove them.")
 
     items = []
+    if not world.main:  # the first process writes the index
+        for p in plan:
+            bw, bh = p["bucket"]
+            report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1
+        report.items = len(plan)
+        dist_barrier(world)
+        return report
     for p in plan:
         r, (bw, bh) = p["record"], p["bucket"]
         items.append(
@@ -258,4 +293,25 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         },
     )
     report.items = len(items)
+    dist_barrier(world)
     return report
+
+
+def _gather(values: list, world) -> list:
+    """Every process's list, concatenated in rank order, on every process."""
+    import torch.distributed as dist
+
+    out = [None] * world.size
+    dist.all_gather_object(out, values)
+    return [v for part in out for v in part]
+
+
+def _merge(cache: DataCache, world) -> None:
+    """After a phase: the first process folds the others' manifests into manifest.json; all read it again."""
+    if not world.distributed:
+        return
+    dist_barrier(world)
+    if world.main:
+        merge_manifests(cache.root)
+    dist_barrier(world)
+    cache.reload()

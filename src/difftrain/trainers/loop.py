@@ -38,7 +38,7 @@ from ..memory.plan import (apply_activations, apply_offload, apply_weights, appl
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device, to_dtype
 from . import checkpoint as ckpt
-from . import distributed as dist_
+from .. import distributed as dist_
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
 from .state import load_tree, save_tree
 

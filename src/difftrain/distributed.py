@@ -66,7 +66,7 @@ def backend_for(device: torch.device) -> str:
     if device.type == "cuda" and dist.is_nccl_available():
         return "nccl"
     if not dist.is_gloo_available():
-        from ..errors import BackendUnavailable
+        from .errors import BackendUnavailable
 
         raise BackendUnavailable("This torch build has neither NCCL (for CUDA) nor gloo: it cannot run several processes.",
                                  hint="Install an official torch build (they have gloo on every platform).")
@@ -178,7 +178,7 @@ def launch(nproc: int, argv: list[str], **where) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from ..errors import DifftrainError
+    from .errors import DifftrainError
 
     env = launcher_env(dict(os.environ))
     os.environ.update(env)
@@ -186,5 +186,5 @@ def launch(nproc: int, argv: list[str], **where) -> None:
         run(get_args_parser().parse_args(torchrun_args(nproc, worker_argv(argv), **where)))
     except ChildFailedError as e:
         ranks = sorted(e.failures)
-        raise DifftrainError(f"training failed in {len(ranks)} of the processes (global ranks {', '.join(map(str, ranks))}).",
+        raise DifftrainError(f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes (global ranks {', '.join(map(str, ranks))}).",
                              hint="Each process's own error is printed above it (rank N: error: ...).") from None
