@@ -1,0 +1,194 @@
+"""Several GPUs through `difftrain train --gpus N`: throughput against one GPU, host RAM summed over the
+ranks (and per rank) during load and training, peak GPU memory per rank.
+
+Random weights of the full-size bundled architecture (a single file, written once), a synthetic cache of
+the real shapes (8 items per GPU), each case one `difftrain train --gpus N` run. While it runs, this script
+samples every worker's /proc/<pid>/smaps_rollup: Rss (what `top` shows: includes the safetensors pages the
+ranks map, once per rank), Pss (shared pages split among the ranks that map them: the sum over ranks is
+the node's real use) and Anonymous (private copies). "load" is until the first training step is logged.
+
+    python benchmarks/multi_gpu.py --work /tmp/mg --out $OUT --cases L1,L2,L4,Z4
+    DIFFTRAIN_BENCH_TINY=1 python benchmarks/multi_gpu.py --work /tmp/mg --cases L1,L2   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
+SDXL = ["train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16",
+        "memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "train.learning_rate=1e-4",
+        "report.to=[]", "report.html=false"]
+COG5B = ["family=cogvideox", "model.config=cogvideox-5b", "train.batch_size=1", "data.resolution=592", "data.bucket_step=16",
+         "data.frames=49", "train.mixed_precision=bf16", "memory.weights.kind=bf16", "memory.activations.kind=checkpoint",
+         "train.learning_rate=1e-5", "report.to=[]", "report.html=false"]
+ZERO3 = ["memory.engine.kind=deepspeed", "memory.engine.stage=3", "memory.engine.offload_optimizer_device=none",
+         "train.method=full", "save.formats=[]"]
+#: name: (what, family sets, gpus, extra sets)
+CASES = {
+    "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, []),
+    "L2": ("SDXL LoRA r16 1024, DDP, 2 GPUs", SDXL, 2, []),
+    "L4": ("SDXL LoRA r16 1024, DDP, 4 GPUs", SDXL, 4, []),
+    "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3),
+    "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3),
+    "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3),
+}
+
+
+def prepare(sets: list[str], work: Path, gpus: int) -> tuple[Path, Path, Path]:
+    """The random model file, stand-in tokenizers and a synthetic cache of 8 items per GPU."""
+    import torch
+
+    from difftrain.bench import synthetic_cache, synthetic_tokenizers
+    from difftrain.config.load import resolve
+    from difftrain.families.registry import get_family
+    from difftrain.trainers.loop import plan_parts
+
+    cfg = resolve(sets=sets).config
+    fam = get_family(cfg.family)
+    parts = plan_parts(cfg, fam)[0]
+    model = work / f"random-{cfg.model.config}.safetensors"
+    if not model.exists():
+        fam.build_random(cfg.model.config, model, device="cuda" if torch.cuda.is_available() else "cpu", parts=parts)
+    tok = synthetic_tokenizers(work / "tok")
+    video = getattr(fam, "video", False)
+    cache = work / f"cache-{cfg.model.config}-{8 * gpus}"
+    if not (cache / "index.json").exists():
+        synthetic_cache(cfg, cache, n=8 * gpus, size=(480, 720) if video else None)
+    return model, tok, cache
+
+
+class Sampler(threading.Thread):
+    """Peaks of Rss / Pss / Anonymous over the difftrain workers (per pid, and summed), split load / train."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(daemon=True)
+        self.run_dir, self.stop = run_dir, False
+        self.peak = {"load": {}, "train": {}}
+
+    @staticmethod
+    def workers() -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                env = (d / "environ").read_bytes()
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"LOCAL_RANK=" in env and b"difftrain" in cmd:
+                out.append(int(d.name))
+        return out
+
+    @staticmethod
+    def smaps(pid: int) -> dict:
+        vals = {}
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                k, _, v = line.partition(":")
+                if k in ("Rss", "Pss", "Anonymous"):
+                    vals[k] = int(v.split()[0]) / 2**20  # kB -> GiB
+        except OSError:
+            pass
+        return vals
+
+    def run(self):
+        while not self.stop:
+            m = self.run_dir / "metrics.jsonl"
+            phase = "train" if m.exists() and m.stat().st_size > 0 else "load"
+            per = {pid: self.smaps(pid) for pid in self.workers()}
+            per = {p: v for p, v in per.items() if v}
+            if per:
+                peak = self.peak[phase]
+                for k in ("Rss", "Pss", "Anonymous"):
+                    total = sum(v.get(k, 0) for v in per.values())
+                    peak[f"sum_{k}"] = max(peak.get(f"sum_{k}", 0), total)
+                    peak[f"max_rank_{k}"] = max(peak.get(f"max_rank_{k}", 0), max(v.get(k, 0) for v in per.values()))
+                peak["ranks"] = max(peak.get("ranks", 0), len(per))
+            time.sleep(0.05)
+
+
+def run_case(name: str, work: Path, steps: int) -> dict:
+    what, fam_sets, gpus, extra = CASES[name]
+    sets = fam_sets + extra + ["train.device=cuda"]
+    if TINY:
+        sets = [s.replace("sdxl-base-1.0", "sdxl-tiny").replace("cogvideox-5b", "cogvideox-tiny")
+                .replace("resolution=1024", "resolution=128").replace("resolution=592", "resolution=64")
+                .replace("frames=49", "frames=9").replace("=cuda", "=cpu") for s in sets
+                if "engine" not in s] + ["data.min_side=32", "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny")]
+    model, tok, cache = prepare(sets, work, gpus)
+    run_dir = work / f"run-{name}"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    sets += [f"model.path={model}", f"model.tokenizer_path={tok}", f"data.cache_dir={cache}",
+             f"train.output_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=100000"]
+    cmd = [sys.executable, "-m", "difftrain", "train", "--gpus", str(gpus), *[a for s in sets for a in ("--set", s)]]
+    sampler = Sampler(run_dir)
+    sampler.start()
+    t0 = time.time()
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
+    if gpus == 1:
+        env["LOCAL_RANK"] = "0"  # one plain process: marked so that the sampler finds it (a world of one)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    sampler.stop = True
+    wall = time.time() - t0
+    if p.returncode != 0:
+        return {"case": name, "what": what, "error": p.stderr[-3000:]}
+    stats = [json.loads((run_dir / ("stats.json" if r == 0 else f"stats.rank{r}.json")).read_text()) for r in range(gpus)]
+    times = [json.loads(x)["time"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    dts = [b - a for a, b in zip(times, times[1:])][2:]  # the first steps warm up
+    s_step = statistics.median(dts) if dts else None
+    return {
+        "case": name, "what": what, "gpus": gpus, "wall_s": round(wall, 1), "s_per_step": s_step and round(s_step, 3),
+        "samples_per_s": s_step and round(gpus / s_step, 3), "host": sampler.peak,
+        "gpu_peak_alloc_gib": [s.get("gpu_peak_alloc_gib") for s in stats],
+        "gpu_peak_reserved_gib": [s.get("gpu_peak_reserved_gib") for s in stats],
+        "load_seconds": [s.get("load_seconds") for s in stats],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cases", default="L1,L2,L4,Z4")
+    ap.add_argument("--steps", type=int, default=12)
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in a.cases.split(","):
+        r = run_case(name, a.work, a.steps)
+        rows.append(r)
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "multi_gpu.json").write_text(json.dumps(rows, indent=1))
+        print(json.dumps(r)[:1500], flush=True)
+    base = next((r["samples_per_s"] for r in rows if r.get("gpus") == 1 and r["case"].startswith("L") and r.get("samples_per_s")), None)
+    print("\n| case | GPUs | s/step | samples/s | scaling | host GiB load: sum Pss / sum Rss / max rank Rss / sum Anon "
+          "| host GiB train: sum Pss / sum Rss / sum Anon | GPU peak alloc GiB per rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} {r['what']} | error: {r['error'][-300:]!r} |")
+            continue
+        ld, tr = r["host"]["load"], r["host"]["train"]
+        eff = f"{r['samples_per_s'] / (r['gpus'] * base):.0%}" if base and r["case"].startswith("L") and r["samples_per_s"] else ""
+        f = lambda d, k: f"{d.get(k, 0):.2f}"  # noqa: E731
+        print(f"| {r['case']} {r['what']} | {r['gpus']} | {r['s_per_step']} | {r['samples_per_s']} | {eff} | "
+              f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} | "
+              f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} | {r['gpu_peak_alloc_gib']} |")
+
+
+if __name__ == "__main__":
+    main()
