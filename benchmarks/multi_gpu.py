@@ -131,8 +131,9 @@ def run_case(name: str, work: Path, steps: int) -> dict:
         import shutil
 
         shutil.rmtree(run_dir)
+    # no checkpoint at all: a full fine-tune's final training state (weights and optimizer) is not what is measured
     sets += [f"model.path={model}", f"model.tokenizer_path={tok}", f"data.cache_dir={cache}",
-             f"train.output_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=100000"]
+             f"train.output_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=null"]
     cmd = [sys.executable, "-m", "difftrain", "train", "--gpus", str(gpus), *[a for s in sets for a in ("--set", s)]]
     sampler = Sampler(run_dir)
     sampler.start()
