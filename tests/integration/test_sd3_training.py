@@ -189,7 +189,8 @@ def test_flow_matching_inputs_follow_the_formulas():
 
     for sampling in ("logit_normal", "mode", "uniform"):
         flow = FlowConfig(timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap")
-        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, gen=torch.Generator().manual_seed(1), device="cpu")
+        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, gen=torch.Generator().manual_seed(1), device="cpu",
+                               _draw=lambda draw, n: draw(n))
         x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
         noisy, t, target, w = Trainer._flow_inputs(fake, x0, noise)
         s = t / 1000

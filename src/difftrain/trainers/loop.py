@@ -430,7 +430,8 @@ class Trainer:
             weight = None
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
             cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            denoiser = self.engine if self.engine is not None else self._fwd(self.family.denoiser)
+            denoiser = (_EngineView(self.engine, self.comps[self.family.denoiser]) if self.engine is not None
+                        else self._fwd(self.family.denoiser))
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
         if weight is not None:
@@ -939,6 +940,20 @@ def recut(batches: list[list[int]], keys: list, size: int) -> list[list[int]]:
         for i in b:
             order.setdefault(keys[i], []).append(i)
     return [items[j : j + size] for items in order.values() for j in range(0, len(items), size)]
+
+
+class _EngineView:
+    """The DeepSpeed engine as the family sees the denoiser: calls run through the engine, attribute reads
+    go to the model (the engine has a ``config`` of its own: DeepSpeed's, not the transformer's)."""
+
+    def __init__(self, engine, module) -> None:
+        self._engine, self._module = engine, module
+
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 class _NoSinks:
