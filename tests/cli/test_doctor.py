@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import builtins
+import sys
 
 from difftrain import doctor
 
@@ -25,14 +25,8 @@ def test_windows_platform_lines_name_the_libuv_guard():
 
 
 def test_a_library_that_does_not_import_gets_a_fix(monkeypatch):
-    real = builtins.__import__
-
-    def broken(name, *a, **k):
-        if name == "peft" or name.startswith("torchao"):
-            raise ImportError(f"simulated: {name} is broken")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", broken)
+    for mod in ("peft", "torchao", "torchao.optim"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError
     found = {c.name: c for c in doctor.checks()}
     assert found["peft"].status == "fail" and found["peft"].fix == "pip install peft"
     assert found["torchao"].status == "warn" and "difftrain[torchao]" in found["torchao"].fix
