@@ -288,9 +288,7 @@ def html_table(columns: list[tuple[str, str]], rows: list[dict], best: int | Non
             text = _cell(row.get(key))
             if j == 0 and links and row.get(key) in links:
                 text = f'<a href="{html.escape(links[row[key]])}">{text}</a>'
-            cls = "l name" if j == 0 else ("err" if key == "error" else "")
-            if key == "error" and row.get(key) and len(str(row[key])) > 160:
-                text = _cell(str(row[key])[:157] + "...")
+            cls = "l name" if j == 0 else ""
             if key == "status":
                 cls = f"l status-{html.escape(str(row.get(key)))}"
             cells.append(f'<td class="{cls}">{text}</td>')

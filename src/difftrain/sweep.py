@@ -344,13 +344,9 @@ def _short(values: dict) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in values.items())
 
 
-_PARALLEL = [1]  # how many trials run at once (the children's thread cap)
-
-
 def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
     """One child process per trial: in turn, or one per GPU at once."""
     slots = gpus or [None]
-    _PARALLEL[0] = len(slots)
     queue = list(todo)
     running: dict[str | None, tuple[Trial, subprocess.Popen, float, Any]] = {}
     n = 0
@@ -361,7 +357,7 @@ def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
                     t = queue.pop(0)
                     n += 1
                     info(f"sweep: trial {n}/{len(todo)} {t.name} ({_short(t.values)})" + (f" on GPU {slot}" if slot else ""))
-                    running[slot] = (t, *_start(t, slot))
+                    running[slot] = (t, *_start(t, slot, len(slots)))
             time.sleep(0.2)
             for slot, (t, proc, t0, log) in list(running.items()):
                 if proc.poll() is None:
@@ -392,12 +388,12 @@ def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def _start(t: Trial, gpu: str | None) -> tuple[subprocess.Popen, float, Any]:
+def _start(t: Trial, gpu: str | None, parallel: int) -> tuple[subprocess.Popen, float, Any]:
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
         # trials side by side share the host's cores: without a cap each one's thread pools take them all
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, _PARALLEL[0]))))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // parallel)))
     env.setdefault("DIFFTRAIN_PROGRESS", "0")  # children's bars would interleave; the log has the lines
     src = str(Path(__file__).resolve().parents[1])  # the running difftrain, also when it is not installed
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
