@@ -35,6 +35,8 @@ import torch
 
 #: the largest element count a 32-bit index holds
 INT32_MAX = 2**31 - 1
+#: how long a process waits at a collective for the others (validation and checkpoint writes run on one)
+PG_TIMEOUT_MINUTES = int(os.environ.get("DIFFTRAIN_PG_TIMEOUT_MINUTES", "60"))
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,13 @@ def init(world: World, device: torch.device) -> None:
 
     if not world.distributed or dist.is_initialized():
         return
+    import datetime
+
     backend = backend_for(device)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, **kwargs)
+    # the other processes wait at their next collective while the first one alone samples validation videos or
+    # writes a full checkpoint: minutes, past NCCL's default 10-minute watchdog
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=PG_TIMEOUT_MINUTES), **kwargs)
 
 
 def barrier(world: World) -> None:
