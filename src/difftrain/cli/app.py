@@ -48,10 +48,10 @@ _register()
 
 def report_error(e: BaseException) -> int:
     """Print an error the user can act on; return the exit code."""
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):  # several processes: say which one failed
-        console.print(f"[bold]rank {os.environ.get('RANK', '?')}:[/bold]", end=" ")
+    # several processes: say which one failed, on the same line (their lines interleave)
+    who = f"[bold]rank {os.environ.get('RANK', '?')}:[/bold] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
     if isinstance(e, DifftrainError):
-        console.print(f"[bold red]error:[/bold red] {e.message}")
+        console.print(f"{who}[bold red]error:[/bold red] {e.message}")
         for path, msg in getattr(e, "problems", []):
             console.print(f"  [cyan]{path}[/cyan]: {msg}")
         if e.hint:
@@ -61,11 +61,11 @@ def report_error(e: BaseException) -> int:
         console.print("[yellow]interrupted[/yellow]")
         code = 130
     elif isinstance(e, MemoryError) or "out of memory" in str(e).lower():
-        console.print(f"[bold red]error:[/bold red] out of memory: {str(e).splitlines()[0] if str(e) else ''}")
+        console.print(f"{who}[bold red]error:[/bold red] out of memory: {str(e).splitlines()[0] if str(e) else ''}")
         console.print("[bold]next:[/bold] lower train.batch_size or data.resolution, or use a recipe for a smaller GPU tier.")
         code = 1
     else:
-        console.print(f"[bold red]error:[/bold red] an unexpected {type(e).__name__}: {e}")
+        console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {e}")
         console.print("[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.")
         code = 1
     if debug_enabled():
