@@ -689,7 +689,7 @@ class Trainer:
             self.scaler.scale(loss).backward()
         if self.block_swap is not None:
             self.block_swap.end_backward()
-        return value, prior_value
+        return value, prior_value * scale  # both weighted alike: their means over the processes are the global ones
 
     def _no_sync(self):
         """DDP's no_sync on every wrapper: micro-batches before the last of an accumulation keep their gradients local."""
