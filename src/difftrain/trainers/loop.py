@@ -882,6 +882,29 @@ class Trainer:
         if self.cfg.train.method == "lora":
             self._save_lora(tmp, use_ema=self._use_ema_for_export(), layers=layers)
 
+    def _universal(self, folder: Path) -> str:
+        """DeepSpeed's universal checkpoint of ``folder``'s ZeRO state (made once, by the first process, beside
+        the original and renamed into place when complete), and the engine told to load that format: how a
+        ZeRO run resumes on another number of GPUs."""
+        import argparse
+        import shutil
+
+        out = folder / "deepspeed" / "state_universal"
+        if self.world.main and not out.exists():
+            from deepspeed.checkpoint import ds_to_universal
+
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            info(f"the checkpoint's ZeRO state was cut for another number of GPUs: converting it to DeepSpeed's "
+                 f"universal format ({out})")
+            ds_to_universal.main(argparse.Namespace(input_folder=str(folder / "deepspeed" / "state"), output_folder=str(tmp),
+                                                    num_extract_workers=4, num_merge_workers=2, keep_temp_folder=False,
+                                                    strict=True, inject_missing_state=True))
+            os.replace(tmp, out)
+        dist_.barrier(self.world)
+        self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint; DeepSpeed has no setter
+        return out.name
+
     def _load(self, folder: Path) -> None:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
         weights = load_tree(folder, "trainable")
@@ -904,7 +927,10 @@ class Trainer:
                     f"{folder} holds DeepSpeed's optimizer state, which DeepSpeed stores as torch pickles; "
                     "difftrain does not unpickle files unless told to.",
                     hint="If you trust this folder (difftrain wrote it), resume with --allow-pickle.")
-            self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state", load_module_strict=False,
+            tag = "state"
+            if state.get("world_size", 1) != self.world.size:  # ZeRO's partitions were cut for another count
+                tag = self._universal(folder)
+            self.engine.load_checkpoint(str(folder / "deepspeed"), tag=tag, load_module_strict=False,
                                         load_optimizer_states=True, load_lr_scheduler_states=False)
         else:
             self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
