@@ -40,6 +40,7 @@ CASES = {
     "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3),
     "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3),
+    "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"]),
 }
 
 
