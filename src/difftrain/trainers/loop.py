@@ -306,8 +306,11 @@ class Trainer:
         n = sum(p.numel() for p in self.params)
         opts = dist_.ddp_options(n, dist_.backend_for(self.device), cap)
         opts["find_unused_parameters"] = getattr(e, "find_unused_parameters", False)
-        if "init_sync" in inspect.signature(DistributedDataParallel).parameters:
+        params = inspect.signature(DistributedDataParallel).parameters
+        if "init_sync" in params:
             opts["init_sync"] = False  # every process loaded the same weights and drew the same LoRA init
+        if "forward_sync_buffers" in params:  # torch >= 2.13 names it so (broadcast_buffers is deprecated)
+            opts["forward_sync_buffers"] = opts.pop("broadcast_buffers")
         ids = [self.device.index] if self.device.type == "cuda" else None
         for part, module in self.trained.items():
             self.wrapped[part] = _DDP(module, device_ids=ids, **opts)
