@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -22,12 +22,35 @@ def merge_tags(
     in_json: Annotated[Optional[Path], typer.Option("--in-json", help="existing metadata to update (other fields are kept)")] = None,
     full_path: Annotated[bool, typer.Option("--full-path", help="key images by full path, as sd-scripts does")] = False,
     recursive: Annotated[bool, typer.Option("--recursive", help="look in subfolders too")] = False,
+    drop_tags: Annotated[Optional[List[str]], typer.Option("--drop-tags", help="unwanted tags: a comma list, or a file of them (repeatable)")] = None,
+    threshold: Annotated[Optional[float], typer.Option("--threshold", help="drop tags whose score (tag:0.83, or WD14 CSV) is below this")] = None,
+    underscores_to_spaces: Annotated[bool, typer.Option("--underscores-to-spaces", help="long_hair -> long hair (kaomoji such as ^_^ kept)")] = False,
+    ratings: Annotated[str, typer.Option("--ratings", help="keep | drop WD14's rating tags (general, sensitive, questionable, explicit, rating:*)")] = "keep",
+    keep_duplicates: Annotated[bool, typer.Option("--keep-duplicates", help="do not remove repeated tags")] = False,
+    caption_from: Annotated[Optional[str], typer.Option("--caption-from", help="tags | caption | both: what the caption field holds")] = None,
+    separator: Annotated[str, typer.Option("--separator", help="between caption and tags with --caption-from both")] = ", ",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would change; write nothing")] = False,
 ) -> None:
     """Merge tag files and captions into one metadata JSON."""
+    from rich.markup import escape
+
+    from ..data.tags import TagRules, read_drop_list
     from ..data.tags import merge_tags as run
 
-    r = run(data_dir, out_json, tag_ext=tag_ext, caption_ext=caption_ext, in_json=in_json, full_path=full_path, recursive=recursive)
-    info(f"{r.images} images: {r.with_tags} with tags, {r.with_caption} with captions -> {r.out_path}")
+    rules = TagRules(drop=read_drop_list(drop_tags or []), dedupe=not keep_duplicates, threshold=threshold,
+                     underscores=underscores_to_spaces, ratings=ratings, caption_from=caption_from, separator=separator)
+    r = run(data_dir, out_json, tag_ext=tag_ext, caption_ext=caption_ext, in_json=in_json, full_path=full_path, recursive=recursive,
+            rules=rules, dry_run=dry_run)
+    if dry_run:
+        for key, before, after in r.changes[:20]:
+            for field_ in ("caption", "tags"):
+                if before.get(field_) != after.get(field_):
+                    info(escape(f"{key} {field_}: {before.get(field_)!r} -> {after.get(field_)!r}"))
+        info(f"dry run: {len(r.changes)} of {r.images} entries would change, {r.tags_removed} tags removed; "
+             f"{r.out_path} not written")
+        return
+    info(f"{r.images} images: {r.with_tags} with tags, {r.with_caption} with captions, {r.tags_removed} tags removed "
+         f"-> {r.out_path}")
     if r.missing_tags:
         info(f"[yellow]{len(r.missing_tags)} without a tag file[/yellow] (e.g. {', '.join(r.missing_tags[:5])})")
     if r.missing_captions:
