@@ -67,6 +67,7 @@ def precompute(
     strict: Annotated[bool, typer.Option("--strict", help="fail if any image cannot be used")] = False,
     print_config_: PrintConfigOpt = False,
     gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) sharing the encoding, started through torchrun")] = 1,
+    plan_only: Annotated[bool, typer.Option("--plan-only", help="print the bucket table and what is dropped and why; encode nothing")] = False,
 ) -> None:
     """Cache aspect buckets, VAE latents and text embeddings once, keyed by content."""
     import os
@@ -77,6 +78,19 @@ def precompute(
     res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))
     if print_config_:
         print_config(res)
+        return
+    if plan_only:
+        from rich.markup import escape
+
+        r = run(res.config, plan_only=True)
+        table = Table(title=f"bucket plan ({r.items} usable, {len(r.skipped)} dropped)")
+        for col in ("bucket (w x h)", "images", "share"):
+            table.add_column(col, justify="left" if col.startswith("bucket") else "right")
+        for b, n in sorted(r.buckets.items(), key=lambda kv: -kv[1]):
+            table.add_row(b, str(n), f"{n / max(1, r.items):.1%}")
+        console.print(table)
+        for path, why in r.skipped:
+            info(escape(f"dropped {path}: {why}"))
         return
     if gpus > 1 and "LOCAL_RANK" not in os.environ:
         from ..distributed import launch

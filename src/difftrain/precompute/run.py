@@ -47,11 +47,12 @@ def _to_pixels(img) -> torch.Tensor:
     return arr / 127.5 - 1.0
 
 
-def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
+def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> PrecomputeReport:
     """Encode what the cache lacks. On several processes (``difftrain precompute --gpus N``, or torchrun) each
     encodes every N-th missing latent and caption on its own GPU into its own shards; the first process
     merges their manifests after each phase and alone writes index.json. The plan (scan, buckets, keys) is
-    made identically by every process."""
+    made identically by every process. ``plan_only``: scan and bucket (image headers only, no hashing, no
+    encoder) and return the bucket counts and what was dropped and why; nothing is written."""
     if cfg.data.dir is None:
         raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
     family = get_family(cfg.family)
@@ -85,7 +86,7 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     if db.instance_prompt:
         records = [replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records]
     records = [(r, False) for r in records]
-    if db.with_prior_preservation:
+    if db.with_prior_preservation and not plan_only:  # (a plan does not generate class images)
         if not world.main:  # the first process generates missing class images; the others then find them
             dist_barrier(world)
         folder = ensure_class_images(cfg, family, device)
@@ -102,19 +103,21 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
     else:
         buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
 
-    memo = cache.read_json("fingerprints.json", {})
-    vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
     pc = cfg.precompute
     opts = cfg.text_encoders
     stages = family.enabled_stages(opts)
-    # each text stage has its own key: a changed T5 precision re-encodes T5 only
-    stage_fp = {
-        s: sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]), pc.text_encoder_dtype,
-                       family.text_stage_tag(s, opts))
-        for s in stages
-    }
-    if world.main:
-        cache.write_json("fingerprints.json", memo)
+    memo = cache.read_json("fingerprints.json", {})
+    vae_fp, stage_fp = None, {}
+    if not plan_only:  # the keys need the encoders' weight hashes; a plan needs neither
+        vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
+        # each text stage has its own key: a changed T5 precision re-encodes T5 only
+        stage_fp = {
+            s: sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]), pc.text_encoder_dtype,
+                           family.text_stage_tag(s, opts))
+            for s in stages
+        }
+        if world.main:
+            cache.write_json("fingerprints.json", memo)
     crop_mode = "random" if d.random_crop else "center"
 
     plan = []
@@ -135,6 +138,9 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
             report.skipped.append((str(r.path), str(e)))
             continue
+        if plan_only:
+            plan.append({"record": r, "bucket": bucket, "frames": frames, "prior": is_prior})
+            continue
         img_hash = sha256_file(r.path)
         clip = f"{frames}:{d.frame_sampling}" if video else ""  # the frames taken are part of what is encoded
         lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip)
@@ -142,6 +148,12 @@ def precompute(cfg: Config, strict: bool = False) -> PrecomputeReport:
         plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
                      "prior": is_prior, "frames": frames, "indices": indices if video else None})
 
+    if plan_only:
+        for p in plan:
+            key = f"{p['bucket'][0]}x{p['bucket'][1]}" + (f"x{p['frames']}f" if p["frames"] else "")
+            report.buckets[key] = report.buckets.get(key, 0) + 1
+        report.items = len(plan)
+        return report
     n_skipped_before = len(report.skipped)  # the same on every process: what the scan and the plan dropped
     missing_lat = set(cache.missing(p["latent"] for p in plan))
     mine_lat = set(sorted(missing_lat)[world.rank :: world.size])  # this process's share
