@@ -170,3 +170,101 @@ def merge_manifests(root: Path) -> int:
         for part in parts:
             part.unlink()
     return added
+
+
+# ------------------------------------------------------------------ maintenance: difftrain cache info | verify | prune
+def _referenced(cache: DataCache) -> set[str]:
+    """Entry keys that index.json's items use (latents and every caption stage)."""
+    items = (cache.read_json("index.json", {}) or {}).get("items", [])
+    keys = set()
+    for it in items:
+        keys.add(it.get("latent"))
+        keys.update((it.get("texts") or {}).values())
+    keys.discard(None)
+    return keys
+
+
+def cache_info(root: Path) -> dict:
+    """Counts and sizes: entries, shards (and their bytes), index items, entries the index does not use."""
+    cache = DataCache(root)
+    index = cache.read_json("index.json", {}) or {}
+    used = _referenced(cache)
+    shards = cache.manifest["shards"]
+    return {"root": str(cache.root), "entries": len(cache.manifest["entries"]), "shards": len(shards),
+            "bytes": sum(shards.values()), "items": len(index.get("items", [])), "family": index.get("family"),
+            "unused_entries": sum(k not in used for k in cache.manifest["entries"]),
+            "stray_files": [str(p.relative_to(cache.root)) for p in _stray(cache)]}
+
+
+def _stray(cache: DataCache) -> list[Path]:
+    """Files under shards/ that the manifest does not name (a write killed before its rename, a pruned shard)."""
+    known = set(cache.manifest["shards"])
+    folder = cache.root / "shards"
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(cache.root).as_posix() not in known) \
+        if folder.is_dir() else []
+
+
+def verify_cache(root: Path) -> list[str]:
+    """Every problem found: a shard missing, of another size than recorded, or unreadable; an entry whose tensors
+    are not in its shard; an index item whose entry is missing. Empty when the cache is sound."""
+    cache = DataCache(root)
+    problems = []
+    by_shard: dict[str, list[str]] = {}
+    for key, entry in cache.manifest["entries"].items():
+        by_shard.setdefault(entry["shard"], []).append(key)
+    for rel, size in cache.manifest["shards"].items():
+        path = cache.root / rel
+        if not path.is_file():
+            problems.append(f"shard {rel} is missing")
+            continue
+        if path.stat().st_size != size:
+            problems.append(f"shard {rel} has {path.stat().st_size} bytes, the manifest recorded {size}")
+            continue
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as h:
+                names = set(h.keys())
+        except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged shard
+            problems.append(f"shard {rel} cannot be read: {e}")
+            continue
+        for key in by_shard.get(rel, []):
+            lost = [n for n in cache.manifest["entries"][key]["names"] if f"{key}/{n}" not in names]
+            if lost:
+                problems.append(f"entry {key[:12]}... lacks {', '.join(lost)} in {rel}")
+    for key in by_shard:
+        if key not in cache.manifest["shards"]:
+            problems.append(f"{len(by_shard[key])} entries point at {key}, which the manifest does not list")
+    missing = [k for k in _referenced(cache) if k not in cache.manifest["entries"]]
+    if missing:
+        problems.append(f"index.json uses {len(missing)} entries the cache does not have (e.g. {missing[0][:12]}...)")
+    return problems
+
+
+def prune_cache(root: Path, dry_run: bool = False) -> dict:
+    """Drop what index.json does not use: entries, shards left with no used entry, stray files. A shard that
+    still holds a used entry is kept whole (its unused bytes are reported). The manifest is rewritten first,
+    so an interrupted prune leaves only stray files, which the next prune removes."""
+    cache = DataCache(root)
+    used = _referenced(cache)
+    if not cache.read_json("index.json"):
+        raise CacheMismatch(f"The cache at {cache.root} has no index.json: nothing says which entries are in use.",
+                            hint="Run `difftrain precompute` first (prune keeps what its index uses).")
+    entries = cache.manifest["entries"]
+    drop = [k for k in entries if k not in used]
+    live_shards = {entries[k]["shard"] for k in entries if k in used}
+    dead_shards = [rel for rel in cache.manifest["shards"] if rel not in live_shards]
+    kept_unused = sum(1 for k in drop if entries[k]["shard"] in live_shards)
+    freed = sum(cache.manifest["shards"][rel] for rel in dead_shards)
+    stray = _stray(cache)
+    freed += sum(p.stat().st_size for p in stray)
+    if not dry_run:
+        for k in drop:
+            del entries[k]
+        for rel in dead_shards:
+            del cache.manifest["shards"][rel]
+        cache.write_json("manifest.json", cache.manifest)
+        for rel in dead_shards:
+            (cache.root / rel).unlink(missing_ok=True)
+        for p in stray:
+            p.unlink(missing_ok=True)
+    return {"entries_dropped": len(drop), "shards_deleted": len(dead_shards), "stray_deleted": len(stray),
+            "bytes_freed": freed, "unused_entries_kept_in_live_shards": kept_unused}
