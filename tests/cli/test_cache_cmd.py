@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import tiny_sets
 from difftrain.config.load import resolve
-from difftrain.data.cache import DataCache, cache_info, prune_cache, verify_cache
+from difftrain.data.cache import DataCache, cache_info, verify_cache
 from difftrain.precompute.run import precompute
 
 
