@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .utils import atomic_write_bytes, atomic_write_text
+from .utils import atomic_write_bytes, atomic_write_text, read_json_object
 
 #: columns of a results table with their header text (trials add one column per swept path)
 STAT_LABELS = {
@@ -66,7 +66,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     s/step and peak GPU memory (from stats.json when the run finished)."""
     train, val = read_metrics(run_dir)
     losses = [r["loss"] for r in train if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
-    stats = _read_json(Path(run_dir) / "stats.json")
+    stats = read_json_object(Path(run_dir) / "stats.json")
     out: dict[str, Any] = {
         "steps": train[-1]["step"] if train else 0,
         "final_loss": losses[-1] if losses else None,
@@ -79,13 +79,6 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     if out["gpu_peak_alloc_gib"] is None and train:  # a run that did not finish: the last logged peak
         out["gpu_peak_alloc_gib"] = train[-1].get("gpu_peak_alloc_gib")
     return out
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def smooth(values: list[float], weight: float = 0.9) -> list[float]:
@@ -314,7 +307,7 @@ def write_run_report(run_dir: Path) -> Path:
     loss_png = plot_losses({run_dir.name: (train, val)}, run_dir / "plots" / "loss.png", f"{run_dir.name}: loss")
     samples_png = plot_samples(run_dir / "samples", run_dir / "plots" / "samples.png")
     summary = run_summary(run_dir)
-    stats = _read_json(run_dir / "stats.json")
+    stats = read_json_object(run_dir / "stats.json")
     numbers = html_table([("what", "what"), ("value", "value")],
                          [{"what": STAT_LABELS[k], "value": v} for k, v in summary.items()])
     memory = html_table([("what", "measurement"), ("value", "value")],

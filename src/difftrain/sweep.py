@@ -61,7 +61,7 @@ from .config.load import Resolved, parse_set, read_yaml, resolve
 from .console import info, warn
 from .errors import ConfigError, DifftrainError, UsageError
 from .report import STAT_LABELS, run_summary, write_sweep_report
-from .utils import atomic_write_text
+from .utils import atomic_write_text, read_json_object
 
 #: statuses of a trial that a rerun does not run again
 FINISHED = ("ok", "failed", "oom", "nan")
@@ -403,10 +403,7 @@ def _start(t: Trial, gpu: str | None, parallel: int) -> tuple[subprocess.Popen, 
 
 
 def _read_result(folder: Path) -> dict:
-    try:
-        return json.loads((folder / "result.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return read_json_object(folder / "result.json")
 
 
 def _write_result(folder: Path, res: dict) -> None:

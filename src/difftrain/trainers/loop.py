@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from rich.progress import ProgressColumn, TextColumn
 from rich.text import Text
 
@@ -36,7 +37,7 @@ from ..memory.plan import (apply_activations, apply_offload, apply_weights, appl
                            make_optimizer,
                            weights_dtype)
 from .ema import EMA
-from ..utils import atomic_dir, atomic_write_text, pick_device, to_dtype
+from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, to_dtype
 from . import checkpoint as ckpt
 from .. import distributed as dist_
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
@@ -298,8 +299,6 @@ class Trainer:
         The wrappers serve the forward passes only: state dicts, exports and validation use the parts
         themselves. Attribute reads fall through to the part, so family code that reads ``.config`` works."""
         import inspect
-
-        from torch.nn.parallel import DistributedDataParallel
 
         e = self.cfg.memory.engine
         cap = getattr(e, "bucket_cap_mb", 25.0)
@@ -618,14 +617,10 @@ class Trainer:
         stats["save_seconds"] = round(time.time() - t_save, 2)
         stats["peak_rss_gib_end"] = round(_rss_peak_gib(), 3)
         result.seconds = time.time() - t0
-        try:  # a resumed run keeps what the earlier part measured and this part did not (s/step of no steps)
-            earlier = json.loads((self.out / ("stats.json" if self.world.main else f"stats.rank{self.world.rank}.json"))
-                                 .read_text(encoding="utf-8"))
-            stats = {**{k: v for k, v in earlier.items() if k not in stats}, **stats}
-        except (OSError, json.JSONDecodeError, AttributeError):
-            pass
-        result.stats = stats
         name = "stats.json" if self.world.main else f"stats.rank{self.world.rank}.json"  # every process's memory
+        # a resumed run keeps what the earlier part measured and this part did not (s/step of no steps)
+        stats = {**read_json_object(self.out / name), **stats}
+        result.stats = stats
         atomic_write_text(self.out / name, json.dumps(stats, indent=1) + "\n")
         return result
 
@@ -995,23 +990,14 @@ class _NoSinks:
         pass
 
 
-def _ddp_class():
-    from torch.nn.parallel import DistributedDataParallel
+class _DDP(DistributedDataParallel):
+    """DDP whose attribute reads fall through to the wrapped module (family code reads ``.config``)."""
 
-    class DDP(DistributedDataParallel):
-        """DDP whose attribute reads fall through to the wrapped module (family code reads ``.config``)."""
-
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(self.module, name)
-
-    return DDP
-
-
-def _DDP(module, **kw):
-    return _ddp_class()(module, **kw)
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
 
 
 def train(cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None) -> TrainResult:
