@@ -49,7 +49,8 @@ def test_lora_flags():
     assert (cfg.train.min_snr_gamma, cfg.train.noise_offset) == (5.0, 0.0357)
     assert cfg.data.resolution == 1024 and cfg.train.max_steps == 1600 and cfg.train.checkpoint_every == 200
     unmapped = dict(c.unmapped)
-    assert "fp8" in unmapped["--fp8_base"] and "--shuffle_caption" in unmapped
+    assert "fp8" in unmapped["--fp8_base"] and "--shuffle_caption" not in unmapped
+    assert cfg.data.shuffle_caption is True and cfg.data.keep_tokens == 0
     assert "--cache_text_encoder_outputs" in unmapped  # mapped (frozen encoders) and explained
 
 

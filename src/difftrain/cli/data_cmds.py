@@ -113,3 +113,9 @@ def precompute(
         f"captions: {r.texts_encoded} encoded, {r.texts_reused} reused; "
         f"{len(r.skipped)} skipped -> {r.cache_dir}"
     )
+    if r.converted:
+        info("converted to RGB: " + ", ".join(f"{n} {mode}" for mode, n in sorted(r.converted.items())))
+    if set(r.captions) - {"caption"}:
+        info("captions from: " + ", ".join(f"{origin} {n}" for origin, n in sorted(r.captions.items(), key=lambda kv: -kv[1])))
+    if r.skipped and r.report_file:
+        info(f"every skipped file and its reason: {r.report_file}")

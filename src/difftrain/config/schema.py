@@ -47,11 +47,26 @@ class DataConfig(Strict):
     min_side: int = Field(512, ge=8)
     max_side: int = Field(2048, ge=8)
     no_upscale: bool = False
+    max_upscale: Optional[float] = Field(4.0, ge=1, description="skip (and report) an image that would have to be "
+                                         "enlarged more than this to fill its bucket; null: any")
     random_crop: bool = False
     cache_dir: Optional[Path] = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
     frames: int = Field(49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)")
     frame_sampling: Literal["uniform", "first"] = Field(
         "uniform", description="video families: frames spread evenly over the clip, or the first N")
+    caption_fallback: Literal["empty", "filename"] = Field(
+        "empty", description="an image with neither caption nor tags: the empty caption, or its file name "
+        "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags")
+    # caption augmentation (sd-scripts' names); works with cached text embeddings (see data/captions.py)
+    shuffle_caption: bool = Field(False, description="shuffle the comma-separated tags of each caption")
+    keep_tokens: int = Field(0, ge=0, description="the first N tags stay first and are never shuffled or dropped")
+    keep_tokens_separator: str = Field("", description="if set and present in a caption, what precedes it is kept "
+                                       "instead of the first keep_tokens tags")
+    caption_separator: str = Field(",", min_length=1, description="what separates tags in a caption")
+    caption_tag_dropout_rate: float = Field(0.0, ge=0, lt=1, description="chance of dropping each (not kept) tag")
+    caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="chance of training on the empty caption")
+    caption_variants: int = Field(8, ge=1, le=256, description="with shuffle or tag dropout and cached text "
+                                  "embeddings: augmented versions of each caption precompute encodes")
 
     @model_validator(mode="after")
     def _sides(self):
@@ -75,7 +90,9 @@ class PrecomputeConfig(Strict):
     text_encoder_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     batch_size: int = Field(4, ge=1)
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    shard_max_mb: int = Field(512, ge=1)
+    shard_max_mb: float = Field(512, gt=0, description="cache shard size: entries are written in files of about this size")
+    num_workers: Optional[int] = Field(None, ge=0, description="processes that decode and resize images while the "
+                                       "encoder runs; null: half the CPU cores (at most 8); 0: in the main process")
 
 
 class T5Options(Strict):

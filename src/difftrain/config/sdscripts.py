@@ -36,9 +36,6 @@ UNSUPPORTED = {
     "output_name": "difftrain names its outputs model.safetensors / pytorch_lora_weights.safetensors in train.output_dir",
     "fp8_base": "fp8 base weights are not available yet; memory.weights stays bf16",
     "full_fp16": "pure fp16 weights cannot take small updates: use --full_bf16 (bf16 with stochastic rounding)",
-    "keep_tokens": "caption token keeping is not available yet",
-    "shuffle_caption": "caption shuffling is not available yet",
-    "caption_dropout_rate": "caption dropout is not available yet",
     "reg_data_dir": "prior preservation / regularisation images are not available for SDXL yet",
     "prior_loss_weight": "prior preservation is not available for SDXL yet",
     "logging_dir": "difftrain writes metrics.jsonl in train.output_dir",
@@ -156,6 +153,11 @@ SIMPLE = {
     "network_dim": ("lora.rank", int),
     "network_alpha": ("lora.alpha", _num),
     "network_dropout": ("lora.dropout", _num),
+    "keep_tokens": ("data.keep_tokens", int),
+    "keep_tokens_separator": ("data.keep_tokens_separator", str),
+    "caption_separator": ("data.caption_separator", str),
+    "caption_dropout_rate": ("data.caption_dropout_rate", _num),
+    "caption_tag_dropout_rate": ("data.caption_tag_dropout_rate", _num),
 }
 
 
@@ -219,6 +221,8 @@ def convert(tokens: list[str]) -> Conversion:
                 w, _, h = str(v).partition(",")
                 side = int(math.isqrt(int(w) * int(h or w)))
                 c.set("data.resolution", side - side % 64 or 64)
+            elif name == "shuffle_caption":
+                c.set("data.shuffle_caption", v is True or str(v).lower() in ("true", "1"))
             elif name == "bucket_no_upscale":
                 c.set("data.no_upscale", True)
             elif name == "lr_scheduler":

@@ -51,6 +51,11 @@ class ImageRecord:
     width: int
     """Upright width (EXIF orientation applied), from the header; the image is not decoded."""
     height: int
+    caption_from: str = "caption"
+    """Where the caption came from: ``caption``, ``tags``, ``caption+tags``, or, with neither, the fallback
+    (``filename`` or ``empty``); counted in the precompute report."""
+    mode: str = "RGB"
+    """Pillow's pixel mode from the header (``CMYK``, ``P``, ``RGBA``, ``I;16`` ... are converted to RGB)."""
 
 
 # ----------------------------------------------------------------- captions
@@ -76,6 +81,26 @@ def caption_for(caption: str | None, tags: str | None, source: str = "caption_th
     if source == "caption_and_tags":
         return ", ".join(part for part in (caption, tags) if part)
     return caption or tags
+
+
+CAPTION_FALLBACKS: tuple[str, ...] = ("empty", "filename")
+
+
+def caption_origin(caption: str | None, tags: str | None, source: str) -> str:
+    """Which of caption and tags :func:`caption_for` used: ``caption``, ``tags``, ``caption+tags``, or ``""``."""
+    has_c, has_t = bool((caption or "").strip()), bool((tags or "").strip())
+    if source == "tags":
+        return "tags" if has_t else ""
+    if source == "caption_and_tags" and has_c and has_t:
+        return "caption+tags"
+    return "caption" if has_c else ("tags" if has_t else "")
+
+
+def fallback_caption(path: Path, fallback: str) -> str:
+    """The caption of an image with neither caption nor tags: ``""``, or its file name with ``_`` as spaces."""
+    if fallback not in CAPTION_FALLBACKS:
+        raise ValueError(f"caption_fallback must be one of {', '.join(CAPTION_FALLBACKS)}; got {fallback!r}")
+    return "" if fallback == "empty" else " ".join(Path(path).stem.replace("_", " ").split())
 
 
 def sidecar_texts(image_path: Path, caption_ext: str = ".caption", tag_ext: str = ".txt") -> tuple[str | None, str | None]:
@@ -156,12 +181,18 @@ def _exif_orientation(image: Image.Image) -> int:
 
 def read_image_size(path: Path) -> tuple[int, int]:
     """Upright ``(width, height)`` from the file header. Raises what Pillow raises on a bad file."""
+    return read_image_header(path)[:2]
+
+
+def read_image_header(path: Path) -> tuple[int, int, str]:
+    """Upright ``(width, height, mode)`` from the file header. Raises what Pillow raises on a bad file."""
     with Image.open(path) as image:
         width, height = image.size
         orientation = _exif_orientation(image)
+        mode = image.mode
     if width <= 0 or height <= 0:
         raise ValueError(f"header gives an empty size {width}x{height}")
-    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+    return ((height, width) if orientation in _SWAPS_SIDES else (width, height)) + (mode,)
 
 
 def _unreadable_reason(path: Path, exc: BaseException | None = None) -> str:
@@ -188,6 +219,7 @@ def scan_dataset(
     caption_ext: str = ".caption",
     tag_ext: str = ".txt",
     caption_source: str = "caption_then_tags",
+    caption_fallback: str = "empty",
     recursive: bool = True,
 ) -> tuple[list[ImageRecord], list[tuple[Path, str]]]:
     """Scan ``data_dir`` for images; return ``(records, skipped)`` with ``skipped = [(path, reason)]``.
@@ -195,7 +227,8 @@ def scan_dataset(
     Captions come from ``metadata`` when it has an entry for the image (stem key or full-path
     key); images it lacks, and every image when ``metadata`` is ``None``, use the sidecar files
     ``<stem><caption_ext>`` and ``<stem><tag_ext>``. ``caption_source`` combines the two
-    (:func:`caption_for`); no caption at all gives ``""``.
+    (:func:`caption_for`); no caption at all gives ``caption_fallback`` (:func:`fallback_caption`). Each
+    record says where its caption came from (``caption_from``) and its header's pixel mode.
 
     An image is skipped (not raised) when its header cannot be read -- empty, corrupt, not an
     image -- or when it has the same key as an earlier image (``a.png`` beside ``a.jpg``).
@@ -227,14 +260,16 @@ def scan_dataset(
             skipped.append((path, f"same name as {seen[key].name} (key {key!r}); rename one of them"))
             continue
         try:
-            width, height = read_image_size(path)
+            width, height, mode = read_image_header(path)
         except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
             skipped.append((path, _unreadable_reason(path, exc)))
             continue
         seen[key] = path
         texts = index.texts(path) if index is not None else None
         caption, tags = texts if texts is not None else sidecar_texts(path, caption_ext, tag_ext)
-        records.append(ImageRecord(key, path, caption_for(caption, tags, caption_source), width, height))
+        origin = caption_origin(caption, tags, caption_source)
+        text = caption_for(caption, tags, caption_source) if origin else fallback_caption(path, caption_fallback)
+        records.append(ImageRecord(key, path, text, width, height, origin or caption_fallback, mode))
     return records, skipped
 
 
@@ -287,13 +322,19 @@ def load_rgb(path: Path) -> Image.Image:
     Raises :class:`DataError` naming the file when it cannot be opened or decoded (corrupt,
     truncated, not an image, or a pixel mode that has no RGB conversion).
     """
+    return open_rgb(path)[0]
+
+
+def open_rgb(path: Path) -> tuple[Image.Image, str]:
+    """:func:`load_rgb`, and the file's own pixel mode (what was converted)."""
     try:
         with Image.open(path) as image:
             orientation = _exif_orientation(image)  # before load(): same rule as read_image_size
+            mode = image.mode
             image.load()
             if orientation in _TRANSPOSE:
                 image = image.transpose(_TRANSPOSE[orientation])
-            return to_rgb(image)
+            return to_rgb(image), mode
     except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
         raise DataError(
             f"cannot decode image {path}: {exc}",

@@ -8,7 +8,6 @@ after. The result is ``index.json`` in the cache: the items training reads.
 from __future__ import annotations
 
 import gc
-import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -16,14 +15,17 @@ import torch
 
 from ..config.schema import Config
 from ..console import progress, warn
-from ..data.buckets import choose_bucket, fit_to_bucket, make_buckets
+from ..data.buckets import choose_bucket, make_buckets
 from ..data.cache import DataCache, cache_dir_for, merge_manifests
+from ..data.captions import CaptionAugment, caption_variants
 from ..distributed import barrier as dist_barrier
 from ..distributed import init as dist_init
 from ..distributed import world_from_env
-from ..data.sources import load_rgb, scan_dataset
+from ..data.sources import scan_dataset
 from ..errors import DataError, UsageError
+from ..families.common import cache_fingerprints
 from ..families.registry import get_family
+from .pipeline import decoded_batches, default_workers, to_unit_range
 from .prior import ensure_class_images
 from ..utils import pick_device, sha256_file, sha256_text, to_dtype
 
@@ -38,13 +40,11 @@ class PrecomputeReport:
     texts_reused: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     buckets: dict[str, int] = field(default_factory=dict)
-
-
-def _to_pixels(img) -> torch.Tensor:
-    import numpy as np
-
-    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float()
-    return arr / 127.5 - 1.0
+    converted: dict[str, int] = field(default_factory=dict)
+    """Images of another pixel mode than RGB (CMYK, P, RGBA, I;16 ...) converted on the way, by mode."""
+    captions: dict[str, int] = field(default_factory=dict)
+    """Where the items' captions came from: caption, tags, caption+tags, or the fallback (empty, filename)."""
+    report_file: Path | None = None
 
 
 def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> PrecomputeReport:
@@ -61,7 +61,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     if world.distributed and device.type == "cuda" and device.index is None:
         device = torch.device("cuda", world.local_rank)
     dist_init(world, device)
-    cache = DataCache(cache_dir_for(cfg), shard_max_bytes=cfg.precompute.shard_max_mb << 20, writer=world.rank)
+    cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
     report = PrecomputeReport(cache_dir=cache.root)
 
     video = getattr(family, "video", False)
@@ -77,6 +77,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             caption_ext=cfg.data.caption_ext,
             tag_ext=cfg.data.tag_ext,
             caption_source=cfg.data.caption_source,
+            caption_fallback=cfg.data.caption_fallback,
         )
     report.skipped += [(str(p), why) for p, why in skipped]
     db = cfg.dreambooth
@@ -109,17 +110,27 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     memo = cache.read_json("fingerprints.json", {})
     vae_fp, stage_fp = None, {}
     if not plan_only:  # the keys need the encoders' weight hashes; a plan needs neither
-        vae_fp = family.fingerprint(cfg.model, family.image_encoder, memo)
         # each text stage has its own key: a changed T5 precision re-encodes T5 only
-        stage_fp = {
-            s: sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]), pc.text_encoder_dtype,
-                           family.text_stage_tag(s, opts))
-            for s in stages
-        }
+        vae_fp, stage_fp = cache_fingerprints(family, cfg, memo)
         if world.main:
             cache.write_json("fingerprints.json", memo)
     crop_mode = "random" if d.random_crop else "center"
+    aug = CaptionAugment.from_config(d)
+    text_key = lambda s, caption: sha256_text("text", family.name, s, stage_fp[s], caption)  # noqa: E731
+    caption_of: dict[str, str] = {}  # text entry key -> the caption it encodes
+    empty_text = None
+    if aug.dropout_rate > 0 and not plan_only:  # the empty caption, once, for the caption dropout
+        empty_text = {s: text_key(s, "") for s in stages}
+        caption_of.update((k, "") for k in empty_text.values())
 
+    # the images' sha256 (their latents' keys), read by threads: hashing releases the GIL, and one
+    # thread at a time would leave a fast disk idle
+    hashes: dict = {}
+    if not plan_only:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            hashes = dict(zip((r.path for r, _ in records), pool.map(sha256_file, (r.path for r, _ in records))))
     plan = []
     for r, is_prior in records:
         frames = None
@@ -138,15 +149,27 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
             report.skipped.append((str(r.path), str(e)))
             continue
+        enlarge = max(bucket[0] / r.width, bucket[1] / r.height)
+        if d.max_upscale is not None and enlarge > d.max_upscale:
+            report.skipped.append((str(r.path), f"too small: {r.width}x{r.height} would be enlarged {enlarge:.1f}x to fill "
+                                   f"its bucket {bucket[0]}x{bucket[1]} (data.max_upscale is {d.max_upscale:g})"))
+            continue
         if plan_only:
             plan.append({"record": r, "bucket": bucket, "frames": frames, "prior": is_prior})
             continue
-        img_hash = sha256_file(r.path)
+        img_hash = hashes[r.path]
         clip = f"{frames}:{d.frame_sampling}" if video else ""  # the frames taken are part of what is encoded
         lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip)
-        tkeys = {s: sha256_text("text", family.name, s, stage_fp[s], r.caption) for s in stages}
+        tkeys = {s: text_key(s, r.caption) for s in stages}
+        caption_of.update((k, r.caption) for k in tkeys.values())
+        variants = None
+        if aug.varies and not is_prior:  # augmented captions, each cached like any caption
+            variants = []
+            for v in caption_variants(r.caption, aug):
+                variants.append({s: text_key(s, v) for s in stages})
+                caption_of.update((k, v) for k in variants[-1].values())
         plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
-                     "prior": is_prior, "frames": frames, "indices": indices if video else None})
+                     "prior": is_prior, "frames": frames, "indices": indices if video else None, "variants": variants})
 
     if plan_only:
         for p in plan:
@@ -162,54 +185,43 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         todo = [p for p in plan if p["latent"] in mine_lat]
         todo.sort(key=lambda p: (p["bucket"], p["frames"] or 1))
         with progress() as bar, torch.no_grad():
-            task = bar.add_task("encoding latents", total=len(todo))
-            done: set[str] = set()
-            batch: list[dict] = []
-            for p in todo + [None]:
-                if p is not None and p["latent"] in done:
-                    bar.advance(task)
+            seen: set[str] = set()
+            todo = [p for p in todo if not (p["latent"] in seen or seen.add(p["latent"]))]  # equal pixels: once
+            jobs = [(p["latent"], p["record"], p["bucket"], p["indices"], p["image_sha256"]) for p in todo]
+            task = bar.add_task("encoding latents", total=len(jobs))
+            workers = pc.num_workers if pc.num_workers is not None else default_workers()
+            batches = decoded_batches(jobs, [(p["bucket"], p["frames"] or 1) for p in todo], pc.batch_size, video=video,
+                                      random_crop=d.random_crop, workers=workers, pin=device.type == "cuda")
+            unreadable: set[str] = set()
+            for b in batches:
+                for key, path, why in b["errors"]:
+                    report.skipped.append((path, why))
+                    unreadable.add(key)
+                if b["pixels"] is None:
+                    bar.advance(task, len(b["errors"]))
                     continue
-                shape = None if p is None else (p["bucket"], p["frames"])
-                flush = p is None or (batch and (batch[0]["shape"] != shape or len(batch) >= pc.batch_size))
-                if flush and batch:
-                    pix = torch.stack([b["pixels"] for b in batch])
-                    lat = family.encode_images(comps, pix)
-                    extra = {}
-                    if getattr(family, "image_conditioned", False):
-                        # image-to-video: the noise-augmented first frame, seeded by the clip's content; only its
-                        # first latent frame is stored (the rest are zeros, added back at training time)
-                        g = torch.Generator().manual_seed(int(batch[0]["latent"][:15], 16))
-                        extra["image_latents"] = family.encode_first_frame(comps, pix, generator=g)[:, :, :1]
-                    if not torch.isfinite(lat).all():
-                        raise DataError(
-                            "The VAE produced NaN/inf latents.",
-                            hint="SDXL's VAE overflows in fp16: set precompute.vae_dtype: fp32 (or bf16).",
-                        )
-                    for j, (b, l) in enumerate(zip(batch, lat)):
-                        # the crop offsets are SDXL conditioning: they live with the latent
-                        entry = {"latents": l, "crop": torch.tensor(b["crop"], dtype=torch.int64)}
-                        entry.update({k: v[j] for k, v in extra.items()})
-                        cache.put(b["latent"], entry)
-                        bar.advance(task)
-                    batch = []
-                if p is None:
-                    break
-                rng = random.Random(p["image_sha256"]) if d.random_crop else None
-                try:
-                    if video:
-                        from ..data.video import load_clip
-
-                        pixels, crop = load_clip(p["record"], p["indices"], p["bucket"], rng=rng)
-                    else:
-                        fitted, crop = fit_to_bucket(load_rgb(p["record"].path), p["bucket"], rng=rng)
-                        pixels = _to_pixels(fitted)
-                except DataError as e:
-                    report.skipped.append((str(p["record"].path), e.message))
+                pix = to_unit_range(b["pixels"].to(device, non_blocking=True))
+                lat = family.encode_images(comps, pix)
+                extra = {}
+                if getattr(family, "image_conditioned", False):
+                    # image-to-video: the noise-augmented first frame, seeded by the clip's content; only its
+                    # first latent frame is stored (the rest are zeros, added back at training time)
+                    g = torch.Generator().manual_seed(int(b["keys"][0][:15], 16))
+                    extra["image_latents"] = family.encode_first_frame(comps, pix, generator=g)[:, :, :1]
+                if not torch.isfinite(lat).all():
+                    raise DataError(
+                        "The VAE produced NaN/inf latents.",
+                        hint="SDXL's VAE overflows in fp16: set precompute.vae_dtype: fp32 (or bf16).",
+                    )
+                for j, (key, crop) in enumerate(zip(b["keys"], b["crops"])):
+                    # the crop offsets are SDXL conditioning: they live with the latent
+                    entry = {"latents": lat[j], "crop": torch.tensor(crop, dtype=torch.int64)}
+                    entry.update({k: v[j] for k, v in extra.items()})
+                    cache.put(key, entry)
+                bar.advance(task, len(b["keys"]) + len(b["errors"]))
+            for p in plan:
+                if p["latent"] in unreadable:
                     p["bad"] = True
-                    bar.advance(task)
-                    continue
-                batch.append({"latent": p["latent"], "pixels": pixels, "crop": crop, "shape": shape})
-                done.add(p["latent"])
         cache.flush()
         del comps
         gc.collect()
@@ -227,13 +239,12 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     report.latents_reused = len(plan) - sum(p["latent"] in missing_lat for p in plan)
 
     # text stages one after another: only one stage's encoders are loaded at a time
-    caption_of = {}
-    for p in plan:
-        for s_, k in p["texts"].items():
-            caption_of[k] = p["record"].caption
-    all_keys = set(caption_of)
+    used = {k for p in plan for k in [*p["texts"].values(), *(k for v in p["variants"] or () for k in v.values())]}
+    used |= set((empty_text or {}).values())
+    all_keys = used
     for stage in stages:
-        keys = sorted({p["texts"][stage] for p in plan})
+        keys = sorted({p["texts"][stage] for p in plan} | {v[stage] for p in plan for v in p["variants"] or ()}
+                      | ({empty_text[stage]} if empty_text else set()))
         missing_all = cache.missing(keys)
         report.texts_encoded += len(missing_all)
         missing_txt = missing_all[world.rank :: world.size]  # this process's share
@@ -258,8 +269,19 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         _merge(cache, world)
     report.texts_reused = len(all_keys) - report.texts_encoded
 
-    for path, why in report.skipped:
+    for p in plan:
+        r = p["record"]
+        mode = getattr(r, "mode", "RGB")
+        if mode != "RGB":
+            report.converted[mode] = report.converted.get(mode, 0) + 1
+        if not p["prior"] and getattr(r, "caption_from", None):
+            report.captions[r.caption_from] = report.captions.get(r.caption_from, 0) + 1
+    if world.main:
+        report.report_file = _write_report(cache, cfg, report, len(plan))
+    for path, why in report.skipped[:20]:
         warn(f"skipped {path}: {why}")
+    if len(report.skipped) > 20:
+        warn(f"... and {len(report.skipped) - 20} more skipped (all of them: {cache.root / 'precompute-report.json'})")
     if not plan:
         raise DataError(
             f"No usable images in {cfg.data.dir}" + (f" ({len(report.skipped)} skipped)" if report.skipped else "") + ".",
@@ -288,6 +310,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
                 "original_size": [r.height, r.width],
                 "latent": p["latent"],
                 "texts": p["texts"],
+                **({"text_variants": p["variants"]} if p["variants"] else {}),
                 **({"prior": True} if p["prior"] else {}),
             }
         )
@@ -301,12 +324,33 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             "text_stages": stage_fp,
             "vae_dtype": pc.vae_dtype,
             "text_encoder_dtype": pc.text_encoder_dtype,
+            "captions": aug.record(),
+            **({"empty_text": empty_text} if empty_text else {}),
             "items": items,
         },
     )
     report.items = len(items)
     dist_barrier(world)
     return report
+
+
+def _write_report(cache: DataCache, cfg: Config, report: PrecomputeReport, usable: int) -> Path:
+    """precompute-report.json in the cache: every skipped file with the reason, the conversions and where
+    the captions came from (written atomically, before a run with nothing usable fails)."""
+    import datetime
+
+    path = cache.root / "precompute-report.json"
+    cache.write_json(path.name, {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "data_dir": str(cfg.data.dir),
+        "usable": usable,
+        "skipped": [{"path": p, "reason": why} for p, why in report.skipped],
+        "converted": report.converted,
+        "captions": report.captions,
+        "latents_encoded": report.latents_encoded,
+        "latents_reused": report.latents_reused,
+    })
+    return path
 
 
 def _gather(values: list, world) -> list:

@@ -36,6 +36,8 @@ from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
                            make_optimizer,
                            weights_dtype)
+from .cache_check import check_cache
+from ..data.captions import CaptionAugment, live_caption, pick_text
 from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, to_dtype
 from . import checkpoint as ckpt
@@ -187,6 +189,7 @@ class Trainer:
                 f"The cache at {cache.root} was made for {index.get('family')!r}, not {self.family.name!r}.",
                 hint="Point data.cache_dir at the cache of this model family, or run precompute again.",
             )
+        self.index = index
         return cache, index["items"]
 
     def _setup(self):
@@ -211,6 +214,8 @@ class Trainer:
         self.val_items = self._hold_out()
         parts, lrs = plan_parts(cfg, self.family)
         self.live_stages = live_stages(cfg, self.family, lrs)
+        check_cache(cfg, self.family, self.cache, self.index, self.live_stages)
+        self.caption_aug = CaptionAugment.from_config(cfg.data)
         if self.live_stages:
             info(f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
                  "those cached embeddings are not used")
@@ -385,9 +390,13 @@ class Trainer:
         pool = [it for it in self.prior_items if key(it) == bucket]
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
-    def _batch(self, idx: list[int], items: list[dict] | None = None) -> dict[str, torch.Tensor]:
+    def _batch(self, idx: list[int], items: list[dict] | None = None, augment: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors of a micro-batch. ``augment``: the captions as caption augmentation draws them this
+        epoch (the training batches), else as written (validation, prior images)."""
         fam, dev = self.family, self.device
         items = items if items is not None else [self.items[i] for i in idx]
+        seed, aug = self.cfg.train.seed, self.caption_aug
+        texts = [pick_text(it, aug, seed, self.epoch, self.index.get("empty_text")) if augment else it["texts"] for it in items]
         lat_entries = [self.cache.get(it["latent"]) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
         batch = {"latents": torch.stack([le["latents"] for le in lat_entries]).to(dev)}
@@ -396,9 +405,11 @@ class Trainer:
         for stage in fam.enabled_stages(self.cfg.text_encoders):
             if stage in self.live_stages:
                 comps = {**self.comps, **self.wrapped}
-                stages[stage] = fam.encode_prompts(comps, [it["caption"] for it in items], stage, self.cfg.text_encoders)
+                captions = [live_caption(it["caption"], aug, seed, self.epoch, it["key"]) if augment else it["caption"]
+                            for it in items]
+                stages[stage] = fam.encode_prompts(comps, captions, stage, self.cfg.text_encoders)
             else:
-                entries = [self.cache.get(it["texts"][stage]) for it in items]
+                entries = [self.cache.get(tx[stage]) for tx in texts]
                 stages[stage] = {k: torch.stack([e[k] for e in entries]).to(dev) for k in entries[0]}
         batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
@@ -554,7 +565,7 @@ class Trainer:
                         scale = self.world.size * (sl.stop - sl.start) / len(idx)
                         idx = idx[sl]
                         prior = prior[sl] if prior is not None else None
-                    batch = self._batch(idx)
+                    batch = self._batch(idx, augment=True)
                     sync = self._no_sync() if micro + 1 < t.grad_accum else contextlib.nullcontext()
                     with sync:
                         loss, prior_value = self._micro_step(batch, prior, scale)
