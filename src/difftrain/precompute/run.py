@@ -8,6 +8,7 @@ after. The result is ``index.json`` in the cache: the items training reads.
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -45,6 +46,9 @@ class PrecomputeReport:
     captions: dict[str, int] = field(default_factory=dict)
     """Where the items' captions came from: caption, tags, caption+tags, or the fallback (empty, filename)."""
     report_file: Path | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of the phases: plan (scan, hashes, keys), latents (decode + encode + write, the encoder's
+    loading excluded), texts; benchmarks/data_pipeline.py reads them."""
 
 
 def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> PrecomputeReport:
@@ -63,6 +67,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     dist_init(world, device)
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
     report = PrecomputeReport(cache_dir=cache.root)
+    t_start = time.perf_counter()
 
     video = getattr(family, "video", False)
     if video:
@@ -177,6 +182,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             report.buckets[key] = report.buckets.get(key, 0) + 1
         report.items = len(plan)
         return report
+    report.seconds["plan"] = time.perf_counter() - t_start
     n_skipped_before = len(report.skipped)  # the same on every process: what the scan and the plan dropped
     missing_lat = set(cache.missing(p["latent"] for p in plan))
     mine_lat = set(sorted(missing_lat)[world.rank :: world.size])  # this process's share
@@ -193,6 +199,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             batches = decoded_batches(jobs, [(p["bucket"], p["frames"] or 1) for p in todo], pc.batch_size, video=video,
                                       random_crop=d.random_crop, workers=workers, pin=device.type == "cuda")
             unreadable: set[str] = set()
+            t_lat = time.perf_counter()
             for b in batches:
                 for key, path, why in b["errors"]:
                     report.skipped.append((path, why))
@@ -223,6 +230,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
                 if p["latent"] in unreadable:
                     p["bad"] = True
         cache.flush()
+        report.seconds["latents"] = time.perf_counter() - t_lat
         del comps
         gc.collect()
         if device.type == "cuda":
@@ -242,6 +250,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     used = {k for p in plan for k in [*p["texts"].values(), *(k for v in p["variants"] or () for k in v.values())]}
     used |= set((empty_text or {}).values())
     all_keys = used
+    t_txt = time.perf_counter()
     for stage in stages:
         keys = sorted({p["texts"][stage] for p in plan} | {v[stage] for p in plan for v in p["variants"] or ()}
                       | ({empty_text[stage]} if empty_text else set()))
@@ -268,6 +277,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             torch.cuda.empty_cache()
         _merge(cache, world)
     report.texts_reused = len(all_keys) - report.texts_encoded
+    report.seconds["texts"] = time.perf_counter() - t_txt
 
     for p in plan:
         r = p["record"]
