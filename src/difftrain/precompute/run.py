@@ -28,7 +28,7 @@ from ..families.common import cache_fingerprints
 from ..families.registry import get_family
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .prior import ensure_class_images
-from ..utils import pick_device, sha256_file, sha256_text, to_dtype
+from ..utils import fix_malloc_mmap_threshold, pick_device, sha256_file, sha256_text, to_dtype
 
 
 @dataclass
@@ -68,6 +68,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
     report = PrecomputeReport(cache_dir=cache.root)
     t_start = time.perf_counter()
+    fix_malloc_mmap_threshold()  # host RAM flat however many images pass through (see its docstring)
 
     video = getattr(family, "video", False)
     if video:
