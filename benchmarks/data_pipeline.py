@@ -7,6 +7,8 @@ Cases (each prints a line; a table is printed last; JSON under --out):
   (scan, headers, buckets), in-process.
 * ``rss N``: N small images (128x128 PNG, distinct pixels and captions) precomputed with the tiny SDXL on the
   CPU, in a fresh process: wall time and peak RSS of the main process and of the largest decode worker.
+  Entries wait in RAM until their shard is written, so the main process may hold up to one shard
+  (``--shard-mb``, default 512) on top of a flat base.
 * ``throughput``: the same batches of photo-sized JPEGs (decoded, resized and cropped to their buckets) through
   the VAE two ways: end to end (``precompute()``: decode workers, host-to-device copy, encode, cache writes;
   its latent phase's wall time) and encoder alone (every batch decoded beforehand and already on the device,
@@ -134,18 +136,19 @@ print(json.dumps({"seconds": time.perf_counter() - t, "items": r.items, "phases"
 """
 
 
-def case_rss(work: Path, n: int, workers: int | None) -> dict:
+def case_rss(work: Path, n: int, workers: int | None, shard_mb: float | None = None) -> dict:
     t = time.perf_counter()
     data = make_small_set(work / f"small{n}", n)
     made = time.perf_counter() - t
     cache = work / f"small{n}-cache"
     shutil.rmtree(cache, ignore_errors=True)
     sets = [f"model.path={tiny_model(work)}", f"data.dir={data}", f"data.cache_dir={cache}", "precompute.device=cpu",
-            "precompute.batch_size=16"] + ([f"precompute.num_workers={workers}"] if workers is not None else [])
+            "precompute.batch_size=16"] + ([f"precompute.num_workers={workers}"] if workers is not None else []) \
+        + ([f"precompute.shard_max_mb={shard_mb}"] if shard_mb else [])
     out = subprocess.run([sys.executable, "-c", RSS_CHILD, *sets], capture_output=True, text=True, check=True,
                          env={**os.environ, "DIFFTRAIN_PROGRESS": "0"})
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"case": f"rss {n}", "images": res["items"], "seconds": round(res["seconds"], 1),
+    return {"case": f"rss {n}" + (f" shards {shard_mb:g} MB" if shard_mb else ""), "images": res["items"], "seconds": round(res["seconds"], 1),
             "images_per_s": round(res["items"] / res["seconds"], 1),
             "latent_phase_s": round(res["phases"].get("latents", 0), 1),
             "peak_rss_main_mib": round(res["self_kib"] / 1024), "peak_rss_worker_mib": round(res["workers_kib"] / 1024),
@@ -237,6 +240,7 @@ def main() -> None:
     p = sub.add_parser("rss")
     p.add_argument("n", type=int, nargs="+")
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--shard-mb", type=float, default=None, help="precompute.shard_max_mb (default: the config's, 512)")
     p = sub.add_parser("throughput")
     p.add_argument("--model", choices=["tiny", "sdxl"], default="tiny")
     p.add_argument("--images", type=int, default=64)
@@ -252,7 +256,7 @@ def main() -> None:
     if a.case == "plan":
         rows = [case_plan(a.work, n) for n in a.n]
     elif a.case == "rss":
-        rows = [case_rss(a.work, n, a.workers) for n in a.n]
+        rows = [case_rss(a.work, n, a.workers, a.shard_mb) for n in a.n]
     else:
         rows = [case_throughput(a.work, a.model, a.images, a.device, w, a.batch, a.resolution, a.vae_dtype) for w in a.workers]
     for row in rows:
