@@ -320,6 +320,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
                 **({"frames": p["frames"]} if p["frames"] else {}),
                 "original_size": [r.height, r.width],
                 "latent": p["latent"],
+                "image_sha256": p["image_sha256"],
                 "texts": p["texts"],
                 **({"text_variants": p["variants"]} if p["variants"] else {}),
                 **({"prior": True} if p["prior"] else {}),
