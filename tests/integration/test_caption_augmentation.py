@@ -35,6 +35,10 @@ def test_shuffled_variants_are_cached_and_training_draws_them(tiny_model, datase
     cache = DataCache(tmp_path / "cache")
     assert not cache.missing(expected)
     assert (precompute(cfg).texts_encoded) == 0  # seeded by the caption: a rerun finds them all
+    from difftrain.data.cache import prune_cache, verify_cache
+
+    assert prune_cache(tmp_path / "cache")["entries_dropped"] == 0  # variants and the empty caption are in use
+    assert verify_cache(tmp_path / "cache") == []
 
     read = []
     orig_get = DataCache.get

@@ -174,12 +174,14 @@ def merge_manifests(root: Path) -> int:
 
 # ------------------------------------------------------------------ maintenance: difftrain cache info | verify | prune
 def _referenced(cache: DataCache) -> set[str]:
-    """Entry keys that index.json's items use (latents and every caption stage)."""
-    items = (cache.read_json("index.json", {}) or {}).get("items", [])
-    keys = set()
-    for it in items:
+    """Entry keys that index.json uses: each item's latent and captions of every stage, their augmented
+    variants, and the empty caption of the caption dropout."""
+    index = cache.read_json("index.json", {}) or {}
+    keys = set((index.get("empty_text") or {}).values())
+    for it in index.get("items", []):
         keys.add(it.get("latent"))
-        keys.update((it.get("texts") or {}).values())
+        for texts in (it.get("texts") or {}, *(it.get("text_variants") or ())):
+            keys.update(texts.values())
     keys.discard(None)
     return keys
 

@@ -247,14 +247,13 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     report.latents_encoded = len({p["latent"] for p in plan if p["latent"] in missing_lat})
     report.latents_reused = len(plan) - sum(p["latent"] in missing_lat for p in plan)
 
-    # text stages one after another: only one stage's encoders are loaded at a time
-    used = {k for p in plan for k in [*p["texts"].values(), *(k for v in p["variants"] or () for k in v.values())]}
-    used |= set((empty_text or {}).values())
-    all_keys = used
+    # every caption entry the items use ({stage: key} each): their captions, augmented variants, the empty caption
+    text_sets = [t for p in plan for t in (p["texts"], *(p["variants"] or ()))] + ([empty_text] if empty_text else [])
+    n_text_keys = len({k for t in text_sets for k in t.values()})
     t_txt = time.perf_counter()
+    # text stages one after another: only one stage's encoders are loaded at a time
     for stage in stages:
-        keys = sorted({p["texts"][stage] for p in plan} | {v[stage] for p in plan for v in p["variants"] or ()}
-                      | ({empty_text[stage]} if empty_text else set()))
+        keys = sorted({t[stage] for t in text_sets})
         missing_all = cache.missing(keys)
         report.texts_encoded += len(missing_all)
         missing_txt = missing_all[world.rank :: world.size]  # this process's share
@@ -277,7 +276,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         if device.type == "cuda":
             torch.cuda.empty_cache()
         _merge(cache, world)
-    report.texts_reused = len(all_keys) - report.texts_encoded
+    report.texts_reused = n_text_keys - report.texts_encoded
     report.seconds["texts"] = time.perf_counter() - t_txt
 
     for p in plan:
