@@ -43,11 +43,11 @@ def cache_differences(cfg: Config, family, cache: DataCache, index: dict, live_s
     want = CaptionAugment.from_config(cfg.data)
     had = index.get("captions")
     if had is not None and not _all_live(family, cfg, live_stages):
+        now = want.record()
+        changed = [f"{k} {had.get(k)!r} -> {now[k]!r}" for k in now if k != "dropout" and had.get(k) != now[k]]
         if want.varies and had.get("variants", 0) == 0:
             diffs.append("data.shuffle_caption / caption_tag_dropout_rate: set, but the cache holds one version of each caption")
-        elif want.varies and had != {**want.record(), "dropout": had.get("dropout")}:
-            now = want.record()
-            changed = [f"{k} {had.get(k)!r} -> {now[k]!r}" for k in now if k != "dropout" and had.get(k) != now[k]]
+        elif want.varies and changed:
             diffs.append("caption augmentation changed since the cache was made: " + ", ".join(changed))
         if want.dropout_rate > 0 and not index.get("empty_text"):
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
