@@ -322,19 +322,13 @@ def load_rgb(path: Path) -> Image.Image:
     Raises :class:`DataError` naming the file when it cannot be opened or decoded (corrupt,
     truncated, not an image, or a pixel mode that has no RGB conversion).
     """
-    return open_rgb(path)[0]
-
-
-def open_rgb(path: Path) -> tuple[Image.Image, str]:
-    """:func:`load_rgb`, and the file's own pixel mode (what was converted)."""
     try:
         with Image.open(path) as image:
             orientation = _exif_orientation(image)  # before load(): same rule as read_image_size
-            mode = image.mode
             image.load()
             if orientation in _TRANSPOSE:
                 image = image.transpose(_TRANSPOSE[orientation])
-            return to_rgb(image), mode
+            return to_rgb(image)
     except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
         raise DataError(
             f"cannot decode image {path}: {exc}",

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..data.buckets import fit_to_bucket
-from ..data.sources import open_rgb
+from ..data.sources import load_rgb
 from ..errors import DataError
 
 
@@ -29,7 +29,7 @@ def default_workers() -> int:
 
 
 class DecodeSet(Dataset):
-    """Item ``i`` of ``jobs`` decoded and fitted to its bucket: ``{"key", "pixels", "crop", "mode"}`` or
+    """Item ``i`` of ``jobs`` decoded and fitted to its bucket: ``{"key", "pixels", "crop"}`` or
     ``{"key", "path", "error"}``. A job is ``(latent key, record, bucket, frame indices, image sha256)``."""
 
     def __init__(self, jobs: list[tuple], video: bool, random_crop: bool):
@@ -46,14 +46,12 @@ class DecodeSet(Dataset):
                 from ..data.video import load_clip
 
                 pixels, crop = load_clip(record, indices, bucket, rng=rng)
-                mode = "video"
             else:
-                image, mode = open_rgb(record.path)
-                fitted, crop = fit_to_bucket(image, bucket, rng=rng)
+                fitted, crop = fit_to_bucket(load_rgb(record.path), bucket, rng=rng)
                 pixels = torch.from_numpy(np.asarray(fitted, dtype=np.uint8).copy()).permute(2, 0, 1)
         except DataError as e:
             return {"key": key, "path": str(record.path), "error": e.message}
-        return {"key": key, "pixels": pixels, "crop": crop, "mode": mode}
+        return {"key": key, "pixels": pixels, "crop": crop}
 
 
 def collate(samples: list[dict]) -> dict:
@@ -64,7 +62,6 @@ def collate(samples: list[dict]) -> dict:
         "keys": [s["key"] for s in good],
         "pixels": torch.stack([s["pixels"] for s in good]) if good else None,
         "crops": [s["crop"] for s in good],
-        "modes": [s["mode"] for s in good],
         "errors": [(s["key"], s["path"], s["error"]) for s in samples if "error" in s],
     }
 
