@@ -74,26 +74,21 @@ def caption_for(caption: str | None, tags: str | None, source: str = "caption_th
 
     Neither present gives ``""``.
     """
+    return caption_with_origin(caption, tags, source)[0]
+
+
+def caption_with_origin(caption: str | None, tags: str | None, source: str = "caption_then_tags") -> tuple[str, str]:
+    """:func:`caption_for`, and which of the two it used: ``caption``, ``tags``, ``caption+tags``, or ``""``."""
     check_caption_source(source)
     caption, tags = (caption or "").strip(), (tags or "").strip()
     if source == "tags":
-        return tags
-    if source == "caption_and_tags":
-        return ", ".join(part for part in (caption, tags) if part)
-    return caption or tags
+        return tags, "tags" if tags else ""
+    if source == "caption_and_tags" and caption and tags:
+        return f"{caption}, {tags}", "caption+tags"
+    return (caption, "caption") if caption else (tags, "tags" if tags else "")
 
 
 CAPTION_FALLBACKS: tuple[str, ...] = ("empty", "filename")
-
-
-def caption_origin(caption: str | None, tags: str | None, source: str) -> str:
-    """Which of caption and tags :func:`caption_for` used: ``caption``, ``tags``, ``caption+tags``, or ``""``."""
-    has_c, has_t = bool((caption or "").strip()), bool((tags or "").strip())
-    if source == "tags":
-        return "tags" if has_t else ""
-    if source == "caption_and_tags" and has_c and has_t:
-        return "caption+tags"
-    return "caption" if has_c else ("tags" if has_t else "")
 
 
 def fallback_caption(path: Path, fallback: str) -> str:
@@ -267,8 +262,9 @@ def scan_dataset(
         seen[key] = path
         texts = index.texts(path) if index is not None else None
         caption, tags = texts if texts is not None else sidecar_texts(path, caption_ext, tag_ext)
-        origin = caption_origin(caption, tags, caption_source)
-        text = caption_for(caption, tags, caption_source) if origin else fallback_caption(path, caption_fallback)
+        text, origin = caption_with_origin(caption, tags, caption_source)
+        if not origin:
+            text = fallback_caption(path, caption_fallback)
         records.append(ImageRecord(key, path, text, width, height, origin or caption_fallback, mode))
     return records, skipped
 

@@ -300,14 +300,14 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     if strict and report.skipped:
         raise DataError(f"{len(report.skipped)} image(s) could not be used and --strict is set.", hint="Fix or remove them.")
 
-    items = []
+    for p in plan:
+        bucket = f"{p['bucket'][0]}x{p['bucket'][1]}"
+        report.buckets[bucket] = report.buckets.get(bucket, 0) + 1
+    report.items = len(plan)
     if not world.main:  # the first process writes the index
-        for p in plan:
-            bw, bh = p["bucket"]
-            report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1
-        report.items = len(plan)
         dist_barrier(world)
         return report
+    items = []
     for p in plan:
         r, (bw, bh) = p["record"], p["bucket"]
         items.append(
@@ -325,7 +325,6 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
                 **({"prior": True} if p["prior"] else {}),
             }
         )
-        report.buckets[f"{bw}x{bh}"] = report.buckets.get(f"{bw}x{bh}", 0) + 1
     cache.write_json(
         "index.json",
         {
@@ -340,7 +339,6 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             "items": items,
         },
     )
-    report.items = len(items)
     dist_barrier(world)
     return report
 
