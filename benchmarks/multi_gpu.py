@@ -39,6 +39,7 @@ CASES = {
     "L4": ("SDXL LoRA r16 1024, DDP, 4 GPUs", SDXL, 4, []),
     "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3),
     "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3),
+    "Z2": ("SDXL full, ZeRO-3, 2 GPUs", SDXL, 2, ZERO3),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3),
     "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"]),
 }
@@ -102,7 +103,16 @@ class Sampler(threading.Thread):
             pass
         return vals
 
+    @staticmethod
+    def available() -> float:
+        """The node's MemAvailable in GiB (page cache that can be dropped counts as available)."""
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+        return 0.0
+
     def run(self):
+        base = self.available()
         while not self.stop:
             m = self.run_dir / "metrics.jsonl"
             phase = "train" if m.exists() and m.stat().st_size > 0 else "load"
@@ -115,6 +125,7 @@ class Sampler(threading.Thread):
                     peak[f"sum_{k}"] = max(peak.get(f"sum_{k}", 0), total)
                     peak[f"max_rank_{k}"] = max(peak.get(f"max_rank_{k}", 0), max(v.get(k, 0) for v in per.values()))
                 peak["ranks"] = max(peak.get("ranks", 0), len(per))
+                peak["node_used"] = max(peak.get("node_used", 0), base - self.available())
             time.sleep(0.05)
 
 
@@ -178,7 +189,7 @@ def main() -> None:
         print(json.dumps(r)[:1500], flush=True)
     base = next((r["samples_per_s"] for r in rows if r.get("gpus") == 1 and r["case"].startswith("L") and r.get("samples_per_s")), None)
     print("\n| case | GPUs | s/step | samples/s | scaling | host GiB load: sum Pss / sum Rss / max rank Rss / sum Anon "
-          "| host GiB train: sum Pss / sum Rss / sum Anon | GPU peak alloc GiB per rank |")
+          "/ node MemAvailable drop | host GiB train: sum Pss / sum Rss / sum Anon / node drop | GPU peak alloc GiB per rank |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
@@ -188,8 +199,8 @@ def main() -> None:
         eff = f"{r['samples_per_s'] / (r['gpus'] * base):.0%}" if base and r["case"].startswith("L") and r["samples_per_s"] else ""
         f = lambda d, k: f"{d.get(k, 0):.2f}"  # noqa: E731
         print(f"| {r['case']} {r['what']} | {r['gpus']} | {r['s_per_step']} | {r['samples_per_s']} | {eff} | "
-              f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} | "
-              f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} | {r['gpu_peak_alloc_gib']} |")
+              f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} / {f(ld, 'node_used')} | "
+              f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} / {f(tr, 'node_used')} | {r['gpu_peak_alloc_gib']} |")
 
 
 if __name__ == "__main__":

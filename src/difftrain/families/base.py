@@ -43,6 +43,10 @@ class ModelFamily(Protocol):
         ``dtype`` (SD3's T5: "int8" | "nf4" through bitsandbytes, or a float type).
         """
 
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        """``part`` built from the model's config (the folder's, else the bundled architecture's) without reading a
+        weight: what DeepSpeed's ``zero.Init`` partitions as it is built, to be filled from the weights after."""
+
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights for cache keys; ``memo`` (file stat -> hash) makes reruns cheap."""
 

@@ -388,6 +388,12 @@ class CogVideoX:
             comps["tokenizer"] = self._tokenizer(kind, p, mcfg)
         return comps
 
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        kind, p = self._source(mcfg)
+        folder = p / part / "config.json" if kind == "diffusers" else None
+        cfg_file = folder if folder is not None and folder.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
+        return _new_module(part, _read_json(cfg_file))
+
     def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
         from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
         from transformers import T5EncoderModel

@@ -224,6 +224,14 @@ class SD3:
         comps.update(toks)
         return comps
 
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        kind, p = self._source(mcfg)
+        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config or DEFAULT_CONFIG)
+        module = _new_module(part, _read_json(base / part / "config.json"))
+        if part == "transformer":  # as load() records it
+            self.joint_attention_dim = int(module.config.joint_attention_dim)
+        return module
+
     def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
         from diffusers import AutoencoderKL, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel

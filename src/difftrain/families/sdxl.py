@@ -117,6 +117,11 @@ class SDXL:
             comps.update(self._tokenizers(kind, p, mcfg))
         return comps
 
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        kind, p = self._source(mcfg)
+        base = p if kind == "diffusers" else bundled_config_dir(_arch(mcfg))
+        return _new_module(part, _read_json(base / part / "config.json"))
+
     def _load_diffusers(self, p: Path, parts: list[str], dtype, device) -> dict[str, Any]:
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection

@@ -80,8 +80,8 @@ def _single_process_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Parameter]):
-    """The DeepSpeed engine over ``module`` training ``params``; returns (engine, optimizer for lr schedules)."""
+def _deepspeed():
+    """DeepSpeed, imported, on a machine with CUDA, with the environment a launcher would set."""
     try:
         import deepspeed
     except ImportError:
@@ -91,6 +91,12 @@ def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Param
     if not torch.cuda.is_available():
         raise BackendUnavailable("memory.engine deepspeed runs on CUDA GPUs only.", hint="Set memory.engine.kind: single here.")
     _single_process_env()
+    return deepspeed
+
+
+def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Parameter]):
+    """The DeepSpeed engine over ``module`` training ``params``; returns (engine, optimizer for lr schedules)."""
+    deepspeed = _deepspeed()
     conf = ds_config(cfg)
     client = None
     if "optimizer" not in conf:
@@ -111,3 +117,96 @@ def gathered(engine, params):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
+# ------------------------------------------------------------------ ZeRO-3: build partitioned, fill from one reader
+#: how many bytes of parameters one gather makes whole on each GPU while the weights are filled in
+FILL_CHUNK_BYTES = 256 * 2**20
+
+
+def fill_weights(target: torch.nn.Module, source: torch.nn.Module | None, gather, broadcast,
+                 chunk_bytes: int = FILL_CHUNK_BYTES) -> int:
+    """Copy ``source``'s weights into ``target``, a few hundred MB at a time; returns the bytes copied.
+
+    ``source`` is given on one process only (the reader; None on the others).
+    ``gather(params)`` is a context in which ``params`` are whole on every
+    process and, on leaving it, the reader's values are what every process
+    keeps (DeepSpeed's ``GatheredParameters(params, modifier_rank=0)``);
+    ``broadcast(tensor)`` sends a buffer from the reader to the others (buffers
+    are not partitioned). Names and shapes must match exactly: the first
+    difference is raised (on the reader) before anything of it is copied.
+
+    Why our own: diffusers' ``from_pretrained`` has no ZeRO-3 path (transformers'
+    has, for its own models only), so every process would otherwise load the
+    whole model into host RAM before DeepSpeed partitions it.
+    """
+    src: dict[str, torch.Tensor] = {}
+    if source is not None:
+        src = {**dict(source.named_parameters(remove_duplicate=False)), **dict(source.named_buffers(remove_duplicate=False))}
+        want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {n for n, _ in target.named_buffers(remove_duplicate=False)}
+        missing, extra = sorted(want - set(src)), sorted(set(src) - want)
+        if missing or extra:
+            raise ValueError(f"the weights do not fit the model built from its config: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}")
+    copied = 0
+    seen: set[int] = set()
+    chunk: list[tuple[str, torch.nn.Parameter]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal copied, size
+        if not chunk:
+            return
+        with gather([p for _, p in chunk]):
+            if source is not None:
+                with torch.no_grad():
+                    for name, p in chunk:
+                        s = src[name]
+                        if tuple(s.shape) != tuple(p.shape):
+                            raise ValueError(f"{name} has shape {tuple(s.shape)} in the weights, {tuple(p.shape)} in the model")
+                        p.data.copy_(s)
+                        copied += s.numel() * s.element_size()
+        chunk.clear()
+        size = 0
+
+    for name, p in target.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # a tied weight: filled once
+            continue
+        seen.add(id(p))
+        chunk.append((name, p))
+        size += _full_numel(p) * p.element_size()
+        if size >= chunk_bytes:
+            flush()
+    flush()
+    for name, b in target.named_buffers(remove_duplicate=False):
+        if source is not None:
+            with torch.no_grad():
+                b.copy_(src[name])
+        broadcast(b)
+    return copied
+
+
+def _full_numel(p: torch.Tensor) -> int:
+    """A ZeRO-3 parameter's whole size (its ``numel()`` is its partition's)."""
+    shape = getattr(p, "ds_shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else p.numel()
+
+
+def build_partitioned(cfg: Config, build, read, main: bool) -> torch.nn.Module:
+    """A module built under ``deepspeed.zero.Init`` (each process allocates only its share of every weight) and
+    filled from ``read()``, which only the main process calls: host RAM holds one copy of the weights on the
+    node (the main process's, memory-mapped from the file), and no GPU ever holds the whole model."""
+    import torch.distributed as dist
+
+    deepspeed = _deepspeed()
+    conf = ds_config(cfg)
+    dtype = torch.bfloat16 if conf["bf16"]["enabled"] else torch.float32
+    with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype):
+        module = build()
+    source = read() if main else None
+    try:
+        fill_weights(module, source, lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0),
+                     lambda t: dist.broadcast(t, src=0) if dist.is_initialized() and dist.get_world_size() > 1 else None)
+    finally:
+        del source
+    return module.requires_grad_(False).eval()

@@ -30,7 +30,7 @@ from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
-from ..errors import CacheMismatch, CheckpointError, ConfigError, DifftrainError, LossNotFinite
+from ..errors import CacheMismatch, CheckpointError, ConfigError, DifftrainError, LossNotFinite, ModelLoadError
 from ..families.base import stage_precisions
 from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
@@ -219,9 +219,15 @@ class Trainer:
         if self.live_stages:
             info(f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
                  "those cached embeddings are not used")
-        self.comps = self.family.load(cfg.model, parts, dtype=weights_dtype(cfg.memory),
+        den = self.family.denoiser
+        e = cfg.memory.engine
+        zero3 = e.kind == "deepspeed" and e.stage == 3 and den in parts
+        loaded = [part for part in parts if not (zero3 and part == den)]
+        self.comps = self.family.load(cfg.model, loaded, dtype=weights_dtype(cfg.memory),
                                       device=load_device(cfg.memory, self.device),
-                                      precision=stage_precisions(self.family, cfg.text_encoders, self.live_stages))
+                                      precision=stage_precisions(self.family, cfg.text_encoders, self.live_stages)) if loaded else {}
+        if zero3:
+            self.comps[den] = self._partitioned_denoiser()
         self.trained: dict[str, torch.nn.Module] = {}
         self.block_swap = None
         groups = []
@@ -246,7 +252,8 @@ class Trainer:
             if part in lrs or part == self.family.denoiser:
                 apply_activations(cfg.memory, module)
             swapped = part == self.family.denoiser and cfg.memory.offload.kind == "block_swap"
-            apply_weights(cfg.memory, module, self.device, keep=keep, swapped=swapped)
+            if not (zero3 and part == den):  # ZeRO-3 placed each share of the weights where it belongs
+                apply_weights(cfg.memory, module, self.device, keep=keep, swapped=swapped)
             if swapped:
                 if self.device.type != "cuda":
                     warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
@@ -298,6 +305,22 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batch_pos = 0
+
+    def _partitioned_denoiser(self) -> torch.nn.Module:
+        """ZeRO-3: the denoiser built partitioned on every process (none holds it whole, on the GPU or in host
+        RAM) and filled by the main process alone, from its memory-mapped weights, a few hundred MB at a time."""
+        from ..memory.deepspeed_engine import build_partitioned
+
+        cfg, den = self.cfg, self.family.denoiser
+
+        def read() -> torch.nn.Module:
+            return self.family.load(cfg.model, [den], dtype=weights_dtype(cfg.memory), device="cpu")[den]
+
+        try:
+            return build_partitioned(cfg, lambda: self.family.empty_part(cfg.model, den), read, self.world.main)
+        except ValueError as err:
+            raise ModelLoadError(f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
+                                 hint="Check model.config (single files) or the folder's config.json.") from None
 
     def _wrap_ddp(self) -> None:
         """DistributedDataParallel around each trained part (its gradients averaged in buckets during backward).
