@@ -40,6 +40,8 @@ CASES = {
     "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3),
     "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3),
     "Z2": ("SDXL full, ZeRO-3, 2 GPUs", SDXL, 2, ZERO3),
+    # the same without deepspeed.zero.Init (each process loads the whole UNet; DeepSpeed partitions it after)
+    "Z4-no-init": ("SDXL full, ZeRO-3 without zero.Init, 4 GPUs", SDXL, 4, ZERO3),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3),
     "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"]),
 }
@@ -151,6 +153,8 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     sampler.start()
     t0 = time.time()
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
+    if name.endswith("-no-init"):
+        env["DIFFTRAIN_ZERO3_INIT"] = "0"
     if gpus == 1:
         env["LOCAL_RANK"] = "0"  # one plain process: marked so that the sampler finds it (a world of one)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -193,3 +193,49 @@ def fix_malloc_mmap_threshold(nbytes: int = 1 << 20) -> bool:
         return bool(libc.mallopt(-3, int(nbytes)))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # musl or another libc: nothing to set
         return False
+
+
+#: a safetensors header larger than this is refused before it is read (real ones are well under 10 MB)
+MAX_SAFETENSORS_HEADER = 100 * 2**20
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> dict:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets; "__metadata__"), read
+    without mapping the file. Raises ValueError when the file is not one or its header is absurd, before any
+    large allocation (the 8-byte length comes first and is checked against the file size and ``limit``)."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is too short to be a safetensors file ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n > limit or n > size - 8:
+            raise ValueError(f"{path} claims a {n}-byte header ({size} bytes in the file, at most {limit} accepted): "
+                             "it is damaged or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} has an unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a safetensors header that is not a JSON object")
+    return header
+
+
+def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:
+    """The floating dtype most of the bytes of ``files``' tensors (those whose name starts with ``prefix``) are
+    stored in; None when there are none or a header cannot be read."""
+    sizes: dict[torch.dtype, int] = {}
+    for f in files:
+        try:
+            header = read_safetensors_header(f)
+        except (OSError, ValueError):
+            return None
+        for name, info in header.items():
+            if name == "__metadata__" or not name.startswith(prefix) or not isinstance(info, dict):
+                continue
+            dt = _ST_DTYPES.get(info.get("dtype"))
+            offsets = info.get("data_offsets") or [0, 0]
+            if dt is not None:
+                sizes[dt] = sizes.get(dt, 0) + int(offsets[1]) - int(offsets[0])
+    return max(sizes, key=sizes.get) if sizes else None

@@ -201,7 +201,8 @@ def build_partitioned(cfg: Config, build, read, main: bool) -> torch.nn.Module:
     deepspeed = _deepspeed()
     conf = ds_config(cfg)
     dtype = torch.bfloat16 if conf["bf16"]["enabled"] else torch.float32
-    with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype):
+    # mem_efficient_linear off: it swaps torch.nn.functional.linear for DeepSpeed's own autograd function
+    with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype, mem_efficient_linear=False):
         module = build()
     source = read() if main else None
     try:

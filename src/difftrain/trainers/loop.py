@@ -39,7 +39,7 @@ from ..memory.plan import (apply_activations, apply_offload, apply_weights, appl
 from .cache_check import check_cache
 from ..data.captions import CaptionAugment, live_caption, pick_text
 from .ema import EMA
-from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, to_dtype
+from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, stored_float_dtype, to_dtype
 from . import checkpoint as ckpt
 from .. import distributed as dist_
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
@@ -221,7 +221,9 @@ class Trainer:
                  "those cached embeddings are not used")
         den = self.family.denoiser
         e = cfg.memory.engine
-        zero3 = e.kind == "deepspeed" and e.stage == 3 and den in parts
+        # DIFFTRAIN_ZERO3_INIT=0: the earlier path (every process loads the whole denoiser, DeepSpeed partitions
+        # it afterwards), kept for comparison in benchmarks/multi_gpu.py
+        zero3 = e.kind == "deepspeed" and e.stage == 3 and den in parts and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0"
         loaded = [part for part in parts if not (zero3 and part == den)]
         self.comps = self.family.load(cfg.model, loaded, dtype=weights_dtype(cfg.memory),
                                       device=load_device(cfg.memory, self.device),
@@ -314,7 +316,12 @@ class Trainer:
         cfg, den = self.cfg, self.family.denoiser
 
         def read() -> torch.nn.Module:
-            return self.family.load(cfg.model, [den], dtype=weights_dtype(cfg.memory), device="cpu")[den]
+            # in the dtype the file stores (its pages memory-mapped, no private copy): the copy to each
+            # GPU share converts; a dtype conversion here would hold a second, private copy of the model
+            p = Path(cfg.model.path)
+            files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
+            dtype = stored_float_dtype(files) if p.suffix == ".safetensors" or p.is_dir() else None
+            return self.family.load(cfg.model, [den], dtype=dtype or weights_dtype(cfg.memory), device="cpu")[den]
 
         try:
             return build_partitioned(cfg, lambda: self.family.empty_part(cfg.model, den), read, self.world.main)
