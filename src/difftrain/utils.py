@@ -197,7 +197,7 @@ def fix_malloc_mmap_threshold(nbytes: int = 1 << 20) -> bool:
 
 #: a safetensors header larger than this is refused before it is read (real ones are well under 10 MB)
 MAX_SAFETENSORS_HEADER = 100 * 2**20
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_ST_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> dict:
@@ -234,7 +234,7 @@ def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:
         for name, info in header.items():
             if name == "__metadata__" or not name.startswith(prefix) or not isinstance(info, dict):
                 continue
-            dt = _ST_DTYPES.get(info.get("dtype"))
+            dt = _ST_FLOATS.get(info.get("dtype"))
             offsets = info.get("data_offsets") or [0, 0]
             if dt is not None:
                 sizes[dt] = sizes.get(dt, 0) + int(offsets[1]) - int(offsets[0])
