@@ -221,9 +221,12 @@ class Trainer:
                  "those cached embeddings are not used")
         den = self.family.denoiser
         e = cfg.memory.engine
-        # DIFFTRAIN_ZERO3_INIT=0: the earlier path (every process loads the whole denoiser, DeepSpeed partitions
-        # it afterwards), kept for comparison in benchmarks/multi_gpu.py
-        zero3 = e.kind == "deepspeed" and e.stage == 3 and den in parts and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0"
+        # a full fine-tune under ZeRO-3 builds the denoiser partitioned. Not with LoRA: peft reads the whole shape
+        # of each adapted weight, which a partitioned one no longer has (its frozen base is then loaded by every
+        # process from the same memory-mapped pages, one copy in host RAM, before DeepSpeed partitions it).
+        # DIFFTRAIN_ZERO3_INIT=0 takes that path for full fine-tunes too (for comparison in benchmarks/multi_gpu.py)
+        zero3 = (e.kind == "deepspeed" and e.stage == 3 and den in parts and t.method == "full"
+                 and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0")
         loaded = [part for part in parts if not (zero3 and part == den)]
         self.comps = self.family.load(cfg.model, loaded, dtype=weights_dtype(cfg.memory),
                                       device=load_device(cfg.memory, self.device),
