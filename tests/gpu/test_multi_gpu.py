@@ -97,8 +97,10 @@ def test_a_two_gpu_zero2_checkpoint_resumes_on_one_gpu(cache, tiny_model, _datas
 
 def test_zero3_builds_the_model_partitioned_and_every_rank_gets_the_files_weights(cache, tiny_model, _dataset_master):
     """ZeRO-3 full fine-tune on two GPUs: the UNet is built under deepspeed.zero.Init and filled by rank 0 alone.
-    With a learning rate far below bf16's resolution the exported UNet (gathered from both ranks' shares) must
-    equal the file's weights exactly: a share rank 1 never received would come back as its random init."""
+    With a learning rate of 1e-12 the exported UNet (gathered from both ranks' shares) must equal the file's
+    weights: each step moves a weight by about 1e-12 (exactly nothing for most bf16 values; weights that are
+    zero, like the norms' biases, do move by that much), while a share rank 1 never received would come
+    back as its random init."""
     from difftrain.config.schema import ModelConfig
     from difftrain.families.sdxl import SDXL
 
@@ -112,7 +114,7 @@ def test_zero3_builds_the_model_partitioned_and_every_rank_gets_the_files_weight
     want = fam.load(ModelConfig(path=tiny_model), ["unet"], dtype=torch.bfloat16)["unet"].state_dict()
     got = fam.load(ModelConfig(path=cache / "z3" / "run" / "model.safetensors", config="sdxl-tiny"), ["unet"], dtype=torch.bfloat16)["unet"].state_dict()
     assert set(got) == set(want)
-    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    differ = [k for k in want if not torch.allclose(got[k].float(), want[k].float(), rtol=0, atol=1e-9)]
     assert not differ, differ[:5]
 
 
