@@ -184,6 +184,8 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init: Literal["gaussian", "default"] = "gaussian"
+    init_weights: Optional[Path] = Field(None, description="a LoRA file (diffusers or kohya layout) to continue training "
+                                         "from; its rank, alpha and layers must match this config")
 
 
 # ----------------------------------------------------------------- memory
@@ -350,6 +352,11 @@ class SaveConfig(Strict):
     every_n_epochs: Optional[int] = Field(None, ge=1)
     formats: list[Literal["single_file", "diffusers"]] = Field(default_factory=lambda: ["single_file"])
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
+    lora_formats: Optional[list[Literal["diffusers", "kohya"]]] = Field(
+        None, description="LoRA files written: diffusers (pytorch_lora_weights.safetensors) and/or kohya "
+        "(lora_kohya.safetensors, for ComfyUI / A1111); default both where the family has a kohya layout")
+    trigger_phrase: Optional[str] = Field(None, description="recorded in the LoRA's metadata; default "
+                                          "dreambooth.instance_prompt")
 
 
 # ----------------------------------------------------------------- training

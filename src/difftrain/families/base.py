@@ -33,6 +33,7 @@ class ModelFamily(Protocol):
     text_encoder_lora_targets: list[str]
     trainable_text_encoders: tuple[str, ...]  # what train_text_encoders / full.train_text_encoder_N may train
     high_precision_modules: dict[str, tuple[str, ...]]  # per part: layers that stay out of fp8/nf4/int8
+    kohya_layout: bool  # whether its LoRAs can be written as sd-scripts names them
 
     # loading
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str,
@@ -46,6 +47,10 @@ class ModelFamily(Protocol):
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         """``part`` built from the model's config (the folder's, else the bundled architecture's) without reading a
         weight: what DeepSpeed's ``zero.Init`` partitions as it is built, to be filled from the weights after."""
+
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        """For each Linear/Conv module of ``part`` (diffusers path), the path its kohya LoRA name is made of
+        (SDXL's UNet: the original LDM path); raises ConfigError for a family without that layout."""
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights for cache keys; ``memo`` (file stat -> hash) makes reruns cheap."""

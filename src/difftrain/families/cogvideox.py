@@ -230,6 +230,7 @@ class CogVideoX:
     text_encoders = ("text_encoder",)
     text_stages = {"t5": ("text_encoder",)}  # noqa: RUF012 (read-only; the protocol's attributes)
     denoiser = "transformer"
+    kohya_layout = False  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"  # v-prediction (the scheduler config's prediction_type)
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]  # noqa: RUF012 (read-only; the protocol's attributes)
@@ -389,10 +390,14 @@ class CogVideoX:
         return comps
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        kind, p = self._source(mcfg)
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
         folder = p / part / "config.json" if kind == "diffusers" else None
         cfg_file = folder if folder is not None and folder.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
         return _new_module(part, _read_json(cfg_file))
+
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        raise ConfigError("CogVideoX LoRAs have no kohya layout (sd-scripts does not train CogVideoX; its tools "
+                          "load the diffusers layout).", hint="Set save.lora_formats: [diffusers].")
 
     def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
         from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel

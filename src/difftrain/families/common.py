@@ -188,6 +188,24 @@ def offline_clip_tokenizers() -> Path:
     return base
 
 
+def adaptable_paths(module: torch.nn.Module, rename: Callable[[str], str | None] | None = None) -> dict[str, str]:
+    """Path -> kohya path (``rename(path)``, or the path itself) of every Linear/Conv module a LoRA may adapt;
+    modules ``rename`` has no name for are left out."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)):
+            path = rename(name) if rename is not None else name
+            if path is not None:
+                out[name] = path
+    return out
+
+
+def clip_kohya_path(path: str) -> str:
+    """A CLIP encoder's module path as sd-scripts names it: transformers < 5 nested the tower under
+    ``text_model.`` (CLIPTextModel no longer does), and kohya files keep that spelling."""
+    return "text_model." + path if path.split(".", 1)[0] in ("embeddings", "encoder", "final_layer_norm") else path
+
+
 # ------------------------------------------------------------------ T5 storage precision
 def t5_precisions(parts: Sequence[str], dtype: torch.dtype, precision: Mapping[str, str] | None, device, *, t5: str,
                   label: str, loaded_before: str) -> tuple[dict, dict]:

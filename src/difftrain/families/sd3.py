@@ -124,6 +124,7 @@ class SD3:
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     text_stages = {"clip_l": ("text_encoder",), "clip_g": ("text_encoder_2",), "t5": ("text_encoder_3",)}  # noqa: RUF012 (read-only; the protocol's attributes)
     denoiser = "transformer"
+    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "flow"
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]  # noqa: RUF012 (read-only; the protocol's attributes)
@@ -225,12 +226,19 @@ class SD3:
         return comps
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        kind, p = self._source(mcfg)
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
         base = p if kind == "diffusers" else bundled_config_dir(mcfg.config or DEFAULT_CONFIG)
         module = _new_module(part, _read_json(base / part / "config.json"))
         if part == "transformer":  # as load() records it
             self.joint_attention_dim = int(module.config.joint_attention_dim)
         return module
+
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        """The MMDiT and the encoders are named by their diffusers/transformers paths (``lora_transformer_...``,
+        OneTrainer's layout, which ComfyUI reads)."""
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        return common.adaptable_paths(module, common.clip_kohya_path if part != "transformer" else None)
 
     def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
         from diffusers import AutoencoderKL, SD3Transformer2DModel

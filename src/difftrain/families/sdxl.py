@@ -56,6 +56,7 @@ class SDXL:
     text_encoders = ("text_encoder", "text_encoder_2")
     text_stages = {"clip": ("text_encoder", "text_encoder_2")}  # both CLIPs together (small)
     denoiser = "unet"
+    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -118,9 +119,23 @@ class SDXL:
         return comps
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        kind, p = self._source(mcfg)
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
         base = p if kind == "diffusers" else bundled_config_dir(_arch(mcfg))
         return _new_module(part, _read_json(base / part / "config.json"))
+
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        """sd-scripts names the UNet's modules by their original (LDM) paths, the encoders by transformers' paths."""
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        if part != "unet":
+            return common.adaptable_paths(module, common.clip_kohya_path)
+        rules = single_file._unet_map(single_file._config_json(common.module_config(module)))
+
+        def rename(path: str) -> str | None:
+            orig = rules.to_original(path + ".weight")
+            return orig[: -len(".weight")] if orig else None
+
+        return common.adaptable_paths(module, rename)
 
     def _load_diffusers(self, p: Path, parts: list[str], dtype, device) -> dict[str, Any]:
         from diffusers import AutoencoderKL, UNet2DConditionModel

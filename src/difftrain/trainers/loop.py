@@ -213,6 +213,11 @@ class Trainer:
             raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
         self.val_items = self._hold_out()
         parts, lrs = plan_parts(cfg, self.family)
+        self.family_parts_trained = [p for p in parts if p in lrs]
+        if t.method == "lora":
+            from .lora_files import formats
+
+            formats(cfg, self.family)  # a layout the family lacks is refused before anything loads
         self.live_stages = live_stages(cfg, self.family, lrs)
         check_cache(cfg, self.family, self.cache, self.index, self.live_stages)
         self.caption_aug = CaptionAugment.from_config(cfg.data)
@@ -247,6 +252,8 @@ class Trainer:
                         params = add_lora(module, cfg.lora, targets)
                     except ValueError as e:
                         raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
+                    if cfg.lora.init_weights is not None:
+                        self._init_lora(part, module)
                 else:
                     module.requires_grad_(True)
                     params = list(module.parameters())
@@ -310,6 +317,20 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batch_pos = 0
+
+    def _init_lora(self, part: str, module: torch.nn.Module) -> None:
+        """lora.init_weights: continue from a LoRA file (diffusers or kohya layout) of this part."""
+        from . import lora_files
+
+        src = Path(self.cfg.lora.init_weights)
+        if not hasattr(self, "_init_file"):
+            self._init_file = lora_files.read_lora(src, self.cfg, self.family, list(self.family_parts_trained))
+        layers, file_alphas = self._init_file
+        if part not in layers:
+            raise ConfigError(f"lora.init_weights {src.name} has no {part} layers.",
+                              hint="Train only the parts the file adapts, or give the LoRA that has them.")
+        lora_files.load_into(module, part, layers[part], file_alphas.get(part, {}), adapter_metadata(module), src)
+        info(f"{part}: LoRA weights taken from {src}")
 
     def _partitioned_denoiser(self) -> torch.nn.Module:
         """ZeRO-3: the denoiser built partitioned on every process (none holds it whole, on the GPU or in host
@@ -850,11 +871,25 @@ class Trainer:
             if self.engine is not None:
                 self._layers()  # ZeRO-3's gathers are collective: take part, write nothing
             return path
+        from . import lora_files
+
+        kinds = lora_files.formats(self.cfg, self.family)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
-            self._save_lora(Path(tmp), use_ema=self._use_ema_for_export())
-            os.replace(Path(tmp) / LORA_FILE, path)  # same folder, so the rename is atomic
-        return path
+        use_ema = self._use_ema_for_export()
+        if use_ema:
+            with self._ema_swapped():
+                layers = {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
+        else:
+            layers = self._layers()
+        meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
+        if "kohya" in kinds:  # first: a layer the kohya names cannot express stops before any file is replaced
+            lora_files.write_kohya(path.parent / lora_files.KOHYA_FILE, self.cfg, self.family, layers, meta)
+        if "diffusers" in kinds:
+            with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
+                self.family.save_lora(Path(tmp), layers, meta)
+                lora_files.add_metadata(Path(tmp) / LORA_FILE, lora_files.metadata(self.cfg, self.family, meta))
+                os.replace(Path(tmp) / LORA_FILE, path)  # same folder, so the rename is atomic
+        return path if "diffusers" in kinds else path.parent / lora_files.KOHYA_FILE
 
     def save_checkpoint(self) -> Path:
         """The training state, atomically. Several processes: each takes part in what is collective (ZeRO's

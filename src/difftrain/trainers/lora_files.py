@@ -1,0 +1,175 @@
+"""LoRA files beyond the diffusers one: the kohya layout (ComfyUI, A1111/Forge), the metadata every
+file carries in its safetensors header, and reading a file of either layout to continue training."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, UnsafeCheckpoint
+from ..lora_formats import kohya
+from ..utils import atomic_file, read_safetensors_header
+
+KOHYA_FILE = "lora_kohya.safetensors"
+#: what sd-scripts / A1111 show for the base model
+_BASE_VERSION = {"sdxl": "sdxl_base_v1-0", "sd3": "sd3"}
+_ARCHITECTURE = {"sdxl": "stable-diffusion-xl-v1-base/lora", "sd3": "stable-diffusion-3-medium/lora"}
+
+
+def formats(cfg, family) -> list[str]:
+    """The LoRA layouts to write: save.lora_formats, else diffusers plus kohya where the family has it."""
+    chosen = cfg.save.lora_formats
+    if chosen is None:
+        return ["diffusers", "kohya"] if getattr(family, "kohya_layout", False) else ["diffusers"]
+    if "kohya" in chosen and not getattr(family, "kohya_layout", False):
+        raise ConfigError(f"save.lora_formats kohya: {family.name} LoRAs have no kohya layout (sd-scripts does not "
+                          "train this family; its tools load the diffusers layout).", hint="Set save.lora_formats: [diffusers].")
+    return list(chosen)
+
+
+def alphas(peft_meta: dict, layers: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each adapted module's alpha (peft's lora_alpha, or its alpha_pattern entry)."""
+    base = float(peft_meta.get("lora_alpha", peft_meta.get("r", 1)))
+    pattern = peft_meta.get("alpha_pattern") or {}
+    out = {}
+    for key in layers:
+        if key.endswith(".lora_A.weight"):
+            module = key[: -len(".lora_A.weight")]
+            hit = [v for k, v in pattern.items() if module == k or module.endswith("." + k)]
+            out[module] = float(hit[0]) if hit else base
+    return out
+
+
+def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
+    """Header fields every LoRA file gets: base model, rank, alpha, trigger phrase, a hash of the config
+    (sd-scripts' ss_* names and the SAI model spec's, which A1111 and ComfyUI show)."""
+    first = next(iter(peft_meta.values()), {})
+    rank = first.get("r")
+    alpha = first.get("lora_alpha", rank)
+    conf = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str)
+    trigger = cfg.save.trigger_phrase or cfg.dreambooth.instance_prompt
+    out = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": f"{float(alpha):g}" if alpha is not None else "",
+        "ss_base_model_version": _BASE_VERSION.get(family.name, family.name),
+        "ss_sd_model_name": Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.config or ""),
+        "ss_output_name": Path(cfg.train.output_dir).name,
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": _ARCHITECTURE.get(family.name, f"{family.name}/lora"),
+        "modelspec.title": Path(cfg.train.output_dir).name,
+        "difftrain.base_model": str(cfg.model.path or cfg.model.config or ""),
+        "difftrain.parts": ",".join(peft_meta),
+        "difftrain.config_sha256": hashlib.sha256(conf.encode()).hexdigest(),
+    }
+    if trigger:
+        out["modelspec.trigger_phrase"] = trigger
+        out["ss_trigger_phrase"] = trigger
+    return out
+
+
+def write_kohya(path: Path, cfg, family, layers: dict[str, dict[str, torch.Tensor]], peft_meta: dict[str, dict]) -> Path:
+    """The kohya file, atomically; every layer is checked to name a module of the base model first."""
+    from safetensors.torch import save
+
+    names = {part: family.kohya_names(cfg.model, part) for part in layers}
+    try:
+        sd = kohya.to_kohya(layers, names, {p: alphas(peft_meta[p], layers[p]) for p in layers})
+    except kohya.UnmappedKeys as e:
+        raise CheckpointError(f"The kohya LoRA was not written: {e}.",
+                              hint="Those layers cannot be named as sd-scripts names them; the diffusers file has them all.") from None
+    with atomic_file(path) as f:
+        f.write(save(sd, metadata=metadata(cfg, family, peft_meta)))
+    return path
+
+
+def add_metadata(path: Path, extra: dict[str, str]) -> None:
+    """Add fields to a safetensors file's header (rewritten atomically; the tensors are unchanged)."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = {**(f.metadata() or {}), **extra}
+        sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    with atomic_file(path) as f:
+        f.write(save(sd, metadata=meta))
+
+
+def read_lora(path: Path, cfg, family, parts: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
+    """A LoRA file of either layout -> (peft-named layers per part, alphas per part and module).
+    Only safetensors is read (no pickle); every key that names no module of the model is listed."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise UnsafeCheckpoint(f"lora.init_weights {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
+                               hint="Convert it to .safetensors.")
+    try:
+        header = read_safetensors_header(path)
+        sd = load_file(str(path))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"lora.init_weights {path} cannot be read: {e}.", hint="Give a LoRA .safetensors file.") from None
+    meta = header.get("__metadata__") or {}
+    if kohya.is_kohya(sd):
+        names = {part: family.kohya_names(cfg.model, part) for part in parts if part in kohya.PREFIXES}
+        try:
+            return kohya.from_kohya(sd, names)
+        except kohya.UnmappedKeys as e:
+            raise CheckpointError(f"lora.init_weights {path.name} does not fit this model: {e}.",
+                                  hint="Is it a LoRA of this model family and architecture?") from None
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    stray = []
+    for key, t in sd.items():
+        part, _, rest = key.partition(".")
+        if part in parts and rest:
+            layers.setdefault(part, {})[rest] = t
+        else:
+            stray.append(key)
+    if stray:
+        raise CheckpointError(f"lora.init_weights {path.name}: {len(stray)} keys belong to no trained part "
+                              f"({', '.join(parts)}): {', '.join(sorted(stray)[:5])}.",
+                              hint="Train the parts the file has (train_text_encoders), or give a LoRA of this family.")
+    # diffusers keeps each part's peft config flattened as "<part>.<field>" (no config: alpha = rank)
+    try:
+        flat = json.loads(meta.get("lora_adapter_metadata", "{}"))
+    except json.JSONDecodeError:
+        flat = {}
+    flat = flat if isinstance(flat, dict) else {}
+    found = {}
+    for part, sd_part in layers.items():
+        pm = {k[len(part) + 1:]: v for k, v in flat.items() if k.startswith(part + ".")}
+        found[part] = alphas(pm, sd_part) if "lora_alpha" in pm else {
+            k[: -len(".lora_A.weight")]: float(t.shape[0]) for k, t in sd_part.items() if k.endswith(".lora_A.weight")}
+    return layers, found
+
+
+def load_into(module: torch.nn.Module, part: str, layers: dict[str, torch.Tensor], file_alphas: dict[str, float],
+              peft_meta: dict, source: Path) -> None:
+    """Copy a file's LoRA weights into ``module``'s adapter; rank, alpha and the adapted layers must match."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    mine = get_peft_model_state_dict(module, save_embedding_layers=False)
+    missing, extra = sorted(set(mine) - set(layers)), sorted(set(layers) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"lora.init_weights {source.name} does not adapt the same {part} layers as this config: "
+                          f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} not adapted here (e.g. {extra[:2]}).",
+                          hint="Set lora.targets to the layers the file adapts.")
+    wrong = [k for k in mine if tuple(mine[k].shape) != tuple(layers[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise ConfigError(f"lora.init_weights {source.name}: {k} is {tuple(layers[k].shape)} in the file, "
+                          f"{tuple(mine[k].shape)} here.", hint="Set lora.rank to the file's rank.")
+    want = alphas(peft_meta, mine)
+    off = [m for m, a in want.items() if abs(file_alphas.get(m, a) - a) > 1e-6 * max(1.0, a)]
+    if off:
+        m = off[0]
+        raise ConfigError(f"lora.init_weights {source.name}: alpha {file_alphas[m]:g} in the file, {want[m]:g} here ({m}).",
+                          hint=f"Set lora.alpha: {file_alphas[m]:g}.")
+    dtype = next(iter(mine.values())).dtype
+    result = set_peft_model_state_dict(module, {k: v.to(dtype) for k, v in layers.items()})
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise ConfigError(f"lora.init_weights {source.name}: {len(unexpected)} keys were not loaded ({unexpected[:2]}).")
