@@ -70,3 +70,9 @@ class BackendUnavailable(DifftrainError):
 
 class LossNotFinite(DifftrainError):
     """The loss became NaN or infinite: the run diverged (a sweep records the trial as 'nan')."""
+
+
+class Interrupted(DifftrainError):
+    """Ctrl+C: the run stopped after saving its state (exit code 130, as a shell reports SIGINT)."""
+
+    exit_code = 130

@@ -30,7 +30,8 @@ from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
-from ..errors import CacheMismatch, CheckpointError, ConfigError, DifftrainError, LossNotFinite, ModelLoadError
+from ..errors import (CacheMismatch, CheckpointError, ConfigError, DifftrainError, Interrupted, LossNotFinite,
+                      ModelLoadError)
 from ..families.base import stage_precisions
 from ..families.registry import get_family
 from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
@@ -581,7 +582,8 @@ class Trainer:
                    if self.world.main else _NoSinks())
         self._val_seconds, start_step, t_loop = 0.0, self.step, time.time()
         try:
-            self._loop(result, metrics, stats, end, t0)
+            with self._ctrl_c():
+                self._loop(result, metrics, stats, end, t0)
         finally:
             metrics.close()
         if self.step > start_step:  # optimizer steps only: validation rounds are timed apart
@@ -653,6 +655,8 @@ class Trainer:
                     every = self.cfg.save.every_n_steps
                     if t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps:
                         result.saved += self.export_model(f"step-{self.step:08d}")
+                    if self._stop_asked():
+                        self._stop_now(result)
                 if self.batch_pos >= len(batches):
                     self.epoch += 1
                     self.batch_pos = 0
@@ -661,6 +665,49 @@ class Trainer:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         if self.step >= self.total_steps:
             self._validate("final", stats, metrics, result)
+
+    @contextmanager
+    def _ctrl_c(self):
+        """The first Ctrl+C (SIGINT) asks the loop to stop after the step under way, with a checkpoint: a save
+        in progress completes first. A second one stops at once (the last complete checkpoint stays)."""
+        import signal
+        import threading
+
+        self._interrupt = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            self._interrupt = True
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.world.main:
+                warn("Ctrl+C: stopping after this step with a checkpoint (press it again to stop at once, "
+                     "without saving)")
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _stop_asked(self) -> bool:
+        """Whether any process was interrupted (all of them stop at the same step)."""
+        asked = getattr(self, "_interrupt", False)
+        if not self.world.distributed:
+            return asked
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if asked else 0.0], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop_now(self, result: TrainResult) -> None:
+        saved = ckpt.checkpoint_dir(self.out, self.step)
+        if not saved.exists():
+            saved = self.save_checkpoint()
+        raise Interrupted(f"Interrupted at step {self.step} of {self.total_steps}: the training state is saved in {saved}.",
+                          hint="Continue with the same command plus --resume latest.")
 
     def _finish(self, result: TrainResult, stats: dict, t0: float) -> TrainResult:
         t = self.cfg.train
@@ -892,6 +939,24 @@ class Trainer:
         return path if "diffusers" in kinds else path.parent / lora_files.KOHYA_FILE
 
     def save_checkpoint(self) -> Path:
+        """:meth:`_save_checkpoint`, with a full disk said as such: the folder being written is removed (by
+        the atomic write) and the previous checkpoint, untouched, is named."""
+        import errno
+
+        try:
+            return self._save_checkpoint()
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            prev = ckpt.list_checkpoints(self.out)
+            kept = f"the previous checkpoint {prev[-1]} is intact" if prev else "there is no earlier checkpoint"
+            raise CheckpointError(
+                f"The disk is full: the checkpoint of step {self.step} could not be written in {self.out / 'checkpoints'} "
+                f"(nothing half-written was left); {kept}.",
+                hint="Free some space (or set train.keep_checkpoints lower), then resume with --resume latest.",
+            ) from None
+
+    def _save_checkpoint(self) -> Path:
         """The training state, atomically. Several processes: each takes part in what is collective (ZeRO's
         gathers and its own checkpoint files), the first one writes the rest and renames the folder."""
         final = ckpt.checkpoint_dir(self.out, self.step)
