@@ -214,11 +214,13 @@ class Trainer:
             raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
         self.val_items = self._hold_out()
         parts, lrs = plan_parts(cfg, self.family)
-        self.family_parts_trained = [p for p in parts if p in lrs]
+        init = None
         if t.method == "lora":
-            from .lora_files import formats
+            from . import lora_files
 
-            formats(cfg, self.family)  # a layout the family lacks is refused before anything loads
+            lora_files.formats(cfg, self.family)  # a layout the family lacks is refused before anything loads
+            if cfg.lora.init_weights is not None:  # read (and checked against the model's names) before loading it
+                init = lora_files.read_lora(Path(cfg.lora.init_weights), cfg, self.family, [p for p in parts if p in lrs])
         self.live_stages = live_stages(cfg, self.family, lrs)
         check_cache(cfg, self.family, self.cache, self.index, self.live_stages)
         self.caption_aug = CaptionAugment.from_config(cfg.data)
@@ -253,8 +255,8 @@ class Trainer:
                         params = add_lora(module, cfg.lora, targets)
                     except ValueError as e:
                         raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
-                    if cfg.lora.init_weights is not None:
-                        self._init_lora(part, module)
+                    if init is not None:
+                        self._init_lora(part, module, init)
                 else:
                     module.requires_grad_(True)
                     params = list(module.parameters())
@@ -319,14 +321,12 @@ class Trainer:
         self.epoch = 0
         self.batch_pos = 0
 
-    def _init_lora(self, part: str, module: torch.nn.Module) -> None:
-        """lora.init_weights: continue from a LoRA file (diffusers or kohya layout) of this part."""
+    def _init_lora(self, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
+        """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
         from . import lora_files
 
         src = Path(self.cfg.lora.init_weights)
-        if not hasattr(self, "_init_file"):
-            self._init_file = lora_files.read_lora(src, self.cfg, self.family, list(self.family_parts_trained))
-        layers, file_alphas = self._init_file
+        layers, file_alphas = init
         if part not in layers:
             raise ConfigError(f"lora.init_weights {src.name} has no {part} layers.",
                               hint="Train only the parts the file adapts, or give the LoRA that has them.")
@@ -840,17 +840,16 @@ class Trainer:
         with gathered(self.engine, self.params):  # ZeRO-3 partitions the LoRA weights too
             return {part: {n: t.detach().clone() for n, t in export_layers(m).items()} for part, m in self.trained.items()}
 
+    def _lora_layers(self, use_ema: bool) -> dict[str, dict[str, torch.Tensor]]:
+        """The LoRA weights to write: the trained ones, or the EMA's (copied out while swapped in)."""
+        if not use_ema:
+            return self._layers()
+        with self._ema_swapped():
+            return {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
+
     def _save_lora(self, folder: Path, use_ema: bool = False, layers: dict | None = None) -> None:
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
-        if layers is not None and not use_ema:
-            self.family.save_lora(folder, layers, meta)
-            return
-        if use_ema:
-            with self._ema_swapped():
-                layers = {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
-        else:
-            layers = self._layers()
-        self.family.save_lora(folder, layers, meta)
+        self.family.save_lora(folder, layers if layers is not None and not use_ema else self._lora_layers(use_ema), meta)
 
     @contextmanager
     def _ema_swapped(self):
@@ -922,12 +921,7 @@ class Trainer:
 
         kinds = lora_files.formats(self.cfg, self.family)
         path.parent.mkdir(parents=True, exist_ok=True)
-        use_ema = self._use_ema_for_export()
-        if use_ema:
-            with self._ema_swapped():
-                layers = {k: {n: t.clone() for n, t in v.items()} for k, v in self._layers().items()}
-        else:
-            layers = self._layers()
+        layers = self._lora_layers(self._use_ema_for_export())
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
         if "kohya" in kinds:  # first: a layer the kohya names cannot express stops before any file is replaced
             lora_files.write_kohya(path.parent / lora_files.KOHYA_FILE, self.cfg, self.family, layers, meta)
