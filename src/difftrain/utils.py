@@ -197,7 +197,7 @@ def fix_malloc_mmap_threshold(nbytes: int = 1 << 20) -> bool:
 
 #: a safetensors header larger than this is refused before it is read (real ones are well under 10 MB)
 MAX_SAFETENSORS_HEADER = 100 * 2**20
-_ST_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_ST_FLOATS = {_ST_DTYPES[t]: t for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}  # not fp8
 
 
 def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> dict:

@@ -204,10 +204,6 @@ def build_partitioned(cfg: Config, build, read, main: bool) -> torch.nn.Module:
     # mem_efficient_linear off: it swaps torch.nn.functional.linear for DeepSpeed's own autograd function
     with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype, mem_efficient_linear=False):
         module = build()
-    source = read() if main else None
-    try:
-        fill_weights(module, source, lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0),
-                     lambda t: dist.broadcast(t, src=0) if dist.is_initialized() and dist.get_world_size() > 1 else None)
-    finally:
-        del source
+    fill_weights(module, read() if main else None, lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0),
+                 lambda t: dist.broadcast(t, src=0) if dist.is_initialized() and dist.get_world_size() > 1 else None)
     return module.requires_grad_(False).eval()

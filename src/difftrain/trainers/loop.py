@@ -345,8 +345,8 @@ class Trainer:
             # GPU share converts; a dtype conversion here would hold a second, private copy of the model
             p = Path(cfg.model.path)
             files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
-            dtype = stored_float_dtype(files) if p.suffix == ".safetensors" or p.is_dir() else None
-            return self.family.load(cfg.model, [den], dtype=dtype or weights_dtype(cfg.memory), device="cpu")[den]
+            dtype = stored_float_dtype(files) or weights_dtype(cfg.memory)  # None: not safetensors
+            return self.family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
 
         try:
             return build_partitioned(cfg, lambda: self.family.empty_part(cfg.model, den), read, self.world.main)
