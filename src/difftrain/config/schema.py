@@ -359,6 +359,35 @@ class SaveConfig(Strict):
                                           "dreambooth.instance_prompt")
 
 
+# ----------------------------------------------------------------- speed
+class SpeedConfig(Strict):
+    """How fast a step runs, not what it computes: compilation, attention and optimizer kernels, host syncs.
+    Each option is measured in docs/benchmarks.md ("Speed"); `difftrain bench speed` measures a config."""
+
+    compile: bool = Field(False, description="torch.compile each repeated block of the denoiser (regional compilation: "
+                          "one compiled block serves every repeat, so compiling takes seconds to a minute, not many)")
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode; max-autotune-no-cudagraphs tries more kernels (longer compile)")
+    cuda_graphs: bool = Field(False, description="replay each compiled block as a CUDA graph (torch.compile's "
+                              "reduce-overhead): fewer launches when shapes repeat; needs compile and one bucket shape")
+    dynamic: Optional[bool] = Field(None, description="null: a dimension becomes dynamic once a second size is seen "
+                                    "(a second bucket), so buckets do not each recompile; false: compile every shape")
+    compile_cache_dir: Optional[Path] = Field(None, description="where compiled kernels are kept between runs (torch "
+                                              "inductor's cache); default ~/.cache/difftrain/torch-compile")
+    attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto", description="scaled-dot-product attention kernel; auto: torch's choice for the device (cuDNN or flash "
+        "on Hopper)")
+    optimizer_kernels: Literal["auto", "fused", "foreach", "for_loop"] = Field(
+        "auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere")
+    channels_last: bool = Field(False, description="UNet convolutions in channels-last memory format (SDXL)")
+    pin_memory: bool = Field(True, description="batches copied to the GPU from pinned host memory without waiting")
+    sync_seconds: float = Field(2.0, ge=0, description="the host reads losses back from the GPU at most this often "
+                                "(and before every checkpoint, validation and export), so it never waits on the GPU "
+                                "inside a step; 0: every step")
+    float8: bool = Field(False, description="full fine-tuning: the denoiser's Linear layers compute in fp8 through "
+                         "torchao's float8 training (CUDA, compute capability 8.9+: Ada, Hopper); best with compile")
+
+
 # ----------------------------------------------------------------- training
 class TrainConfig(Strict):
     method: Literal["lora", "full"] = "lora"
@@ -381,7 +410,12 @@ class TrainConfig(Strict):
     min_snr_gamma: Optional[float] = Field(None, gt=0)
     checkpoint_every: Optional[int] = Field(None, ge=1, description="save training state every N steps")
     keep_checkpoints: Optional[int] = Field(None, ge=1, description="keep only the newest N checkpoints")
-    log_every: int = Field(1, ge=1)
+    log_every: int = Field(1, ge=1, description="a metrics record every N steps (losses are read from the GPU "
+                           "as speed.sync_seconds says)")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a NaN/inf loss or gradient: stop with the step, the likely cause and the last good "
+        "checkpoint named; skip: leave the weights unchanged for that step (checked every step: a host sync) and "
+        "stop after 5 in a row")
     train_text_encoders: bool = Field(False, description="LoRA on the text encoders too (not cached)")
 
     @field_validator("mixed_precision", mode="before")
@@ -409,6 +443,7 @@ class Config(Strict):
     ema: EMAConfig = Field(default_factory=EMAConfig)
     save: SaveConfig = Field(default_factory=SaveConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    speed: SpeedConfig = Field(default_factory=SpeedConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")
@@ -504,6 +539,7 @@ class Config(Strict):
             if m.optimizer.offload_gradients and t.grad_accum > 1:
                 raise ValueError("memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
                                  "set offload_gradients: false or train.grad_accum: 1")
+        self._speed()
         if self.train.method == "full":
             f = self.full
             if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):
@@ -516,3 +552,29 @@ class Config(Strict):
         elif self.train.train_text_encoders is False and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2):
             raise ValueError("full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true")
         return self
+
+    def _speed(self) -> None:
+        sp, m, t = self.speed, self.memory, self.train
+        if sp.cuda_graphs and not sp.compile:
+            raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true")
+        if sp.compile:
+            if m.offload.kind == "block_swap":
+                raise ValueError("speed.compile with memory.offload block_swap: block swap moves weights in hooks around "
+                                 "each block, which compiled blocks cannot trace; set speed.compile: false")
+            if m.engine.kind == "deepspeed" and m.engine.stage == 3:
+                raise ValueError("speed.compile with ZeRO stage 3: DeepSpeed gathers each weight in hooks around every "
+                                 "layer, which compiled blocks cannot trace; use stage 2 or speed.compile: false")
+            if m.weights.kind in ("nf4", "int8"):
+                raise ValueError(f"speed.compile with memory.weights {m.weights.kind}: bitsandbytes' quantized layers do "
+                                 "not compile; use memory.weights fp8 or bf16, or speed.compile: false")
+        if sp.float8:
+            if t.method != "full":
+                raise ValueError("speed.float8 trains Linear weights in fp8 compute (full fine-tuning); a LoRA's frozen "
+                                 "base gains nothing from it: set speed.float8: false or train.method: full")
+            if t.mixed_precision != "bf16" or m.weights.kind != "bf16":
+                raise ValueError("speed.float8 needs train.mixed_precision bf16 and memory.weights bf16")
+            if m.engine.kind == "deepspeed":
+                raise ValueError("speed.float8 with memory.engine deepspeed is not supported: use single or ddp")
+        if sp.channels_last and self.family != "sdxl":
+            raise ValueError(f"speed.channels_last is for the SDXL UNet's convolutions; {self.family}'s transformer has "
+                             "none to speed up: set speed.channels_last: false")

@@ -34,6 +34,7 @@ class ModelFamily(Protocol):
     trainable_text_encoders: tuple[str, ...]  # what train_text_encoders / full.train_text_encoder_N may train
     high_precision_modules: dict[str, tuple[str, ...]]  # per part: layers that stay out of fp8/nf4/int8
     kohya_layout: bool  # whether its LoRAs can be written as sd-scripts names them
+    repeated_blocks: tuple[str, ...]  # class names of the denoiser blocks speed.compile compiles one by one
 
     # loading
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str,

@@ -232,6 +232,7 @@ class CogVideoX:
     denoiser = "transformer"
     kohya_layout = False  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"  # v-prediction (the scheduler config's prediction_type)
+    repeated_blocks = ("CogVideoXBlock",)  # speed.compile: the blocks compiled one by one
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]  # noqa: RUF012 (read-only; the protocol's attributes)
     text_encoder_lora_targets = []  # noqa: RUF012 (T5 is never trained)

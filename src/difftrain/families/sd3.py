@@ -126,6 +126,7 @@ class SD3:
     denoiser = "transformer"
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "flow"
+    repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]  # noqa: RUF012 (read-only; the protocol's attributes)
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]  # noqa: RUF012 (read-only; the protocol's attributes)

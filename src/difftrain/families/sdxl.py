@@ -58,6 +58,8 @@ class SDXL:
     denoiser = "unet"
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"
+    # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
+    repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
     trainable_text_encoders = ("text_encoder", "text_encoder_2")

@@ -99,13 +99,15 @@ def _import(module: str, kind: str, extra: str):
         ) from None
 
 
-def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0) -> torch.optim.Optimizer:
-    """Build the configured optimizer over parameter groups ([{"params": [...], "lr": ...}])."""
+def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0,
+                   kernels: dict | None = None) -> torch.optim.Optimizer:
+    """Build the configured optimizer over parameter groups ([{"params": [...], "lr": ...}]). ``kernels``: torch
+    AdamW's implementation switches (``{"fused": True}``, ``{"foreach": True}``), from the speed section."""
     o = mem.optimizer
     params = [p for g in groups for p in g["params"]]
     common = dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     if mem.fused_backward:
-        return FusedBackward(mem, groups, lr, seed)
+        return FusedBackward(mem, groups, lr, seed, kernels)
     if o.kind == "adamw8bit" and o.backend == "bnb":
         bnb = _import("bitsandbytes", "adamw8bit", "bnb")
         _cuda_only("adamw8bit", params)
@@ -127,7 +129,7 @@ def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int =
                                       **common, **extra)
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
-    return torch.optim.AdamW(groups, **common)
+    return torch.optim.AdamW(groups, **common, **(kernels or {}))
 
 
 class FusedBackward(torch.optim.Optimizer):
@@ -141,7 +143,7 @@ class FusedBackward(torch.optim.Optimizer):
     zero_grad() are no-ops: the work happened during backward.
     """
 
-    def __init__(self, mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0):
+    def __init__(self, mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0, kernels: dict | None = None):
         super().__init__(groups, {"lr": lr})
         inner_mem = mem.model_copy(update={"fused_backward": False})
         self.inner: dict[torch.nn.Parameter, torch.optim.Optimizer] = {}
@@ -149,7 +151,8 @@ class FusedBackward(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 # a distinct seed per parameter: stochastic rounding noise must not repeat across tensors
-                self.inner[p] = make_optimizer(inner_mem, [{"params": [p], "lr": group["lr"]}], group["lr"], seed=seed * 100_003 + index)
+                self.inner[p] = make_optimizer(inner_mem, [{"params": [p], "lr": group["lr"]}], group["lr"],
+                                             seed=seed * 100_003 + index, kernels=kernels)
                 p.register_post_accumulate_grad_hook(self._hook(group))
                 index += 1
 

@@ -43,6 +43,7 @@ from .ema import EMA
 from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, stored_float_dtype, to_dtype
 from . import checkpoint as ckpt
 from .. import distributed as dist_
+from .. import speed as speed_
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
 from .state import load_tree, save_tree
 
@@ -213,6 +214,7 @@ class Trainer:
         if not self.items:
             raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
         self.val_items = self._hold_out()
+        speed_.check_attention(cfg.speed, self.device)  # an attention kernel the device lacks, named before loading
         parts, lrs = plan_parts(cfg, self.family)
         init = None
         if t.method == "lora":
@@ -248,6 +250,9 @@ class Trainer:
             module = self.comps[part]
             keep = self.family.high_precision_modules.get(part, ())
             apply_weights_before_adapters(cfg.memory, module, self.device, keep=keep)
+            if cfg.speed.float8 and part == den and part in lrs:
+                n = speed_.float8_training(module, self.device)
+                info(f"speed.float8: {n} Linear layers of {part} compute in fp8 (torchao float8 training)")
             if part in lrs:
                 if t.method == "lora":
                     targets = cfg.lora.targets if part == self.family.denoiser else self.family.text_encoder_lora_targets
@@ -276,6 +281,8 @@ class Trainer:
                                                 full=part in lrs and t.method == "full")
                 info(f"block swap: {len(self.block_swap.swapped)} of {len(self.block_swap.units)} blocks of {part} "
                      f"({self.block_swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM")
+            if part == den:
+                self._speed_up(module)
         self.params = [p for g in groups for p in g["params"]]
         self.engine = None
         if cfg.memory.engine.kind == "deepspeed":
@@ -284,7 +291,8 @@ class Trainer:
             # the validator allows the denoiser as the only trained part
             self.engine, self.optimizer = initialize(cfg, self.trained[self.family.denoiser], self.params)
         else:
-            self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed)
+            self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed,
+                                            kernels=speed_.optimizer_kernels(cfg.speed, self.params))
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
             warn("adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
                  "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
@@ -318,8 +326,23 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.mixed_precision == "fp16")
         self.gen = torch.Generator(device=self.device).manual_seed(t.seed)
         self.step = 0
+        self.nonfinite_skipped = 0  # train.nonfinite skip: steps whose update was dropped
+        self._skipped: set[int] = set()
+        self._scaler_skipped: set[int] = set()
+        self._interrupt = False
+        self.fp16_skipped = 0  # steps the fp16 grad scaler skipped (an overflow; it then lowers its scale)
         self.epoch = 0
         self.batch_pos = 0
+
+    def _speed_up(self, module: torch.nn.Module) -> None:
+        """The speed section's changes to the denoiser, after the memory plan placed it."""
+        sp = self.cfg.speed
+        if sp.channels_last:
+            speed_.channels_last(module)
+        if sp.compile:
+            n = speed_.compile_blocks(module, self.family.repeated_blocks, sp)
+            info(f"speed.compile: {n} blocks of {self.family.denoiser} compile on their first step "
+                 f"(cache: {speed_.compile_cache_dir(sp)})")
 
     def _init_lora(self, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
         """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
@@ -448,14 +471,15 @@ class Trainer:
     def _batch(self, idx: list[int], items: list[dict] | None = None, augment: bool = False) -> dict[str, torch.Tensor]:
         """The tensors of a micro-batch. ``augment``: the captions as caption augmentation draws them this
         epoch (the training batches), else as written (validation, prior images)."""
-        fam, dev = self.family, self.device
+        fam = self.family
         items = items if items is not None else [self.items[i] for i in idx]
         seed, aug = self.cfg.train.seed, self.caption_aug
         texts = [pick_text(it, aug, seed, self.epoch, self.index.get("empty_text")) if augment else it["texts"] for it in items]
         lat_entries = [self.cache.get(it["latent"]) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
-        batch = {"latents": torch.stack([le["latents"] for le in lat_entries]).to(dev)}
-        batch.update({k: torch.stack([r[k] for r in rows]).to(dev) for k in rows[0]})
+        to = self._to_device
+        batch = {"latents": to(torch.stack([le["latents"] for le in lat_entries]))}
+        batch.update({k: to(torch.stack([r[k] for r in rows])) for k in rows[0]})
         stages = {}
         for stage in fam.enabled_stages(self.cfg.text_encoders):
             if stage in self.live_stages:
@@ -465,9 +489,16 @@ class Trainer:
                 stages[stage] = fam.encode_prompts(comps, captions, stage, self.cfg.text_encoders)
             else:
                 entries = [self.cache.get(tx[stage]) for tx in texts]
-                stages[stage] = {k: torch.stack([e[k] for e in entries]).to(dev) for k in entries[0]}
+                stages[stage] = {k: to(torch.stack([e[k] for e in entries])) for k in entries[0]}
         batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its
+        queue; from pinned memory it is queued behind it (speed.pin_memory)."""
+        if self.device.type == "cuda" and self.cfg.speed.pin_memory and x.device.type == "cpu":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
 
     # ---------------------------------------------------------------- one micro-batch
     def _loss(self, batch: dict[str, torch.Tensor], fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -604,7 +635,10 @@ class Trainer:
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
         with progress(loss_col, RateColumn()) as bar:
             task = bar.add_task("training", total=self.total_steps, completed=self.step, loss=float("nan"), mem="")
-            accum, micro, prior_sum = 0.0, 0, 0.0
+            self._log = (metrics, result, bar, task, t0)
+            self._pending: list[dict] = []  # steps whose losses are still on the device
+            self._flush_at, self._last_flush = self.step + 1, (time.time(), self.step)
+            accum, micro, prior_sum, bad_input = 0.0, 0, 0.0, None
             while self.step < end:
                 batches = self._epoch_batches()
                 while self.batch_pos < len(batches) and self.step < end:
@@ -622,40 +656,39 @@ class Trainer:
                         idx = idx[sl]
                         prior = prior[sl] if prior is not None else None
                     batch = self._batch(idx, augment=True)
+                    finite = self._finite_inputs(batch)
+                    bad_input = finite if bad_input is None else bad_input & finite
                     sync = self._no_sync() if micro + 1 < t.grad_accum else contextlib.nullcontext()
-                    with sync:
+                    with sync, speed_.attention_context(self.cfg.speed, self.device):
                         loss, prior_value = self._micro_step(batch, prior, scale)
-                    prior_sum += prior_value
-                    accum += loss
+                    prior_sum = prior_sum + prior_value
+                    accum = accum + loss
                     micro += 1
                     if micro < t.grad_accum:
                         continue
-                    self._optimizer_step()
+                    self._inputs_finite = bad_input
+                    grad_norm = self._optimizer_step(accum)
                     if self.ema is not None:
                         self.ema.update(self.step)
-                    accum = self._mean_across(accum)
-                    if self.prior_items:
-                        prior_sum = self._mean_across(prior_sum)
-                    result.losses.append(accum)
-                    if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        rec = {"step": self.step, "epoch": self.epoch, "loss": accum, "lr": float(self.lr_scheduler.get_last_lr()[0]),  # torchao keeps lr as a tensor
-                               "time": round(time.time() - t0, 4)}
-                        if self.prior_items:
-                            rec["prior_loss"] = prior_sum
-                        if self.device.type == "cuda":
-                            rec["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
-                        metrics.log(rec)
-                    bar.update(task, completed=self.step, loss=accum, mem=_peak_memory(self.device))
-                    accum, micro, prior_sum = 0.0, 0, 0.0
-                    if t.checkpoint_every and self.step % t.checkpoint_every == 0:
+                    self._pending.append({"step": self.step, "epoch": self.epoch, "loss": accum, "grad_norm": grad_norm,
+                                          "prior_loss": prior_sum if self.prior_items else None, "inputs_finite": bad_input,
+                                          "lr": self.lr_scheduler.get_last_lr()[0]})
+                    accum, micro, prior_sum, bad_input = 0.0, 0, 0.0, None
+                    v, every = self.cfg.validation, self.cfg.save.every_n_steps
+                    save_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0)
+                    validate_now = bool(v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps)
+                    export_now = bool(t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps)
+                    stop = False
+                    if (save_now or validate_now or export_now or self.step >= end or self.step >= self._flush_at
+                            or (self._interrupt and not self.world.distributed)):
+                        stop = self._flush()  # the losses are checked before anything is saved from these weights
+                    if save_now:
                         result.checkpoints.append(self.save_checkpoint())
-                    v = self.cfg.validation
-                    if v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps:
+                    if validate_now:
                         self._validate(f"step-{self.step:08d}", stats, metrics, result)
-                    every = self.cfg.save.every_n_steps
-                    if t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps:
+                    if export_now:
                         result.saved += self.export_model(f"step-{self.step:08d}")
-                    if self._stop_asked():
+                    if stop:
                         self._stop_now(result)
                 if self.batch_pos >= len(batches):
                     self.epoch += 1
@@ -665,6 +698,90 @@ class Trainer:
                         result.saved += self.export_model(f"epoch-{self.epoch:04d}")
         if self.step >= self.total_steps:
             self._validate("final", stats, metrics, result)
+        if self.fp16_skipped:
+            stats["fp16_skipped_steps"] = self.fp16_skipped
+            warn(f"the fp16 grad scaler skipped {self.fp16_skipped} of {self.step} steps (gradients overflowed; it lowers "
+                 "its scale each time): many skips mean mixed_precision bf16 would train better")
+        if self.nonfinite_skipped:
+            stats["nonfinite_skipped_steps"] = self.nonfinite_skipped
+
+    def _finite_inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Whether a batch's cached tensors hold only finite numbers, as a device flag (read at the next flush)."""
+        floats = [v for v in batch.values() if v.is_floating_point()]
+        return torch.stack([torch.isfinite(v).all() for v in floats]).all()
+
+    def _flush(self) -> bool:
+        """Read the pending steps' numbers back from the device in one transfer (one all-reduce across processes),
+        check them, log them and update the bar; returns whether any process asked to stop.
+
+        Between flushes nothing in the loop waits for the GPU, so the host queues the next steps while it computes.
+        The next flush is set a whole number of steps ahead (``speed.sync_seconds`` at the measured step time, as
+        the first process measured it), so all processes flush at the same steps."""
+        metrics, result, bar, task, t0 = self._log
+        pend, self._pending = self._pending, []
+        now = time.time()
+        t_last, step_last = self._last_flush
+        per_step = (now - t_last) / max(1, self.step - step_last)
+        every = max(1, min(1000, int(self.cfg.speed.sync_seconds / max(per_step, 1e-6)))) if self.cfg.speed.sync_seconds else 1
+        keys = ("loss", "grad_norm", "prior_loss", "inputs_finite")
+        row = [(1.0 if k == "inputs_finite" else float("nan")) if pe[k] is None else pe[k] for pe in pend for k in keys]
+        dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        flat = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in row]) if row else \
+            torch.zeros(0, dtype=torch.float64, device=dev)
+        stop_local = 1.0 if getattr(self, "_interrupt", False) else 0.0
+        extra = torch.tensor([stop_local, every if self.world.main else 0], dtype=torch.float64, device=dev)
+        flat = torch.cat([flat, extra])
+        if self.world.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)
+        values = flat.tolist()
+        stop, every = values[-2] > 0, int(values[-1])
+        n = self.world.size
+        self._flush_at, self._last_flush = self.step + every, (time.time(), self.step)
+        for i, pe in enumerate(pend):
+            loss, gnorm, prior, inputs_ok = values[i * 4:(i + 1) * 4]
+            # the processes' scaled shares sum to the global batch's mean; the gradient norm is the same on each
+            loss, prior, gnorm = loss / n, prior / n, gnorm / n
+            # a step skip mode dropped is not checked; one the fp16 scaler skipped has an overflowing norm by design
+            norm_ok = pe["grad_norm"] is None or math.isfinite(gnorm) or pe["step"] in self._scaler_skipped
+            if pe["step"] not in self._skipped and not (math.isfinite(loss) and norm_ok):
+                self._diverged(pe["step"], loss, gnorm, inputs_ok >= n)
+            result.losses.append(loss)
+            if pe["step"] % self.cfg.train.log_every == 0 or pe["step"] == self.total_steps:
+                rec = {"step": pe["step"], "epoch": pe["epoch"], "loss": loss, "lr": float(pe["lr"]),  # torchao keeps lr as a tensor
+                       "time": round(now - t0, 4)}
+                if pe["grad_norm"] is not None:
+                    rec["grad_norm"] = gnorm
+                if pe["prior_loss"] is not None:
+                    rec["prior_loss"] = prior
+                if pe["step"] in self._skipped or pe["step"] in self._scaler_skipped:
+                    rec["skipped"] = True
+                if self.device.type == "cuda":
+                    rec["gpu_peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+                metrics.log(rec)
+        if pend:
+            bar.update(task, completed=self.step, loss=result.losses[-1], mem=_peak_memory(self.device))
+        return stop
+
+    def _diverged(self, step: int, loss: float, gnorm: float, inputs_ok: bool, prefix: str = "") -> None:
+        """Stop the run at a NaN/inf loss or gradient norm: the step, the likely cause, the last good checkpoint."""
+        t = self.cfg.train
+        what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {gnorm}"
+        if not inputs_ok:
+            cause = ("that step's batch holds NaN/inf in its cached latents or text embeddings: a damaged or stale cache, "
+                     "or latents encoded by a VAE in fp16 (SDXL's overflows)")
+            fix = "Run `difftrain precompute` again (precompute.vae_dtype fp32 or bf16) into a fresh data.cache_dir."
+        elif t.mixed_precision == "fp16" or self.cfg.memory.weights.kind == "fp16":
+            cause = "fp16 overflowed (its largest number is 65504)"
+            fix = "Use train.mixed_precision bf16 with memory.weights bf16."
+        else:
+            cause = f"the learning rate ({t.learning_rate:g}) may be too high for this run"
+            fix = "Lower train.learning_rate" + ("" if t.max_grad_norm else " or set train.max_grad_norm (e.g. 1.0)") + \
+                  "; train.nonfinite: skip drops such steps instead of stopping."
+        good = [c for c in ckpt.list_checkpoints(self.out) if int(c.name.rsplit("-", 1)[-1]) < step]
+        where = f"The last good checkpoint is {good[-1]} (--resume it)." if good else "No checkpoint was saved before it."
+        raise LossNotFinite(f"{prefix}At step {step} {what}: {cause}. {where}", hint=fix)
 
     @contextmanager
     def _ctrl_c(self):
@@ -690,17 +807,6 @@ class Trainer:
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
-
-    def _stop_asked(self) -> bool:
-        """Whether any process was interrupted (all of them stop at the same step)."""
-        asked = getattr(self, "_interrupt", False)
-        if not self.world.distributed:
-            return asked
-        import torch.distributed as dist
-
-        flag = torch.tensor([1.0 if asked else 0.0], device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _stop_now(self, result: TrainResult) -> None:
         saved = ckpt.checkpoint_dir(self.out, self.step)
@@ -762,8 +868,9 @@ class Trainer:
             stats["gpu_alloc_gib_after_validation"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)  # freed again?
         self._val_seconds += time.time() - t_val
 
-    def _micro_step(self, batch: dict[str, torch.Tensor], prior: list[dict] | None, scale: float) -> tuple[float, float]:
-        """Loss and backward of one micro-batch; (its loss, its prior loss) as numbers, for the log."""
+    def _micro_step(self, batch: dict[str, torch.Tensor], prior: list[dict] | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """Loss and backward of one micro-batch; (its loss, its prior loss) as device tensors, read at the flush."""
         t = self.cfg.train
         prior_value = 0.0
         if prior is not None and self.wrapped:
@@ -773,25 +880,19 @@ class Trainer:
             n = batch["latents"].shape[0]
             per = self._loss(both, per_sample=True)
             prior_loss = per[n:].mean()
-            prior_value = prior_loss.item() / t.grad_accum
+            prior_value = prior_loss.detach() / t.grad_accum
             loss = per[:n].mean() + self.cfg.dreambooth.prior_loss_weight * prior_loss
         else:
             loss = self._loss(batch)
             if prior is not None:
                 # as diffusers' DreamBooth scripts: instance loss + prior_loss_weight * class loss
                 prior_loss = self._loss(self._batch([], prior))
-                prior_value = prior_loss.item() / t.grad_accum
+                prior_value = prior_loss.detach() / t.grad_accum
                 loss = loss + self.cfg.dreambooth.prior_loss_weight * prior_loss
         loss = loss / t.grad_accum
-        if not torch.isfinite(loss):
-            raise LossNotFinite(
-                f"The loss became {loss.item()} at step {self.step + 1}.",
-                hint="Lower train.learning_rate, use mixed_precision bf16 instead of fp16, "
-                "or re-run precompute if the cache was made with an fp16 VAE.",
-            )
         if scale != 1.0:
             loss = loss * scale
-        value = loss.item()  # scaled: its mean over the processes is the global batch's loss
+        value = loss.detach()  # scaled: its mean over the processes is the global batch's loss (read at the flush)
         if self.engine is not None:  # DeepSpeed accumulates, clips and steps at its boundary
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()
@@ -808,30 +909,46 @@ class Trainer:
             stack.enter_context(w.no_sync())
         return stack
 
-    def _mean_across(self, value: float) -> float:
-        """The mean of a number over the processes (the logged loss of the global batch)."""
-        if not self.world.distributed:
-            return value
-        import torch.distributed as dist
-
-        v = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(v)
-        return float(v.item()) / self.world.size
-
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """Clip, step, schedule; returns the gradient norm (a device tensor) where one was computed."""
         t = self.cfg.train
         if self.engine is not None:  # the engine stepped in engine.step()
             self.lr_scheduler.step()
             self.step += 1
-            return
-        if t.max_grad_norm:
+            return None
+        fp16 = self.scaler.is_enabled()
+        skip_mode = t.nonfinite == "skip" and not fp16  # the fp16 scaler skips overflowing steps itself
+        norm = None
+        if t.max_grad_norm or skip_mode:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = (torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm) if t.max_grad_norm
+                    else torch.nn.utils.get_total_norm(grads))
+        if skip_mode and not bool(torch.isfinite(norm + loss)):  # the one host sync skip mode costs a step
+            self._skip_step(float(loss), float(norm))
+        else:
+            self._skipped_run = 0
+            before = self.scaler.get_scale() if fp16 else None
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if fp16 and self.scaler.get_scale() < before:
+                self.fp16_skipped += 1
+                self._scaler_skipped.add(self.step + 1)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        return norm
+
+    def _skip_step(self, loss: float, norm: float) -> None:
+        """train.nonfinite skip: this step's update is dropped (weights and optimizer state unchanged)."""
+        self.nonfinite_skipped += 1
+        self._skipped_run = getattr(self, "_skipped_run", 0) + 1
+        self._skipped.add(self.step + 1)
+        warn(f"step {self.step + 1}: loss {loss}, gradient norm {norm}: the update is skipped "
+             f"({self.nonfinite_skipped} so far)")
+        if self._skipped_run >= 5:
+            self._flush()  # the steps before it into the log
+            self._diverged(self.step + 1, loss, norm, bool(self._inputs_finite), f"{self._skipped_run} steps in a row: ")
 
     # ---------------------------------------------------------------- state
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:

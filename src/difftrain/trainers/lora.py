@@ -44,7 +44,8 @@ def export_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
     # save_embedding_layers=False: no embedding is trained, and "auto" looks the base model up (a hub call)
-    return get_peft_model_state_dict(module, save_embedding_layers=False)
+    # contiguous: speed.channels_last leaves conv LoRA weights in a layout safetensors will not write
+    return {k: v.contiguous() for k, v in get_peft_model_state_dict(module, save_embedding_layers=False).items()}
 
 
 def adapter_metadata(module: torch.nn.Module) -> dict:

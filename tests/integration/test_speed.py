@@ -1,0 +1,131 @@
+"""The speed section on the CPU: a compiled run trains as the eager one does; losses are read back in batches.
+
+torch.compile runs on the CPU too (inductor's C++ backend), so the compiled blocks' losses are compared with eager
+ones here; what compile buys in time is measured on a GPU (benchmarks/speed.py, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import Trainer, train
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tmp_path_factory):
+    from difftrain.families.sd3 import SD3
+
+    return SD3().build_tiny(tmp_path_factory.mktemp("sd3") / "tiny-sd3", seed=0)
+
+
+def _cfg(recipe, model, data, out, **extra):
+    return resolve(recipe=recipe, sets=tiny_sets(model, data, out, **extra)).config
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_path, monkeypatch):
+    """SD3 (every JointTransformerBlock compiled, LoRA inside, checkpointed): the loss curve of 6 steps matches
+    eager within float tolerance, the compiled blocks really ran compiled, and the LoRA exports the same names."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    common = {"train.max_steps": 6, "train.batch_size": 2, "train.checkpoint_every": 1000, "train.learning_rate": 3e-3,
+              "memory.activations.kind": "checkpoint", "data.cache_dir": tmp_path / "cache"}
+    eager = _cfg("tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "eager", **common)
+    precompute(eager)
+    ref = train(eager)
+    compiled_cfg = _cfg("tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "compiled", **common, **{"speed.compile": "true"})
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    trainer = Trainer(compiled_cfg)
+    out = trainer.run()
+    blocks = list(trainer.comps["transformer"].transformer_blocks)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)  # Module.compile() in place
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured graphs (it did not fall back to eager)
+    assert out.losses == pytest.approx(ref.losses, rel=2e-3, abs=1e-4)
+    a = json.loads((tmp_path / "eager" / "run" / "stats.json").read_text())
+    assert a["s_per_step"] > 0
+    from safetensors.torch import load_file
+
+    la, lb = load_file(ref.lora_path), load_file(out.lora_path)
+    assert la.keys() == lb.keys()  # no _orig_mod. in any name
+    torch._dynamo.reset()
+
+
+def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, tmp_path, monkeypatch):
+    """speed.sync_seconds: reading the losses every step or only at forced points (checkpoints, the end) gives the
+    same losses and the same metrics records; the batched run flushes far less often."""
+    common = {"train.max_steps": 6, "train.batch_size": 2, "train.checkpoint_every": 4, "data.cache_dir": tmp_path / "cache"}
+    flushes = []
+    real = Trainer._flush
+
+    def counting(self):
+        flushes.append(self.step)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "_flush", counting)
+    every = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common, **{"speed.sync_seconds": 0})
+    precompute(every)
+    a = train(every)
+    flushed_every, flushes[:] = list(flushes), []
+    batched = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.sync_seconds": 1e6})
+    b = train(batched)
+    assert flushed_every == [1, 2, 3, 4, 5, 6]
+    assert flushes == [1, 4, 6]  # the first step, the checkpoint at 4, the end
+    assert a.losses == pytest.approx(b.losses, rel=1e-6)
+    recs = [[json.loads(x) for x in (tmp_path / r / "run" / "metrics.jsonl").read_text().splitlines()] for r in "ab"]
+    assert [r["step"] for r in recs[0]] == [r["step"] for r in recs[1]] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in recs[0]] == pytest.approx([r["loss"] for r in recs[1]], rel=1e-6)
+    assert all(r["grad_norm"] > 0 for r in recs[1])  # max_grad_norm is set: its norm is logged too
+
+
+def test_speed_options_that_cannot_work_together_are_refused():
+    from difftrain.config.schema import Config
+
+    bad = [({"speed": {"cuda_graphs": True}}, "set speed.compile: true"),
+           ({"speed": {"compile": True}, "memory": {"offload": {"kind": "block_swap", "blocks_to_swap": 2}}}, "block swap"),
+           ({"speed": {"float8": True}}, "train.method: full"),
+           ({"family": "sd3", "speed": {"channels_last": True}}, "channels_last"),
+           ({"speed": {"compile": True}, "memory": {"engine": {"kind": "deepspeed", "stage": 3}}}, "stage 2")]
+    from pydantic import ValidationError
+
+    for data, words in bad:
+        with pytest.raises(ValidationError, match=words):
+            Config.model_validate(data)
+
+
+def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
+    """speed.attention math and speed.optimizer_kernels fused train to the same losses as the defaults (CPU);
+    a kernel the CPU lacks is refused before the model loads, with the fix."""
+    from difftrain.errors import BackendUnavailable
+
+    # a small learning rate: Adam turns rounding-level gradient differences into whole lr-sized steps
+    common = {"train.max_steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache",
+              "train.learning_rate": 1e-5}
+    base = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common)
+    precompute(base)
+    ref = train(base)
+    fast = train(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common,
+                      **{"speed.attention": "math", "speed.optimizer_kernels": "fused"}))
+    assert fast.losses == pytest.approx(ref.losses, rel=1e-4)
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "d", **common, **{"speed.attention": "cudnn"})).run()
+
+
+def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tmp_path):
+    common = {"train.max_steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache"}
+    base = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common)
+    precompute(base)
+    ref = train(base)
+    t = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.channels_last": "true"}))
+    out = t.run()
+    conv = t.comps["unet"].conv_in.base_layer if hasattr(t.comps["unet"].conv_in, "base_layer") else t.comps["unet"].conv_in
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+    assert out.losses == pytest.approx(ref.losses, rel=1e-4)
