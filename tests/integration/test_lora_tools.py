@@ -178,3 +178,45 @@ def test_a_lora_that_does_not_fit_is_refused_before_anything_is_written(sdxl, sd
     r = cli("lora", "merge", tiny_model, tmp_path / "lora.ckpt", "-o", out)
     assert r.code == 2 and "does not unpickle" in r.err
     assert "Traceback" not in r.err and not out.exists() and not list(tmp_path.glob(".merged*"))
+
+
+def test_a_resized_lora_loads_through_diffusers_with_its_per_layer_ranks(sdxl, tiny_model, tmp_path):
+    """diffusers' load_lora_weights reads the resized file's peft config (rank_pattern / alpha_pattern for the layers
+    whose rank differs): the pipeline's adapted UNet gives the output of the resized LoRA merged into the base."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from difftrain.lora_tools import resize
+
+    fam, comps, diffusers_file, _ = sdxl
+    r = resize(diffusers_file, tmp_path / "pytorch_lora_weights.safetensors", energy=0.8)
+    assert len({x.new_rank for x in r.layers}) > 1 and r.overall < 1
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_model, local_files_only=True)
+    pipe.load_lora_weights(str(tmp_path), weight_name=r.path.name)
+    loaded = {"unet": pipe.unet, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+    merged = fam.load(ModelConfig(path=merge(tiny_model, r.path, tmp_path / "m.safetensors").path, config="sdxl-tiny"),
+                      list(loaded), tokenizers=False)
+    ids = fam.tokenize(comps, ["a photo of sks", "a red cube"])
+    with torch.no_grad():
+        got, want, full = _unet_out(fam, loaded, ids), _unet_out(fam, merged, ids), _unet_out(fam, comps, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (got - full).abs().max() > 1e-3  # a lower rank: not the original LoRA's output
+
+
+@pytest.mark.parametrize("which", ["diffusers", "kohya"])
+def test_a_resized_lora_continues_training_through_init_weights(sdxl, tiny_model, tmp_path, which):
+    """What lora.init_weights does (read_lora + load_into) accepts the resized file for lora.rank 2, lora.alpha 1."""
+    from difftrain.lora_tools import resize
+
+    fam, _, diffusers_file, kohya_file = sdxl
+    src = resize(diffusers_file if which == "diffusers" else kohya_file, tmp_path / f"{which}.safetensors", rank=2).path
+    mcfg = ModelConfig(path=tiny_model)
+    parts = ["unet", "text_encoder", "text_encoder_2"]
+    layers, alphas = lora_files.read_lora_file(src, mcfg, fam, parts)
+    assert {a for part in alphas.values() for a in part.values()} == {1.0}  # 2 / 4 * 2: the scale 0.5 is kept
+    comps = fam.load(mcfg, parts, tokenizers=False)
+    for part in parts:
+        targets = SDXL_UNET_TARGETS if part == "unet" else fam.text_encoder_lora_targets
+        add_lora(comps[part], LoraConfig(rank=2, alpha=1), targets)
+        lora_files.load_into(comps[part], part, layers[part], alphas[part], adapter_metadata(comps[part]), src)
+        now = export_layers(comps[part])
+        assert now.keys() == layers[part].keys() and all(torch.equal(now[k], layers[part][k].float()) for k in now)

@@ -1,4 +1,4 @@
-"""difftrain lora merge"""
+"""difftrain lora merge | resize"""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
 from typing_extensions import Annotated
 
-from ..console import info
+from ..console import console, info
 
 app = typer.Typer(help="Bake a LoRA into a checkpoint, or change its rank.", no_args_is_help=True)
 
@@ -47,3 +48,28 @@ def merge(
     layers = ", ".join(f"{n} {part}" for part, n in r.layers.items())
     info(f"merged {r.layout} LoRA ({layers} layers, scale {scale:g}) into the {r.family} base: {r.path} "
          f"({str(r.dtype).removeprefix('torch.')})")
+
+
+@app.command("resize")
+def resize(
+    lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
+    out: OutOpt,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="the new rank (with --energy: the largest allowed)")] = None,
+    energy: Annotated[Optional[float], typer.Option("--energy", help="per layer, the smallest rank keeping this fraction "
+                                                    "of ΔW's sum of squared singular values (sd-scripts' sv_fro, squared)")] = None,
+) -> None:
+    """Change a LoRA's rank by truncated SVD of each layer's ΔW; print the energy each layer keeps."""
+    from ..lora_tools import resize as run
+
+    r = run(lora, out, rank=rank, energy=energy)
+    t = Table(title=f"lora resize: {lora.name} -> {out.name}")
+    t.add_column("layer", style="cyan")
+    t.add_column("rank", justify="right")
+    t.add_column("new rank", justify="right")
+    t.add_column("energy kept", justify="right")
+    for row in r.layers:
+        t.add_row(row.name, str(row.rank), str(row.new_rank), f"{row.energy:.2%}")
+    console.print(t)
+    low = r.min
+    info(f"{len(r.layers)} layers: energy kept {r.overall:.2%} overall, mean {r.mean:.2%}, min {low.energy:.2%} ({low.name}); "
+         f"wrote {r.path} ({r.layout} layout)")
