@@ -28,7 +28,8 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import bench_cmd, cache_cmd, convert_cmd, data_cmds, doctor_cmd, plan_cmd, quickstart_cmd, recipes_cmd, sweep_cmd, train_cmd
+    from . import (bench_cmd, cache_cmd, convert_cmd, data_cmds, doctor_cmd, lora_cmd, plan_cmd, quickstart_cmd, recipes_cmd,
+                   sweep_cmd, train_cmd)
 
     app.command("quickstart")(quickstart_cmd.quickstart)
     app.command("merge-tags")(data_cmds.merge_tags)
@@ -42,6 +43,7 @@ def _register() -> None:
     app.add_typer(cache_cmd.app, name="cache")
     app.add_typer(bench_cmd.app, name="bench")
     app.add_typer(recipes_cmd.app, name="recipes")
+    app.add_typer(lora_cmd.app, name="lora")
 
 
 _register()

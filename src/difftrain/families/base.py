@@ -38,8 +38,8 @@ class ModelFamily(Protocol):
 
     # loading
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str,
-             precision: dict[str, str] | None = None) -> dict[str, Any]:
-        """Load the named parts (and what they need: tokenizers) on ``device``.
+             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
+        """Load the named parts (and what they need: tokenizers, unless ``tokenizers`` is False) on ``device``.
 
         ``precision`` may name a storage precision per part that differs from
         ``dtype`` (SD3's T5: "int8" | "nf4" through bitsandbytes, or a float type).

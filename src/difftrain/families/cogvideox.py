@@ -361,7 +361,7 @@ class CogVideoX:
 
     # ------------------------------------------------------------ loading
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None) -> dict[str, Any]:
+             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
         """Load the named parts on ``device`` (plus T5's tokenizer with the text encoder).
 
         ``precision`` maps a part to a storage precision other than ``dtype``: for
@@ -386,7 +386,7 @@ class CogVideoX:
         if "vae" in comps:
             comps["vae"].enable_slicing()
             comps["vae"].enable_tiling()
-        if "text_encoder" in comps:
+        if tokenizers and "text_encoder" in comps:
             comps["tokenizer"] = self._tokenizer(kind, p, mcfg)
         return comps
 

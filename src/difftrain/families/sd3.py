@@ -199,7 +199,7 @@ class SD3:
         return out
 
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None) -> dict[str, Any]:
+             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
         """Load the named parts on ``device`` (plus the tokenizers their text encoders need).
 
         ``precision`` maps a part to a storage precision other than ``dtype``:
@@ -214,7 +214,7 @@ class SD3:
                                              loaded_before="the other encoders")
         # what can be wrong is reported before gigabytes are read: the file's parts, then the tokenizers
         opened = self._open_checked(kind, p, parts) if kind != "diffusers" else None
-        tok_names = [TOKENIZER_OF[part] for part in parts if part in TOKENIZER_OF]
+        tok_names = [TOKENIZER_OF[part] for part in parts if part in TOKENIZER_OF] if tokenizers else []
         toks = self._tokenizers(kind, p, mcfg, tok_names) if tok_names else {}
         if opened is None:
             comps = self._load_diffusers(p, parts, dtypes, quant, device)

@@ -107,7 +107,7 @@ class SDXL:
         return out
 
     def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None) -> dict[str, Any]:
+             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
         kind, p = self._source(mcfg)
         parts = list(parts)
         comps: dict[str, Any] = {}
@@ -116,7 +116,7 @@ class SDXL:
         else:
             comps.update(self._load_single(kind, p, mcfg, parts, dtype, device))
         common.freeze(comps, parts, device)
-        if any(part.startswith("text_encoder") for part in parts):
+        if tokenizers and any(part.startswith("text_encoder") for part in parts):
             comps.update(self._tokenizers(kind, p, mcfg))
         return comps
 

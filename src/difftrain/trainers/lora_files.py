@@ -101,24 +101,30 @@ def add_metadata(path: Path, extra: dict[str, str]) -> None:
 def read_lora(path: Path, cfg, family, parts: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
     """A LoRA file of either layout -> (peft-named layers per part, alphas per part and module).
     Only safetensors is read (no pickle); every key that names no module of the model is listed."""
+    return read_lora_file(path, cfg.model, family, parts)
+
+
+def read_lora_file(path: Path, mcfg, family, parts: list[str], label: str = "lora.init_weights",
+                   ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
+    """:func:`read_lora` for the model ``mcfg``; ``label`` is what the messages call the file."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
-        raise UnsafeCheckpoint(f"lora.init_weights {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
+        raise UnsafeCheckpoint(f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
                                hint="Convert it to .safetensors.")
     try:
         header = read_safetensors_header(path)
         sd = load_file(str(path))
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"lora.init_weights {path} cannot be read: {e}.", hint="Give a LoRA .safetensors file.") from None
+        raise CheckpointError(f"{label} {path} cannot be read: {e}.", hint="Give a LoRA .safetensors file.") from None
     meta = header.get("__metadata__") or {}
     if kohya.is_kohya(sd):
-        names = {part: family.kohya_names(cfg.model, part) for part in parts if part in kohya.PREFIXES}
+        names = {part: family.kohya_names(mcfg, part) for part in parts if part in kohya.PREFIXES}
         try:
             return kohya.from_kohya(sd, names)
         except kohya.UnmappedKeys as e:
-            raise CheckpointError(f"lora.init_weights {path.name} does not fit this model: {e}.",
+            raise CheckpointError(f"{label} {path.name} does not fit this model: {e}.",
                                   hint="Is it a LoRA of this model family and architecture?") from None
     layers: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
@@ -129,10 +135,15 @@ def read_lora(path: Path, cfg, family, parts: list[str]) -> tuple[dict[str, dict
         else:
             stray.append(key)
     if stray:
-        raise CheckpointError(f"lora.init_weights {path.name}: {len(stray)} keys belong to no trained part "
+        raise CheckpointError(f"{label} {path.name}: {len(stray)} keys belong to no trained part "
                               f"({', '.join(parts)}): {', '.join(sorted(stray)[:5])}.",
                               hint="Train the parts the file has (train_text_encoders), or give a LoRA of this family.")
-    # diffusers keeps each part's peft config flattened as "<part>.<field>" (no config: alpha = rank)
+    return layers, diffusers_alphas(meta, layers)
+
+
+def diffusers_alphas(meta: dict[str, str], layers: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """Alphas per part and module of a diffusers-layout file: diffusers keeps each part's peft config flattened
+    as "<part>.<field>" in the header's lora_adapter_metadata (no config: alpha = rank)."""
     try:
         flat = json.loads(meta.get("lora_adapter_metadata", "{}"))
     except json.JSONDecodeError:
@@ -143,7 +154,7 @@ def read_lora(path: Path, cfg, family, parts: list[str]) -> tuple[dict[str, dict
         pm = {k[len(part) + 1:]: v for k, v in flat.items() if k.startswith(part + ".")}
         found[part] = alphas(pm, sd_part) if "lora_alpha" in pm else {
             k[: -len(".lora_A.weight")]: float(t.shape[0]) for k, t in sd_part.items() if k.endswith(".lora_A.weight")}
-    return layers, found
+    return found
 
 
 def load_into(module: torch.nn.Module, part: str, layers: dict[str, torch.Tensor], file_alphas: dict[str, float],

@@ -1,0 +1,75 @@
+"""difftrain lora merge | resize"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+from typing_extensions import Annotated
+
+from ..console import console, info
+
+app = typer.Typer(help="Bake a LoRA into a checkpoint, or change its rank.", no_args_is_help=True)
+
+
+class Family(str, Enum):
+    sdxl = "sdxl"
+    sd3 = "sd3"
+
+
+class Precision(str, Enum):
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="the .safetensors file to write")]
+
+
+@app.command("merge")
+def merge(
+    base: Annotated[Path, typer.Argument(help="the base model: a single-file .safetensors checkpoint or a diffusers folder")],
+    lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
+    out: OutOpt,
+    scale: Annotated[float, typer.Option("--scale", help="multiplies the LoRA's change to each weight")] = 1.0,
+    family: Annotated[Optional[Family], typer.Option("--family", help="default: told from the base model")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="bundled architecture of a single-file base "
+                                                  "(default: sdxl-base-1.0, or the SD3 one its keys match)")] = None,
+    precision: Annotated[Optional[Precision], typer.Option("--precision", help="default: the base's stored dtype")] = None,
+) -> None:
+    """Merge a LoRA into its base model's weights (W += scale * alpha/rank * up @ down) and write one single file."""
+    from ..lora_tools import merge as run
+
+    r = run(base, lora, out, scale=scale, family=family.value if family else None, config=config,
+            precision=precision.value if precision else None)
+    layers = ", ".join(f"{n} {part}" for part, n in r.layers.items())
+    info(f"merged {r.layout} LoRA ({layers} layers, scale {scale:g}) into the {r.family} base: {r.path} "
+         f"({str(r.dtype).removeprefix('torch.')})")
+
+
+@app.command("resize")
+def resize(
+    lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
+    out: OutOpt,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="the new rank (with --energy: the largest allowed)")] = None,
+    energy: Annotated[Optional[float], typer.Option("--energy", help="per layer, the smallest rank keeping this fraction "
+                                                    "of ΔW's sum of squared singular values (sd-scripts' sv_fro, squared)")] = None,
+) -> None:
+    """Change a LoRA's rank by truncated SVD of each layer's ΔW; print the energy each layer keeps."""
+    from ..lora_tools import resize as run
+
+    r = run(lora, out, rank=rank, energy=energy)
+    t = Table(title=f"lora resize: {lora.name} -> {out.name}")
+    t.add_column("layer", style="cyan")
+    t.add_column("rank", justify="right")
+    t.add_column("new rank", justify="right")
+    t.add_column("energy kept", justify="right")
+    for row in r.layers:
+        t.add_row(row.name, str(row.rank), str(row.new_rank), f"{row.energy:.2%}")
+    console.print(t)
+    low = r.min
+    info(f"{len(r.layers)} layers: energy kept {r.overall:.2%} overall, mean {r.mean:.2%}, min {low.energy:.2%} ({low.name}); "
+         f"wrote {r.path} ({r.layout} layout)")
