@@ -1,4 +1,4 @@
-"""difftrain bench memory: a config's peak memory and step time on random data of the real shapes.
+"""difftrain bench memory / speed: a config's peak memory and step speed on random data of the real shapes.
 
 The model is a random-weight copy of the bundled architecture (or the
 config's own model), the cache holds random latents and embeddings of the
@@ -9,16 +9,18 @@ can check a recipe on their own GPU before preparing any data.
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .config.schema import Config
+from .config.schema import Config, SpeedConfig
 from .data.cache import DataCache
 from .families.registry import get_family
 from .families.tokenizers import tiny_clip_vocab
+from .speed import peak_matmul_tflops
 from .trainers.loop import Trainer, plan_memory
 from .utils import pick_device
 
@@ -66,8 +68,8 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] |
     return root
 
 
-def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None) -> BenchResult:
-    work = Path(work)
+def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, run: str = "run") -> Config:
+    """The config on a random-weight model of its architecture and a random cache of its shapes, for ``steps``."""
     family = get_family(cfg.family)
     device = pick_device(cfg.train.device)
     update: dict = {}
@@ -88,10 +90,16 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] 
     tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
     cache_dir = synthetic_cache(cfg, work / f"cache-{tag}-{cfg.data.frames}", size=size)
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})
-    update["train"] = cfg.train.model_copy(update={"max_steps": steps, "output_dir": work / "run", "checkpoint_every": None,
+    update["train"] = cfg.train.model_copy(update={"max_steps": steps, "output_dir": work / run, "checkpoint_every": None,
                                                    "device": str(device)})
     update["save"] = cfg.save.model_copy(update={"formats": []})
-    run_cfg = cfg.model_copy(update=update)
+    return cfg.model_copy(update=update)
+
+
+def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None) -> BenchResult:
+    work = Path(work)
+    device = pick_device(cfg.train.device)
+    run_cfg = _prepare(cfg, work, steps, size)
     plan = plan_memory(run_cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -115,3 +123,106 @@ def _metrics(path: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ speed
+EAGER = SpeedConfig(sync_seconds=0, pin_memory=False, optimizer_kernels="foreach")  # the diffusers scripts' way
+
+
+@dataclass
+class SpeedRow:
+    name: str
+    s_per_step: float
+    samples_per_s: float
+    first_step_s: float  # set-up of the loop to the end of step 1: compiling, when compiled
+    warmup_overhead_s: float  # the warm-up steps' time beyond as many timed steps: compile and autotuning
+    peak_alloc_gib: float | None
+    tflops: float | None = None
+    mfu: float | None = None
+
+
+def _timed_run(cfg: Config, warmup: int) -> tuple[Trainer, dict[int, float]]:
+    trainer = Trainer(cfg)
+    trainer.flush_steps = {1, warmup}  # read back (and so wait for the GPU) exactly here
+    trainer.run()
+    return trainer, trainer.flush_times
+
+
+def step_flops(trainer: Trainer) -> tuple[float, bool]:
+    """Model FLOPs of one optimizer step (forward and backward, as torch.utils.flop_counter counts them), with
+    gradient checkpointing switched off so recomputed forwards are not counted. Where that does not fit in
+    memory: counted with checkpointing, second value False (then recompute is included)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    den = trainer.comps[trainer.family.denoiser]
+    flags = {m: m.gradient_checkpointing for m in den.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)}
+    batch = trainer._batch(list(range(min(trainer.cfg.train.batch_size, len(trainer.items)))))
+
+    def count() -> float:
+        with FlopCounterMode(display=False) as fc:
+            trainer._loss(batch).backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return fc.get_total_flops() * trainer.cfg.train.grad_accum
+
+    try:
+        for m in flags:
+            m.gradient_checkpointing = False
+        return count(), True
+    except torch.OutOfMemoryError:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    finally:
+        for m, f in flags.items():
+            m.gradient_checkpointing = f
+    return count(), False
+
+
+def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, baseline: Config | None = None,
+                size: tuple[int, int] | None = None) -> dict:
+    """Time ``cfg`` (and ``baseline``, by default the same config run eagerly) for ``warmup`` + ``steps`` steps on
+    random weights and data of the real shapes; FLOPs counted once on the eager run, MFU against the dense matmul
+    peak measured in the same process."""
+    work = Path(work)
+    device = pick_device(cfg.train.device)
+    peak = peak_matmul_tflops(device)
+    runs = [("eager baseline", baseline)] if baseline is not None else []
+    runs.append(("config", cfg))
+    rows, flops = [], None
+    for name, c in runs:
+        c = c.model_copy(update={"report": c.report.model_copy(update={"to": [], "html": False}),
+                                 "validation": c.validation.model_copy(update={"prompts": [], "loss_items": 0})})
+        run_cfg = _prepare(c, work, warmup + steps, size, run=name.split()[0])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer, times = _timed_run(run_cfg, warmup)
+        per = (times[warmup + steps] - times[warmup]) / steps
+        bs = c.train.batch_size * c.train.grad_accum
+        if flops is None and not c.speed.compile:
+            flops = (step_flops(trainer), bs)
+        rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
+                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2),
+                             round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None))
+        del trainer
+        _free(device)
+    for r, (name, c) in zip(rows, runs):
+        if flops is not None:
+            (count, exact), bs0 = flops
+            f = count * (c.train.batch_size * c.train.grad_accum) / bs0
+            r.tflops = float(f"{f / r.s_per_step / 1e12:.4g}")
+            r.mfu = float(f"{f / r.s_per_step / 1e12 / peak:.4g}")
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "peak_tflops": float(f"{peak:.4g}"), "torch": torch.__version__, "steps": steps, "warmup": warmup,
+           "flops_per_step": flops[0][0] if flops else None, "flops_exact": flops[0][1] if flops else None,
+           "rows": [r.__dict__ for r in rows]}
+    if len(rows) == 2:
+        out["speedup"] = round(rows[0].s_per_step / rows[1].s_per_step, 3)
+    (work / "bench_speed.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

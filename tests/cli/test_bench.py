@@ -38,3 +38,25 @@ def test_bench_memory_on_cuda_reports_gpu_peaks(tmp_path):
     r = bench_memory(resolve(recipe="tiny-sdxl-lora", sets=["train.device=cuda"]).config, tmp_path, steps=4)
     assert r.peak_after_load_gib is not None and 0 < r.peak_after_load_gib <= r.peak_train_alloc_gib <= r.peak_train_reserved_gib
     assert torch.cuda.is_available()
+
+
+def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
+    """Both runs on the same random model and cache; FLOPs counted once (eager, no checkpointing); MFU is FLOP/s
+    over the measured matmul peak, so the faster run has the higher MFU."""
+    import json
+
+    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "memory.activations.kind=checkpoint",
+            "--baseline-set", "memory.activations.kind=none", "--steps", "3", "--warmup", "1", "--work", tmp_path)
+    assert r.code == 0, r
+    assert "config vs eager baseline" in r.err and "MFU" in r.err
+    out = json.loads((tmp_path / "bench_speed.json").read_text())
+    base, cfg = out["rows"]
+    assert out["flops_exact"] is True and out["flops_per_step"] > 1e9  # the tiny UNet at batch 2, 128 px
+    for row in (base, cfg):
+        assert row["s_per_step"] > 0 and row["samples_per_s"] == pytest.approx(2 / row["s_per_step"], rel=1e-2)
+        assert row["tflops"] == pytest.approx(out["flops_per_step"] / row["s_per_step"] / 1e12, rel=1e-2)
+        assert row["mfu"] == pytest.approx(row["tflops"] / out["peak_tflops"], rel=1e-2)
+    assert out["speedup"] == pytest.approx(base["s_per_step"] / cfg["s_per_step"], rel=1e-2)
+    # each run trained warm-up + timed steps, its own metrics
+    for run in ("eager", "config"):
+        assert len((tmp_path / run / "metrics.jsonl").read_text().splitlines()) == 4

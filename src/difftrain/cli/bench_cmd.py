@@ -1,4 +1,4 @@
-"""difftrain bench memory"""
+"""difftrain bench memory / speed"""
 
 from __future__ import annotations
 
@@ -43,3 +43,54 @@ def memory(
     t.add_row("step time (median)", f"{r.s_per_step:.3f} s", "")
     t.add_row("host RSS peak", f"{r.stats.get('peak_rss_gib_train', 0):.2f} GiB", "")
     console.print(t)
+
+
+@app.command("speed")
+def speed(
+    recipe: RecipeOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    baseline_set: Annotated[Optional[list[str]], typer.Option(
+        "--baseline-set", help="key=value for the eager baseline only (e.g. memory.weights.kind=bf16)")] = None,
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="time the config alone")] = False,
+    steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first (compiling happens here)")] = 3,
+    work: Annotated[Optional[Path], typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
+    size: Annotated[Optional[str], typer.Option("--size", help="HxW of the random latents' images (default: the "
+                                                "square data.resolution), e.g. 480x720 for CogVideoX")] = None,
+) -> None:
+    """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
+    in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
+    from ..bench import EAGER, bench_speed
+
+    resolved = resolved_config(recipe, config, set_)
+    cfg = resolved.config
+    baseline = None
+    if not no_baseline:
+        base_sets = list(set_ or []) + list(baseline_set or [])
+        baseline = resolved_config(recipe, config, base_sets).config
+        baseline = baseline.model_copy(update={"speed": EAGER})
+    folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
+    hw = None
+    if size:
+        try:
+            hw = tuple(int(v) for v in size.lower().split("x"))
+            assert len(hw) == 2 and min(hw) > 0
+        except (ValueError, AssertionError):
+            raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
+    r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw)
+    t = Table(title=f"bench speed: {recipe or config or 'config'} on {r['device']} ({warmup} + {steps} steps; "
+                    f"matmul peak {r['peak_tflops']} TFLOP/s)")
+    for col in ("run", "s/step", "samples/s", "TFLOP/s", "MFU", "step 1 s", "warm-up overhead s", "peak GiB"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    na = lambda v, f: "n/a" if v is None else f.format(v)  # noqa: E731
+    for row in r["rows"]:
+        t.add_row(row["name"], f"{row['s_per_step']:.3f}", f"{row['samples_per_s']:.2f}", na(row["tflops"], "{:.3g}"),
+                  na(row["mfu"], "{:.1%}"), f"{row['first_step_s']:.1f}", f"{row['warmup_overhead_s']:.1f}",
+                  na(row["peak_alloc_gib"], "{:.2f}"))
+    console.print(t)
+    if "speedup" in r:
+        console.print(f"config vs eager baseline: {r['speedup']:.2f}x the steps per second")
+    if r["flops_exact"] is False:
+        console.print("note: FLOPs counted with gradient checkpointing (recomputed forwards included)")
+    console.print(f"results: {folder / 'bench_speed.json'}")

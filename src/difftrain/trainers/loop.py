@@ -176,6 +176,8 @@ class Trainer:
         self.wrapped: dict[str, torch.nn.Module] = {}  # DDP wrappers of the trained parts, for their forward
         self._share: tuple[slice, int] | None = None  # this process's slice of the global batch, and its size
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, batches) of an epoch re-cut on resume
+        self.flush_steps: set[int] = set()  # steps always read back (difftrain bench speed times between them)
+        self.flush_times: dict[int, float] = {}  # step -> time its numbers were back on the host
 
     # ---------------------------------------------------------------- set-up
     def _load_index(self) -> tuple[DataCache, list[dict]]:
@@ -638,6 +640,7 @@ class Trainer:
             self._log = (metrics, result, bar, task, t0)
             self._pending: list[dict] = []  # steps whose losses are still on the device
             self._flush_at, self._last_flush = self.step + 1, (time.time(), self.step)
+            self.flush_times[self.step] = self._last_flush[0]
             accum, micro, prior_sum, bad_input = 0.0, 0, 0.0, None
             while self.step < end:
                 batches = self._epoch_batches()
@@ -680,6 +683,7 @@ class Trainer:
                     export_now = bool(t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps)
                     stop = False
                     if (save_now or validate_now or export_now or self.step >= end or self.step >= self._flush_at
+                            or self.step in self.flush_steps
                             or (self._interrupt and not self.world.distributed)):
                         stop = self._flush()  # the losses are checked before anything is saved from these weights
                     if save_now:
@@ -739,6 +743,7 @@ class Trainer:
         stop, every = values[-2] > 0, int(values[-1])
         n = self.world.size
         self._flush_at, self._last_flush = self.step + every, (time.time(), self.step)
+        self.flush_times[self.step] = self._last_flush[0]
         for i, pe in enumerate(pend):
             loss, gnorm, prior, inputs_ok = values[i * 4:(i + 1) * 4]
             # the processes' scaled shares sum to the global batch's mean; the gradient norm is the same on each

@@ -1,0 +1,86 @@
+"""Speed cases of issue 10 (docs/benchmarks.md, "Speed"): each case is one `difftrain bench speed` process
+(a fresh torch.compile state), random weights of the real architecture, random cached data of the real shapes.
+
+    python benchmarks/speed.py --out DIR [--cases S1,S2] [--work DIR]
+
+Each case's JSON lands in DIR as soon as it finishes; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# name: (bench speed arguments, what it checks)
+CASES = {
+    # the issue's first target: SDXL LoRA b1 in the 4 GiB tier's memory (fp8 weights, checkpointing), compiled,
+    # against the eager checkpointed bf16 run (the reference's 0.64 s/step case)
+    "S1": (["--recipe", "sdxl-lora-4gb", "--set", "speed.compile=true", "--baseline-set", "memory.weights.kind=bf16"],
+           "SDXL LoRA b1, 4 GiB tier memory, compiled vs eager checkpointed bf16"),
+    "S1-bf16": (["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=true", "--no-baseline"],
+                "SDXL LoRA b1 bf16 checkpointed, compiled"),
+    "S1-nockpt": (["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=true", "--set", "memory.activations.kind=none",
+                   "--baseline-set", "speed.compile=false"], "SDXL LoRA b1 bf16 no checkpointing, compiled vs eager"),
+    "S2": (["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4",
+            "--set", "speed.compile=true"], "SDXL LoRA b4 no checkpointing, compiled vs eager"),
+    "S3": (["--recipe", "sd3-lora-16gb", "--set", "memory.activations.kind=none", "--set", "speed.compile=true"],
+           "SD3-medium LoRA b1 no checkpointing, compiled vs eager"),
+    "S4": (["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=none", "--set", "lora.rank=64",
+            "--set", "lora.alpha=64", "--set", "speed.compile=true", "--size", "480x720", "--steps", "6", "--warmup", "2"],
+           "CogVideoX-2b LoRA r64 49x480x720 no checkpointing, compiled vs eager"),
+    "S4-ckpt": (["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=checkpoint", "--set", "lora.rank=64",
+                 "--set", "lora.alpha=64", "--set", "speed.compile=true", "--size", "480x720", "--steps", "6", "--warmup", "2"],
+                "CogVideoX-2b LoRA r64 49x480x720 checkpointed, compiled vs eager"),
+    "S5-cudagraphs": (["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=true", "--set", "speed.cuda_graphs=true",
+                       "--set", "memory.activations.kind=none", "--no-baseline"], "SDXL LoRA b1, compiled + CUDA graphs"),
+    "S6-full-fp8": (["--recipe", "sdxl-full-12gb", "--set", "speed.compile=true", "--set", "speed.float8=true",
+                     "--baseline-set", "speed.float8=false", "--baseline-set", "speed.compile=true"],
+                    "SDXL full fine-tune, compiled: torchao float8 vs bf16"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-speed"))
+    ap.add_argument("--cases", default="S1,S2,S1-nockpt")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--cache", type=Path, default=None, help="torch inductor cache folder (default: fresh per case)")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for name in a.cases.split(","):
+        args, what = CASES[name.split("@")[0]]
+        work = a.work / name.split("@")[0]
+        cache = a.cache or (a.work / f"inductor-{name}")
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        cmd = [sys.executable, "-m", "difftrain.cli.app", "bench", "speed", *args, "--work", str(work)]
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+            rc, log = p.returncode, p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, log = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        (a.out / f"{name}.log").write_text(" ".join(cmd) + "\n" + log)
+        res = json.loads((work / "bench_speed.json").read_text()) if rc == 0 else None
+        if res:
+            (a.out / f"{name}.json").write_text(json.dumps({"case": name, "what": what, "args": args, **res}, indent=1))
+        summary.append((name, rc, round(time.time() - t0), res))
+        print(f"{name}: rc={rc} wall={time.time() - t0:.0f}s", flush=True)
+    print("\ncase | run | s/step | samples/s | TFLOP/s | MFU | step1 s | warm-up s | peak GiB | speed-up")
+    for name, rc, wall, res in summary:
+        if not res:
+            print(f"{name} | failed ({rc}, {wall}s)")
+            continue
+        for r in res["rows"]:
+            print(f"{name} | {r['name']} | {r['s_per_step']} | {r['samples_per_s']} | {r['tflops']} | {r['mfu']} | "
+                  f"{r['first_step_s']} | {r['warmup_overhead_s']} | {r['peak_alloc_gib']} | {res.get('speedup', '')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The speed section on a CUDA GPU (tiny models): compiled and CUDA-graph runs train as eager ones do; torchao
+float8 training runs a full fine-tune; the fused optimizer is chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import Trainer, train
+
+pytestmark = pytest.mark.gpu
+
+
+def _cfg(model, data, out, **extra):
+    base = {"train.device": "cuda", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
+            "train.max_steps": 6, "train.checkpoint_every": 1000, "train.learning_rate": 1e-4, "data.cache_dir": out.parent / "cache"}
+    return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(model, data, out, **{**base, **extra})).config
+
+
+@pytest.mark.parametrize("extra", [{"speed.compile": "true", "memory.activations.kind": "checkpoint"},
+                                   {"speed.compile": "true", "speed.cuda_graphs": "true"},
+                                   {"speed.attention": "flash", "speed.channels_last": "true"}])
+def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, extra):
+    eager = _cfg(tiny_model, dataset, tmp_path / "a", **{"memory.activations.kind": extra.get("memory.activations.kind", "none")})
+    precompute(eager)
+    ref = train(eager)
+    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **extra))
+    out = t.run()
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)  # bf16 kernels differ in rounding
+    assert t.optimizer.defaults.get("fused") is True  # speed.optimizer_kernels auto on CUDA
+
+
+def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    cfg = _cfg(tiny_model, dataset, tmp_path / "a", **{"train.method": "full", "speed.float8": "true", "speed.compile": "true",
+                                                       "train.learning_rate": 1e-5, "save.formats": "[]"})
+    precompute(cfg)
+    t = Trainer(cfg)
+    out = t.run()
+    from torchao.float8.float8_linear import Float8Linear
+
+    n = sum(isinstance(m, Float8Linear) for m in t.comps["unet"].modules())
+    assert n > 10 and all(x == x for x in out.losses)
