@@ -22,6 +22,8 @@ CASES = {
     # against the eager checkpointed bf16 run (the reference's 0.64 s/step case)
     "S1": (["--recipe", "sdxl-lora-4gb", "--set", "speed.compile=true", "--baseline-set", "memory.weights.kind=bf16"],
            "SDXL LoRA b1, 4 GiB tier memory, compiled vs eager checkpointed bf16"),
+    "S1w": (["--recipe", "sdxl-lora-4gb", "--set", "speed.compile=true", "--no-baseline"],
+            "S1's compiled run again, with the compiled kernels S1 left in the cache"),
     "S1-bf16": (["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=true", "--no-baseline"],
                 "SDXL LoRA b1 bf16 checkpointed, compiled"),
     "S1-nockpt": (["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=true", "--set", "memory.activations.kind=none",
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-speed"))
     ap.add_argument("--cases", default="S1,S2,S1-nockpt")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--extra", default="", help="more bench speed arguments for every case, e.g. --profile")
     ap.add_argument("--cache", type=Path, default=None, help="torch inductor cache folder (default: fresh per case)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -57,9 +60,9 @@ def main() -> None:
     for name in a.cases.split(","):
         args, what = CASES[name.split("@")[0]]
         work = a.work / name.split("@")[0]
-        cache = a.cache or (a.work / f"inductor-{name}")
+        cache = a.cache or (a.work / f"inductor-{name.split('@')[0]}")  # S3@warm: S3's compiled kernels again
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-        cmd = [sys.executable, "-m", "difftrain.cli.app", "bench", "speed", *args, "--work", str(work)]
+        cmd = [sys.executable, "-m", "difftrain.cli.app", "bench", "speed", *args, *a.extra.split(), "--work", str(work)]
         t0 = time.time()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)

@@ -137,15 +137,37 @@ class SpeedRow:
     first_step_s: float  # set-up of the loop to the end of step 1: compiling, when compiled
     warmup_overhead_s: float  # the warm-up steps' time beyond as many timed steps: compile and autotuning
     peak_alloc_gib: float | None
+    profile: dict | None = None
     tflops: float | None = None
     mfu: float | None = None
 
 
-def _timed_run(cfg: Config, warmup: int) -> tuple[Trainer, dict[int, float]]:
+def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[Trainer, dict[int, float], dict]:
+    """Train; with ``profile``, the last step runs under torch.profiler and its summary comes back."""
     trainer = Trainer(cfg)
     trainer.flush_steps = {1, warmup}  # read back (and so wait for the GPU) exactly here
-    trainer.run()
-    return trainer, trainer.flush_times
+    end = cfg.train.max_steps
+    if profile is None:
+        trainer.run()
+        return trainer, trainer.flush_times, {}
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts, schedule=schedule(wait=end - 2, warmup=1, active=1)) as prof:
+        trainer.step_hook = prof.step
+        trainer.run()
+    return trainer, trainer.flush_times, _profile_summary(prof, profile)
+
+
+def _profile_summary(prof, path: Path) -> dict:
+    """GPU time and launches of the profiled step: how much of the step the GPU computed."""
+    ev = prof.key_averages()
+    path.write_text(ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                             row_limit=25))
+    kernels = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                    "cuLaunchKernelEx"))
+    gpu_us = sum(getattr(e, "self_device_time_total", 0) for e in ev)
+    return {"kernel_launches": kernels, "gpu_ms": round(gpu_us / 1e3, 2)}
 
 
 def step_flops(trainer: Trainer) -> tuple[float, bool]:
@@ -178,7 +200,7 @@ def step_flops(trainer: Trainer) -> tuple[float, bool]:
 
 
 def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, baseline: Config | None = None,
-                size: tuple[int, int] | None = None) -> dict:
+                size: tuple[int, int] | None = None, profile: bool = False) -> dict:
     """Time ``cfg`` (and ``baseline``, by default the same config run eagerly) for ``warmup`` + ``steps`` steps on
     random weights and data of the real shapes; FLOPs counted once on the eager run, MFU against the dense matmul
     peak measured in the same process."""
@@ -194,14 +216,15 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
         run_cfg = _prepare(c, work, warmup + steps, size, run=name.split()[0])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        trainer, times = _timed_run(run_cfg, warmup)
+        prof = work / f"profile-{name.split()[0]}.txt" if profile else None
+        trainer, times, summary = _timed_run(run_cfg, warmup, prof)
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
+        peak_mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
         if flops is None and not c.speed.compile:
             flops = (step_flops(trainer), bs)
         rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
-                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2),
-                             round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None))
+                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None))
         del trainer
         _free(device)
     for r, (name, c) in zip(rows, runs):

@@ -115,7 +115,11 @@ def float8_training(module: torch.nn.Module, device: torch.device) -> int:
 
 
 def float8_eligible(mod: torch.nn.Module, fqn: str) -> bool:
-    return isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+    """Linear layers over tokens with fp8-sized features. Not the embedding and adaptive-norm layers (``*emb*``,
+    ``*norm*``): they take one vector per sample, and an fp8 matmul needs the rows (the batch) in multiples of 16."""
+    name = fqn.lower()
+    return (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+            and "emb" not in name and "norm" not in name)
 
 
 def peak_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:

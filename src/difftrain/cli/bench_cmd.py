@@ -56,6 +56,8 @@ def speed(
     steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 10,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first (compiling happens here)")] = 3,
     work: Annotated[Optional[Path], typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="the last step under torch.profiler: kernel launches and "
+                                          "GPU-busy time per run, the top kernels in WORK/profile-*.txt")] = False,
     size: Annotated[Optional[str], typer.Option("--size", help="HxW of the random latents' images (default: the "
                                                 "square data.resolution), e.g. 480x720 for CogVideoX")] = None,
 ) -> None:
@@ -78,7 +80,7 @@ def speed(
             assert len(hw) == 2 and min(hw) > 0
         except (ValueError, AssertionError):
             raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
-    r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw)
+    r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw, profile=profile)
     t = Table(title=f"bench speed: {recipe or config or 'config'} on {r['device']} ({warmup} + {steps} steps; "
                     f"matmul peak {r['peak_tflops']} TFLOP/s)")
     for col in ("run", "s/step", "samples/s", "TFLOP/s", "MFU", "step 1 s", "warm-up overhead s", "peak GiB"):
@@ -89,6 +91,11 @@ def speed(
                   na(row["mfu"], "{:.1%}"), f"{row['first_step_s']:.1f}", f"{row['warmup_overhead_s']:.1f}",
                   na(row["peak_alloc_gib"], "{:.2f}"))
     console.print(t)
+    for row in r["rows"]:
+        if row["profile"] and row["profile"]["gpu_ms"]:
+            p = row["profile"]
+            console.print(f"{row['name']}: one step launched {p['kernel_launches']} kernels, the GPU computed "
+                          f"{p['gpu_ms']:.0f} ms of it ({p['gpu_ms'] / 1e3 / row['s_per_step']:.0%} of the step)")
     if "speedup" in r:
         console.print(f"config vs eager baseline: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:

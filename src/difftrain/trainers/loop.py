@@ -178,6 +178,7 @@ class Trainer:
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, batches) of an epoch re-cut on resume
         self.flush_steps: set[int] = set()  # steps always read back (difftrain bench speed times between them)
         self.flush_times: dict[int, float] = {}  # step -> time its numbers were back on the host
+        self.step_hook = None  # called after every optimizer step (difftrain bench speed's profiler)
 
     # ---------------------------------------------------------------- set-up
     def _load_index(self) -> tuple[DataCache, list[dict]]:
@@ -677,6 +678,8 @@ class Trainer:
                                           "prior_loss": prior_sum if self.prior_items else None, "inputs_finite": bad_input,
                                           "lr": self.lr_scheduler.get_last_lr()[0]})
                     accum, micro, prior_sum, bad_input = 0.0, 0, 0.0, None
+                    if self.step_hook is not None:
+                        self.step_hook()
                     v, every = self.cfg.validation, self.cfg.save.every_n_steps
                     save_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0)
                     validate_now = bool(v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps)
