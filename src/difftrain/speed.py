@@ -105,12 +105,14 @@ def float8_training(module: torch.nn.Module, device: torch.device) -> int:
         raise BackendUnavailable("speed.float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper).",
                                  hint="Set speed.float8: false on this device.")
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise BackendUnavailable("speed.float8 needs torchao, which is not installed.",
                                  hint="pip install 'difftrain[torchao]', or set speed.float8: false") from None
     before = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
-    convert_to_float8_training(module, module_filter_fn=float8_eligible)
+    # pad_inner_dim: a weight gradient's inner dimension is the token count (SDXL's 77 text tokens, SD3's 333),
+    # which an fp8 matmul takes only in multiples of 16 (measured: the tiny SDXL's 2 x 77 failed without it)
+    convert_to_float8_training(module, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=float8_eligible)
     return before - sum(type(m) is torch.nn.Linear for m in module.modules())
 
 

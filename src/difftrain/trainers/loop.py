@@ -663,6 +663,8 @@ class Trainer:
                     finite = self._finite_inputs(batch)
                     bad_input = finite if bad_input is None else bad_input & finite
                     sync = self._no_sync() if micro + 1 < t.grad_accum else contextlib.nullcontext()
+                    if self.cfg.speed.cuda_graphs:  # a new step: the graphs' earlier outputs are no longer read
+                        torch.compiler.cudagraph_mark_step_begin()
                     with sync, speed_.attention_context(self.cfg.speed, self.device):
                         loss, prior_value = self._micro_step(batch, prior, scale)
                     prior_sum = prior_sum + prior_value
