@@ -1,0 +1,69 @@
+"""Untrusted configs through the CLI: YAML with Python tags, alias bombs, deep nesting, binary files, NaN, huge
+numbers, wrong types. Each is a ConfigError naming the file (or the --set), exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _sets(sets):
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _clean_failure(r, code: int, *needles: str):
+    """Exit ``code``, difftrain's own message (with a next step) holding every needle, and no traceback."""
+    text = " ".join(r.err.split())  # the console may wrap long lines
+    assert r.code == code, r
+    assert "Traceback" not in r.err + r.out and "an unexpected" not in text, r
+    assert "next:" in text, r
+    for n in needles:
+        assert " ".join(str(n).split()) in text, (n, r)
+
+
+# ----------------------------------------------------------------- configs
+CONFIGS = {
+    "python tag": ('train: !!python/object/apply:os.system ["touch {marker}"]\n', "not valid YAML"),
+    "self-containing alias": ("a: &x {b: *x}\n", "nests deeper than 32 levels"),
+    "billion laughs": ("a: &a {x: 1, y: 1, z: 1, w: 1, v: 1, u: 1, t: 1, s: 1, r: 1}\n" + "".join(
+        f"{n}: &{n} {{{', '.join(f'{k}: *{p}' for k in 'xyzwvutsr')}}}\n" for p, n in zip("abcdefg", "bcdefgh")),
+        "more than 100,000 values"),  # 9^8 values from a 1 KB file
+    "5000 nested lists": ("train: " + "[" * 5000 + "]" * 5000 + "\n", "nests too deeply"),
+    "NaN": ("train: {learning_rate: .nan}\n", "train.learning_rate: Input should be a finite number"),
+    "infinity": ("flow: {logit_mean: .inf}\n", "flow.logit_mean: Input should be a finite number"),
+    "huge integer": ("train: {seed: 99999999999999999999999}\n", "train.seed: 99999999999999999999999 is too large"),
+    "huge resolution": ("data: {resolution: 1000000000, max_side: 1000000000}\n",
+                        "data.resolution: Input should be less than or equal to 16384"),
+    "wrong types and unknown keys": ("train: {batch_size: [1, 2], bogus: 1}\nlora: 7\n",
+                                     "train.batch_size: Input should be a valid integer"),
+    "a list": ("- just\n- a list\n", "must be a mapping of sections"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_a_hostile_config_file_is_a_config_error_naming_the_file(cli, tmp_path, case):
+    text, needle = CONFIGS[case]
+    marker = tmp_path / "pwned"
+    f = tmp_path / "user config.yaml"
+    f.write_text(text.replace("{marker}", str(marker)), encoding="utf-8")
+    r = cli("train", "--recipe", "tiny-sdxl-lora", "--config", f, "--print-config")
+    _clean_failure(r, 2, needle, f)
+    assert not marker.exists()  # the Python tag was never constructed
+
+
+def test_a_binary_config_file_or_recipe_is_a_config_error(cli, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"\x80\x81\xfe binary")
+    _clean_failure(cli("train", "--config", f, "--print-config"), 2, f"{f} is not UTF-8 text")
+    _clean_failure(cli("train", "--recipe", f, "--print-config"), 2, f"{f} is not UTF-8 text")
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("train.learning_rate=.nan", "Input should be a finite number (from --set train.learning_rate)"),
+    ("train.max_steps=1e400", "train.max_steps: Input should be a valid integer"),
+    ("train.epochs=123456789012345678901234567890", "too large"),
+    ("lora.rank={a: &x {b: *x}}", "value of --set lora.rank nests deeper"),
+    ("lora.rank=" + "[" * 3000, "lora.rank: Input should be a valid integer"),  # not YAML: kept as text
+    ("memory.weights.kind=!!python/object:os.system", "memory.weights"),
+], ids=["nan", "1e400", "huge int", "alias loop", "3000 brackets", "python tag"])
+def test_hostile_set_values(cli, item, needle):
+    _clean_failure(cli("train", "--recipe", "tiny-sdxl-lora", "--set", item, "--print-config"), 2, needle)
