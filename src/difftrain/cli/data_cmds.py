@@ -30,6 +30,7 @@ def merge_tags(
     caption_from: Annotated[Optional[str], typer.Option("--caption-from", help="tags | caption | both: what the caption field holds")] = None,
     separator: Annotated[str, typer.Option("--separator", help="between caption and tags with --caption-from both")] = ", ",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would change; write nothing")] = False,
+    allow_outside_paths: Annotated[bool, typer.Option("--allow-outside-paths", help="follow links to files outside the folder")] = False,
 ) -> None:
     """Merge tag files and captions into one metadata JSON."""
     from rich.markup import escape
@@ -40,7 +41,7 @@ def merge_tags(
     rules = TagRules(drop=read_drop_list(drop_tags or []), dedupe=not keep_duplicates, threshold=threshold,
                      underscores=underscores_to_spaces, ratings=ratings, caption_from=caption_from, separator=separator)
     r = run(data_dir, out_json, tag_ext=tag_ext, caption_ext=caption_ext, in_json=in_json, full_path=full_path, recursive=recursive,
-            rules=rules, dry_run=dry_run)
+            rules=rules, dry_run=dry_run, allow_outside=allow_outside_paths)
     if dry_run:
         for key, before, after in r.changes[:20]:
             for field_ in ("caption", "tags"):

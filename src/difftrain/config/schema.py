@@ -47,6 +47,9 @@ class ModelConfig(Strict):
 class DataConfig(Strict):
     dir: Optional[Path] = Field(None, description="folder of images with caption/tag files")
     metadata: Optional[Path] = Field(None, description="merge-tags JSON (optional)")
+    allow_outside_paths: bool = Field(False, description="let dataset files lead outside data.dir: links to files "
+                                      "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
+                                      "other folders (off: refused, so a dataset from elsewhere cannot read your files)")
     caption_ext: str = ".caption"
     tag_ext: str = ".txt"
     caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
