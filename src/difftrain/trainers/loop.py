@@ -29,7 +29,7 @@ from rich.text import Text
 from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
-from ..data.cache import DataCache, cache_dir_for
+from ..data.cache import DataCache, cache_dir_for, check_index
 from ..errors import (CacheMismatch, CheckpointError, ConfigError, DifftrainError, Interrupted, LossNotFinite,
                       ModelLoadError)
 from ..families.base import stage_precisions
@@ -180,6 +180,8 @@ class Trainer:
     def _load_index(self) -> tuple[DataCache, list[dict]]:
         cache = DataCache(cache_dir_for(self.cfg))
         index = cache.read_json("index.json")
+        if index:
+            check_index(index, cache.root / "index.json")
         if not index or not index.get("items"):
             raise CacheMismatch(
                 f"No precomputed data in {cache.root}.",
