@@ -71,3 +71,14 @@ def test_empty_and_whitespace_caption_files_fall_back_to_the_tags(cli, tiny_mode
     assert r.code == 0 and "2 without a caption file" in r.err, r
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert "caption" not in meta[captions[0].stem] and meta[captions[0].stem]["tags"]
+
+
+def test_file_names_with_rich_markup_are_printed_as_they_are(cli, tiny_model, dataset, tmp_path):
+    (dataset / "[bold]x :fire:.png").write_bytes(b"not an image")
+    (dataset / "sub[").mkdir()
+    (dataset / "sub[" / "y] z.png").write_bytes(b"")  # the path holds "[/y]": a closing tag to Rich
+    r = cli("precompute", "--recipe", "tiny-sdxl-lora", "--plan-only", *_sets(tiny_sets(tiny_model, dataset, tmp_path)))
+    assert r.code == 0, r
+    assert "[bold]x :fire:.png" in r.err and "sub[/y] z.png" in r.err  # neither a MarkupError nor swallowed text
+    (dataset / "sub[" / "y] z.caption").write_bytes(b"\xff")
+    _clean_failure(cli("merge-tags", dataset, tmp_path / "m.json", "--recursive"), 1, "sub[/y] z.caption is not valid UTF-8")
