@@ -471,18 +471,20 @@ def _factory_entries(data_dir: Path, prompt_file: str, videos_file: str, allow_o
         raise DataError(f"{videos_path} lists no videos", hint="one video path per line, relative to the data folder")
     entries: list[_Entry] = []
     for line_no, (prompt, video) in enumerate(zip(prompts, videos), start=1):
-        if not video:
-            entries.append((videos_path, "", "", f"line {line_no} of {videos_file} is blank"))
+        if not video or "\0" in video:
+            entries.append((videos_path, "", "", f"line {line_no} of {videos_file} is " + ("blank" if not video else "not a path")))
             continue
         path = data_dir / video
         if not allow_outside and not is_inside(path, data_dir):
             raise DataError(f"{videos_path} line {line_no}: {video!r} leads outside the data folder {data_dir}", hint=OUTSIDE_HINT)
+        if not path.is_file():
+            entries.append((path, "", prompt, f"listed on line {line_no} of {videos_file}, but there is no such file"))
+            continue
         try:
             key = record_key(path, data_dir)
         except ValueError:  # outside the data folder (absolute, or ../)
             key = Path(video).with_suffix("").as_posix()
-        problem = None if path.is_file() else f"listed on line {line_no} of {videos_file}, but there is no such file"
-        entries.append((path, key, prompt, problem))
+        entries.append((path, key, prompt, None))
     return entries
 
 
