@@ -186,3 +186,20 @@ def test_a_crafted_checkpoint_to_resume_from(cli, tiny_model, _dataset_master, c
         f.write_bytes(CRAFTED[case][0])
     r = _train(cli, tiny_model, _dataset_master, cached, tmp_path / "again", "--resume", ckpt, **{"train.max_steps": 2})
     _clean_failure(r, 1, f"The checkpoint {ckpt} is incomplete or damaged", CRAFTED[case][1])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda ck: (ck / "trainer_state.json").write_text("[]"),
+    lambda ck: (ck / "trainer_state.json").write_text('{"step": "1", "epoch": 0, "batch_pos": 0}'),
+    lambda ck: (ck / "trainer_state.json").write_bytes(b"\xff"),
+    lambda ck: (ck / "rng.json").write_text('{"__dict__": {"python": 5}}'),
+    lambda ck: (ck / "trainable.json").write_text('{"__dict__": {"unet.x": {"__tensor__": "nope"}}}'),
+    lambda ck: (ck / "schedule.json").write_text("[" * 100_000 + "]" * 100_000),
+], ids=["state a list", "step a string", "state not UTF-8", "rng of wrong types", "tensor not in the file", "too deep"])
+def test_a_checkpoint_with_wrong_types_to_resume_from(cli, tiny_model, _dataset_master, cached, tmp_path, damage):
+    r = _train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"train.checkpoint_every": 1})
+    assert r.code == 0, r
+    ckpt = Path(shutil.copytree(next((tmp_path / "run" / "checkpoints").iterdir()), tmp_path / "ckpt"))
+    damage(ckpt)
+    r = _train(cli, tiny_model, _dataset_master, cached, tmp_path / "again", "--resume", ckpt, **{"train.max_steps": 2})
+    _clean_failure(r, 1, f"The checkpoint {ckpt}", "earlier checkpoint")

@@ -1044,7 +1044,24 @@ class Trainer:
         return out.name
 
     def _load(self, folder: Path) -> None:
+        """:meth:`_load_state`; a checkpoint whose files hold the wrong types or shapes (damaged, or crafted) is a
+        CheckpointError naming it, not whatever the step that trips on it raises."""
+        try:
+            self._load_state(folder)
+        except DifftrainError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                raise
+            raise CheckpointError(f"The checkpoint {folder} is damaged or does not fit this run "
+                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).",
+                                  hint="Resume with the config saved in the checkpoint folder (config.yaml), or from an "
+                                  "earlier checkpoint.") from None
+
+    def _load_state(self, folder: Path) -> None:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        if not (isinstance(state, dict) and all(type(state.get(k)) is int and state[k] >= 0 for k in ("step", "epoch", "batch_pos"))):
+            raise ValueError("trainer_state.json lacks step, epoch or batch_pos as non-negative integers")
         weights = load_tree(folder, "trainable")
         for part, m in self.trained.items():
             own = trainable_state(m)
