@@ -67,3 +67,27 @@ def test_a_binary_config_file_or_recipe_is_a_config_error(cli, tmp_path):
 ], ids=["nan", "1e400", "huge int", "alias loop", "3000 brackets", "python tag"])
 def test_hostile_set_values(cli, item, needle):
     _clean_failure(cli("train", "--recipe", "tiny-sdxl-lora", "--set", item, "--print-config"), 2, needle)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("recipe: tiny-sdxl-lora\ngrid: [lora.rank, 4]\n", "grid must be a mapping of path: [values]"),
+    ("recipe: tiny-sdxl-lora\nrandom: {trials: '3'}\n", "random must be {trials: N"),
+    ("recipe: tiny-sdxl-lora\nrandom: {trials: 2, seed: x}\n", "random must be {trials: N"),
+    ("config: 5\n", "config must be a file path"),
+    ("recipe: tiny-sdxl-lora\nset: just text\n", "set must be a mapping"),
+], ids=["grid a list", "trials a string", "seed a string", "config a number", "set a string"])
+def test_a_sweep_file_of_wrong_types(cli, tmp_path, text, needle):
+    f = tmp_path / "sweep.yaml"
+    f.write_text(text)
+    _clean_failure(cli("sweep", "--spec", f, "-o", tmp_path / "out"), 2, f"The sweep file {f}", needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_sd_scripts_inputs_that_are_not_text_or_hold_markup(cli, tmp_path):
+    toml = tmp_path / "config.toml"
+    toml.write_bytes(b"\xff\xfe binary")
+    _clean_failure(cli("convert-args", "--", "sdxl_train_network.py", f"--config_file={toml}"), 2, f"{toml} is not valid TOML")
+    _clean_failure(cli("convert-args", "--", "sdxl_train_network.py", "--config_file"), 2, "--config_file needs a TOML file path")
+    r = cli("convert-args", "--", "sdxl_train_network.py", "--lr_warmup_steps=1e400", "--bogus=[/x] [bold]y")
+    assert r.code == 0, r
+    assert "--bogus=[/x] [bold]y" in r.err and "--lr_warmup_steps=1e400" in r.err  # listed as not mapped, as written

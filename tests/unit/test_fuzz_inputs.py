@@ -3,7 +3,8 @@
 Covered: the config loader (``resolve`` over ``--set`` items and YAML files, ``parse_set``, ``read_yaml``), the
 merge-tags metadata reader (``load_metadata``, ``MetadataIndex``, ``scan_dataset`` with a metadata file), the
 caption and tag parsers (``parse_tag_file``, ``normalize_tags``, ``apply_rules``, ``TagRules``, ``read_text_file``,
-``sidecar_texts``, ``augment_caption``, ``caption_variants``) and cogvideox-factory's prompt.txt / videos.txt. Each test is bounded (``max_examples``) so the file
+``sidecar_texts``, ``augment_caption``, ``caption_variants``), cogvideox-factory's prompt.txt / videos.txt, sweep
+files and sd-scripts command lines. Each test is bounded (``max_examples``) so the file
 runs in well under a minute on two CPU cores.
 """
 
@@ -194,3 +195,38 @@ def test_caption_augmentation(caption, tags, source, data):
         aug = CaptionAugment.from_config(cfg.config.data)
         assert isinstance(augment_caption(text, aug, random.Random(0)), str)
         assert 1 <= len(caption_variants(text, aug)) <= aug.variants or not text
+
+
+# ----------------------------------------------------------------- sweep specs and sd-scripts options (configs too)
+@FUZZ
+@given(st.dictionaries(st.sampled_from(["recipe", "config", "set", "grid", "random", "bogus"]),
+                       _json | st.dictionaries(st.sampled_from(["trials", "seed", "axes", "lora.rank", "train.seed"]),
+                                               _json | st.dictionaries(st.text(max_size=8), _json, max_size=3), max_size=3),
+                       max_size=4))
+def test_sweep_files_of_any_structure(data):
+    from difftrain.sweep import expand, load_spec
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "sweep.yaml"
+        f.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+        spec = _ok_or_difftrain(load_spec, f)
+        if spec is not None and (spec.trials or 0) <= 50:
+            _ok_or_difftrain(expand, spec)
+
+
+_SDS_NAMES = ["pretrained_model_name_or_path", "train_data_dir", "resolution", "learning_rate", "max_train_steps",
+              "network_dim", "network_alpha", "mixed_precision", "save_every_n_steps", "lr_warmup_steps", "max_grad_norm",
+              "optimizer_type", "train_batch_size", "seed", "config_file", "bogus", "caption_extension", "keep_tokens"]
+
+
+@FUZZ
+@given(st.sampled_from(["sdxl_train_network.py", "sdxl_train.py", "sd3_train_network.py", "x.py"]),
+       st.lists(st.tuples(st.sampled_from(_SDS_NAMES), st.text(max_size=12) | st.sampled_from(["nan", "1e400", "-1", "0,0", ""])),
+                max_size=5))
+def test_sd_scripts_command_lines(script, options):
+    from difftrain.config.sdscripts import convert
+
+    tokens = [script] + [t for name, v in options for t in ((f"--{name}", v) if v else (f"--{name}",))]
+    c = _ok_or_difftrain(convert, tokens)
+    if c is not None:
+        _ok_or_difftrain(resolve, extra=c.config)
