@@ -114,3 +114,10 @@ def test_video_folder_layout_links(folders):
     with pytest.raises(DataError, match="outside the data folder"):
         scan_videos(data)
     assert scan_videos(data, allow_outside=True)[0][0].caption.startswith("-----BEGIN")
+
+
+def test_a_metadata_path_that_is_a_device_is_refused():
+    from difftrain.data.tags import load_metadata
+
+    with pytest.raises(DataError, match="metadata file /dev/zero is not a regular file"):
+        load_metadata(Path("/dev/zero"))

@@ -270,6 +270,8 @@ def load_metadata(path: Path) -> dict[str, Any]:
     """Read a metadata JSON file that must hold one JSON object; :class:`DataError` otherwise."""
     path = Path(path)
     try:
+        if path.exists() and not path.is_file():  # a device or pipe would never end
+            raise DataError(f"metadata file {path} is not a regular file", hint="give the merge-tags JSON file")
         text = path.read_text(encoding="utf-8-sig")
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise DataError(f"metadata file {path} does not exist", hint="check the path, or leave it out") from exc
