@@ -91,3 +91,14 @@ def test_sd_scripts_inputs_that_are_not_text_or_hold_markup(cli, tmp_path):
     r = cli("convert-args", "--", "sdxl_train_network.py", "--lr_warmup_steps=1e400", "--bogus=[/x] [bold]y")
     assert r.code == 0, r
     assert "--bogus=[/x] [bold]y" in r.err and "--lr_warmup_steps=1e400" in r.err  # listed as not mapped, as written
+
+
+def test_a_host_allocation_that_fails_is_reported_as_out_of_memory(capsys):
+    """What a huge (valid) lora.rank or batch size ends in on the CPU: torch's allocator refuses the request."""
+    from difftrain.cli.app import report_error
+
+    e = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                     "you tried to allocate 144000000000 bytes. Error code 12 (Cannot allocate memory)")
+    assert report_error(e) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error: out of memory:" in err and "an unexpected" not in err and "lora.rank" in err

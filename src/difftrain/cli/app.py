@@ -64,9 +64,10 @@ def report_error(e: BaseException) -> int:
     elif isinstance(e, KeyboardInterrupt):
         console.print("[yellow]interrupted[/yellow]")
         code = 130
-    elif isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+    elif isinstance(e, MemoryError) or any(m in str(e).lower() for m in ("out of memory", "can't allocate memory")):
         console.print(f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}")
-        console.print("[bold]next:[/bold] lower train.batch_size or data.resolution, or use a recipe for a smaller GPU tier.")
+        console.print("[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
+                      "GPU tier (`difftrain plan` predicts the peak).")
         code = 1
     else:
         console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {escape(str(e))}")
