@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -14,7 +15,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)  # no hard wraps: messages stay greppable
+# no hard wraps: messages stay greppable; no :emoji: codes (a file named :fire:.png is printed as it is)
+console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def debug_enabled() -> bool:
@@ -26,14 +28,15 @@ def quiet_rank() -> bool:
     return os.environ.get("RANK", "0") not in ("", "0")
 
 
-def info(msg: str) -> None:
+def info(msg: str, markup: bool = False) -> None:
+    """Print ``msg`` as it is (file names may hold ``[...]``); ``markup=True`` for Rich's [style] tags."""
     if not quiet_rank():
-        console.print(msg)
+        console.print(msg, markup=markup)
 
 
 def warn(msg: str) -> None:
     if not quiet_rank():
-        console.print(f"[yellow]warning:[/yellow] {msg}")
+        console.print(f"[yellow]warning:[/yellow] {escape(msg)}")
 
 
 def progress(*extra_columns, transient: bool = False) -> Progress:

@@ -77,7 +77,8 @@ def checks(platform_name: str = sys.platform) -> list[Check]:
     for mod, label in (("diffusers", "diffusers"), ("transformers", "transformers"), ("peft", "peft"), ("accelerate", "accelerate")):
         v = _version(mod)
         out.append(Check(label, "ok" if v else "fail", v or "does not import", "" if v else f"pip install {mod}"))
-    out += [_bitsandbytes(cuda), _deepspeed(cuda), _torchao(), _optional("xformers", "pip install xformers (optional; SDPA is used without it)", missing="info"),
+    capability = torch.cuda.get_device_capability(0) if cuda else None
+    out += [_bitsandbytes(cuda), _deepspeed(cuda), _torchao(cuda), _fp8(capability), _xformers(cuda),
             _optional("av", "pip install 'difftrain[video]' (PyAV: video datasets)"),
             _optional("tensorboard", "pip install tensorboard (report.to: [tensorboard])"),
             _optional("wandb", "pip install wandb (only for report.to: [wandb])", missing="info")]
@@ -111,22 +112,114 @@ def _bitsandbytes(cuda: bool) -> Check:
                      "Reinstall bitsandbytes for this CUDA (python -m bitsandbytes prints its diagnosis).")
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
+def _adam_step(opt_class, device: str, n: int = 64, **kw) -> None:
+    """One step of ``opt_class`` on an ``n``-element weight; raises unless the weight moved."""
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(n, device=device))
+    opt = opt_class([p], lr=1e-2, **kw)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    if not bool((p.detach() < 1).all()):
+        raise RuntimeError("the step left the weight unchanged")
+
+
+_DS_REINSTALL = ("Reinstall DeepSpeed for this torch: pip install --no-build-isolation --force-reinstall deepspeed "
+                 "(`ds_report` says what is missing).")
+
+
 def _deepspeed(cuda: bool) -> Check:
+    """Import DeepSpeed; step its CPU Adam (ZeRO-Offload's optimizer) when the op is prebuilt, else only ask whether it
+    could be built: a first JIT build takes a minute or more."""
     v = _version("deepspeed")
     if v is None:
         return Check("deepspeed", "warn", "not installed",
                      "pip install --no-build-isolation deepspeed (after torch) for memory.engine deepspeed (ZeRO 2/3)")
-    return Check("deepspeed", "ok" if cuda else "info", v + ("" if cuda else " (ZeRO runs on CUDA GPUs only)"))
-
-
-def _torchao() -> Check:
+    gpu = "" if cuda else " (ZeRO runs on CUDA GPUs only)"
     try:
-        from torchao.optim import AdamW8bit  # noqa: F401 - the import path difftrain uses (it moved between releases)
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        return Check("torchao", "ok", f"{_version('torchao')}: torchao.optim imports")
+        if not installed_ops.get("cpu_adam"):
+            if CPUAdamBuilder().is_compatible(verbose=False):
+                return Check("deepspeed", "info", f"{v}{gpu}: DeepSpeedCPUAdam (offload_optimizer_device: cpu) is built on "
+                             "its first use (a minute or more; needs g++ and ninja)",
+                             "To build it once, ahead: DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed")
+            return Check("deepspeed", "warn", f"{v}{gpu}: DeepSpeedCPUAdam cannot be built on this machine",
+                         "ZeRO without offload_optimizer_device: cpu still works; for the CPU optimizer install g++ and ninja, "
+                         "then DS_BUILD_CPU_ADAM=1 pip install --no-build-isolation --force-reinstall deepspeed")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        _adam_step(DeepSpeedCPUAdam, "cpu")
+        return Check("deepspeed", "ok" if cuda else "info", f"{v}{gpu}: DeepSpeedCPUAdam steps (prebuilt op)")
+    except Exception as e:  # noqa: BLE001 - a broken build fails in many ways
+        return Check("deepspeed", "fail", f"{v}: {_first_line(e)}", _DS_REINSTALL)
+
+
+def _torchao(cuda: bool, device: str = "cuda") -> Check:
+    """Import torchao.optim; on a GPU, one AdamW8bit step (4096 weights: the quantized path; the first step compiles)."""
+    try:
+        from torchao.optim import AdamW8bit  # the import path difftrain uses (it moved between releases)
     except Exception as e:  # noqa: BLE001
         return Check("torchao", "warn", f"torchao.optim does not import ({type(e).__name__})",
                      "pip install 'difftrain[torchao]' (CPU-offload AdamW, 4-bit Adam, fp8)")
+    v = _version("torchao")
+    if not cuda:
+        return Check("torchao", "info", f"{v}: torchao.optim imports (its 8/4-bit AdamW steps on CUDA GPUs)")
+    try:
+        _adam_step(AdamW8bit, device, n=4096)
+    except Exception as e:  # noqa: BLE001
+        return Check("torchao", "fail", f"{v}: AdamW8bit fails: {_first_line(e)}",
+                     "Install the torchao built for this torch (pip install -U torchao; its steps need torch.compile, "
+                     "i.e. triton and a C compiler), or use memory.optimizer adamw8bit with backend bnb.")
+    return Check("torchao", "ok", f"{v}: AdamW8bit steps on the GPU")
+
+
+def _fp8(capability: tuple[int, int] | None, device: str = "cuda") -> Check:
+    """float8 tensors on the device (what memory.weights fp8 stores), and whether it has float8 matmuls (8.9+)."""
+    import torch
+
+    where = device if capability else "cpu"
+    try:
+        x = torch.linspace(-2, 2, 16, device=where)
+        if not torch.allclose(x.to(torch.float8_e4m3fn).float(), x, atol=0.13):
+            raise RuntimeError("float8 round trip is off")
+    except Exception as e:  # noqa: BLE001
+        return Check("fp8", "fail", f"float8 tensors fail on {where}: {_first_line(e)}",
+                     "Use torch 2.4 or newer, or memory.weights bf16.")
+    if capability is None:
+        return Check("fp8", "info", "no GPU: memory.weights fp8 stores weights in 1 byte and computes in bf16 "
+                     "(float8 matmuls need compute capability 8.9+)")
+    cc = f"{capability[0]}.{capability[1]}"
+    if tuple(capability) >= (8, 9):
+        return Check("fp8", "ok", f"compute capability {cc}: float8 tensors and matmuls (memory.weights fp8)")
+    return Check("fp8", "info", f"compute capability {cc}: float8 tensors work (memory.weights fp8 stores weights in 1 byte, "
+                 "computes in bf16); float8 matmuls need 8.9+ (Ada, Hopper)")
+
+
+def _xformers(cuda: bool, device: str = "cuda") -> Check:
+    """If installed: memory_efficient_attention on tiny tensors on the GPU (difftrain itself uses SDPA)."""
+    v = _version("xformers")
+    if v is None:
+        return Check("xformers", "info", "not installed", "pip install xformers (optional; SDPA is used without it)")
+    if not cuda:
+        return Check("xformers", "info", f"{v} (its kernels run on CUDA GPUs only)")
+    try:
+        import torch
+        import xformers.ops as xops
+
+        q = torch.randn(1, 8, 2, 16, device=device, dtype=torch.float16)  # batch, tokens, heads, head dim
+        out = xops.memory_efficient_attention(q, q, q)
+        if tuple(out.shape) != tuple(q.shape) or not bool(torch.isfinite(out).all()):
+            raise RuntimeError(f"wrong output {tuple(out.shape)}")
+    except Exception as e:  # noqa: BLE001
+        return Check("xformers", "warn", f"{v}: memory_efficient_attention fails: {_first_line(e)}",
+                     "Install the xformers wheel built for this torch and CUDA, or uninstall it (difftrain uses PyTorch's SDPA).")
+    return Check("xformers", "ok", f"{v}: memory_efficient_attention runs on the GPU")
 
 
 def distributed_checks(platform_name: str = sys.platform) -> list[Check]:
@@ -154,19 +247,26 @@ def distributed_checks(platform_name: str = sys.platform) -> list[Check]:
 
 
 def recipe_fit(cfg) -> Check:
-    """Whether a config's planned peak fits this machine's free GPU memory."""
+    """The planner's peak for a config against this machine's free GPU memory (and available host RAM)."""
     import torch
 
     from .trainers.loop import plan_memory
 
     plan = plan_memory(cfg)
-    need = plan.gpu_reserved
+    need, host = plan.gpu_reserved, plan.host_total
+    avail = host_ram_gib()[1]
+    ram = f"; {host:.1f} GiB of host RAM" + (f", {avail:.1f} GiB available" if avail is not None else "")
+    short_ram = avail is not None and host > avail
+    ram_fix = " Free host RAM first (close programs), or use a recipe for a smaller tier." if short_ram else ""
     if not torch.cuda.is_available():
-        return Check("fits", "info", f"plan: {need:.1f} GiB of GPU memory (no GPU here to compare with)")
+        return Check("fits", "info", f"plan: {need:.1f} GiB of GPU memory at peak{ram} (no GPU here to compare with)",
+                     f"Run it on a GPU with at least {need:.1f} GiB free; `difftrain plan --vram NGiB` lists settings for a "
+                     "smaller one." + ram_fix)
     free = torch.cuda.mem_get_info()[0] / 2**30
     ok = need <= free
-    return Check("fits", "ok" if ok else "fail", f"plan: {need:.1f} GiB of GPU memory, {free:.1f} GiB free",
-                 "" if ok else f"`difftrain plan --vram {free:.0f}GiB` lists settings predicted to fit.")
+    fix = "" if ok else f"`difftrain plan --vram {free:.0f}GiB` lists settings predicted to fit."
+    return Check("fits", "fail" if not ok else "warn" if short_ram else "ok",
+                 f"plan: {need:.1f} GiB of GPU memory at peak, {free:.1f} GiB free{ram}", (fix + ram_fix).strip())
 
 
 def environment_lines() -> list[str]:

@@ -173,21 +173,29 @@ def load_spec(path: Path) -> SweepSpec:
     if unknown:
         raise ConfigError(f"The sweep file {path} has unknown keys: {', '.join(sorted(unknown))}.",
                           hint="Use recipe, config, set, grid and random.")
-    sets = raw.get("set") or []
+    sets, grid_raw, rnd = raw.get("set") or [], raw.get("grid") or {}, raw.get("random")
+    for key, ok, what in (("recipe", isinstance(raw.get("recipe"), (str, type(None))), "a recipe name or path"),
+                          ("config", isinstance(raw.get("config"), (str, type(None))), "a file path"),
+                          ("set", isinstance(sets, (dict, list)), "a mapping of path: value, or a list of path=value"),
+                          ("grid", isinstance(grid_raw, dict) and all(isinstance(k, str) for k in grid_raw),
+                           "a mapping of path: [values]"),
+                          ("random", rnd is None or (isinstance(rnd, dict) and type(rnd.get("trials")) is int and rnd["trials"] >= 1
+                                                     and type(rnd.get("seed", 0)) is int and isinstance(rnd.get("axes") or {}, dict)
+                                                     and all(isinstance(k, str) for k in rnd.get("axes") or {})),
+                           "{trials: N (a positive integer), seed: an integer, axes: {path: distribution}}")):
+        if not ok:
+            raise ConfigError(f"The sweep file {path}: {key} must be {what}.", hint="`difftrain sweep --help` shows an example.")
     if isinstance(sets, dict):
         sets = [f"{k}={_dump(v)}" for k, v in sets.items()]
     grid = {}
-    for k, v in (raw.get("grid") or {}).items():
+    for k, v in grid_raw.items():
         if not isinstance(v, list) or not v:
             raise ConfigError(f"{path}: grid.{k} must be a non-empty list of values.")
         grid[_path(k, f"{path}: grid")] = v
     spec = SweepSpec(recipe=raw.get("recipe"), config=Path(raw["config"]) if raw.get("config") else None,
                      sets=[str(s) for s in sets], grid=grid)
-    rnd = raw.get("random")
     if rnd is not None:
-        if not isinstance(rnd, dict) or not isinstance(rnd.get("trials"), int) or rnd["trials"] < 1:
-            raise ConfigError(f"{path}: random needs trials: N (a positive integer), and optionally seed and axes.")
-        spec.trials, spec.seed = rnd["trials"], int(rnd.get("seed", 0))
+        spec.trials, spec.seed = rnd["trials"], rnd.get("seed", 0)
         spec.dists = {_path(k, f"{path}: random.axes"): _check_dist(v, f"{path}: random.axes.{k}")
                       for k, v in (rnd.get("axes") or {}).items()}
     return spec
@@ -536,6 +544,7 @@ def _hparams(out: Path, rows: list[dict], axes: list[str]) -> None:
 
 
 def _print_table(rows: list[dict], axes: list[str]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from .console import console
@@ -545,7 +554,7 @@ def _print_table(rows: list[dict], axes: list[str]) -> None:
         table.add_column(col, justify="left" if col in ("trial", "status") else "right", no_wrap=col == "trial")
     for r in rows:
         color = {"ok": "green", "pending": "yellow"}.get(r["status"], "red")
-        table.add_row(r["trial"], *(str(r[a]) for a in axes), f"[{color}]{r['status']}[/{color}]",
+        table.add_row(escape(r["trial"]), *(escape(str(r[a])) for a in axes), f"[{color}]{escape(r['status'])}[/{color}]",
                       *(_fmt4(r.get(k)) for k in ("final_loss", "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib")))
     # as wide as its content: a narrow or piped terminal would cut the numbers to "0.00…"
     need = sum(max([len(str(c.header))] + [len(x) for x in c.cells]) + 3 for c in table.columns) + 1

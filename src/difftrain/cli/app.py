@@ -15,6 +15,8 @@ if os.environ.get("DIFFTRAIN_DEBUG", "") in ("", "0"):
 
 import typer
 
+from rich.markup import escape
+
 from ..console import console, debug_enabled
 from ..errors import DifftrainError
 
@@ -54,21 +56,23 @@ def report_error(e: BaseException) -> int:
     # several processes: say which one failed, on the same line (their lines interleave)
     who = f"[bold]rank {os.environ.get('RANK', '?')}:[/bold] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
     if isinstance(e, DifftrainError):
-        console.print(f"{who}[bold red]error:[/bold red] {e.message}")
+        # messages quote file names and values, which may hold [...]: printed as they are, never as markup
+        console.print(f"{who}[bold red]error:[/bold red] {escape(e.message)}")
         for path, msg in getattr(e, "problems", []):
-            console.print(f"  [cyan]{path}[/cyan]: {msg}")
+            console.print(f"  [cyan]{escape(str(path))}[/cyan]: {escape(str(msg))}")
         if e.hint:
-            console.print(f"[bold]next:[/bold] {e.hint}")
+            console.print(f"[bold]next:[/bold] {escape(e.hint)}")
         code = e.exit_code
     elif isinstance(e, KeyboardInterrupt):
         console.print("[yellow]interrupted[/yellow]")
         code = 130
-    elif isinstance(e, MemoryError) or "out of memory" in str(e).lower():
-        console.print(f"{who}[bold red]error:[/bold red] out of memory: {str(e).splitlines()[0] if str(e) else ''}")
-        console.print("[bold]next:[/bold] lower train.batch_size or data.resolution, or use a recipe for a smaller GPU tier.")
+    elif isinstance(e, MemoryError) or any(m in str(e).lower() for m in ("out of memory", "can't allocate memory")):
+        console.print(f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}")
+        console.print("[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
+                      "GPU tier (`difftrain plan` predicts the peak).")
         code = 1
     else:
-        console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {e}")
+        console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {escape(str(e))}")
         console.print("[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.")
         code = 1
     if debug_enabled():

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 from typing_extensions import Annotated
 
 from ..console import info
@@ -45,7 +44,7 @@ def verify(folder: CacheDir) -> None:
     _check(folder)
     problems = verify_cache(folder)
     for p in problems[:50]:
-        info(escape(f"problem: {p}"))
+        info(f"problem: {p}")
     if problems:
         raise CacheMismatch(f"The cache at {folder} has {len(problems)} problem(s).",
                             hint="Run `difftrain precompute` again: it re-encodes what is missing (after `difftrain cache prune`).")

@@ -6,6 +6,7 @@ from typing import List
 
 import typer
 import yaml
+from rich.markup import escape
 from rich.table import Table
 from typing_extensions import Annotated
 
@@ -28,6 +29,6 @@ def convert_args(
         table.add_column("option", style="cyan")
         table.add_column("why")
         for opt, why in c.unmapped:
-            table.add_row(opt, why)
+            table.add_row(escape(opt), escape(why))  # the user's own text: never read as markup
         console.print(table)
     info(f"the config validates ({res.config.train.method}, {res.config.memory.optimizer.kind})")

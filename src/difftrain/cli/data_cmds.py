@@ -30,6 +30,7 @@ def merge_tags(
     caption_from: Annotated[Optional[str], typer.Option("--caption-from", help="tags | caption | both: what the caption field holds")] = None,
     separator: Annotated[str, typer.Option("--separator", help="between caption and tags with --caption-from both")] = ", ",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would change; write nothing")] = False,
+    allow_outside_paths: Annotated[bool, typer.Option("--allow-outside-paths", help="follow links to files outside the folder")] = False,
 ) -> None:
     """Merge tag files and captions into one metadata JSON."""
     from rich.markup import escape
@@ -40,19 +41,19 @@ def merge_tags(
     rules = TagRules(drop=read_drop_list(drop_tags or []), dedupe=not keep_duplicates, threshold=threshold,
                      underscores=underscores_to_spaces, ratings=ratings, caption_from=caption_from, separator=separator)
     r = run(data_dir, out_json, tag_ext=tag_ext, caption_ext=caption_ext, in_json=in_json, full_path=full_path, recursive=recursive,
-            rules=rules, dry_run=dry_run)
+            rules=rules, dry_run=dry_run, allow_outside=allow_outside_paths)
     if dry_run:
         for key, before, after in r.changes[:20]:
             for field_ in ("caption", "tags"):
                 if before.get(field_) != after.get(field_):
-                    info(escape(f"{key} {field_}: {before.get(field_)!r} -> {after.get(field_)!r}"))
+                    info(f"{key} {field_}: {before.get(field_)!r} -> {after.get(field_)!r}")
         info(f"dry run: {len(r.changes)} of {r.images} entries would change, {r.tags_removed} tags removed; "
              f"{r.out_path} not written")
         return
     info(f"{r.images} images: {r.with_tags} with tags, {r.with_caption} with captions, {r.tags_removed} tags removed "
          f"-> {r.out_path}")
     if r.missing_tags:
-        info(f"[yellow]{len(r.missing_tags)} without a tag file[/yellow] (e.g. {', '.join(r.missing_tags[:5])})")
+        info(f"[yellow]{len(r.missing_tags)} without a tag file[/yellow] (e.g. {escape(', '.join(r.missing_tags[:5]))})", markup=True)
     if r.missing_captions:
         info(f"{len(r.missing_captions)} without a caption file")
 
@@ -80,8 +81,6 @@ def precompute(
         print_config(res)
         return
     if plan_only:
-        from rich.markup import escape
-
         r = run(res.config, plan_only=True)
         table = Table(title=f"bucket plan ({r.items} usable, {len(r.skipped)} dropped)")
         for col in ("bucket (w x h)", "images", "share"):
@@ -90,7 +89,7 @@ def precompute(
             table.add_row(b, str(n), f"{n / max(1, r.items):.1%}")
         console.print(table)
         for path, why in r.skipped:
-            info(escape(f"dropped {path}: {why}"))
+            info(f"dropped {path}: {why}")
         return
     if gpus > 1 and "LOCAL_RANK" not in os.environ:
         from ..distributed import launch

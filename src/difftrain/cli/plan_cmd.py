@@ -55,7 +55,7 @@ def plan(
     e = plan_memory(cfg)
     console.print(_table(f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px", e))
     for n in e.notes:
-        info(f"[yellow]note:[/yellow] {n}")
+        info(f"[yellow]note:[/yellow] {n}", markup=True)
     if vram is None:
         return
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
@@ -70,7 +70,7 @@ def plan(
             fits.append((speed_cost(c), est.gpu_reserved, override, est))
     if not fits:
         info(f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
-             "(lower train.batch_size or data.resolution, or use a larger GPU).")
+             "(lower train.batch_size or data.resolution, or use a larger GPU).", markup=True)
         raise typer.Exit(1)
     # equal cost: fewer blocks swapped (less copying), then less memory
     fits.sort(key=lambda f: (f[0], getattr(f[2]["memory"].get("offload"), "get", lambda k, d: d)("blocks_to_swap", 0), f[1]))

@@ -14,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from ..errors import ConfigError, UsageError
-from .recipes import load_recipe
+from .recipes import check_shape, load_recipe, parse_yaml, read_text
 from .schema import Config
 
 
@@ -22,14 +22,12 @@ def read_yaml(path: Path, what: str = "config file") -> dict:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"The {what} {path} does not exist.", hint="Check the path, or run `difftrain recipes list`.")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"The {what} {path} is not valid YAML: {e}") from None
+    data = parse_yaml(read_text(path, what), f"{what} {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"The {what} {path} must be a mapping of sections (model:, data:, train: ...).")
+        raise ConfigError(f"The {what} {path} must be a mapping of sections (model:, data:, train: ...).",
+                          hint="`difftrain recipes show NAME` shows one.")
     return data
 
 
@@ -48,8 +46,9 @@ def parse_set(item: str) -> tuple[list[str], Any]:
         return parts, raw.strip()  # keep as text: "no" is a valid mixed_precision; bool fields accept it too
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
+    except (yaml.YAMLError, RecursionError):
+        return parts, raw
+    check_shape(value, f"value of --set {key.strip()}")
     return parts, value
 
 
@@ -127,6 +126,15 @@ class Resolved:
         return yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False)
 
 
+def _with_source(msg: str, path: str, sources: dict[str, str]) -> str:
+    """``msg`` plus the layer that set ``path`` (its own key, a parent's, or the first child's): where to fix it."""
+    key = path
+    while key and key not in sources:
+        key = key.rpartition(".")[0]
+    src = sources.get(key) or next((v for k, v in sources.items() if k.startswith(path + ".")), None)
+    return f"{msg} (from {src})" if src else msg
+
+
 def _flatten(d: Any, prefix: str, out: dict) -> None:
     if isinstance(d, dict) and d:
         for k, v in d.items():
@@ -156,7 +164,7 @@ def resolve(
     try:
         config = Config.model_validate(merged)
     except ValidationError as e:
-        problems = validation_problems(e)
+        problems = [(path, _with_source(msg, path, sources)) for path, msg in validation_problems(e)]
         n = len(problems)
         raise ConfigError(
             f"The configuration has {n} problem{'s' if n > 1 else ''}:",

@@ -24,9 +24,55 @@ def recipe_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in _recipe_dir().iterdir() if p.name.endswith(".yaml"))
 
 
+def read_text(path: Path, what: str) -> str:
+    """A user's YAML file as text; :class:`ConfigError` naming it when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"The {what} {path} is not UTF-8 text (byte {e.start}).", hint="Save it as UTF-8 YAML.") from None
+    except OSError as e:
+        raise ConfigError(f"The {what} {path} cannot be read: {e.strerror or e}.", hint="Check the path and its permissions.") from None
+
+
+#: what a configuration may hold: deeper nesting or more values is not a configuration (e.g. a YAML alias bomb)
+MAX_DEPTH, MAX_VALUES = 32, 100_000
+
+
+def check_shape(data, what: str) -> None:
+    """:class:`ConfigError` when ``data`` nests deeper than MAX_DEPTH, holds more than MAX_VALUES values (aliases counted
+    each time they are used), or contains itself: the merging and validation that follow would never end."""
+    count = 0
+
+    def walk(x, depth: int) -> None:
+        nonlocal count
+        count += 1
+        if depth > MAX_DEPTH or count > MAX_VALUES:
+            raise ConfigError(f"The {what} nests deeper than {MAX_DEPTH} levels or holds more than {MAX_VALUES:,} values "
+                              "(a self-referencing YAML alias?).", hint="A difftrain config is a few sections of plain keys: "
+                              "`difftrain recipes show NAME` shows one.")
+        for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else ():
+            walk(v, depth + 1)
+
+    walk(data, 0)
+
+
+def parse_yaml(text: str, what: str):
+    """``yaml.safe_load`` (no Python tags: ``!!python/object`` is refused), its failures as :class:`ConfigError`s
+    naming ``what``, the result checked by :func:`check_shape`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"The {what} is not valid YAML: {e}",
+                          hint="Python tags (!!python/...) are never read; fix the line shown.") from None
+    except RecursionError:
+        raise ConfigError(f"The {what} nests too deeply to read.", hint="A difftrain config is a few sections of plain keys.") from None
+    check_shape(data, what)
+    return data
+
+
 def recipe_text(name: str) -> str:
     if name.endswith((".yaml", ".yml")) and Path(name).is_file():
-        return Path(name).read_text(encoding="utf-8")
+        return read_text(Path(name), "recipe file")
     f = _recipe_dir() / f"{name}.yaml"
     if not f.is_file():
         close = difflib.get_close_matches(name, recipe_names(), n=3)
@@ -48,10 +94,8 @@ def recipe_header(name: str) -> str:
 
 
 def load_recipe(name: str) -> dict:
-    try:
-        data = yaml.safe_load(recipe_text(name))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"The recipe {name!r} is not valid YAML: {e}") from None
+    data = parse_yaml(recipe_text(name), f"recipe {name!r}")
     if not isinstance(data, dict):
-        raise ConfigError(f"The recipe {name!r} must be a mapping of sections.")
+        raise ConfigError(f"The recipe {name!r} must be a mapping of sections (model:, data:, train: ...).",
+                          hint="`difftrain recipes show NAME` shows one.")
     return data

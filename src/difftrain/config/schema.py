@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN and infinity are refused everywhere (a NaN learning rate would train silently to garbage)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, v):
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+            raise ValueError(f"{v} is too large (at most 2^63 - 1)")
+        return v
 
 
 # ----------------------------------------------------------------- model
@@ -39,13 +47,16 @@ class ModelConfig(Strict):
 class DataConfig(Strict):
     dir: Optional[Path] = Field(None, description="folder of images with caption/tag files")
     metadata: Optional[Path] = Field(None, description="merge-tags JSON (optional)")
+    allow_outside_paths: bool = Field(False, description="let dataset files lead outside data.dir: links to files "
+                                      "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
+                                      "other folders (off: refused, so a dataset from elsewhere cannot read your files)")
     caption_ext: str = ".caption"
     tag_ext: str = ".txt"
     caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
-    resolution: int = Field(1024, ge=64, description="bucket max area = resolution^2")
+    resolution: int = Field(1024, ge=64, le=16384, description="bucket max area = resolution^2")
     bucket_step: int = Field(64, ge=8)
-    min_side: int = Field(512, ge=8)
-    max_side: int = Field(2048, ge=8)
+    min_side: int = Field(512, ge=8, le=16384)
+    max_side: int = Field(2048, ge=8, le=16384)
     no_upscale: bool = False
     max_upscale: Optional[float] = Field(4.0, ge=1, description="skip (and report) an image that would have to be "
                                          "enlarged more than this to fill its bucket; null: any")

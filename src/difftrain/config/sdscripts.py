@@ -99,7 +99,10 @@ def parse_tokens(tokens: list[str]) -> tuple[str | None, dict[str, Any]]:
         args[name.replace("-", "_")] = value
         i += 1
     if "config_file" in args:
-        args = {**read_toml(Path(args.pop("config_file"))), **args}
+        f = args.pop("config_file")
+        if not isinstance(f, str) or not f:
+            raise UsageError("--config_file needs a TOML file path.", hint="e.g. --config_file config.toml")
+        args = {**read_toml(Path(f)), **args}
     return script, args
 
 
@@ -112,8 +115,9 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise UsageError(f"The TOML file {path} does not exist.")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{path} is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise UsageError(f"{path} is not valid TOML: {type(e).__name__}: {e}",
+                         hint="Give the TOML file sd-scripts reads (--config_file).") from None
     flat: dict[str, Any] = {}
 
     def walk(d: dict) -> None:  # sd-scripts' config files group options in arbitrary tables
@@ -251,7 +255,7 @@ def convert(tokens: list[str]) -> Conversion:
                 c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), UNSUPPORTED[name]))
             else:
                 c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), "no difftrain equivalent known"))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             c.unmapped.append((f"--{name}={v}", "value not understood"))
 
     if lora and "network_train_unet_only" not in args and "cache_text_encoder_outputs" not in args:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -33,9 +34,56 @@ from safetensors.torch import save_file
 
 from ..config.schema import Config
 from ..errors import CacheMismatch, UsageError
-from ..utils import atomic_write_json
+from ..utils import atomic_write_json, read_safetensors_header
 
 CACHE_VERSION = 1
+#: the only shard names a manifest may hold (what :meth:`DataCache.flush` writes): nothing read from a cache
+#: folder can point at a file outside it
+SHARD_NAME = re.compile(r"shards/[0-9a-f]{2}/[0-9a-f]{32}\.safetensors")
+_REBUILD = "Delete the cache folder and run `difftrain precompute` again."
+
+
+def _damaged(path: Path, what: str) -> CacheMismatch:
+    return CacheMismatch(f"{path} is damaged or was not written by difftrain: {what}.", hint=_REBUILD)
+
+
+def check_manifest(m, path: Path) -> dict:
+    """``m`` if it is a manifest whose every shard name is one :meth:`DataCache.flush` writes; else CacheMismatch."""
+    if not isinstance(m, dict) or not isinstance(m.get("entries", {}), dict) or not isinstance(m.get("shards", {}), dict):
+        raise _damaged(path, "not a manifest (an object with 'entries' and 'shards')")
+    for rel, size in m.get("shards", {}).items():
+        if not SHARD_NAME.fullmatch(rel) or not isinstance(size, int) or isinstance(size, bool):
+            raise _damaged(path, f"the shard {rel!r}: {size!r} is not a shards/xx/<id>.safetensors name with its size")
+    for key, e in m.get("entries", {}).items():
+        if not (isinstance(e, dict) and isinstance(e.get("shard"), str) and SHARD_NAME.fullmatch(e["shard"])
+                and isinstance(e.get("names"), list) and all(isinstance(n, str) for n in e["names"])):
+            raise _damaged(path, f"the entry {key[:40]!r} is not {{shard: shards/xx/<id>.safetensors, names: [...]}}")
+    return m
+
+
+def _ints(v, n: int) -> bool:
+    return isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 2**20 for x in v)
+
+
+def _text_keys(t) -> bool:
+    return isinstance(t, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in t.items())
+
+
+def check_index(index, path: Path) -> dict:
+    """``index`` if it has the shape precompute writes (the fields training reads, with their types); else
+    CacheMismatch naming the first bad item. Its entries are keys of the manifest, never file names."""
+    if not isinstance(index, dict) or not isinstance(index.get("items", []), list):
+        raise _damaged(path, "not an object with a list of 'items'")
+    if not (index.get("empty_text") is None or _text_keys(index["empty_text"])):
+        raise _damaged(path, "'empty_text' is not an object of stage -> entry key")
+    for i, it in enumerate(index.get("items", [])):
+        ok = (isinstance(it, dict) and isinstance(it.get("key"), str) and isinstance(it.get("caption", ""), str)
+              and isinstance(it.get("latent"), str) and _ints(it.get("bucket"), 2) and _ints(it.get("original_size", [1, 1]), 2)
+              and _ints([it.get("frames", 1)], 1) and _text_keys(it.get("texts"))
+              and isinstance(it.get("text_variants", []), list) and all(_text_keys(t) for t in it.get("text_variants", [])))
+        if not ok:
+            raise _damaged(path, f"item {i} lacks a field or has one of the wrong type (key, latent, bucket, texts ...)")
+    return index
 
 
 def cache_dir_for(cfg: Config) -> Path:
@@ -54,7 +102,8 @@ class DataCache:
         self.root = Path(root)
         self.shard_max_bytes = shard_max_bytes
         self.manifest_name = "manifest.json" if writer == 0 else f"manifest.rank{writer}.json"
-        self.manifest = self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}})
+        self.manifest = check_manifest(self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}}),
+                                       self.root / "manifest.json")
         self._own = {"version": CACHE_VERSION, "entries": {}, "shards": {}}  # what this writer added
         if self.manifest.get("version") != CACHE_VERSION:
             raise CacheMismatch(
@@ -73,10 +122,8 @@ class DataCache:
             return default
         try:
             return json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            raise CacheMismatch(
-                f"{p} is damaged (not valid JSON).", hint="Delete the cache folder and run `difftrain precompute` again."
-            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            raise CacheMismatch(f"{p} is damaged (not valid JSON).", hint=_REBUILD) from None
 
     def read_json(self, name: str, default=None):
         return self._read(name, default)
@@ -127,7 +174,7 @@ class DataCache:
 
     def reload(self) -> None:
         """Read manifest.json again (another process merged into it)."""
-        self.manifest = self._read("manifest.json", self.manifest)
+        self.manifest = check_manifest(self._read("manifest.json", self.manifest), self.root / "manifest.json")
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         try:
@@ -137,7 +184,10 @@ class DataCache:
                 f"The cache at {self.root} has no entry {key[:12]}...", hint="Run `difftrain precompute` with the same config first."
             ) from None
         handle = self._handle(entry["shard"])
-        return {name: handle.get_tensor(f"{key}/{name}") for name in entry["names"]}
+        try:
+            return {name: handle.get_tensor(f"{key}/{name}") for name in entry["names"]}
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types: a tensor missing or cut short
+            raise CacheMismatch(f"The cache shard {self.root / entry['shard']} cannot be read: {e}.", hint=_REBUILD) from None
 
     def _handle(self, rel: str):
         if rel in self._handles:
@@ -146,7 +196,11 @@ class DataCache:
         path = self.root / rel
         if not path.exists():
             raise CacheMismatch(f"The cache shard {path} is missing.", hint="Run `difftrain precompute` again to rebuild it.")
-        h = safe_open(str(path), framework="pt", device="cpu")
+        try:
+            read_safetensors_header(path)  # an absurd header length is refused before anything is allocated
+            h = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # noqa: BLE001 - ValueError from the check, safetensors' own errors
+            raise CacheMismatch(f"The cache shard {path} cannot be read: {str(e).replace(str(path), 'it')}.", hint=_REBUILD) from None
         self._handles[rel] = h
         if len(self._handles) > 8:  # a few open shards at a time: memory stays flat
             self._handles.popitem(last=False)
@@ -161,7 +215,7 @@ def merge_manifests(root: Path) -> int:
     added = 0
     parts = sorted(root.glob("manifest.rank*.json"))
     for part in parts:
-        own = json.loads(part.read_text(encoding="utf-8"))
+        own = check_manifest(cache.read_json(part.name), part)
         added += sum(k not in cache.manifest["entries"] for k in own["entries"])
         cache.manifest["entries"].update(own["entries"])
         cache.manifest["shards"].update(own["shards"])
@@ -176,7 +230,7 @@ def merge_manifests(root: Path) -> int:
 def _referenced(cache: DataCache) -> set[str]:
     """Entry keys that index.json uses: each item's latent and captions of every stage, their augmented
     variants, and the empty caption of the caption dropout."""
-    index = cache.read_json("index.json", {}) or {}
+    index = check_index(cache.read_json("index.json", {}) or {}, cache.root / "index.json")
     keys = set((index.get("empty_text") or {}).values())
     for it in index.get("items", []):
         keys.add(it.get("latent"))
@@ -189,7 +243,7 @@ def _referenced(cache: DataCache) -> set[str]:
 def cache_info(root: Path) -> dict:
     """Counts and sizes: entries, shards (and their bytes), index items, entries the index does not use."""
     cache = DataCache(root)
-    index = cache.read_json("index.json", {}) or {}
+    index = check_index(cache.read_json("index.json", {}) or {}, cache.root / "index.json")
     used = _referenced(cache)
     shards = cache.manifest["shards"]
     return {"root": str(cache.root), "entries": len(cache.manifest["entries"]), "shards": len(shards),
@@ -223,6 +277,7 @@ def verify_cache(root: Path) -> list[str]:
             problems.append(f"shard {rel} has {path.stat().st_size} bytes, the manifest recorded {size}")
             continue
         try:
+            read_safetensors_header(path)
             with safe_open(str(path), framework="pt", device="cpu") as h:
                 names = set(h.keys())
         except Exception as e:  # noqa: BLE001 - any failure to parse is a damaged shard

@@ -98,12 +98,24 @@ def fallback_caption(path: Path, fallback: str) -> str:
     return "" if fallback == "empty" else " ".join(Path(path).stem.replace("_", " ").split())
 
 
-def sidecar_texts(image_path: Path, caption_ext: str = ".caption", tag_ext: str = ".txt") -> tuple[str | None, str | None]:
-    """``(caption, tags)`` from the files beside an image (``None`` where a file is missing)."""
+def sidecar_texts(image_path: Path, caption_ext: str = ".caption", tag_ext: str = ".txt",
+                  root: Path | None = None) -> tuple[str | None, str | None]:
+    """``(caption, tags)`` from the files beside an image (``None`` where a file is missing); with ``root``, a file
+    that is a link to a file outside ``root`` is a :class:`DataError`."""
     image_path = Path(image_path)
-    caption = read_text_file(image_path.with_suffix(normalize_ext(caption_ext)))
-    tags = read_text_file(image_path.with_suffix(normalize_ext(tag_ext)))
+    caption = read_text_file(image_path.with_suffix(normalize_ext(caption_ext)), root)
+    tags = read_text_file(image_path.with_suffix(normalize_ext(tag_ext)), root)
     return caption, (normalize_tags(tags) if tags is not None else None)
+
+
+def _escapes(key: str, root: Path) -> bool:
+    """Whether a metadata key names a path outside ``root``: absolute or with ``..``, and inside ``root`` neither
+    relative to the working directory (sd-scripts' full-path keys) nor to ``root``."""
+    if not (os.path.isabs(key) or ".." in key.replace("\\", "/").split("/")):
+        return False
+    roots = {os.path.abspath(root), os.path.realpath(root)}
+    paths = {os.path.abspath(key), os.path.abspath(os.path.join(root, key))}
+    return not any(os.path.commonpath([p, r]) == r for p in paths for r in roots)
 
 
 def _abs_key(path: str | Path) -> str:
@@ -116,17 +128,26 @@ class MetadataIndex:
 
     Full-path keys written relative to the working directory (sd-scripts' ``--full_path`` with a
     relative folder) are matched against the image's absolute path too, as sd-scripts does.
+
+    Keys are only compared with the images found in the data folder, never opened. Still, with ``root``
+    given, a key that names a path outside it (absolute, or climbing out with ``..``) is a :class:`DataError`:
+    such a file was made for another folder (its entries would silently match nothing) or by someone probing.
     """
 
-    def __init__(self, metadata: dict[str, Any], source: Path | None = None):
+    def __init__(self, metadata: dict[str, Any], source: Path | None = None, root: Path | None = None):
         self.metadata = metadata
         self.source = source
         self._by_abs = {_abs_key(k): k for k in metadata if Path(k).suffix.lower() in IMAGE_EXTS}
+        for key in metadata if root is not None else ():
+            if _escapes(key, root):
+                raise DataError(f"metadata file {source}: the entry {key!r} names a path outside the data folder {root}",
+                                hint="fix or remove that entry (merge-tags keys images inside the folder), or set "
+                                "data.allow_outside_paths: true if the file is yours")
 
     @classmethod
-    def load(cls, path: Path) -> "MetadataIndex":
-        """Read ``path`` (:class:`DataError` if it is missing or not a JSON object)."""
-        return cls(load_metadata(Path(path)), Path(path))
+    def load(cls, path: Path, root: Path | None = None) -> "MetadataIndex":
+        """Read ``path`` (:class:`DataError` if it is missing or not a JSON object, or a key leads outside ``root``)."""
+        return cls(load_metadata(Path(path)), Path(path), root)
 
     def key_for(self, image_path: Path) -> str | None:
         """The metadata key of ``image_path``: full path first, then absolute path, then stem."""
@@ -216,6 +237,7 @@ def scan_dataset(
     caption_source: str = "caption_then_tags",
     caption_fallback: str = "empty",
     recursive: bool = True,
+    allow_outside: bool = False,
 ) -> tuple[list[ImageRecord], list[tuple[Path, str]]]:
     """Scan ``data_dir`` for images; return ``(records, skipped)`` with ``skipped = [(path, reason)]``.
 
@@ -233,18 +255,22 @@ def scan_dataset(
     :func:`load_rgb` decodes it, which raises :class:`DataError` naming the file.
 
     Raises :class:`DataError` when ``data_dir`` does not exist or holds no image files, or when
-    ``metadata`` cannot be read; ``ValueError`` for an unknown ``caption_source``.
+    ``metadata`` cannot be read; ``ValueError`` for an unknown ``caption_source``. Unless ``allow_outside``,
+    also for an image or caption/tag file that is a link to a file outside ``data_dir``, and for a metadata
+    key naming a path outside it (see :class:`MetadataIndex`): a dataset made by someone else cannot make
+    difftrain read your other files.
     """
     check_caption_source(caption_source)
     data_dir = Path(data_dir)
     caption_ext, tag_ext = normalize_ext(caption_ext), normalize_ext(tag_ext)
-    images = list_images(data_dir, recursive)
+    images = list_images(data_dir, recursive, allow_outside)
+    root = None if allow_outside else data_dir
     if not images:
         raise DataError(
             f"no images ({', '.join(IMAGE_EXTS)}) in {data_dir}" + ("" if recursive else " (sub-folders not searched)"),
             hint="check data.dir",
         )
-    index = MetadataIndex.load(metadata) if metadata is not None else None
+    index = MetadataIndex.load(metadata, root) if metadata is not None else None
 
     records: list[ImageRecord] = []
     skipped: list[tuple[Path, str]] = []
@@ -261,7 +287,7 @@ def scan_dataset(
             continue
         seen[key] = path
         texts = index.texts(path) if index is not None else None
-        caption, tags = texts if texts is not None else sidecar_texts(path, caption_ext, tag_ext)
+        caption, tags = texts if texts is not None else sidecar_texts(path, caption_ext, tag_ext, root)
         text, origin = caption_with_origin(caption, tags, caption_source)
         if not origin:
             text = fallback_caption(path, caption_fallback)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,8 @@ def parse_tag_file(text: str) -> list[tuple[str, float | None]]:
     else:
         csv = len(lines) > 1 and all(_csv_row(ln) for ln in lines)
     if csv:
-        rows = [ln.rsplit(",", 1) for ln in lines]
-        return [(t.strip(), float(v)) for t, v in rows if t.strip()]
+        rows = [_csv_pair(ln) for ln in lines]
+        return [(t, v) for t, v in rows if t]
     out = []
     for raw in _TAG_SEPARATORS.split(text):
         tag = _SPACES.sub(" ", raw).strip()
@@ -102,6 +103,15 @@ def parse_tag_file(text: str) -> list[tuple[str, float | None]]:
         m = _SCORE.match(tag)
         out.append((m["tag"].strip(), float(m["score"])) if m and m["tag"].strip() else (tag, None))
     return out
+
+
+def _csv_pair(line: str) -> tuple[str, float | None]:
+    """``tag,score`` -> (tag, score); a line without a number after its last comma is a tag without a score."""
+    tag, sep, value = line.rpartition(",")
+    try:
+        return (tag.strip(), float(value)) if sep else (line, None)
+    except ValueError:
+        return line, None
 
 
 def _csv_row(line: str) -> bool:
@@ -181,13 +191,14 @@ def normalize_tags(text: str) -> str:
     return ", ".join(tag for tag, _ in parse_tag_file(text))
 
 
-def list_images(data_dir: Path, recursive: bool = False) -> list[Path]:
+def list_images(data_dir: Path, recursive: bool = False, allow_outside: bool = False) -> list[Path]:
     """Image files in ``data_dir`` (and its sub-folders if ``recursive``), sorted.
 
     Extensions (:data:`IMAGE_EXTS`) match case-insensitively, so ``A.PNG`` is found too.
     Hidden files and folders (name starting with ".") are left out: macOS' ``._name.jpg``
     resource forks are not images, and ``.difftrain-cache`` may live inside the data folder.
-    Paths are ``data_dir``-joined, not resolved.
+    Paths are ``data_dir``-joined, not resolved. Links to folders are not followed; a link to a
+    file outside ``data_dir`` is a :class:`DataError` unless ``allow_outside`` (see :func:`check_inside`).
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -196,7 +207,28 @@ def list_images(data_dir: Path, recursive: bool = False) -> list[Path]:
             hint="pass the folder that holds your images",
         )
     candidates = data_dir.rglob("*") if recursive else data_dir.iterdir()
-    return sorted(p for p in candidates if p.suffix.lower() in IMAGE_EXTS and _visible(p, data_dir) and p.is_file())
+    images = sorted(p for p in candidates if p.suffix.lower() in IMAGE_EXTS and _visible(p, data_dir) and p.is_file())
+    for p in images if not allow_outside else ():
+        check_inside(p, data_dir)
+    return images
+
+
+OUTSIDE_HINT = "move the file into the data folder, or set data.allow_outside_paths: true (merge-tags: --allow-outside-paths) " \
+    "if you trust this dataset"
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether ``path``, its links followed and ``..`` resolved, lies in ``root``."""
+    return Path(path).resolve().is_relative_to(Path(root).resolve())
+
+
+def check_inside(path: Path, root: Path) -> None:
+    """:class:`DataError` when ``path`` (in ``root``, or a symbolic link there) leads outside ``root``.
+
+    A dataset someone else made may hold links to any file of yours (``a.txt -> ~/.ssh/id_rsa``); a caption
+    read through one would end up in a metadata file and in the trained model. Links inside the folder are fine."""
+    if not is_inside(path, root):
+        raise DataError(f"{path} leads to {Path(path).resolve()}, outside the data folder {root}", hint=OUTSIDE_HINT)
 
 
 def _visible(path: Path, data_dir: Path) -> bool:
@@ -208,10 +240,21 @@ def image_key(path: Path, full_path: bool) -> str:
     return str(path) if full_path else Path(path).stem
 
 
-def read_text_file(path: Path) -> str | None:
-    """Read a UTF-8 text file, dropping a BOM and surrounding whitespace; ``None`` if it is missing."""
+def read_text_file(path: Path, root: Path | None = None) -> str | None:
+    """Read a UTF-8 text file, dropping a BOM and surrounding whitespace; ``None`` if it is missing.
+
+    A device, pipe or socket is a :class:`DataError` (``a.txt -> /dev/zero`` would never end); with ``root``, so
+    is a file that leads outside ``root`` (:func:`check_inside`)."""
+    path = Path(path)
     try:
-        return Path(path).read_text(encoding="utf-8-sig").strip()
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            return None
+        if not stat.S_ISREG(mode):
+            raise DataError(f"{path} is not a regular file (a device, pipe or socket?)", hint="remove it from the data folder")
+        if root is not None:
+            check_inside(path, root)
+        return path.read_text(encoding="utf-8-sig").strip()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
     except OSError as exc:
@@ -227,6 +270,8 @@ def load_metadata(path: Path) -> dict[str, Any]:
     """Read a metadata JSON file that must hold one JSON object; :class:`DataError` otherwise."""
     path = Path(path)
     try:
+        if path.exists() and not path.is_file():  # a device or pipe would never end
+            raise DataError(f"metadata file {path} is not a regular file", hint="give the merge-tags JSON file")
         text = path.read_text(encoding="utf-8-sig")
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise DataError(f"metadata file {path} does not exist", hint="check the path, or leave it out") from exc
@@ -241,6 +286,9 @@ def load_metadata(path: Path) -> dict[str, Any]:
             f"metadata file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
             hint="fix the file, or delete it to start a fresh one",
         ) from exc
+    except RecursionError:
+        raise DataError(f"metadata file {path} nests too deeply to read",
+                        hint='expected {"image key": {"caption": ..., "tags": ...}, ...}') from None
     if not isinstance(data, dict):
         raise DataError(
             f"metadata file {path} holds a JSON {type(data).__name__}, not an object of image keys",
@@ -290,23 +338,26 @@ def merge_tags(
     recursive: bool = False,
     rules: TagRules | None = None,
     dry_run: bool = False,
+    allow_outside: bool = False,
 ) -> MergeReport:
     """Merge ``<stem><tag_ext>`` and ``<stem><caption_ext>`` files beside each image into ``out_json``.
 
     Reads ``in_json`` first (or ``out_json`` if it exists and ``in_json`` is not given), updates the
     ``"tags"``/``"caption"`` field of each image's key, keeps everything else, and writes ``out_json``
     atomically (not at all with ``dry_run``: the report's ``changes`` say what would change). Raises
-    :class:`DataError` for a missing/empty data folder or a bad ``in_json``.
+    :class:`DataError` for a missing/empty data folder, a bad ``in_json``, or (unless ``allow_outside``) an image
+    or text file that is a link to a file outside ``data_dir``.
     """
     rules = rules or TagRules()
     data_dir, out_json = Path(data_dir), Path(out_json)
     tag_ext, caption_ext = normalize_ext(tag_ext), normalize_ext(caption_ext)
-    images = list_images(data_dir, recursive)
+    images = list_images(data_dir, recursive, allow_outside)
     if not images:
         raise DataError(
             f"no images ({', '.join(IMAGE_EXTS)}) in {data_dir}" + ("" if recursive else " (sub-folders not searched)"),
             hint="check the folder" + ("" if recursive else ", or search sub-folders with recursive"),
         )
+    root = None if allow_outside else data_dir
     keyed = _keyed_images(images, full_path)
 
     read_from = Path(in_json) if in_json is not None else (out_json if out_json.is_file() else None)
@@ -316,8 +367,8 @@ def merge_tags(
     for key, img in keyed:
         entry = _entry(metadata, key, read_from or out_json)
         before = {k: entry[k] for k in ("caption", "tags") if k in entry}
-        caption = read_text_file(img.with_suffix(caption_ext)) or None
-        pairs = parse_tag_file(read_text_file(img.with_suffix(tag_ext)) or "")
+        caption = read_text_file(img.with_suffix(caption_ext), root) or None
+        pairs = parse_tag_file(read_text_file(img.with_suffix(tag_ext), root) or "")
         kept = apply_rules(pairs, rules)
         report.tags_removed += len(pairs) - len(kept)
         tags = ", ".join(kept) or None

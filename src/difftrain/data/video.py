@@ -3,8 +3,10 @@
 Layouts (:func:`scan_videos`, auto-detected):
 
 * **cogvideox-factory's**: ``prompt.txt`` and ``videos.txt`` in the data folder, line ``N`` of one
-  describing line ``N`` of the other; video paths are relative to the data folder (an absolute path
-  stays absolute, as ``Path.joinpath`` does in cogvideox-factory). Blank lines at the end of either
+  describing line ``N`` of the other; video paths are relative to the data folder. A path that leads
+  outside it (absolute, ``..``, or a link) is a :class:`DataError` naming the line, unless
+  ``allow_outside`` (``data.allow_outside_paths``): then an absolute path stays absolute, as
+  ``Path.joinpath`` does in cogvideox-factory. Blank lines at the end of either
   file are ignored. Unlike cogvideox-factory, blank lines elsewhere are *not* dropped: line numbers
   are kept, so a blank prompt line is an empty caption and a blank video line is a skipped entry
   (dropping blanks in one file only would silently pair every later prompt with the wrong clip).
@@ -67,7 +69,7 @@ from PIL import Image
 from ..errors import BackendUnavailable, DataError
 from .buckets import Bucket, fit_to_bucket, make_buckets, nearest_bucket
 from .sources import load_rgb, read_image_size, record_key
-from .tags import normalize_ext, read_text_file
+from .tags import OUTSIDE_HINT, check_inside, is_inside, normalize_ext, read_text_file
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
@@ -293,23 +295,26 @@ def _visible(path: Path, data_dir: Path) -> bool:
     return not any(part.startswith(".") for part in path.relative_to(data_dir).parts)
 
 
-def _list_media(data_dir: Path, recursive: bool) -> list[Path]:
+def _list_media(data_dir: Path, recursive: bool, allow_outside: bool) -> list[Path]:
     candidates = data_dir.rglob("*") if recursive else data_dir.iterdir()
     exts = VIDEO_EXTS + CLIP_IMAGE_EXTS
-    return sorted(p for p in candidates if p.suffix.lower() in exts and _visible(p, data_dir) and p.is_file())
+    media = sorted(p for p in candidates if p.suffix.lower() in exts and _visible(p, data_dir) and p.is_file())
+    for p in media if not allow_outside else ():
+        check_inside(p, data_dir)
+    return media
 
 
-def _caption_beside(path: Path, caption_exts: Sequence[str]) -> str:
+def _caption_beside(path: Path, caption_exts: Sequence[str], root: Path | None) -> str:
     for ext in caption_exts:
-        text = read_text_file(path.with_suffix(ext))
+        text = read_text_file(path.with_suffix(ext), root)
         if text:
             return text
     return ""
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_lines(path: Path, root: Path | None) -> list[str]:
     """Lines of a text file (universal newlines), each stripped, trailing blank lines dropped."""
-    text = read_text_file(path)
+    text = read_text_file(path, root)
     if text is None:
         raise DataError(f"{path} does not exist", hint=f"put {PROMPT_FILE} and {VIDEOS_FILE} in the data folder")
     lines = [line.strip() for line in text.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
@@ -381,6 +386,7 @@ def scan_videos(
     exact_frames: bool = False,
     prompt_file: str = PROMPT_FILE,
     videos_file: str = VIDEOS_FILE,
+    allow_outside: bool = False,
 ) -> tuple[list[VideoRecord], list[tuple[Path, str]]]:
     """Scan ``data_dir`` for clips; return ``(records, skipped)`` with ``skipped = [(path, reason)]``.
 
@@ -397,7 +403,8 @@ def scan_videos(
 
     Raises :class:`DataError` when ``data_dir`` is not a folder or holds no clips, when
     ``prompt_file`` and ``videos_file`` have different numbers of lines (trailing blank lines
-    aside), or when only one of them exists; :class:`BackendUnavailable` without PyAV.
+    aside), or when only one of them exists; :class:`BackendUnavailable` without PyAV. Unless
+    ``allow_outside``, also for a ``videos_file`` line, clip or caption file that leads outside ``data_dir``.
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -411,9 +418,9 @@ def scan_videos(
         raise ValueError(f"layout must be 'auto', 'factory' or 'folder', got {layout!r}")
 
     entries = (
-        _factory_entries(data_dir, prompt_file, videos_file)
+        _factory_entries(data_dir, prompt_file, videos_file, allow_outside)
         if layout == "factory"
-        else _folder_entries(data_dir, normalize_ext(caption_ext), recursive)
+        else _folder_entries(data_dir, normalize_ext(caption_ext), recursive, allow_outside)
     )
     records: list[VideoRecord] = []
     skipped: list[tuple[Path, str]] = []
@@ -437,8 +444,8 @@ def scan_videos(
 _Entry = tuple[Path, str, str, str | None]  # (path, key, caption, reason to skip or None)
 
 
-def _folder_entries(data_dir: Path, caption_ext: str, recursive: bool) -> list[_Entry]:
-    media = _list_media(data_dir, recursive)
+def _folder_entries(data_dir: Path, caption_ext: str, recursive: bool, allow_outside: bool) -> list[_Entry]:
+    media = _list_media(data_dir, recursive, allow_outside)
     if not media:
         raise DataError(
             f"no videos ({', '.join(VIDEO_EXTS)}) or images ({', '.join(CLIP_IMAGE_EXTS)}) in {data_dir}"
@@ -446,12 +453,14 @@ def _folder_entries(data_dir: Path, caption_ext: str, recursive: bool) -> list[_
             hint=f"check data.dir, or use cogvideox-factory's layout ({PROMPT_FILE} + {VIDEOS_FILE})",
         )
     caption_exts = list(dict.fromkeys([caption_ext, ".txt", ".caption"]))
-    return [(p, record_key(p, data_dir), _caption_beside(p, caption_exts), None) for p in media]
+    root = None if allow_outside else data_dir
+    return [(p, record_key(p, data_dir), _caption_beside(p, caption_exts, root), None) for p in media]
 
 
-def _factory_entries(data_dir: Path, prompt_file: str, videos_file: str) -> list[_Entry]:
+def _factory_entries(data_dir: Path, prompt_file: str, videos_file: str, allow_outside: bool) -> list[_Entry]:
     prompt_path, videos_path = data_dir / prompt_file, data_dir / videos_file
-    prompts, videos = _read_lines(prompt_path), _read_lines(videos_path)
+    root = None if allow_outside else data_dir
+    prompts, videos = _read_lines(prompt_path, root), _read_lines(videos_path, root)
     if len(prompts) != len(videos):
         raise DataError(
             f"{prompt_path} has {len(prompts)} prompts but {videos_path} lists {len(videos)} videos; "
@@ -462,16 +471,20 @@ def _factory_entries(data_dir: Path, prompt_file: str, videos_file: str) -> list
         raise DataError(f"{videos_path} lists no videos", hint="one video path per line, relative to the data folder")
     entries: list[_Entry] = []
     for line_no, (prompt, video) in enumerate(zip(prompts, videos), start=1):
-        if not video:
-            entries.append((videos_path, "", "", f"line {line_no} of {videos_file} is blank"))
+        if not video or "\0" in video:
+            entries.append((videos_path, "", "", f"line {line_no} of {videos_file} is " + ("blank" if not video else "not a path")))
             continue
         path = data_dir / video
+        if not allow_outside and not is_inside(path, data_dir):
+            raise DataError(f"{videos_path} line {line_no}: {video!r} leads outside the data folder {data_dir}", hint=OUTSIDE_HINT)
+        if not path.is_file():
+            entries.append((path, "", prompt, f"listed on line {line_no} of {videos_file}, but there is no such file"))
+            continue
         try:
             key = record_key(path, data_dir)
         except ValueError:  # outside the data folder (absolute, or ../)
             key = Path(video).with_suffix("").as_posix()
-        problem = None if path.is_file() else f"listed on line {line_no} of {videos_file}, but there is no such file"
-        entries.append((path, key, prompt, problem))
+        entries.append((path, key, prompt, None))
     return entries
 
 

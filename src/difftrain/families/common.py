@@ -20,7 +20,7 @@ import torch
 
 from ..config.schema import ModelConfig
 from ..errors import BackendUnavailable, ConfigError, ModelLoadError, UnsafeCheckpoint
-from ..utils import DTYPES, sha256_file, sha256_text, stream_save_safetensors
+from ..utils import DTYPES, read_safetensors_header, sha256_file, sha256_text, stream_save_safetensors
 from .tokenizers import clip_vocab_from_open_clip
 
 PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
@@ -82,6 +82,13 @@ def resolve_source(mcfg: ModelConfig, *, no_model_hint: str, missing_hint: str, 
         raise ModelLoadError(f"The model path {p} does not exist.", hint=missing_hint)
     if p.is_dir():
         check_folder(p)
+        for sub in sorted(d for d in p.iterdir() if d.is_dir()) if not mcfg.allow_pickle else ():
+            pickled = [f.name for f in sub.iterdir() if f.suffix.lower() in PICKLE_EXTS]
+            if pickled and not any(sub.glob("*.safetensors")):  # with both, the loaders read the .safetensors
+                raise UnsafeCheckpoint(
+                    f"{sub} holds its weights as pickle ({pickled[0]}); loading one can run arbitrary code, so difftrain "
+                    "refuses it by default.", hint="Convert it to .safetensors, or pass --allow-pickle (it is then read "
+                    "with torch.load(weights_only=True)).")
         return "diffusers", p
     if p.suffix.lower() == ".safetensors":
         return "single", p
@@ -102,19 +109,34 @@ def require_subfolder(p: Path, sub: str, label: str) -> None:
         raise ModelLoadError(f"{p} is a folder but not a diffusers {label} folder (it has no {sub}/ subfolder).", hint=hint)
 
 
+def open_safetensors(p: Path):
+    """``safe_open`` of a user's .safetensors file, its header checked first (:func:`read_safetensors_header`: an
+    absurd header length is refused before anything is allocated); :class:`ModelLoadError` naming the file."""
+    from safetensors import safe_open
+
+    try:
+        read_safetensors_header(p)
+        return safe_open(str(p), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 (the check's ValueError, OSError, safetensors' own error types)
+        raise ModelLoadError(f"{p} is not a readable safetensors file: {str(e).replace(str(p), 'it')}",
+                             hint="Is the download complete? Download it again, or give another checkpoint.") from None
+
+
 def open_checkpoint(kind: str, p: Path):
     """(keys, tensor reader, shape reader, header metadata) of a single file ("single": safetensors, memory-mapped;
     "pickle": torch.load with weights_only=True)."""
     if kind == "single":
-        from safetensors import safe_open
-
-        try:
-            handle = safe_open(str(p), framework="pt", device="cpu")
-        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-            raise ModelLoadError(f"{p} is not a readable safetensors file: {e}", hint="Is the download complete?") from None
+        handle = open_safetensors(p)
         return list(handle.keys()), handle.get_tensor, lambda k: tuple(handle.get_slice(k).get_shape()), handle.metadata() or {}
-    state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    try:  # weights_only: tensors and plain containers only, no code (a file that needs more is refused)
+        state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 (UnpicklingError, RuntimeError for a file that is not a torch zip ...)
+        raise ModelLoadError(f"{p} cannot be read as a torch checkpoint with weights_only=True: {str(e).splitlines()[0]}",
+                             hint="Convert it to .safetensors with the tool that made it.") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{p} holds no state dict of tensors.", hint="Give the model's weights file.")
+    state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     return list(state.keys()), state.__getitem__, lambda k: tuple(state[k].shape), {}
 
 
@@ -144,6 +166,8 @@ def load_diffusers_parts(p: Path, parts: Sequence[str], classes: Mapping[str, An
     out = {}
     for part in parts:
         require(part)
+        for f in sorted((p / part).glob("*.safetensors")):
+            open_safetensors(f)  # each file's header checked (and named) before the loaders read it
         extra: dict[str, Any] = {}
         if torch.device(device).type == "cuda":
             # device_map: weights go to the GPU as they are read (no full host copy first)
@@ -331,9 +355,7 @@ def part_hash(kind: str, f: Path, prefix: str) -> str:
     """Hash only the tensors under ``prefix`` of a safetensors file (the whole file otherwise)."""
     h = hashlib.sha256()
     if kind == "single":
-        from safetensors import safe_open
-
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
+        with open_safetensors(f) as handle:
             for k in sorted(k for k in handle.keys() if k.startswith(prefix)):  # noqa: SIM118 (safe_open is not a dict)
                 t = handle.get_tensor(k)
                 h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())

@@ -75,7 +75,8 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         from ..data.video import frame_buckets, scan_videos
 
         fbuckets = frame_buckets(cfg.data.frames)
-        records, skipped = scan_videos(Path(cfg.data.dir), caption_ext=cfg.data.caption_ext, buckets=fbuckets)
+        records, skipped = scan_videos(Path(cfg.data.dir), caption_ext=cfg.data.caption_ext, buckets=fbuckets,
+                                       allow_outside=cfg.data.allow_outside_paths)
     else:
         records, skipped = scan_dataset(
             Path(cfg.data.dir),
@@ -84,6 +85,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             tag_ext=cfg.data.tag_ext,
             caption_source=cfg.data.caption_source,
             caption_fallback=cfg.data.caption_fallback,
+            allow_outside=cfg.data.allow_outside_paths,
         )
     report.skipped += [(str(p), why) for p, why in skipped]
     db = cfg.dreambooth

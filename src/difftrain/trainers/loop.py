@@ -29,7 +29,7 @@ from rich.text import Text
 from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
-from ..data.cache import DataCache, cache_dir_for
+from ..data.cache import DataCache, cache_dir_for, check_index
 from ..errors import (CacheMismatch, CheckpointError, ConfigError, DifftrainError, Interrupted, LossNotFinite,
                       ModelLoadError)
 from ..families.base import stage_precisions
@@ -184,6 +184,8 @@ class Trainer:
     def _load_index(self) -> tuple[DataCache, list[dict]]:
         cache = DataCache(cache_dir_for(self.cfg))
         index = cache.read_json("index.json")
+        if index:
+            check_index(index, cache.root / "index.json")
         if not index or not index.get("items"):
             raise CacheMismatch(
                 f"No precomputed data in {cache.root}.",
@@ -1169,7 +1171,24 @@ class Trainer:
         return out.name
 
     def _load(self, folder: Path) -> None:
+        """:meth:`_load_state`; a checkpoint whose files hold the wrong types or shapes (damaged, or crafted) is a
+        CheckpointError naming it, not whatever the step that trips on it raises."""
+        try:
+            self._load_state(folder)
+        except DifftrainError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                raise
+            raise CheckpointError(f"The checkpoint {folder} is damaged or does not fit this run "
+                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).",
+                                  hint="Resume with the config saved in the checkpoint folder (config.yaml), or from an "
+                                  "earlier checkpoint.") from None
+
+    def _load_state(self, folder: Path) -> None:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        if not (isinstance(state, dict) and all(type(state.get(k)) is int and state[k] >= 0 for k in ("step", "epoch", "batch_pos"))):
+            raise ValueError("trainer_state.json lacks step, epoch or batch_pos as non-negative integers")
         weights = load_tree(folder, "trainable")
         for part, m in self.trained.items():
             own = trainable_state(m)

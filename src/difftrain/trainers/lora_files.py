@@ -114,11 +114,23 @@ def read_lora_file(path: Path, mcfg, family, parts: list[str], label: str = "lor
         raise UnsafeCheckpoint(f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
                                hint="Convert it to .safetensors.")
     try:
-        header = read_safetensors_header(path)
+        header = read_safetensors_header(path)  # an absurd header length is refused before anything is allocated
         sd = load_file(str(path))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{label} {path} cannot be read: {e}.", hint="Give a LoRA .safetensors file.") from None
-    meta = header.get("__metadata__") or {}
+    except Exception as e:  # noqa: BLE001 - OSError, the check's ValueError, safetensors' own error types
+        raise CheckpointError(f"{label} {path} cannot be read: {str(e).replace(str(path), 'it')}.",
+                              hint="Give a LoRA .safetensors file (is the download complete?).") from None
+    odd = [k for k, t in sd.items() if not t.is_floating_point() or t.dtype.itemsize < 2]
+    if odd:
+        raise CheckpointError(f"{label} {path}: {odd[0]} is {sd[odd[0]].dtype}, not a LoRA weight (fp32/bf16/fp16).",
+                              hint="Give a LoRA .safetensors file.")
+    try:
+        return _parse_lora(sd, header.get("__metadata__") or {}, path, mcfg, family, parts, label)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as e:  # metadata or alphas of the wrong type or shape
+        raise CheckpointError(f"{label} {path} has a malformed alpha or lora_adapter_metadata: {e}.",
+                              hint="Give a LoRA file that diffusers, difftrain or sd-scripts wrote.") from None
+
+
+def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str], label: str):
     if kohya.is_kohya(sd):
         names = {part: family.kohya_names(mcfg, part) for part in parts if part in kohya.PREFIXES}
         try:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import CheckpointError
-from ..utils import stream_save_safetensors
+from ..utils import read_safetensors_header, stream_save_safetensors
 
 
 # tensor subclasses that optimizer states are made of (torchao's quantized moments), stored as their
@@ -97,8 +97,11 @@ def load_tree(folder: Path, name: str, device: str | torch.device = "cpu") -> An
     folder = Path(folder)
     try:
         tree = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+        read_safetensors_header(folder / f"{name}.safetensors")  # an absurd header length is refused before anything is allocated
         tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"The checkpoint {folder} is incomplete or damaged ({name}: {e}).",
+        return _decode(tree, tensors)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - OSError, bad JSON or header, safetensors' errors, a tree naming what is not there
+        raise CheckpointError(f"The checkpoint {folder} is incomplete or damaged ({name}: {type(e).__name__}: {e}).",
                               hint="Resume from an earlier checkpoint (--resume PATH).") from None
-    return _decode(tree, tensors)
