@@ -133,7 +133,8 @@ class Sampler(threading.Thread):
 
 def run_case(name: str, work: Path, steps: int) -> dict:
     what, fam_sets, gpus, extra = CASES[name]
-    sets = fam_sets + extra + ["train.device=cuda"]
+    # speed.sync_seconds=0: each step's record is written when it finished (step times are read from them)
+    sets = fam_sets + extra + ["train.device=cuda", "speed.sync_seconds=0"]
     if TINY:
         sets = [s.replace("sdxl-base-1.0", "sdxl-tiny").replace("cogvideox-5b", "cogvideox-tiny")
                 .replace("resolution=1024", "resolution=128").replace("resolution=592", "resolution=64")

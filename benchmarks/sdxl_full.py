@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 COMMON = [
-    "family=sdxl", "model.config=sdxl-base-1.0", "train.method=full", "train.batch_size=1", "train.mixed_precision=bf16",
+    # speed.sync_seconds=0: a metrics record's time is when its step finished (this script times steps from them)
+    "speed.sync_seconds=0", "family=sdxl", "model.config=sdxl-base-1.0", "train.method=full", "train.batch_size=1", "train.mixed_precision=bf16",
     "memory.activations.kind=checkpoint", "save.formats=[]", "train.device=cuda", "data.resolution=1024",
     "train.learning_rate=1e-5", "train.lr_scheduler=constant", "train.max_grad_norm=1.0",
 ]

@@ -10,7 +10,6 @@ can check a recipe on their own GPU before preparing any data.
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,25 +103,21 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer = Trainer(run_cfg)
+    warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
+    trainer.flush_steps = {warm} if warm > 0 else set()
     result = trainer.run()
-    times = [r["time"] for r in _metrics(work / "run" / "metrics.jsonl")][-steps:]
-    per_step = [b - a for a, b in zip(times, times[1:])][1:] or [result.seconds / max(1, steps)]
+    times = trainer.flush_times
+    per_step = [(times[steps] - times[warm]) / (steps - warm)] if warm > 0 else [result.seconds / max(1, steps)]
     s = result.stats
     return BenchResult(
         peak_after_load_gib=s.get("gpu_alloc_gib_after_load"),
         peak_train_alloc_gib=s.get("gpu_peak_alloc_gib"),
         peak_train_reserved_gib=s.get("gpu_peak_reserved_gib"),
-        s_per_step=round(statistics.median(per_step), 3),
+        s_per_step=round(per_step[0], 3),
         planned_alloc_gib=round(plan.gpu_total, 2),
         planned_reserved_gib=round(plan.gpu_reserved, 2),
         stats=s,
     )
-
-
-def _metrics(path: Path) -> list[dict]:
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 # ------------------------------------------------------------------ speed
@@ -166,7 +161,10 @@ def _profile_summary(prof, path: Path) -> dict:
                              row_limit=25))
     kernels = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                     "cuLaunchKernelEx"))
-    gpu_us = sum(getattr(e, "self_device_time_total", 0) for e in ev)
+    from torch.autograd import DeviceType
+
+    # the kernels' own rows only: an operator's row repeats the time of the kernels it launched
+    gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA)
     return {"kernel_launches": kernels, "gpu_ms": round(gpu_us / 1e3, 2)}
 
 

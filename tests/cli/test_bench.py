@@ -12,7 +12,7 @@ from difftrain.config.load import resolve
 def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
     r = cli("bench", "memory", "--recipe", "tiny-sdxl-lora", "--steps", "4", "--work", tmp_path)
     assert r.code == 0, r
-    assert "step time (median)" in r.err and "planned" in r.err
+    assert "step time" in r.err and "planned" in r.err
     # a random single file of the bundled architecture, and a cache of the shapes precompute writes
     with safe_open(str(tmp_path / "random-sdxl-tiny-unet.safetensors"), "pt") as f:  # only what training loads
         assert f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").shape == (32, 4, 3, 3)

@@ -115,6 +115,43 @@ def test_kill_9_at_random_moments_never_damages_a_checkpoint(reference, tiny_mod
     _same_lora(tmp_path / "run" / LORA, ref.lora_path)
 
 
+# run as `python -c`: the CLI with every file write of the step-2 checkpoint killing the process once that file is
+# written and flushed but before it is renamed into place (a kill -9 in the middle of the checkpoint write)
+_DIE_IN_SAVE = """
+import contextlib, os, signal, sys
+import difftrain.utils as u
+real = u.atomic_file
+
+@contextlib.contextmanager
+def dying(path, *a, **k):
+    with real(path, *a, **k) as f:
+        yield f
+        if ".step-00000002." in str(path):
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+u.atomic_file = dying
+from difftrain.cli.app import main
+main(sys.argv[1:])
+"""
+
+
+def test_kill_9_inside_a_checkpoint_write_keeps_the_previous_one(reference, tiny_model, _dataset_master, tmp_path):
+    root, ref = reference
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
+    cmd = _args(tiny_model, _dataset_master, tmp_path, root / "ref" / "cache", **{"train.checkpoint_every": 1})
+    r = subprocess.run([sys.executable, "-c", _DIE_IN_SAVE, *cmd[3:]], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    run = tmp_path / "run"
+    assert [c.name for c in ckpt.list_checkpoints(run)] == ["step-00000001"]  # the half-written one is not a checkpoint
+    assert any(p.name.startswith(".step-00000002.") for p in (run / "checkpoints").iterdir())  # it was under way
+    for f in ckpt.list_checkpoints(run)[0].rglob("*.safetensors"):
+        load_file(f)
+    r = subprocess.run(cmd + ["--resume", "latest"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _same_lora(run / LORA, ref.lora_path)
+
+
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(reference, tiny_model, _dataset_master,
                                                                              tmp_path, monkeypatch):
     root, _ = reference
