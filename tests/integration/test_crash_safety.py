@@ -150,6 +150,7 @@ def test_kill_9_inside_a_checkpoint_write_keeps_the_previous_one(reference, tiny
     r = subprocess.run(cmd + ["--resume", "latest"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     _same_lora(run / LORA, ref.lora_path)
+    assert not any(p.name.startswith(".") for p in (run / "checkpoints").iterdir())  # the cut-short write was removed
 
 
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_so(reference, tiny_model, _dataset_master,

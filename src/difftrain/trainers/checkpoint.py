@@ -50,3 +50,13 @@ def prune(output_dir: Path, keep: int | None) -> None:
         return
     for p in list_checkpoints(output_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_unfinished(output_dir: Path) -> list[Path]:
+    """Remove the temporary folders of checkpoint writes a crash (kill -9, power loss) cut short: atomic_dir names
+    them ``.step-NNNNNNNN.<random>.tmp``; nothing ever reads them. Returns what was removed."""
+    root = Path(output_dir) / "checkpoints"
+    stale = sorted(root.glob(f".{PREFIX}*.tmp")) if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale

@@ -608,6 +608,9 @@ class Trainer:
         if resume:
             self._load(ckpt.resolve_resume(self.out, resume))
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.world.main:  # before this run writes any checkpoint of its own
+            for p in ckpt.remove_unfinished(self.out):
+                info(f"removed {p.name}: a checkpoint write a crash cut short")
         if self.config_yaml is not None and self.world.main:
             atomic_write_text(self.out / "config.yaml", self.config_yaml)
         end = min(self.total_steps, stop_at) if stop_at else self.total_steps
