@@ -49,6 +49,21 @@ def tiny_sets(model: Path, data: Path, out: Path, **extra) -> list[str]:
     return sets
 
 
+def set_args(sets) -> list[str]:
+    """``--set`` before each of ``sets``, for the CLI."""
+    return [a for s in sets for a in ("--set", s)]
+
+
+def clean_failure(r, code: int, *needles: str):
+    """Exit ``code``, difftrain's own message (with a next step) holding every needle, and no traceback."""
+    text = " ".join(r.err.split())  # the console may wrap long lines
+    assert r.code == code, r
+    assert "Traceback" not in r.err + r.out and "an unexpected" not in text, r
+    assert "next:" in text, r
+    for n in needles:
+        assert " ".join(str(n).split()) in text, (n, r)
+
+
 class CliResult:
     def __init__(self, code: int, out: str, err: str):
         self.code, self.out, self.err = code, out, err

@@ -11,21 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_sets
+from conftest import tiny_sets, clean_failure as _clean_failure, set_args as _sets
 
 
-def _sets(sets):
-    return [a for s in sets for a in ("--set", s)]
-
-
-def _clean_failure(r, code: int, *needles: str):
-    """Exit ``code``, difftrain's own message (with a next step) holding every needle, and no traceback."""
-    text = " ".join(r.err.split())  # the console may wrap long lines
-    assert r.code == code, r
-    assert "Traceback" not in r.err + r.out and "an unexpected" not in text, r
-    assert "next:" in text, r
-    for n in needles:
-        assert " ".join(str(n).split()) in text, (n, r)
 
 
 # ----------------------------------------------------------------- checkpoints and LoRA files
