@@ -742,7 +742,7 @@ class Trainer:
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")
         flat = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in row]) if row else \
             torch.zeros(0, dtype=torch.float64, device=dev)
-        stop_local = 1.0 if getattr(self, "_interrupt", False) else 0.0
+        stop_local = 1.0 if self._interrupt else 0.0
         extra = torch.tensor([stop_local, every if self.world.main else 0], dtype=torch.float64, device=dev)
         flat = torch.cat([flat, extra])
         if self.world.distributed:
