@@ -79,11 +79,7 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
         path = work / f"random-{cfg.model.config}-{'-'.join(parts)}.safetensors"
         if not path.exists():
             family.build_random(cfg.model.config, path, device=device, parts=parts)
-            if device.type == "cuda":  # the stand-in was built on the GPU: give its blocks back before measuring
-                import gc
-
-                gc.collect()
-                torch.cuda.empty_cache()
+            _free(device)  # built on the GPU: its blocks go back before anything is measured
         tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
     tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
