@@ -42,21 +42,47 @@ def configure_compile(speed: SpeedConfig) -> None:
             setattr(cfg, name, max(64, getattr(cfg, name)))
 
 
-def compile_blocks(module: torch.nn.Module, block_classes: tuple[str, ...], speed: SpeedConfig) -> int:
+def compile_blocks(module: torch.nn.Module, block_classes: tuple[str, ...], speed: SpeedConfig,
+                   checkpoint_every: int = 0) -> int:
     """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
 
     ``Module.compile`` keeps the module's parameters and state-dict names (no ``_orig_mod`` wrapper), so
-    checkpoints, LoRA export and EMA see the same module. Gradient checkpointing keeps working: diffusers
-    checkpoints at these same blocks, and a compiled block runs inside ``torch.utils.checkpoint``.
+    checkpoints, LoRA export and EMA see the same module. With ``checkpoint_every`` k > 0 (gradient
+    checkpointing), every k-th block is checkpointed *inside* its compiled region instead of by diffusers around
+    it (see ``checkpoint_inside``).
     """
     configure_compile(speed)
     mode = "reduce-overhead" if speed.cuda_graphs else (None if speed.compile_mode == "default" else speed.compile_mode)
-    n = 0
-    for sub in module.modules():
-        if type(sub).__name__ in block_classes:
-            sub.compile(mode=mode, dynamic=speed.dynamic)
-            n += 1
-    return n
+    blocks = [sub for sub in module.modules() if type(sub).__name__ in block_classes]
+    if checkpoint_every:
+        checkpoint_inside(module, blocks[::checkpoint_every])
+    for sub in blocks:
+        sub.compile(mode=mode, dynamic=speed.dynamic)
+    return len(blocks)
+
+
+def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+    """Gradient checkpointing moved into the compiled blocks (the way torchtitan pairs the two).
+
+    diffusers checkpoints a block by calling it through ``torch.utils.checkpoint`` from its parent, so the
+    compiled block's forward runs again, eagerly re-entered, inside backward: twice the launches, and CUDA graphs
+    replay over outputs still in use (measured: SDXL fails). Here the checkpoint call sits inside the traced
+    forward: dynamo captures it as one region, and AOT autograd's partitioner saves only the block's inputs and
+    recomputes the rest inside the compiled backward graph - the same memory as diffusers' checkpointing, one
+    forward and one backward graph per block.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for m in module.modules():  # diffusers' own switches off: the blocks checkpoint themselves
+        if isinstance(getattr(m, "gradient_checkpointing", None), bool):
+            m.gradient_checkpointing = False
+    for block in blocks:
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
 
 
 def attention_context(speed: SpeedConfig, device: torch.device):

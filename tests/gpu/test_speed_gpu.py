@@ -22,6 +22,8 @@ def _cfg(model, data, out, **extra):
 
 @pytest.mark.parametrize("extra", [{"speed.compile": "true", "memory.activations.kind": "checkpoint"},
                                    {"speed.compile": "true", "speed.cuda_graphs": "true"},
+                                   # checkpointing inside the compiled blocks lets CUDA graphs replay them
+                                   {"speed.compile": "true", "speed.cuda_graphs": "true", "memory.activations.kind": "checkpoint"},
                                    {"speed.attention": "flash", "speed.channels_last": "true"}])
 def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, extra):
     eager = _cfg(tiny_model, dataset, tmp_path / "a", **{"memory.activations.kind": extra.get("memory.activations.kind", "none")})

@@ -568,10 +568,6 @@ class Config(Strict):
         sp, m, t = self.speed, self.memory, self.train
         if sp.cuda_graphs and not sp.compile:
             raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true")
-        if sp.cuda_graphs and m.activations.kind == "checkpoint":
-            raise ValueError("speed.cuda_graphs with memory.activations checkpoint: recomputing a block inside backward "
-                             "replays its graph over outputs still in use (measured: SDXL fails); set "
-                             "memory.activations.kind: none or speed.cuda_graphs: false")
         if sp.compile:
             if m.offload.kind == "block_swap":
                 raise ValueError("speed.compile with memory.offload block_swap: block swap moves weights in hooks around "

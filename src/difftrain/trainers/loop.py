@@ -345,9 +345,11 @@ class Trainer:
         if sp.channels_last:
             speed_.channels_last(module)
         if sp.compile:
-            n = speed_.compile_blocks(module, self.family.repeated_blocks, sp)
-            info(f"speed.compile: {n} blocks of {self.family.denoiser} compile on their first step "
-                 f"(cache: {speed_.compile_cache_dir(sp)})")
+            act = self.cfg.memory.activations
+            every = act.every if act.kind == "checkpoint" else 0
+            n = speed_.compile_blocks(module, self.family.repeated_blocks, sp, checkpoint_every=every)
+            info(f"speed.compile: {n} blocks of {self.family.denoiser} compile on their first step"
+                 f"{', checkpointed inside the compiled region' if every else ''} (cache: {speed_.compile_cache_dir(sp)})")
 
     def _init_lora(self, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
         """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
