@@ -1,8 +1,10 @@
-"""Gradient checkpointing inside compiled blocks (speed.compile with memory.activations checkpoint).
+"""Gradient checkpointing inside compiled blocks (speed.compile with memory.activations checkpoint), with fp8
+frozen weights and LoRA as the 4 GiB tier trains.
 
 The checkpoint call is moved into each compiled block's traced forward, so AOT autograd saves only the block's
-inputs and recomputes the rest in the compiled backward (and CUDA graphs can replay it). These tests hold it to
-what diffusers' own checkpointing gives: the same gradients, and about the same memory kept for backward.
+inputs and recomputes the rest in the compiled backward (and CUDA graphs can replay it); the fp8 layers call
+custom ops under compile, so no bf16 copy of a weight is kept for backward. Held here to eager's gradients and to
+keeping about the block's inputs.
 """
 
 from __future__ import annotations
@@ -16,67 +18,77 @@ from difftrain import speed
 from difftrain.config.schema import SpeedConfig
 
 
-def _blocks():
+def _block(which: str):
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from difftrain.memory import fp8
 
     torch.manual_seed(0)
-    res = ResnetBlock2D(in_channels=32, out_channels=64, temb_channels=64, groups=16)
-    attn = BasicTransformerBlock(64, 4, 16, cross_attention_dim=48)
-    return [(res, (torch.randn(2, 32, 20, 20), torch.randn(2, 64)), {}),
-            (attn, (torch.randn(2, 200, 64),), {"encoder_hidden_states": torch.randn(2, 20, 48)})]
+    if which == "ResnetBlock2D":
+        block = ResnetBlock2D(in_channels=32, out_channels=64, temb_channels=64, groups=16)
+        args, kwargs = (torch.randn(2, 32, 20, 20), torch.randn(2, 64)), {}
+    else:
+        block = BasicTransformerBlock(64, 4, 16, cross_attention_dim=48)
+        args, kwargs = (torch.randn(2, 200, 64),), {"encoder_hidden_states": torch.randn(2, 20, 48)}
+    block.requires_grad_(False)
+    if which != "ResnetBlock2D":
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                           target_modules=["to_q", "to_k", "to_v", "to_out.0"]), block)
+    n = fp8.convert(block, "cpu")["fp8_params"]
+    assert n > 0
+    return block, args, kwargs
 
 
-def _saved_bytes(block, args, kwargs):
-    """Bytes of activations autograd keeps for backward over one forward, and the gradients after backward.
-    Weights are not counted: neither the parameters nor copies of them (inductor on the CPU keeps convolution
-    weights in its own layout), told apart by their element counts."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    weight_sizes = {p.numel() for p in block.parameters()}
-    seen: set[int] = set()
+def _run(block, args, kwargs):
+    """Bytes of tensors autograd keeps for backward over one forward (not the parameters and buffers, not 0-d
+    scalars), the gradients after backward, and the saved tensors shaped as an fp8 weight (an upcast copy)."""
+    own = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers()]}
+    weights = {tuple(p.shape) for p in block.parameters() if p.dtype == torch.float8_e4m3fn}
+    sizes: dict[int, int] = {}
+    copies = []
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if (ptr not in params and ptr not in seen and t.dtype.is_floating_point and t.dim() >= 2
-                and t.numel() not in weight_sizes):
-            seen.add(ptr)
+        if t.untyped_storage().data_ptr() not in own and t.dim() > 0:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            if tuple(t.shape) in weights or tuple(t.shape)[::-1] in weights:
+                copies.append((tuple(t.shape), t.dtype))
         return t
 
     x = args[0].clone().requires_grad_(True)
-    sizes = {}
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (pack(t), sizes.setdefault(
-            t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))[0], lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
         out = block(x, *args[1:], **kwargs)
     out.float().pow(2).mean().backward()
-    return sum(sizes[p] for p in seen), x.grad, [p.grad.clone() for p in block.parameters()]
+    return sum(sizes.values()), [x.grad, *(p.grad for p in block.parameters() if p.requires_grad)], copies
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", [0, 1], ids=["ResnetBlock2D", "BasicTransformerBlock"])
-def test_checkpoint_inside_compiled_block_keeps_inputs_only(which, tmp_path, monkeypatch):
-    """A compiled block checkpointed inside keeps (about) its inputs for backward, where the compiled block without
-    checkpointing keeps several times more; both give eager's gradients. (diffusers' eager checkpointing keeps the
-    inputs by reference, outside autograd's saved tensors, so it is not measured the same way.)"""
+@pytest.mark.parametrize("which", ["ResnetBlock2D", "BasicTransformerBlock"])
+def test_checkpoint_inside_compiled_fp8_block_keeps_its_inputs_only(which, tmp_path, monkeypatch):
+    """A compiled fp8 block checkpointed inside keeps (about) its inputs for backward, where the compiled block
+    without checkpointing keeps more; both give eager's gradients. (diffusers' eager checkpointing
+    keeps the inputs by reference, outside autograd's saved tensors, so it is not measured the same way.)"""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     import torch._dynamo
 
-    block, args, kwargs = _blocks()[which]
-    name = type(block).__name__
+    block, args, kwargs = _block(which)
     inputs = sum(t.numel() * t.element_size() for t in [*args, *kwargs.values()])
     results = {}
     for mode in ("eager", "compiled", "compiled-ckpt"):
         torch._dynamo.reset()
         b = copy.deepcopy(block)
         if mode != "eager":
-            n = speed.compile_blocks(torch.nn.Sequential(b), (name,), SpeedConfig(compile=True),
+            n = speed.compile_blocks(torch.nn.Sequential(b), (which,), SpeedConfig(compile=True),
                                      checkpoint_every=1 if mode == "compiled-ckpt" else 0)
             assert n == 1 and b._compiled_call_impl is not None
-        b(*args, **kwargs)  # compiled outside the measurement
-        results[mode] = _saved_bytes(b, args, kwargs)
+        _run(b, args, kwargs)  # compiled outside the measurement
+        b.zero_grad(set_to_none=True)
+        results[mode] = _run(b, args, kwargs)
     eager, comp, comp_ckpt = (results[m] for m in ("eager", "compiled", "compiled-ckpt"))
-    for other in (comp, comp_ckpt):  # eager's gradients
-        torch.testing.assert_close(other[1], eager[1], rtol=1e-4, atol=1e-5)
-        for a, b in zip(other[2], eager[2]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for other in (comp, comp_ckpt):  # eager's gradients, to bf16 rounding
+        for a, b in zip(other[1], eager[1]):
+            assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max() + 1e-6
+    assert comp[2] == [] and comp_ckpt[2] == []  # no bf16 copy of an fp8 weight kept (measured 4.8 GiB on SDXL)
     assert comp_ckpt[0] <= inputs * 1.25, (comp_ckpt[0], inputs)
-    assert comp[0] > 3 * inputs, (comp[0], inputs)
+    assert comp_ckpt[0] * 1.5 < comp[0], (comp_ckpt[0], comp[0])  # checkpointing is what kept it small
