@@ -42,6 +42,9 @@ CASES = {
                    "--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.attention=cudnn",
                    "--set", "speed.channels_last=true", "--no-baseline"],
                   "S2g with cuDNN attention and channels-last convolutions"),
+    "S2g-ma": (["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4",
+                "--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.compile_mode=max-autotune",
+                "--no-baseline"], "S2g with inductor's autotuned Triton matmul/convolution templates"),
     "S3": (["--recipe", "sd3-lora-16gb", "--set", "memory.activations.kind=none", "--set", "speed.compile=true"],
            "SD3-medium LoRA b1 no checkpointing, compiled vs eager"),
     "S4": (["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=none", "--set", "lora.rank=64",
@@ -51,6 +54,10 @@ CASES = {
                   "--set", "lora.alpha=64", "--set", "speed.compile=true", "--set", "speed.attention=cudnn",
                   "--size", "480x720", "--steps", "6", "--warmup", "2"],
                  "S4 with cuDNN attention, compiled vs eager"),
+    "S4-ma": (["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=none", "--set", "lora.rank=64",
+               "--set", "lora.alpha=64", "--set", "speed.compile=true", "--set", "speed.compile_mode=max-autotune",
+               "--size", "480x720", "--steps", "6", "--warmup", "2", "--no-baseline"],
+              "S4 with inductor's autotuned Triton matmul templates"),
     "S4-ckpt": (["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=checkpoint", "--set", "lora.rank=64",
                  "--set", "lora.alpha=64", "--set", "speed.compile=true", "--size", "480x720", "--steps", "6", "--warmup", "2"],
                 "CogVideoX-2b LoRA r64 49x480x720 checkpointed, compiled vs eager"),
@@ -67,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-speed"))
     ap.add_argument("--cases", default="S1,S2,S1-nockpt")
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=400)
     ap.add_argument("--extra", default="", help="more bench speed arguments for every case, e.g. --profile")
     ap.add_argument("--cache", type=Path, default=None, help="torch inductor cache folder (default: fresh per case)")
     a = ap.parse_args()

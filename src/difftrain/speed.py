@@ -52,13 +52,21 @@ def compile_blocks(module: torch.nn.Module, block_classes: tuple[str, ...], spee
     it (see ``checkpoint_inside``).
     """
     configure_compile(speed)
-    mode = "reduce-overhead" if speed.cuda_graphs else (None if speed.compile_mode == "default" else speed.compile_mode)
+    mode = compile_mode(speed)
     blocks = [sub for sub in module.modules() if type(sub).__name__ in block_classes]
     if checkpoint_every:
         checkpoint_inside(module, blocks[::checkpoint_every])
     for sub in blocks:
         sub.compile(mode=mode, dynamic=speed.dynamic)
     return len(blocks)
+
+
+def compile_mode(speed: SpeedConfig) -> str | None:
+    """torch.compile's mode for the speed section: CUDA graphs (reduce-overhead) and autotuning chosen apart."""
+    autotune = speed.compile_mode != "default"
+    if speed.cuda_graphs:
+        return "max-autotune" if autotune else "reduce-overhead"
+    return "max-autotune-no-cudagraphs" if autotune else None
 
 
 def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:

@@ -35,6 +35,17 @@ def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, ext
     assert t.optimizer.defaults.get("fused") is True  # speed.optimizer_kernels auto on CUDA
 
 
+def test_fp8_weights_compiled_with_cuda_graphs_train_as_eager(tiny_model, dataset, tmp_path):
+    """The 4 GiB tier's way at full speed: fp8 frozen weights (custom ops under compile), checkpointing inside the
+    compiled blocks, CUDA graphs: the losses of eager fp8 + checkpointing."""
+    common = {"memory.weights.kind": "fp8", "memory.activations.kind": "checkpoint"}
+    eager = _cfg(tiny_model, dataset, tmp_path / "a", **common)
+    precompute(eager)
+    ref = train(eager)
+    out = train(_cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"}))
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
+
+
 def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")

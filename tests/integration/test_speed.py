@@ -30,11 +30,12 @@ def _cfg(recipe, model, data, out, **extra):
 
 @pytest.mark.slow
 def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_path, monkeypatch):
-    """SD3 (every JointTransformerBlock compiled, LoRA inside, checkpointed): the loss curve of 6 steps matches
-    eager within float tolerance, the compiled blocks really ran compiled, and the LoRA exports the same names."""
+    """SD3 (every JointTransformerBlock compiled, LoRA inside, fp8 frozen weights, checkpointed inside the compiled
+    blocks): the loss curve of 6 steps matches eager within float tolerance, the compiled blocks really ran
+    compiled, and the LoRA exports the same names."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     common = {"train.max_steps": 6, "train.batch_size": 2, "train.checkpoint_every": 1000, "train.learning_rate": 3e-3,
-              "memory.activations.kind": "checkpoint", "data.cache_dir": tmp_path / "cache"}
+              "memory.activations.kind": "checkpoint", "memory.weights.kind": "fp8", "data.cache_dir": tmp_path / "cache"}
     eager = _cfg("tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "eager", **common)
     precompute(eager)
     ref = train(eager)
@@ -46,6 +47,8 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
     out = trainer.run()
     blocks = list(trainer.comps["transformer"].transformer_blocks)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)  # Module.compile() in place
+    # checkpointed inside each compiled block, diffusers' own checkpointing (around the blocks) switched off
+    assert all("forward" in vars(b) for b in blocks) and not trainer.comps["transformer"].gradient_checkpointing
     from torch._dynamo.utils import counters
 
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured graphs (it did not fall back to eager)
@@ -129,3 +132,21 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     conv = t.comps["unet"].conv_in.base_layer if hasattr(t.comps["unet"].conv_in, "base_layer") else t.comps["unet"].conv_in
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     assert out.losses == pytest.approx(ref.losses, rel=1e-4)
+
+
+def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
+    """speed.cuda_graphs and speed.compile_mode map onto torch.compile's four modes, and every block is compiled."""
+    from difftrain import speed
+    from difftrain.config.schema import SpeedConfig
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self).__name__, kw["mode"])))
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    expect = {("default", False): None, ("default", True): "reduce-overhead",
+              ("max-autotune", False): "max-autotune-no-cudagraphs", ("max-autotune", True): "max-autotune",
+              ("max-autotune-no-cudagraphs", False): "max-autotune-no-cudagraphs",
+              ("max-autotune-no-cudagraphs", True): "max-autotune"}
+    for (mode, graphs), torch_mode in expect.items():
+        seen.clear()
+        assert speed.compile_blocks(net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs)) == 2
+        assert seen == [("Linear", torch_mode)] * 2
