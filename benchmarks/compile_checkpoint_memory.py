@@ -6,7 +6,8 @@ autocast) keeps for backward under each way of running it:
     compiled         speed.compile (Module.compile on the block)
     compiled-ckpt    speed.compile + checkpointing: the checkpoint call inside the compiled block
 
-    python benchmarks/compile_checkpoint_memory.py --out DIR [--modes ...] [--weights fp8,bf16]
+    python benchmarks/compile_checkpoint_memory.py --out DIR [--modes ...] [--weights fp8,bf16] [--tag=-NAME]
+        [--functorch NAME=JSON ...]   # a torch._functorch.config setting, to try partitioner options
 
 Per case: MiB allocated between the end of forward and the start of backward beyond the output ("kept"), the
 peak above the start during forward+backward, and the largest tensors autograd saved. A table is printed last.
