@@ -80,8 +80,9 @@ class _Fp8Conv2d(torch.autograd.Function):
 # into one graph, CSE merges the two upcasts, and the partitioner saves the bf16 weight for backward (measured on
 # an H100: every fp8 layer of an SDXL block kept its bf16 copy, 4.8 GiB over the UNet, checkpointed or not).
 # So compiled code calls these custom ops instead: opaque to the tracer, each upcasts inside itself, and only the
-# fp8 weight and its scale (parameters, free to keep) are saved. Eager code keeps the autograd functions, whose
-# dispatch costs less per call.
+# fp8 weight and its scale (parameters, free to keep) are saved. Eager code keeps the autograd functions: the
+# memory tiers were measured with them, and the custom ops' per-call cost in eager runs is not measured yet (if
+# it is no higher, both paths can become the custom ops).
 @torch.library.custom_op("difftrain::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
