@@ -94,6 +94,8 @@ def main() -> None:
             rc, log = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
         (a.out / f"{name}.log").write_text(" ".join(cmd) + "\n" + log)
         res = json.loads((work / "bench_speed.json").read_text()) if rc == 0 else None
+        for f in work.glob("profile-*.txt"):  # --profile's top kernels per run
+            (a.out / f"{name}-{f.name}").write_text(f.read_text())
         if res:
             (a.out / f"{name}.json").write_text(json.dumps({"case": name, "what": what, "args": args, **res}, indent=1))
         summary.append((name, rc, round(time.time() - t0), res))
@@ -106,6 +108,14 @@ def main() -> None:
         for r in res["rows"]:
             print(f"{name} | {r['name']} | {r['s_per_step']} | {r['samples_per_s']} | {r['tflops']} | {r['mfu']} | "
                   f"{r['first_step_s']} | {r['warmup_overhead_s']} | {r['peak_alloc_gib']} | {res.get('speedup', '')}")
+    profiled = [(name, r) for name, _, _, res in summary if res for r in res["rows"] if r.get("profile")]
+    if profiled:  # --profile: where the GPU time of the last step went
+        print("\ncase | run | kernels (graphs) | GPU ms / step ms | GPU time by kind")
+        for name, r in profiled:
+            p = r["profile"]
+            kinds = ", ".join(f"{k} {v['ms']:.1f} ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items())
+            print(f"{name} | {r['name']} | {p['kernel_launches']} ({p.get('graph_launches', 0)}) | "
+                  f"{p['gpu_ms']} / {r['s_per_step'] * 1e3:.1f} | {kinds}")
 
 
 if __name__ == "__main__":

@@ -150,18 +150,59 @@ def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[T
     return trainer, trainer.flush_times, _profile_summary(prof, profile)
 
 
+# What a kernel's name says it does. cuDNN/cuBLAS/CUTLASS names on Hopper: convolutions carry fprop/dgrad/wgrad
+# (implicit GEMMs), attention flash/fmha/sdpa, dense matmuls gemm/nvjet; inductor's fused kernels are triton_poi
+# (pointwise), triton_red/per (reductions: norms, sums), triton_tem (its own matmul/convolution templates).
+# Inductor's own kernels first: their names also list the aten ops they fused (e.g. convolution_backward).
+KERNEL_KINDS = (
+    ("fused pointwise (inductor)", ("triton_poi",)),
+    ("fused reductions, norms (inductor)", ("triton_red", "triton_per")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("convolution", ("fprop", "dgrad", "wgrad", "conv", "implicit_gemm", "winograd", "triton_tem_fused_convolution")),
+    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "triton_tem", "xmma", "matmul")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "fused_sgd")),
+    ("norms (aten)", ("group_norm", "layer_norm", "groupnorm", "layernorm", "rms_norm", "rowwisemoments")),
+    ("copies, memset", ("memcpy", "memset", "copy_kernel", "cat_", "catarray")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, marks in KERNEL_KINDS:
+        if any(m in low for m in marks):
+            return kind
+    return "other (aten elementwise, reductions)"
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, int]]) -> dict[str, dict]:
+    """(kernel name, GPU microseconds, count) rows -> per kind: ms, share of the GPU time, kernel count."""
+    total = sum(us for _, us, _ in kernels) or 1.0
+    out: dict[str, dict] = {}
+    for name, us, n in kernels:
+        d = out.setdefault(kernel_kind(name), {"ms": 0.0, "share": 0.0, "kernels": 0})
+        d["ms"] += us / 1e3
+        d["kernels"] += n
+    for d in out.values():
+        d["share"] = round(d["ms"] * 1e3 / total, 4)
+        d["ms"] = round(d["ms"], 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
 def _profile_summary(prof, path: Path) -> dict:
-    """GPU time and launches of the profiled step: how much of the step the GPU computed."""
+    """GPU time and launches of the profiled step: how much of the step the GPU computed, and on what."""
     ev = prof.key_averages()
     path.write_text(ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
-                             row_limit=25))
+                             row_limit=40))
     kernels = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                     "cuLaunchKernelEx"))
+    graph_launches = sum(e.count for e in ev if e.key in ("cudaGraphLaunch", "cuGraphLaunch"))
     from torch.autograd import DeviceType
 
     # the kernels' own rows only: an operator's row repeats the time of the kernels it launched
-    gpu_us = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA)
-    return {"kernel_launches": kernels, "gpu_ms": round(gpu_us / 1e3, 2)}
+    rows = [(e.key, e.self_device_time_total, e.count) for e in ev if e.device_type == DeviceType.CUDA]
+    gpu_us = sum(us for _, us, _ in rows)
+    return {"kernel_launches": kernels, "graph_launches": graph_launches, "gpu_ms": round(gpu_us / 1e3, 2),
+            "gpu_kernels": sum(n for _, _, n in rows), "by_kind": kernel_breakdown(rows)}
 
 
 def step_flops(trainer: Trainer) -> tuple[float, bool]:

@@ -94,8 +94,11 @@ def speed(
     for row in r["rows"]:
         if row["profile"] and row["profile"]["gpu_ms"]:
             p = row["profile"]
-            console.print(f"{row['name']}: one step launched {p['kernel_launches']} kernels, the GPU computed "
-                          f"{p['gpu_ms']:.0f} ms of it ({p['gpu_ms'] / 1e3 / row['s_per_step']:.0%} of the step)")
+            console.print(f"{row['name']}: one step launched {p['kernel_launches']} kernels"
+                          + (f" and {p['graph_launches']} CUDA graphs" if p.get("graph_launches") else "")
+                          + f", the GPU computed {p['gpu_ms']:.0f} ms of it "
+                          f"({p['gpu_ms'] / 1e3 / row['s_per_step']:.0%} of the step), in "
+                          + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items()))
     if "speedup" in r:
         console.print(f"config vs eager baseline: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:

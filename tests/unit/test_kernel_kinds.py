@@ -1,0 +1,38 @@
+"""bench speed --profile sorts the profiled step's GPU time by what each kernel does (names as Hopper's
+cuBLAS/cuDNN/flash/inductor kernels are called), so a missed MFU target says where the time went."""
+
+from difftrain.bench import kernel_breakdown, kernel_kind
+
+
+def test_kernel_names_sort_into_kinds():
+    cases = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "matmul",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
+        "triton_tem_fused_mm_3": "matmul",
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "convolution",
+        "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": "convolution",
+        "triton_tem_fused_convolution_1": "convolution",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+        # inductor names a fused kernel after the aten ops it swallowed: still pointwise / reduction work
+        "triton_poi_fused_add_convolution_backward_mm_0": "fused pointwise (inductor)",
+        "triton_red_fused_native_group_norm_backward_7": "fused reductions, norms (inductor)",
+        "triton_per_fused__scaled_dot_product_flash_attention_2": "fused reductions, norms (inductor)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "Memcpy HtoD (Pinned -> Device)": "copies, memset",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other (aten elementwise, reductions)",
+    }
+    got = {name: kernel_kind(name) for name in cases}
+    assert got == cases
+
+
+def test_breakdown_sums_time_and_counts_per_kind_largest_first():
+    rows = [("nvjet_tst_a", 3000.0, 10), ("triton_poi_fused_add_0", 500.0, 40), ("nvjet_tst_b", 1000.0, 5),
+            ("fmha_cutlassF_bf16", 500.0, 2)]
+    got = kernel_breakdown(rows)
+    assert list(got)[0] == "matmul"  # the largest first (the other two tie)
+    assert got["matmul"] == {"ms": 4.0, "share": 0.8, "kernels": 15}
+    assert got["fused pointwise (inductor)"] == {"ms": 0.5, "share": 0.1, "kernels": 40}
+    assert abs(sum(v["share"] for v in got.values()) - 1) < 1e-9
+    assert kernel_breakdown([]) == {}
