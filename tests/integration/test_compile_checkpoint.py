@@ -2,8 +2,8 @@
 frozen weights and LoRA as the 4 GiB tier trains.
 
 The checkpoint call is moved into each compiled block's traced forward, so AOT autograd saves only the block's
-inputs and recomputes the rest in the compiled backward (and CUDA graphs can replay it); the fp8 layers call
-custom ops under compile, so no bf16 copy of a weight is kept for backward. Held here to eager's gradients and to
+inputs and recomputes the rest in the compiled backward (and CUDA graphs can replay it); the fp8 layers upcast
+in a way compile keeps no copy of (no bf16 copy merged by CSE, no channels-last fp8 copy of a conv weight). Held here to eager's gradients and to
 keeping about the block's inputs.
 """
 
