@@ -129,6 +129,7 @@ class SpeedRow:
     warmup_overhead_s: float  # the warm-up steps' time beyond as many timed steps: compile and autotuning
     peak_alloc_gib: float | None
     profile: dict | None = None
+    compile: dict | None = None  # torch's own compile-time phases (s) and graph count, compiled runs only
     tflops: float | None = None
     mfu: float | None = None
 
@@ -199,10 +200,27 @@ def _profile_summary(prof, path: Path) -> dict:
     from torch.autograd import DeviceType
 
     # the kernels' own rows only: an operator's row repeats the time of the kernels it launched
-    rows = [(e.key, e.self_device_time_total, e.count) for e in ev if e.device_type == DeviceType.CUDA]
+    # (not the step's and compiled graphs' GPU-side annotations, "ProfilerStep#n" and "## Call CompiledFxGraph ...")
+    rows = [(e.key, e.self_device_time_total, e.count) for e in ev if e.device_type == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and not e.key.startswith(("ProfilerStep", "## "))]
     gpu_us = sum(us for _, us, _ in rows)
     return {"kernel_launches": kernels, "graph_launches": graph_launches, "gpu_ms": round(gpu_us / 1e3, 2),
             "gpu_kernels": sum(n for _, _, n in rows), "by_kind": kernel_breakdown(rows)}
+
+
+def compile_phases(top: int = 8) -> dict:
+    """Where compiling went, from torch's own timers (dynamo's ``compile_times``, summed over every graph of the
+    process): the slowest phases in seconds and the number of distinct graphs. Phases nest (tracing and
+    inductor's codegen sit inside ``_compile.compile_inner``), so they do not add up."""
+    import torch._dynamo.utils as dyn
+
+    try:
+        names, values = dyn.compile_times(repr="csv", aggregate=True)
+        phases = sorted(((n, float(v)) for n, v in zip(names, values)), key=lambda kv: -kv[1])[:top]
+    except Exception:  # noqa: BLE001 - a private torch API: report nothing rather than fail the benchmark
+        phases = []
+    return {"phases_s": {n: round(v, 2) for n, v in phases},
+            "graphs": int(dyn.counters["stats"].get("unique_graphs", 0))}
 
 
 def step_flops(trainer: Trainer) -> tuple[float, bool]:
@@ -259,7 +277,8 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
         if flops is None and not c.speed.compile:
             flops = (step_flops(trainer), bs)
         rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
-                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None))
+                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None,
+                             compile=compile_phases() if c.speed.compile else None))
         del trainer
         _free(device)
     for r, (name, c) in zip(rows, runs):

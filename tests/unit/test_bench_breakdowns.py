@@ -1,7 +1,10 @@
-"""bench speed --profile sorts the profiled step's GPU time by what each kernel does (names as Hopper's
-cuBLAS/cuDNN/flash/inductor kernels are called), so a missed MFU target says where the time went."""
+"""bench speed's breakdowns: --profile sorts the profiled step's GPU time by what each kernel does (names as
+Hopper's cuBLAS/cuDNN/flash/inductor kernels are called), so a missed MFU target says where the time went; a
+compiled run reports where compiling went."""
 
-from difftrain.bench import kernel_breakdown, kernel_kind
+import torch
+
+from difftrain.bench import compile_phases, kernel_breakdown, kernel_kind
 
 
 def test_kernel_names_sort_into_kinds():
@@ -36,3 +39,22 @@ def test_breakdown_sums_time_and_counts_per_kind_largest_first():
     assert got["fused pointwise (inductor)"] == {"ms": 0.5, "share": 0.1, "kernels": 40}
     assert abs(sum(v["share"] for v in got.values()) - 1) < 1e-9
     assert kernel_breakdown([]) == {}
+
+
+def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    before = compile_phases()["graphs"]
+
+    @torch.compile(backend="aot_eager")
+    def f(x):
+        return (x.sin() * 2).sum()
+
+    f(torch.randn(8))
+    got = compile_phases(top=3)
+    assert got["graphs"] == before + 1
+    assert len(got["phases_s"]) == 3 and "_compile.compile_inner" in got["phases_s"]
+    values = list(got["phases_s"].values())
+    assert values == sorted(values, reverse=True) and values[0] > 0

@@ -99,6 +99,11 @@ def speed(
                           + f", the GPU computed {p['gpu_ms']:.0f} ms of it "
                           f"({p['gpu_ms'] / 1e3 / row['s_per_step']:.0%} of the step), in "
                           + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items()))
+    for row in r["rows"]:
+        if row.get("compile") and row["compile"]["phases_s"]:
+            c = row["compile"]
+            console.print(f"{row['name']}: compiled {c['graphs']} graphs; slowest phases (nested, s): "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in list(c["phases_s"].items())[:5]))
     if "speedup" in r:
         console.print(f"config vs eager baseline: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:
