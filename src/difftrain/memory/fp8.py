@@ -1,14 +1,13 @@
 """fp8 base weights: frozen Linear/Conv2d weights stored as float8 (e4m3fn) with a scale.
 
 Each forward upcasts the weight to the compute dtype inside one autograd
-function (Linear) or custom op (Conv2d) that saves only the fp8 weight for
-backward, which upcasts again. A plain ``w.to(bf16)`` before ``F.linear`` would
-leave the bf16 copy alive until backward (autograd keeps it for the input
-gradient), so nothing would be saved without checkpointing. Layers keep their
-class (a subclass of nn.Linear / nn.Conv2d), so peft still wraps them with
-LoRA. Norms, embeddings and the layers the family names stay in high
-precision. LoRA only: a frozen weight can be rounded once; a trained one would
-lose every update.
+function that saves only the fp8 weight for backward. A plain ``w.to(bf16)``
+before ``F.linear`` would leave the bf16 copy alive until backward (autograd
+keeps it for the input gradient), so nothing would be saved without
+checkpointing. Layers keep their class (a subclass of nn.Linear / nn.Conv2d),
+so peft still wraps them with LoRA. Norms, embeddings and the layers the
+family names stay in high precision. LoRA only: a frozen weight can be
+rounded once; a trained one would lose every update.
 
 Scale: ``tensor`` (one scale, amax / 448) or ``channel`` (one per output
 channel: better where a few rows have large values).
@@ -54,19 +53,72 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
-        # The operands swapped on purpose (the same product): under torch.compile AOT autograd traces forward and
-        # backward into one graph and CSE merges two identical upcasts into one node, which the partitioner then
-        # keeps for backward - a bf16 copy of every weight (measured 4.8 GiB over the SDXL UNet on an H100).
-        # Written differently it is not merged, and only the fp8 weight (a parameter) is kept.
-        # tests/integration/test_compile_checkpoint.py fails if that changes.
-        w = scale.to(gy.dtype) * w8.to(gy.dtype)
+        w = w8.to(gy.dtype) * scale.to(gy.dtype)
         return gy @ w, None, None, None
 
 
-# Conv2d goes through a custom op, opaque to the compiler: traced as the Linear above, inductor's layout
-# optimisation turns the fp8 weight channels-last in the forward and keeps that fp8 copy for backward (the CPU test
-# saw it). Opaque, the op saves the fp8 parameter itself. Its Python dispatch costs more per call than a traced
-# upcast, which is why Linear (hundreds of layers) is not done this way; a UNet has few convolutions.
+class _Fp8Conv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w8, scale, bias, stride, padding, dilation, groups):
+        dtype = _compute_dtype(x)
+        w = w8.to(dtype) * scale.to(dtype)
+        ctx.save_for_backward(w8, scale)
+        ctx.conf = (x.shape, stride, padding, dilation, groups)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.conv2d(x.to(dtype), w, None if bias is None else bias.to(dtype), stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, gy):
+        w8, scale = ctx.saved_tensors
+        shape, stride, padding, dilation, groups = ctx.conf
+        w = w8.to(gy.dtype) * scale.to(gy.dtype)
+        gx = torch.nn.grad.conv2d_input(shape, w, gy, stride, padding, dilation, groups)
+        return gx, None, None, None, None, None, None, None
+
+
+# Under torch.compile the autograd functions above lose their point: AOT autograd traces forward and backward
+# into one graph, CSE merges the two upcasts, and the partitioner saves the bf16 weight for backward (measured on
+# an H100: every fp8 layer of an SDXL block kept its bf16 copy, 4.8 GiB over the UNet, checkpointed or not).
+# So compiled code calls these custom ops instead: opaque to the tracer, each upcasts inside itself, and only the
+# fp8 weight and its scale (parameters, free to keep) are saved. Eager code keeps the autograd functions: the
+# memory tiers were measured with them, and the custom ops' per-call cost in eager runs is not measured yet (if
+# it is no higher, both paths can become the custom ops). Tried and measured worse: tracing the autograd function
+# with its backward upcast written differently (scale * w8) so CSE cannot merge it - on the CPU no copy was kept,
+# but on an H100 the 4 GiB tier peaked at 6.46 GiB instead of 3.29 (S1g, benchmarks/speed.py), and inductor's
+# layout optimisation kept an fp8 channels-last copy of each conv weight.
+@torch.library.custom_op("difftrain::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, w8.to(x.dtype) * scale.to(x.dtype), bias)
+
+
+@fp8_linear.register_fake
+def _(x, w8, scale, bias):
+    return x.new_empty((*x.shape[:-1], w8.shape[0]))
+
+
+@torch.library.custom_op("difftrain::fp8_linear_grad_input", mutates_args=())
+def fp8_linear_grad_input(gy: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return gy @ (w8.to(gy.dtype) * scale.to(gy.dtype))
+
+
+@fp8_linear_grad_input.register_fake
+def _(gy, w8, scale):
+    return gy.new_empty((*gy.shape[:-1], w8.shape[1]))
+
+
+def _linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _linear_backward(ctx, gy):
+    w8, scale = ctx.saved_tensors
+    return fp8_linear_grad_input(gy, w8, scale), None, None, None
+
+
+fp8_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
 @torch.library.custom_op("difftrain::fp8_conv2d", mutates_args=())
 def fp8_conv2d(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
                padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
@@ -109,6 +161,9 @@ fp8_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 class Fp8Linear(torch.nn.Linear):
     def forward(self, x):
+        if torch.compiler.is_compiling():
+            dtype = _compute_dtype(x)
+            return fp8_linear(x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype))
         return _Fp8Linear.apply(x, self.weight, self.fp8_scale, self.bias)
 
 
@@ -116,9 +171,11 @@ class Fp8Conv2d(torch.nn.Conv2d):
     def forward(self, x):
         if self.padding_mode != "zeros":  # pragma: no cover - diffusers' convs are zero-padded
             raise NotImplementedError("fp8 Conv2d supports zero padding only")
-        dtype = _compute_dtype(x)
-        return fp8_conv2d(x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype),
-                          list(self.stride), list(self.padding), list(self.dilation), self.groups)
+        if torch.compiler.is_compiling():
+            dtype = _compute_dtype(x)
+            return fp8_conv2d(x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype),
+                              list(self.stride), list(self.padding), list(self.dilation), self.groups)
+        return _Fp8Conv2d.apply(x, self.weight, self.fp8_scale, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
 def convert(module: torch.nn.Module, device, per_channel: bool = False, skip: tuple[str, ...] = ()) -> dict[str, int]:
