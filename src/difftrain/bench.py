@@ -135,20 +135,29 @@ class SpeedRow:
 
 
 def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[Trainer, dict[int, float], dict]:
-    """Train; with ``profile``, the last step runs under torch.profiler and its summary comes back."""
+    """Train; with ``profile``, two steps run after the timed ones (the profiler's warm-up and the profiled step, the
+    GPU synchronised at their edges so the profiled step holds its own kernels only) and its summary comes back."""
     trainer = Trainer(cfg)
-    trainer.flush_steps = {1, warmup}  # read back (and so wait for the GPU) exactly here
     end = cfg.train.max_steps
+    trainer.flush_steps = {1, warmup}  # read back (and so wait for the GPU) exactly here
     if profile is None:
         trainer.run()
         return trainer, trainer.flush_times, {}
     from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
 
+    timed = end - 2
+    trainer.flush_steps |= {timed, end - 1}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=acts, schedule=schedule(wait=end - 2, warmup=1, active=1)) as prof:
-        trainer.step_hook = prof.step
+    with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1)) as prof:
+        def hook() -> None:
+            if trainer.step >= timed and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.step()
+
+        trainer.step_hook = hook
         trainer.run()
-    return trainer, trainer.flush_times, _profile_summary(prof, profile)
+    times = trainer.flush_times
+    return trainer, times, {**_profile_summary(prof, profile), "step_ms": round((times[end] - times[end - 1]) * 1e3, 1)}
 
 
 # What a kernel's name says it does. cuDNN/cuBLAS/CUTLASS names on Hopper: convolutions carry fprop/dgrad/wgrad
@@ -266,7 +275,7 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
     for name, c in runs:
         c = c.model_copy(update={"report": c.report.model_copy(update={"to": [], "html": False}),
                                  "validation": c.validation.model_copy(update={"prompts": [], "loss_items": 0})})
-        run_cfg = _prepare(c, work, warmup + steps, size, run=name.split()[0])
+        run_cfg = _prepare(c, work, warmup + steps + (2 if profile else 0), size, run=name.split()[0])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prof = work / f"profile-{name.split()[0]}.txt" if profile else None

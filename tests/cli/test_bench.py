@@ -60,3 +60,18 @@ def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
     # each run trained warm-up + timed steps, its own metrics
     for run in ("eager", "config"):
         assert len((tmp_path / run / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
+    """--profile adds the profiler's warm-up and profiled steps after the timed ones (so they do not slow the
+    timing) and reports the profiled step's own duration and kernels by kind."""
+    import json
+
+    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--no-baseline", "--steps", "2", "--warmup", "1",
+            "--profile", "--work", tmp_path)
+    assert r.code == 0, r
+    row = json.loads((tmp_path / "bench_speed.json").read_text())["rows"][0]
+    assert len((tmp_path / "config" / "metrics.jsonl").read_text().splitlines()) == 1 + 2 + 2
+    p = row["profile"]
+    assert p["step_ms"] > 0 and isinstance(p["by_kind"], dict)
+    assert (tmp_path / "profile-config.txt").read_text().strip()

@@ -96,8 +96,8 @@ def speed(
             p = row["profile"]
             console.print(f"{row['name']}: one step launched {p['kernel_launches']} kernels"
                           + (f" and {p['graph_launches']} CUDA graphs" if p.get("graph_launches") else "")
-                          + f", the GPU computed {p['gpu_ms']:.0f} ms of it "
-                          f"({p['gpu_ms'] / 1e3 / row['s_per_step']:.0%} of the step), in "
+                          + f", the GPU computed {p['gpu_ms']:.0f} ms of its {p['step_ms']:.0f} ms "
+                          f"({p['gpu_ms'] / p['step_ms']:.0%}; the profiled step runs after the timed ones), in "
                           + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items()))
     for row in r["rows"]:
         if row.get("compile") and row["compile"]["phases_s"]:
