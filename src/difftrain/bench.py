@@ -167,9 +167,10 @@ def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[T
 KERNEL_KINDS = (
     ("fused pointwise (inductor)", ("triton_poi",)),
     ("fused reductions, norms (inductor)", ("triton_red", "triton_per")),
-    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn", "dot_do_o", "convert_dq")),  # + cuDNN's bwd helpers
+    ("layout transposes", ("nchwtonhwc", "nhwctonchw")),  # cuDNN turning NCHW tensors channels-last and back
     ("convolution", ("fprop", "dgrad", "wgrad", "conv", "implicit_gemm", "winograd", "triton_tem_fused_convolution")),
-    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "triton_tem", "xmma", "matmul")),
+    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "triton_tem", "xmma", "matmul", "splitkreduce")),
     ("optimizer", ("multi_tensor", "foreach", "adam", "fused_sgd")),
     ("norms (aten)", ("group_norm", "layer_norm", "groupnorm", "layernorm", "rms_norm", "rowwisemoments")),
     ("copies, memset", ("memcpy", "memset", "copy_kernel", "cat_", "catarray")),

@@ -18,6 +18,10 @@ def test_kernel_names_sort_into_kinds():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0": "attention",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>": "attention",
         "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(...)": "attention",
+        "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)": "attention",
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>(...)": "layout transposes",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)": "matmul",
         # inductor names a fused kernel after the aten ops it swallowed: still pointwise / reduction work
         "triton_poi_fused_add_convolution_backward_mm_0": "fused pointwise (inductor)",
         "triton_red_fused_native_group_norm_backward_7": "fused reductions, norms (inductor)",
