@@ -2,7 +2,6 @@
 Hopper's cuBLAS/cuDNN/flash/inductor kernels are called), so a missed MFU target says where the time went; a
 compiled run reports where compiling went."""
 
-import torch
 
 from difftrain.bench import compile_phases, kernel_breakdown, kernel_kind
 
