@@ -113,12 +113,13 @@ def main() -> None:
                   f"{r['first_step_s']} | {r['warmup_overhead_s']} | {r['peak_alloc_gib']} | {res.get('speedup', '')}")
     profiled = [(name, r) for name, _, _, res in summary if res for r in res["rows"] if r.get("profile")]
     if profiled:  # --profile: where the GPU time of the last step went
+        from difftrain.bench import kinds_line
+
         print("\ncase | run | kernels (graphs) | GPU ms / profiled step ms | GPU time by kind")
         for name, r in profiled:
             p = r["profile"]
-            kinds = ", ".join(f"{k} {v['ms']:.1f} ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items())
             print(f"{name} | {r['name']} | {p['kernel_launches']} ({p.get('graph_launches', 0)}) | "
-                  f"{p['gpu_ms']} / {p.get('step_ms')} | {kinds}")
+                  f"{p['gpu_ms']} / {p.get('step_ms')} | {kinds_line(p.get('by_kind', {}))}")
 
 
 if __name__ == "__main__":

@@ -199,6 +199,11 @@ def kernel_breakdown(kernels: list[tuple[str, float, int]]) -> dict[str, dict]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
+def kinds_line(by_kind: dict[str, dict]) -> str:
+    """One line of a breakdown: "matmul 103.4 ms (38%), attention ..." (bench speed's output, benchmarks/speed.py)."""
+    return ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']:.0%})" for k, v in by_kind.items())
+
+
 def _profile_summary(prof, path: Path) -> dict:
     """GPU time and launches of the profiled step: how much of the step the GPU computed, and on what."""
     ev = prof.key_averages()

@@ -63,7 +63,7 @@ def speed(
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
-    from ..bench import EAGER, bench_speed
+    from ..bench import EAGER, bench_speed, kinds_line
 
     resolved = resolved_config(recipe, config, set_)
     cfg = resolved.config
@@ -98,7 +98,7 @@ def speed(
                           + (f" and {p['graph_launches']} CUDA graphs" if p.get("graph_launches") else "")
                           + f", the GPU computed {p['gpu_ms']:.0f} ms of its {p['step_ms']:.0f} ms "
                           f"({p['gpu_ms'] / p['step_ms']:.0%}; the profiled step runs after the timed ones), in "
-                          + ", ".join(f"{k} {v['ms']:.1f} ms ({v['share']:.0%})" for k, v in p.get("by_kind", {}).items()))
+                          + kinds_line(p.get("by_kind", {})))
     for row in r["rows"]:
         if row.get("compile") and row["compile"]["phases_s"]:
             c = row["compile"]
