@@ -223,19 +223,26 @@ def _profile_summary(prof, path: Path) -> dict:
             "gpu_kernels": sum(n for _, _, n in rows), "by_kind": kernel_breakdown(rows)}
 
 
-def compile_phases(top: int = 8) -> dict:
-    """Where compiling went, from torch's own timers (dynamo's ``compile_times``, summed over every graph of the
-    process): the slowest phases in seconds and the number of distinct graphs. Phases nest (tracing and
-    inductor's codegen sit inside ``_compile.compile_inner``), so they do not add up."""
+def _compile_totals() -> tuple[dict[str, float], int]:
+    """torch's compile timers so far in this process (dynamo's ``compile_times``, every phase) and its graph count."""
     import torch._dynamo.utils as dyn
 
     try:
         names, values = dyn.compile_times(repr="csv", aggregate=True)
-        phases = sorted(((n, float(v)) for n, v in zip(names, values)), key=lambda kv: -kv[1])[:top]
+        totals = {n: float(v) for n, v in zip(names, values)}
     except Exception:  # noqa: BLE001 - a private torch API: report nothing rather than fail the benchmark
-        phases = []
-    return {"phases_s": {n: round(v, 2) for n, v in phases},
-            "graphs": int(dyn.counters["stats"].get("unique_graphs", 0))}
+        totals = {}
+    return totals, int(dyn.counters["stats"].get("unique_graphs", 0))
+
+
+def compile_phases(top: int = 8, since: tuple[dict[str, float], int] | None = None) -> dict:
+    """Where compiling went, from torch's own timers: the slowest phases in seconds and the number of distinct
+    graphs, counted from ``since`` (a ``_compile_totals()`` taken before the run; the timers are process-wide, so
+    a compiled baseline would otherwise count in the next run). Phases nest (tracing and inductor's codegen sit
+    inside ``_compile.compile_inner``), so they do not add up."""
+    (before, graphs0), (now, graphs) = since or ({}, 0), _compile_totals()
+    phases = sorted(((n, v - before.get(n, 0.0)) for n, v in now.items()), key=lambda kv: -kv[1])[:top]
+    return {"phases_s": {n: round(v, 2) for n, v in phases}, "graphs": graphs - graphs0}
 
 
 def step_flops(trainer: Trainer) -> tuple[float, bool]:
@@ -285,6 +292,7 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prof = work / f"profile-{name.split()[0]}.txt" if profile else None
+        compile_before = _compile_totals()
         trainer, times, summary = _timed_run(run_cfg, warmup, prof)
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
@@ -293,7 +301,7 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
             flops = (step_flops(trainer), bs)
         rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
                              round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None,
-                             compile=compile_phases() if c.speed.compile else None))
+                             compile=compile_phases(since=compile_before) if c.speed.compile else None))
         del trainer
         _free(device)
     for r, (name, c) in zip(rows, runs):

@@ -49,6 +49,8 @@ def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
     import torch._dynamo
 
     torch._dynamo.reset()
+    from difftrain.bench import _compile_totals
+
     before = compile_phases()["graphs"]
 
     @torch.compile(backend="aot_eager")
@@ -61,3 +63,10 @@ def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
     assert len(got["phases_s"]) == 3 and "_compile.compile_inner" in got["phases_s"]
     values = list(got["phases_s"].values())
     assert values == sorted(values, reverse=True) and values[0] > 0
+    # counted from a snapshot (a compiled baseline run before the config's): only what compiled after it
+    mid = _compile_totals()
+    f2 = torch.compile(lambda x: x.cos().sum(), backend="aot_eager")
+    f2(torch.randn(4))
+    second, total = compile_phases(since=mid), compile_phases()
+    assert second["graphs"] == 1 and total["graphs"] == before + 2
+    assert 0 < second["phases_s"]["_compile.compile_inner"] < total["phases_s"]["_compile.compile_inner"]
