@@ -35,6 +35,11 @@ def quantize(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Te
     return (w / scale).to(FP8), scale
 
 
+def dequantize(w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the compute dtype: what every forward and input-gradient below multiplies with."""
+    return w8.to(dtype) * scale.to(dtype)
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -45,7 +50,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w8, scale, bias):
         dtype = _compute_dtype(x)
-        w = w8.to(dtype) * scale.to(dtype)
+        w = dequantize(w8, scale, dtype)
         ctx.save_for_backward(w8, scale)
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
@@ -53,7 +58,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
-        w = w8.to(gy.dtype) * scale.to(gy.dtype)
+        w = dequantize(w8, scale, gy.dtype)
         return gy @ w, None, None, None
 
 
@@ -61,7 +66,7 @@ class _Fp8Conv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w8, scale, bias, stride, padding, dilation, groups):
         dtype = _compute_dtype(x)
-        w = w8.to(dtype) * scale.to(dtype)
+        w = dequantize(w8, scale, dtype)
         ctx.save_for_backward(w8, scale)
         ctx.conf = (x.shape, stride, padding, dilation, groups)
         with torch.autocast(x.device.type, enabled=False):
@@ -71,7 +76,7 @@ class _Fp8Conv2d(torch.autograd.Function):
     def backward(ctx, gy):
         w8, scale = ctx.saved_tensors
         shape, stride, padding, dilation, groups = ctx.conf
-        w = w8.to(gy.dtype) * scale.to(gy.dtype)
+        w = dequantize(w8, scale, gy.dtype)
         gx = torch.nn.grad.conv2d_input(shape, w, gy, stride, padding, dilation, groups)
         return gx, None, None, None, None, None, None, None
 
@@ -89,7 +94,7 @@ class _Fp8Conv2d(torch.autograd.Function):
 @torch.library.custom_op("difftrain::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x, w8.to(x.dtype) * scale.to(x.dtype), bias)
+        return F.linear(x, dequantize(w8, scale, x.dtype), bias)
 
 
 @fp8_linear.register_fake
@@ -99,7 +104,7 @@ def _(x, w8, scale, bias):
 
 @torch.library.custom_op("difftrain::fp8_linear_grad_input", mutates_args=())
 def fp8_linear_grad_input(gy: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return gy @ (w8.to(gy.dtype) * scale.to(gy.dtype))
+    return gy @ dequantize(w8, scale, gy.dtype)
 
 
 @fp8_linear_grad_input.register_fake
@@ -123,7 +128,7 @@ fp8_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 def fp8_conv2d(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
                padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
-        return F.conv2d(x, w8.to(x.dtype) * scale.to(x.dtype), bias, stride, padding, dilation, groups)
+        return F.conv2d(x, dequantize(w8, scale, x.dtype), bias, stride, padding, dilation, groups)
 
 
 @fp8_conv2d.register_fake
@@ -136,7 +141,7 @@ def _(x, w8, scale, bias, stride, padding, dilation, groups):
 @torch.library.custom_op("difftrain::fp8_conv2d_grad_input", mutates_args=())
 def fp8_conv2d_grad_input(gy: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, input_shape: list[int],
                           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    w = w8.to(gy.dtype) * scale.to(gy.dtype)
+    w = dequantize(w8, scale, gy.dtype)
     return torch.nn.grad.conv2d_input(input_shape, w, gy, stride, padding, dilation, groups)
 
 
