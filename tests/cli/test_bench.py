@@ -62,6 +62,43 @@ def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
         assert len((tmp_path / run / "metrics.jsonl").read_text().splitlines()) == 4
 
 
+def test_bench_speed_baseline_keeps_only_the_speed_options_it_names(cli, tmp_path):
+    """--baseline-set speed.X keeps the config's speed option X in the baseline (float8 against compiled bf16,
+    max-autotune against compile's default); every other speed option is the eager diffusers-script way; a
+    baseline that cannot run is refused with the reason, before anything is built."""
+    from difftrain.bench import EAGER, baseline_config
+
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=["speed.compile=true", "speed.cuda_graphs=true",
+                                                   "speed.attention=math", "speed.sync_seconds=5"]).config
+    b = baseline_config(cfg, {"compile", "attention"})
+    assert b.speed.compile and b.speed.attention == "math" and not b.speed.cuda_graphs
+    assert b.speed.sync_seconds == EAGER.sync_seconds == 0 and b.speed.optimizer_kernels == EAGER.optimizer_kernels
+    assert b.model_dump(exclude={"speed"}) == cfg.model_dump(exclude={"speed"})
+    assert baseline_config(cfg, set()).speed == EAGER
+    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "speed.compile=true", "--set",
+            "speed.cuda_graphs=true", "--baseline-set", "speed.cuda_graphs=true", "--work", tmp_path)
+    assert r.code != 0 and "baseline" in r.err and "speed.compile" in r.err and "Traceback" not in r.err
+    assert not list(tmp_path.iterdir())  # refused before the random model was built
+
+
+def test_bench_speed_of_a_full_fine_tune_crosses_epochs_without_exporting(cli, tmp_path):
+    """A full fine-tune's recipe exports every N epochs (sdxl-full: 5); bench speed's random checkpoint holds only
+    what training loads (no VAE, no text encoders) and its few cached items make an epoch a step or two, so an
+    export inside the timed steps failed on the H100 (S6-full-fp8). Bench runs save nothing; a trainer with no
+    save.formats writes and loads nothing to export."""
+    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "train.method=full", "--set",
+            "save.every_n_epochs=1", "--no-baseline", "--steps", "3", "--warmup", "1", "--work", tmp_path)
+    assert r.code == 0, r
+    assert not (tmp_path / "config" / "saved").exists()
+
+    from difftrain.trainers.loop import Trainer
+
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=["train.method=full"]).config
+    trainer = Trainer(cfg.model_copy(update={"save": cfg.save.model_copy(update={"formats": []})}))
+    trainer.family = None  # export_model would reach the family to load the parts training lacks
+    assert trainer.export_model("epoch-0001") == []
+
+
 def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     """--profile adds the profiler's warm-up and profiled steps after the timed ones (so they do not slow the
     timing) and reports the profiled step's own duration and kernels by kind."""

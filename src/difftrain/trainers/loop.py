@@ -1009,6 +1009,8 @@ class Trainer:
         from the base model for the export and freed after it.
         """
         sv, fam = self.cfg.save, self.family
+        if not sv.formats:  # nothing to write: the VAE and text encoders are not loaded for it either
+            return []
         if not self.world.main:
             from ..memory.deepspeed_engine import gathered
 
