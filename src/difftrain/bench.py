@@ -87,7 +87,7 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})
     update["train"] = cfg.train.model_copy(update={"max_steps": steps, "output_dir": work / run, "checkpoint_every": None,
                                                    "device": str(device)})
-    update["save"] = cfg.save.model_copy(update={"formats": []})
+    update["save"] = cfg.save.model_copy(update={"formats": [], "every_n_epochs": None, "every_n_steps": None})
     return cfg.model_copy(update=update)
 
 
@@ -118,6 +118,25 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] 
 
 # ------------------------------------------------------------------ speed
 EAGER = SpeedConfig(sync_seconds=0, pin_memory=False, optimizer_kernels="foreach")  # the diffusers scripts' way
+
+
+def baseline_config(base: Config, speed_keys: set[str]) -> Config:
+    """The baseline of ``bench speed``: ``base`` with the speed section of the eager diffusers-script way (EAGER),
+    except the speed options named in ``speed_keys`` (from ``--baseline-set speed.X=...``), which keep ``base``'s
+    values - so float8 can be timed against a compiled bf16 run, or max-autotune against compile's default."""
+    from pydantic import ValidationError
+
+    from .config.load import validation_problems
+    from .errors import ConfigError
+
+    speed = {**EAGER.model_dump(), **{k: getattr(base.speed, k) for k in speed_keys}}
+    try:
+        return Config.model_validate({**base.model_dump(), "speed": speed})  # the whole config checked again
+    except ValidationError as e:
+        raise ConfigError("The baseline's configuration (the config with --baseline-set, speed options not named there "
+                          "off) has problems:", validation_problems(e),
+                          hint="Name the speed options the baseline needs with --baseline-set too, e.g. "
+                               "--baseline-set speed.compile=true.") from None
 
 
 @dataclass
@@ -171,7 +190,7 @@ KERNEL_KINDS = (
     ("layout transposes", ("nchwtonhwc", "nhwctonchw")),  # cuDNN turning NCHW tensors channels-last and back
     ("convolution", ("fprop", "dgrad", "wgrad", "conv", "implicit_gemm", "winograd", "triton_tem_fused_convolution")),
     ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "triton_tem", "xmma", "matmul", "splitkreduce")),
-    ("optimizer", ("multi_tensor", "foreach", "adam", "fused_sgd")),
+    ("optimizer", ("multi_tensor", "foreach", "adam", "fused_sgd", "koptimizer")),  # + bitsandbytes' kOptimizer*
     ("norms (aten)", ("group_norm", "layer_norm", "groupnorm", "layernorm", "rms_norm", "rowwisemoments")),
     ("copies, memset", ("memcpy", "memset", "copy_kernel", "cat_", "catarray")),
 )
@@ -248,7 +267,19 @@ def compile_phases(top: int = 8, since: tuple[dict[str, float], int] | None = No
 def step_flops(trainer: Trainer) -> tuple[float, bool]:
     """Model FLOPs of one optimizer step (forward and backward, as torch.utils.flop_counter counts them), with
     gradient checkpointing switched off so recomputed forwards are not counted. Where that does not fit in
-    memory: counted with checkpointing, second value False (then recompute is included)."""
+    memory: counted with checkpointing, second value False (then recompute is included). A compiled trainer is
+    counted with its compiled blocks run eagerly (the counter cannot see inside compiled graphs); its
+    checkpointing sits inside the blocks (speed.checkpoint_inside) and cannot be switched off, so that count
+    includes the recompute too."""
+    cfg = trainer.cfg
+    if cfg.speed.compile:
+        with torch.compiler.set_stance("force_eager"):
+            count, exact = _eager_step_flops(trainer)
+        return count, exact and cfg.memory.activations.kind != "checkpoint"
+    return _eager_step_flops(trainer)
+
+
+def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     from torch.utils.flop_counter import FlopCounterMode
 
     den = trainer.comps[trainer.family.denoiser]
@@ -282,7 +313,8 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
     work = Path(work)
     device = pick_device(cfg.train.device)
     peak = peak_matmul_tflops(device)
-    runs = [("eager baseline", baseline)] if baseline is not None else []
+    # the baseline runs eagerly unless it was given speed options (baseline_config), e.g. float8 against compiled bf16
+    runs = [("compiled baseline" if baseline.speed.compile else "eager baseline", baseline)] if baseline is not None else []
     runs.append(("config", cfg))
     rows, flops = [], None
     for name, c in runs:
@@ -297,12 +329,16 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
         peak_mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-        if flops is None and not c.speed.compile:
+        if flops is None and (not c.speed.float8 or name == runs[-1][0]):  # model FLOPs: bf16 matmuls if any run has them
             flops = (step_flops(trainer), bs)
         rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
                              round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None,
                              compile=compile_phases(since=compile_before) if c.speed.compile else None))
         del trainer
+        if c.speed.compile:  # dynamo's per-code caches are process-wide: the next run's blocks (same forward code,
+            from torch import _dynamo  # other layers, e.g. float8's) would hit its recompile limit and run eagerly
+
+            _dynamo.reset()
         _free(device)
     for r, (name, c) in zip(rows, runs):
         if flops is not None:

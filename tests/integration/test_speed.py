@@ -150,3 +150,29 @@ def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
         seen.clear()
         assert speed.compile_blocks(net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs)) == 2
         assert seen == [("Linear", torch_mode)] * 2
+
+
+def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_model, dataset, tmp_path):
+    """bench speed's FLOP count of a compiled config (a compiled baseline, as float8 against compiled bf16 needs):
+    the compiled blocks run eagerly under the counter, so it sees the same matmuls as the eager model, and nothing
+    is compiled for it; with checkpointing inside the compiled blocks the recompute is counted and said to be."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from difftrain.bench import step_flops
+
+    common = {"train.batch_size": 1, "memory.activations.kind": "none", "data.cache_dir": tmp_path / "cache"}
+    precompute(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "p", **common))
+    torch._dynamo.reset()
+    counts = {}
+    for name, extra in {"eager": {}, "compiled": {"speed.compile": "true"},
+                        "compiled-ckpt": {"speed.compile": "true", "memory.activations.kind": "checkpoint"}}.items():
+        trainer = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / name, **{**common, **extra}))
+        trainer._setup()
+        counts[name] = step_flops(trainer)
+    assert counts["eager"][0] > 1e8 and counts["eager"][1] is True
+    assert counts["compiled"] == counts["eager"]
+    # checkpointed inside the blocks: each block's forward is counted again in backward
+    assert counts["compiled-ckpt"][1] is False and counts["compiled-ckpt"][0] > 1.1 * counts["eager"][0]
+    assert counters["stats"]["unique_graphs"] == 0  # the counter ran the compiled blocks eagerly
+    torch._dynamo.reset()

@@ -26,6 +26,9 @@ def test_kernel_names_sort_into_kinds():
         "triton_red_fused_native_group_norm_backward_7": "fused reductions, norms (inductor)",
         "triton_per_fused__scaled_dot_product_flash_attention_2": "fused reductions, norms (inductor)",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        # bitsandbytes' 8-bit and 32-bit Adam (memory.optimizer adamw8bit: per-parameter kernels)
+        "void kOptimizerStatic8bit2StateBlockwise<__nv_bfloat16, 0, 256, 1>(...)": "optimizer",
+        "void kOptimizer32bit2State<__nv_bfloat16, 0>(__nv_bfloat16*, ...)": "optimizer",
         "Memcpy HtoD (Pinned -> Device)": "copies, memset",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other (aten elementwise, reductions)",
     }

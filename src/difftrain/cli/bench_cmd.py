@@ -51,7 +51,8 @@ def speed(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     baseline_set: Annotated[Optional[list[str]], typer.Option(
-        "--baseline-set", help="key=value for the eager baseline only (e.g. memory.weights.kind=bf16)")] = None,
+        "--baseline-set", help="key=value for the baseline only (e.g. memory.weights.kind=bf16); it runs eagerly unless "
+        "speed options are named here (e.g. speed.compile=true speed.float8=false: float8 against compiled bf16)")] = None,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="time the config alone")] = False,
     steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 10,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first (compiling happens here)")] = 3,
@@ -63,15 +64,15 @@ def speed(
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
-    from ..bench import EAGER, bench_speed, kinds_line
+    from ..bench import baseline_config, bench_speed, kinds_line
 
     resolved = resolved_config(recipe, config, set_)
     cfg = resolved.config
     baseline = None
     if not no_baseline:
         base_sets = list(set_ or []) + list(baseline_set or [])
-        baseline = resolved_config(recipe, config, base_sets).config
-        baseline = baseline.model_copy(update={"speed": EAGER})
+        named = {s.split("=", 1)[0].removeprefix("speed.") for s in baseline_set or [] if s.startswith("speed.")}
+        baseline = baseline_config(resolved_config(recipe, config, base_sets).config, named)
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
     hw = None
     if size:
@@ -105,7 +106,7 @@ def speed(
             console.print(f"{row['name']}: compiled {c['graphs']} graphs; slowest phases (nested, s): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in list(c["phases_s"].items())[:5]))
     if "speedup" in r:
-        console.print(f"config vs eager baseline: {r['speedup']:.2f}x the steps per second")
+        console.print(f"config vs {r['rows'][0]['name']}: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:
         console.print("note: FLOPs counted with gradient checkpointing (recomputed forwards included)")
     console.print(f"results: {folder / 'bench_speed.json'}")
