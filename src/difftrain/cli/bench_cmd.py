@@ -65,13 +65,15 @@ def speed(
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
     from ..bench import baseline_config, bench_speed, kinds_line
+    from ..config.load import parse_set
 
     resolved = resolved_config(recipe, config, set_)
     cfg = resolved.config
     baseline = None
     if not no_baseline:
         base_sets = list(set_ or []) + list(baseline_set or [])
-        named = {s.split("=", 1)[0].removeprefix("speed.") for s in baseline_set or [] if s.startswith("speed.")}
+        keys = [parse_set(item)[0] for item in baseline_set or []]  # the keys as resolve reads them
+        named = {k[1] for k in keys if len(k) == 2 and k[0] == "speed"}
         baseline = baseline_config(resolved_config(recipe, config, base_sets).config, named)
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
     hw = None
