@@ -1,0 +1,161 @@
+"""Pinned numbers: the first losses and a checksum of what each tiny recipe trains, under several memory plans.
+
+torchtune-style regression pins (tests/recipes/test_full_finetune_single_device.py there): a list of floats per
+case with a tight tolerance. A restructuring must leave every one of them unchanged; a change that alters the
+numerics on purpose (a new objective default, another init) re-pins them and says why in its commit.
+
+Re-pin: ``DIFFTRAIN_REPIN=1 pytest tests/integration/test_pinned_numbers.py -s`` prints the measured values
+of every case (each case then fails, so a re-pin is never silent) to paste into ``PINS``.
+
+Measured on CPU (float32 and CPU bf16 kernels). The tolerances cover thread counts and CPU instruction sets
+(checked: 1 and 2 threads give the same numbers within them); a changed objective, feed, optimizer step or
+checkpoint moves these numbers by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import train
+
+STEPS = 4
+REPIN = os.environ.get("DIFFTRAIN_REPIN") == "1"
+
+# family -> (recipe, builder module:class, extra sets)
+FAMILIES = {
+    "sdxl": ("tiny-sdxl-lora", "sdxl:SDXL", {}),
+    "sd3": ("tiny-sd3-lora", "sd3:SD3", {}),
+    "cogvideox": ("tiny-cogvideox-lora", "cogvideox:CogVideoX", {}),
+    "cogvideox-i2v": ("tiny-cogvideox-lora", "cogvideox:CogVideoXI2V",
+                      {"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v"}),
+}
+BF16 = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16"}
+PLANS = {
+    "plain": {},
+    "checkpoint": {**BF16, "memory.activations": "{kind: checkpoint}"},
+    "fp8": {"memory.weights": "{kind: fp8}", "train.mixed_precision": "bf16"},
+    "full_ema": {"train.method": "full", "memory.weights.kind": "fp32", "ema.enabled": "true", "ema.decay": 0.8,
+                 "train.learning_rate": 1e-4, "train.checkpoint_every": STEPS, "save.formats": "[]"},
+}
+# tolerances: fp32 runs tight; bf16 (and fp8 upcast to bf16) rounds, so a last-bit difference in one element
+# can move a loss by a little more
+# (measured: 1 against 2 threads differ by up to 6e-6 in fp32 losses, 3e-5 in bf16 ones, 7e-5 in a checksum)
+TOL = {"plain": 5e-5, "checkpoint": 5e-4, "fp8": 5e-4, "full_ema": 5e-5}
+
+# (losses of the first STEPS steps, checksums) per (family, plan). Checksums, in float64: of the exported LoRA
+# file, (sum of |x|, sum of squares) of all its tensors and the sum of squares of its B (up) matrices, which start at
+# zero and so are what training wrote; of a full fine-tune, (sum of |x|, sum of squares) of the trained and of the EMA
+# weights minus the base model's, from the last checkpoint.
+PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
+    ('sdxl', 'plain'): ([1.109987, 1.0686009, 0.99006116, 0.82163274], [17085.88318, 2547.891809, 31.27440152]),
+    ('sdxl', 'checkpoint'): ([1.1099479, 1.0674016, 0.98811424, 0.82160532], [17083.33277, 2547.281912, 31.27502349]),
+    ('sdxl', 'fp8'): ([1.1105421, 1.0671253, 0.99275267, 0.82111233], [17110.50538, 2551.05794, 32.1089488]),
+    ('sdxl', 'full_ema'): ([1.109987, 1.1284107, 1.1314399, 1.0538907], [396.2431466, 0.1053529956, 185.8220608, 0.0218367129]),
+    ('sd3', 'plain'): ([1.6921787, 1.5092896, 1.6331778, 1.5216541], [683.5062858, 92.08656885, 4.851036584]),
+    ('sd3', 'checkpoint'): ([1.6921886, 1.5090822, 1.6326317, 1.5214911], [683.4428062, 92.08546027, 4.84762723]),
+    ('sd3', 'fp8'): ([1.6921315, 1.5092105, 1.6321031, 1.5213048], [683.4965327, 92.09709222, 4.847913719]),
+    ('sd3', 'full_ema'): ([1.6921787, 1.5332654, 1.7011046, 1.6549253], [26.14332616, 0.008743109159, 11.23872206, 0.001581451299]),
+    ('cogvideox', 'plain'): ([0.70568943, 0.44830331, 0.55442256, 0.51552874], [210.895822, 31.9435718, 0.0210167359]),
+    ('cogvideox', 'checkpoint'): ([0.70578671, 0.44858488, 0.55431712, 0.51550174], [210.8984711, 31.94449047, 0.02100715558]),
+    ('cogvideox', 'fp8'): ([0.70550609, 0.44850627, 0.5538286, 0.51588643], [210.8952872, 31.94644925, 0.02099752665]),
+    ('cogvideox', 'full_ema'): ([0.70568943, 0.44641876, 0.55044496, 0.50973004], [12.59408636, 0.004097501039, 5.403126078, 0.0007458268153]),
+    ('cogvideox-i2v', 'plain'): ([0.72201282, 0.95797318, 1.1453512, 1.123553], [210.515053, 31.97307942, 0.01871799054]),
+    ('cogvideox-i2v', 'checkpoint'): ([0.72221041, 0.9578107, 1.145337, 1.1234654], [210.5333384, 31.97333774, 0.01877630934]),
+    ('cogvideox-i2v', 'fp8'): ([0.72144395, 0.95664477, 1.1446613, 1.1227353], [210.5164629, 31.97139966, 0.01881209093]),
+    ('cogvideox-i2v', 'full_ema'): ([0.72201282, 0.95551676, 1.1406491, 1.1164836], [12.31746032, 0.003907851857, 5.365235715, 0.0007262624358]),
+}
+
+
+def _build(spec: str, folder: Path) -> Path:
+    import importlib
+
+    module, cls = spec.split(":")
+    family = getattr(importlib.import_module(f"difftrain.families.{module}"), cls)()
+    return family.build_tiny(folder, seed=0)
+
+
+@pytest.fixture(scope="module")
+def setup(_dataset_master, tmp_path_factory):
+    """Per family: the tiny model and one shared cache (precomputed once)."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(family: str) -> tuple[Path, Path, str, dict]:
+        recipe, spec, extra = FAMILIES[family]
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"pin-{family}")
+            made[family] = (_build(spec, root / "model"), root / "cache")
+            cfg = resolve(recipe=recipe, sets=tiny_sets(made[family][0], _dataset_master, root, **extra,
+                                                         **{"data.cache_dir": made[family][1]})).config
+            precompute(cfg)
+        model, cache = made[family]
+        return model, cache, recipe, extra
+
+    return get
+
+
+def _config(setup, _dataset_master, family: str, plan: str, out: Path, **more):
+    model, cache, recipe, extra = setup(family)
+    sets = {**extra, "train.max_steps": STEPS, "train.log_every": 1, "data.cache_dir": cache, **PLANS[plan], **more}
+    return resolve(recipe=recipe, sets=tiny_sets(model, _dataset_master, out, **sets)).config
+
+
+def _sums(tensors) -> list[float]:
+    """(sum of absolute values, sum of squares) in float64: a signed sum nearly cancels, so its relative error
+    would not be meaningful."""
+    s = s2 = 0.0
+    for t in tensors:
+        d = t.detach().double()
+        s += d.abs().sum().item()
+        s2 += (d * d).sum().item()
+    return [s, s2]
+
+
+def _checksums(result, plan: str, model: Path) -> list[float]:
+    if plan == "full_ema":
+        ck = result.checkpoints[-1]
+        # the trees' tensors are stored under "<tree>.<part>.<name>"
+        trained = {k.split(".", 1)[1]: v for k, v in load_file(ck / "trainable.safetensors").items()}
+        ema = {k.split(".", 1)[1]: v for k, v in load_file(ck / "ema.safetensors").items()}
+        part = next(iter(trained)).split(".", 1)[0]  # the denoiser's folder: unet or transformer
+        base = {f"{part}.{k}": v for f in sorted((model / part).glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert set(trained) <= set(base) and set(ema) == set(trained)
+        return (_sums(trained[k].double() - base[k].double() for k in sorted(trained))
+                + _sums(ema[k].double() - base[k].double() for k in sorted(ema)))
+    lora = load_file(result.lora_path)
+    return _sums(lora.values()) + _sums(v for k, v in lora.items() if "lora_B" in k or ".up." in k)[1:]
+
+
+def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: float) -> None:
+    if REPIN:
+        print(f"\n    {key!r}: ({[float(f'{x:.8g}') for x in losses]}, {[float(f'{x:.10g}') for x in sums]}),")
+        pytest.fail("DIFFTRAIN_REPIN=1: printed the measured values instead of checking them")
+    want_losses, want_sums = PINS[key]
+    assert losses == pytest.approx(want_losses, rel=tol, abs=1e-7), key
+    assert sums == pytest.approx(want_sums, rel=tol, abs=1e-7), key
+
+
+CASES = [(f, p) for f in FAMILIES for p in PLANS]
+
+
+@pytest.mark.parametrize("family,plan", CASES, ids=[f"{f}-{p}" for f, p in CASES])
+def test_pinned_losses_and_checksums(setup, _dataset_master, tmp_path, family, plan):
+    r = train(_config(setup, _dataset_master, family, plan, tmp_path))
+    assert len(r.losses) == STEPS and all(torch.isfinite(torch.tensor(r.losses)))
+    _check((family, plan), r.losses, _checksums(r, plan, setup(family)[0]), TOL[plan])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_resume_midway_gives_the_pinned_plain_numbers(setup, _dataset_master, tmp_path, family):
+    """Half the steps, a checkpoint, a resumed process for the rest: the plain run's pinned numbers."""
+    cfg = _config(setup, _dataset_master, family, "plain", tmp_path, **{"train.checkpoint_every": STEPS // 2})
+    a = train(cfg, stop_at=STEPS // 2)
+    b = train(cfg, resume="latest")
+    _check((family, "plain"), a.losses + b.losses, _checksums(b, "plain", setup(family)[0]), TOL["plain"])
