@@ -83,10 +83,13 @@ def main() -> None:
         f"functions_over_{args.limit}_list": [f"{p}:{n} ({ln})" for p, n, ln in long],
     }
     if not args.no_tools:
-        fig["ruff_findings"] = tool_count([sys.executable, "-m", "ruff", "check", "--statistics", "src", "tests",
-                                           "benchmarks"], r"Found (\d+) error")
-        fig["ruff_format_changes"] = tool_count([sys.executable, "-m", "ruff", "format", "--check", "src", "tests",
-                                                 "benchmarks"], r"(\d+) files? would be reformatted")
+        fig["ruff_findings"] = tool_count(
+            [sys.executable, "-m", "ruff", "check", "--statistics", "src", "tests", "benchmarks"], r"Found (\d+) error"
+        )
+        fig["ruff_format_changes"] = tool_count(
+            [sys.executable, "-m", "ruff", "format", "--check", "src", "tests", "benchmarks"],
+            r"(\d+) files? would be reformatted",
+        )
         fig["mypy_errors"] = tool_count([sys.executable, "-m", "mypy"], r"Found (\d+) errors?")
     for k, v in fig.items():
         if isinstance(v, list):

@@ -48,9 +48,13 @@ def run_case(name: str) -> dict:
         out.update(shape=list(lat.shape), seconds=round(time.time() - t, 2))
     except torch.OutOfMemoryError:
         out.update(error="out of memory")
-    out.update(weights_and_input_gib=round(weights, 3), peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
-               peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3), gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__)
+    out.update(
+        weights_and_input_gib=round(weights, 3),
+        peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+    )
     return out
 
 
@@ -76,7 +80,9 @@ def main() -> None:
     print("\n| CogVideoX VAE, one 49x480x720 clip, bf16 | peak alloc GiB | peak reserved GiB | seconds | latents |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['case']} | {r['peak_alloc_gib']} | {r['peak_reserved_gib']} | {r.get('seconds', r.get('error'))} | {r.get('shape')} |")
+        print(
+            f"| {r['case']} | {r['peak_alloc_gib']} | {r['peak_reserved_gib']} | {r.get('seconds', r.get('error'))} | {r.get('shape')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,19 @@ def _blocks():
     # SDXL's innermost level: 1280 channels at 32x32 latents (1024x1024 images), 77 CLIP tokens of 2048 features
     res = ResnetBlock2D(in_channels=1280, out_channels=1280, temb_channels=1280, groups=32)
     attn = BasicTransformerBlock(1280, 20, 64, cross_attention_dim=2048)
-    return {"ResnetBlock2D": (res, lambda d: ((torch.randn(1, 1280, 32, 32, device=d), torch.randn(1, 1280, device=d)), {})),
-            "BasicTransformerBlock": (attn, lambda d: ((torch.randn(1, 1024, 1280, device=d),),
-                                                        {"encoder_hidden_states": torch.randn(1, 77, 2048, device=d)}))}
+    return {
+        "ResnetBlock2D": (
+            res,
+            lambda d: ((torch.randn(1, 1280, 32, 32, device=d), torch.randn(1, 1280, device=d)), {}),
+        ),
+        "BasicTransformerBlock": (
+            attn,
+            lambda d: (
+                (torch.randn(1, 1024, 1280, device=d),),
+                {"encoder_hidden_states": torch.randn(1, 77, 2048, device=d)},
+            ),
+        ),
+    }
 
 
 def _prepare(block, weights: str, device):
@@ -63,9 +73,14 @@ def measure(name, block, make_inputs, weights, mode, device) -> dict:
     torch._dynamo.reset()
     b = _prepare(block, weights, device)
     if mode.startswith("compiled"):
-        speed.compile_blocks(torch.nn.Sequential(b), (name,), SpeedConfig(compile=True),
-                             checkpoint_every=1 if mode == "compiled-ckpt" else 0)
+        speed.compile_blocks(
+            torch.nn.Sequential(b),
+            (name,),
+            SpeedConfig(compile=True),
+            checkpoint_every=1 if mode == "compiled-ckpt" else 0,
+        )
     if mode == "eager-ckpt":
+
         def f(*a, **k):
             return checkpoint(b, *a, use_reentrant=False, **k)
     else:
@@ -83,27 +98,40 @@ def measure(name, block, make_inputs, weights, mode, device) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     m0 = torch.cuda.memory_allocated()
-    params = {p.untyped_storage().data_ptr() for p in b.parameters()} | {t.untyped_storage().data_ptr() for t in b.buffers()}
+    params = {p.untyped_storage().data_ptr() for p in b.parameters()} | {
+        t.untyped_storage().data_ptr() for t in b.buffers()
+    }
     saved = {}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params and ptr != x.untyped_storage().data_ptr():
-            saved[ptr] = (round(t.untyped_storage().nbytes() / 2**20, 2), list(t.shape), str(t.dtype).removeprefix("torch."))
+            saved[ptr] = (
+                round(t.untyped_storage().nbytes() / 2**20, 2),
+                list(t.shape),
+                str(t.dtype).removeprefix("torch."),
+            )
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast(device.type, torch.bfloat16):
-            out = f(x, *args[1:], **kwargs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(device.type, torch.bfloat16):
+        out = f(x, *args[1:], **kwargs)
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - m0 - out.untyped_storage().nbytes()
     out.float().mean().backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - m0
     top = sorted(saved.values(), key=lambda v: -v[0])[:12]
-    return {"block": name, "weights": weights, "mode": mode, "kept_mib": round(kept / 2**20, 1),
-            "peak_mib": round(peak / 2**20, 1), "saved_mib": round(sum(v[0] for v in saved.values()), 1),
-            "n_saved": len(saved), "largest_saved": top, "compile_s": round(compile_s, 1)}
+    return {
+        "block": name,
+        "weights": weights,
+        "mode": mode,
+        "kept_mib": round(kept / 2**20, 1),
+        "peak_mib": round(peak / 2**20, 1),
+        "saved_mib": round(sum(v[0] for v in saved.values()), 1),
+        "n_saved": len(saved),
+        "largest_saved": top,
+        "compile_s": round(compile_s, 1),
+    }
 
 
 def main() -> None:
@@ -131,7 +159,12 @@ def main() -> None:
                 try:
                     r = measure(name, block, make, weights, mode, device)
                 except Exception as e:  # noqa: BLE001 - a failing case is reported, the others still run
-                    r = {"block": name, "weights": weights, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    r = {
+                        "block": name,
+                        "weights": weights,
+                        "mode": mode,
+                        "error": f"{type(e).__name__}: {str(e)[:300]}",
+                    }
                 rows.append(r)
                 (a.out / f"compile_checkpoint_memory{a.tag}.json").write_text(json.dumps(rows, indent=1))
                 print(json.dumps(r), flush=True)
@@ -140,8 +173,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['block']} | {r['weights']} | {r['mode']} | {r['error'][:120]}")
         else:
-            print(f"{r['block']} | {r['weights']} | {r['mode']} | {r['kept_mib']} | {r['peak_mib']} | "
-                  f"{r['saved_mib']} ({r['n_saved']}) | {r['compile_s']}")
+            print(
+                f"{r['block']} | {r['weights']} | {r['mode']} | {r['kept_mib']} | {r['peak_mib']} | "
+                f"{r['saved_mib']} ({r['n_saved']}) | {r['compile_s']}"
+            )
 
 
 if __name__ == "__main__":

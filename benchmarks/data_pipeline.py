@@ -33,11 +33,50 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = [(640, 480), (480, 640), (800, 600), (1024, 768), (768, 1024), (1024, 1024), (1280, 720), (720, 1280),
-          (1200, 900), (1536, 1024), (1024, 1536), (1600, 1200), (1920, 1080), (1080, 1920), (2048, 1365),
-          (1365, 2048), (900, 1200), (1280, 960), (1500, 1000), (832, 1216)]
-TAGS = ["1girl", "solo", "smile", "outdoors", "sky", "tree", "red hair", "hat", "looking at viewer", "dress", "flower",
-        "long hair", "short hair", "blue eyes", "standing", "sitting", "building", "night", "cloud", "water"]
+SHAPES = [
+    (640, 480),
+    (480, 640),
+    (800, 600),
+    (1024, 768),
+    (768, 1024),
+    (1024, 1024),
+    (1280, 720),
+    (720, 1280),
+    (1200, 900),
+    (1536, 1024),
+    (1024, 1536),
+    (1600, 1200),
+    (1920, 1080),
+    (1080, 1920),
+    (2048, 1365),
+    (1365, 2048),
+    (900, 1200),
+    (1280, 960),
+    (1500, 1000),
+    (832, 1216),
+]
+TAGS = [
+    "1girl",
+    "solo",
+    "smile",
+    "outdoors",
+    "sky",
+    "tree",
+    "red hair",
+    "hat",
+    "looking at viewer",
+    "dress",
+    "flower",
+    "long hair",
+    "short hair",
+    "blue eyes",
+    "standing",
+    "sitting",
+    "building",
+    "night",
+    "cloud",
+    "water",
+]
 
 
 def _photo(w: int, h: int, seed: int):
@@ -87,13 +126,21 @@ def case_plan(work: Path, n: int) -> dict:
     t = time.perf_counter()
     data = make_plan_set(work / f"plan{n}", n)
     made = time.perf_counter() - t
-    cfg = resolve(recipe="sdxl-lora-8gb", sets=[f"data.dir={data}", f"data.cache_dir={work / 'plan-cache'}",
-                                                 "model.path=unused"]).config
+    cfg = resolve(
+        recipe="sdxl-lora-8gb", sets=[f"data.dir={data}", f"data.cache_dir={work / 'plan-cache'}", "model.path=unused"]
+    ).config
     t = time.perf_counter()
     r = precompute(cfg, plan_only=True)
     secs = time.perf_counter() - t
-    return {"case": f"plan {n}", "images": r.items, "skipped": len(r.skipped), "buckets": len(r.buckets),
-            "seconds": round(secs, 2), "images_per_s": round(n / secs), "dataset_build_s": round(made, 1)}
+    return {
+        "case": f"plan {n}",
+        "images": r.items,
+        "skipped": len(r.skipped),
+        "buckets": len(r.buckets),
+        "seconds": round(secs, 2),
+        "images_per_s": round(n / secs),
+        "dataset_build_s": round(made, 1),
+    }
 
 
 def make_small_set(folder: Path, n: int) -> Path:
@@ -108,7 +155,9 @@ def make_small_set(folder: Path, n: int) -> Path:
         sub = folder / f"{i // 1000:03d}"
         if i % 1000 == 0:
             sub.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8)).save(sub / f"{i:06d}.png", compress_level=1)
+        Image.fromarray(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8)).save(
+            sub / f"{i:06d}.png", compress_level=1
+        )
         (sub / f"{i:06d}.txt").write_text(f"image {i}, " + ", ".join(TAGS[j] for j in rng.choice(20, 5, replace=False)))
     (folder / "done").write_text(str(n))
     return folder
@@ -142,17 +191,35 @@ def case_rss(work: Path, n: int, workers: int | None, shard_mb: float | None = N
     made = time.perf_counter() - t
     cache = work / f"small{n}-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    sets = [f"model.path={tiny_model(work)}", f"data.dir={data}", f"data.cache_dir={cache}", "precompute.device=cpu",
-            "precompute.batch_size=16"] + ([f"precompute.num_workers={workers}"] if workers is not None else []) \
+    sets = (
+        [
+            f"model.path={tiny_model(work)}",
+            f"data.dir={data}",
+            f"data.cache_dir={cache}",
+            "precompute.device=cpu",
+            "precompute.batch_size=16",
+        ]
+        + ([f"precompute.num_workers={workers}"] if workers is not None else [])
         + ([f"precompute.shard_max_mb={shard_mb}"] if shard_mb else [])
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD, *sets], capture_output=True, text=True, check=True,
-                         env={**os.environ, "DIFFTRAIN_PROGRESS": "0"})
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD, *sets],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "DIFFTRAIN_PROGRESS": "0"},
+    )
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"case": f"rss {n}" + (f" shards {shard_mb:g} MB" if shard_mb else ""), "images": res["items"], "seconds": round(res["seconds"], 1),
-            "images_per_s": round(res["items"] / res["seconds"], 1),
-            "latent_phase_s": round(res["phases"].get("latents", 0), 1),
-            "peak_rss_main_mib": round(res["self_kib"] / 1024), "peak_rss_worker_mib": round(res["workers_kib"] / 1024),
-            "dataset_build_s": round(made, 1)}
+    return {
+        "case": f"rss {n}" + (f" shards {shard_mb:g} MB" if shard_mb else ""),
+        "images": res["items"],
+        "seconds": round(res["seconds"], 1),
+        "images_per_s": round(res["items"] / res["seconds"], 1),
+        "latent_phase_s": round(res["phases"].get("latents", 0), 1),
+        "peak_rss_main_mib": round(res["self_kib"] / 1024),
+        "peak_rss_worker_mib": round(res["workers_kib"] / 1024),
+        "dataset_build_s": round(made, 1),
+    }
 
 
 def make_photo_set(folder: Path, n: int) -> Path:
@@ -169,8 +236,9 @@ def make_photo_set(folder: Path, n: int) -> Path:
     return folder
 
 
-def case_throughput(work: Path, model: str, n: int, device: str, workers: int, batch: int, resolution: int,
-                    vae_dtype: str) -> dict:
+def case_throughput(
+    work: Path, model: str, n: int, device: str, workers: int, batch: int, resolution: int, vae_dtype: str
+) -> dict:
     import torch
 
     from difftrain.config.load import resolve
@@ -194,20 +262,44 @@ def case_throughput(work: Path, model: str, n: int, device: str, workers: int, b
     shutil.rmtree(cache, ignore_errors=True)
     # a single file has no tokenizer: the tiny model's (token ids below its small vocabulary) stand in
     sets = [f"model.tokenizer_path={tiny_model(work)}"] if model != "tiny" else []
-    sets += [f"model.path={path}", f"data.dir={data}", f"data.cache_dir={cache}", f"precompute.device={device}",
-            f"precompute.batch_size={batch}", f"precompute.num_workers={workers}", f"precompute.vae_dtype={vae_dtype}",
-            f"data.resolution={resolution}", f"data.min_side={min(resolution, 512)}", f"data.max_side={2 * resolution}",
-            "data.max_upscale=null"]
+    sets += [
+        f"model.path={path}",
+        f"data.dir={data}",
+        f"data.cache_dir={cache}",
+        f"precompute.device={device}",
+        f"precompute.batch_size={batch}",
+        f"precompute.num_workers={workers}",
+        f"precompute.vae_dtype={vae_dtype}",
+        f"data.resolution={resolution}",
+        f"data.min_side={min(resolution, 512)}",
+        f"data.max_side={2 * resolution}",
+        "data.max_upscale=null",
+    ]
     cfg = resolve(recipe=recipe, sets=sets).config
     fam, dev, d = get_family(cfg.family), torch.device(device), cfg.data
 
     # encoder alone: the same batches (same buckets, same order), decoded beforehand, already on the device
     records, _ = scan_dataset(data)
     buckets = make_buckets(d.resolution, d.bucket_step, d.min_side, d.max_side)
-    jobs = sorted(((r.key, r, choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step),
-                    None, r.key) for r in records), key=lambda j: j[2])
-    pre = [to_unit_range(b["pixels"].to(dev)) for b in decoded_batches(
-        jobs, [j[2] for j in jobs], batch, video=False, random_crop=False, workers=workers, pin=False)]
+    jobs = sorted(
+        (
+            (
+                r.key,
+                r,
+                choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step),
+                None,
+                r.key,
+            )
+            for r in records
+        ),
+        key=lambda j: j[2],
+    )
+    pre = [
+        to_unit_range(b["pixels"].to(dev))
+        for b in decoded_batches(
+            jobs, [j[2] for j in jobs], batch, video=False, random_crop=False, workers=workers, pin=False
+        )
+    ]
     comps = fam.load(cfg.model, [fam.image_encoder], dtype=to_dtype(vae_dtype), device=dev)
     with torch.no_grad():
         fam.encode_images(comps, pre[0])  # warm-up: kernels chosen, memory pooled
@@ -224,10 +316,17 @@ def case_throughput(work: Path, model: str, n: int, device: str, workers: int, b
         torch.cuda.empty_cache()
     r = precompute(cfg)
     e2e_s = r.seconds["latents"]
-    return {"case": f"throughput {model} {device} w{workers}", "images": r.latents_encoded, "batch": batch,
-            "resolution": resolution, "vae_dtype": vae_dtype, "encoder_only_img_s": round(n / enc_s, 2),
-            "end_to_end_img_s": round(r.latents_encoded / e2e_s, 2), "ratio": round(enc_s / e2e_s * n / r.latents_encoded, 3),
-            "buckets": r.buckets}
+    return {
+        "case": f"throughput {model} {device} w{workers}",
+        "images": r.latents_encoded,
+        "batch": batch,
+        "resolution": resolution,
+        "vae_dtype": vae_dtype,
+        "encoder_only_img_s": round(n / enc_s, 2),
+        "end_to_end_img_s": round(r.latents_encoded / e2e_s, 2),
+        "ratio": round(enc_s / e2e_s * n / r.latents_encoded, 3),
+        "buckets": r.buckets,
+    }
 
 
 def main() -> None:
@@ -258,7 +357,10 @@ def main() -> None:
     elif a.case == "rss":
         rows = [case_rss(a.work, n, a.workers, a.shard_mb) for n in a.n]
     else:
-        rows = [case_throughput(a.work, a.model, a.images, a.device, w, a.batch, a.resolution, a.vae_dtype) for w in a.workers]
+        rows = [
+            case_throughput(a.work, a.model, a.images, a.device, w, a.batch, a.resolution, a.vae_dtype)
+            for w in a.workers
+        ]
     for row in rows:
         print(json.dumps(row), flush=True)
     if a.out:
@@ -268,7 +370,9 @@ def main() -> None:
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in rows:
         print("| " + " | ".join(str(row[k]) for k in keys) + " |")
-    print(f"\n(python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB)")
+    print(
+        f"\n(python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB)"
+    )
 
 
 if __name__ == "__main__":

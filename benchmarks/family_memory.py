@@ -21,37 +21,83 @@ import sdxl_full as sf
 
 TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
 SD3 = ["train.device=cuda", "train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16"]
-COG = ["train.device=cuda", "train.batch_size=1", "data.resolution=592", "data.bucket_step=16", "data.frames=49",
-       "lora.rank=64", "lora.alpha=64", "train.mixed_precision=bf16", "memory.weights.kind=bf16",
-       "memory.activations.kind=checkpoint", "train.learning_rate=1e-4", "train.checkpoint_every=100000"]
+COG = [
+    "train.device=cuda",
+    "train.batch_size=1",
+    "data.resolution=592",
+    "data.bucket_step=16",
+    "data.frames=49",
+    "lora.rank=64",
+    "lora.alpha=64",
+    "train.mixed_precision=bf16",
+    "memory.weights.kind=bf16",
+    "memory.activations.kind=checkpoint",
+    "train.learning_rate=1e-4",
+    "train.checkpoint_every=100000",
+]
 SIZE = {"C": (480, 720)}  # CogVideoX cases: the cache holds 49x480x720 clips (the planner assumes 592^2, +1.4 %)
 CASES = {
     "S1": ("SD3-medium LoRA r16, bf16, checkpointing (sd3-lora-8gb)", "sd3-lora-8gb", SD3),
     "S2": ("SD3-medium LoRA r16, bf16, no checkpointing", "sd3-lora-8gb", SD3 + ["memory.activations.kind=none"]),
     "S3": ("SD3-medium LoRA r16, fp8 weights, checkpointing", "sd3-lora-8gb", SD3 + ["memory.weights={kind: fp8}"]),
     "S4": ("SD3-medium LoRA r16, bf16, checkpointing, block swap 24 of 24 (sd3-lora-4gb)", "sd3-lora-4gb", SD3),
-    "S5": ("SD3-medium full, bf16, CPU-offload AdamW, checkpointing, block swap 24", "sd3-lora-8gb", SD3 + [
-        "train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
-        "memory.offload={kind: block_swap, blocks_to_swap: 24}"]),
+    "S5": (
+        "SD3-medium full, bf16, CPU-offload AdamW, checkpointing, block swap 24",
+        "sd3-lora-8gb",
+        SD3
+        + [
+            "train.method=full",
+            "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null",
+            "memory.offload={kind: block_swap, blocks_to_swap: 24}",
+        ],
+    ),
     "C1": ("CogVideoX-2b LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox", "model.config=cogvideox-2b"]),
     "C2": ("CogVideoX-5b LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox", "model.config=cogvideox-5b"]),
-    "C3": ("CogVideoX-2b LoRA r64, bf16, checkpointing, block swap 30 of 30", None, COG + [
-        "family=cogvideox", "model.config=cogvideox-2b", "memory.offload={kind: block_swap, blocks_to_swap: 30}"]),
-    "C4": ("CogVideoX-5b LoRA r64, bf16, checkpointing, block swap 42 of 42", None, COG + [
-        "family=cogvideox", "model.config=cogvideox-5b", "memory.offload={kind: block_swap, blocks_to_swap: 42}"]),
-    "C5": ("CogVideoX-5b full, bf16, CPU-offload AdamW, checkpointing, block swap 42", None, COG + [
-        "family=cogvideox", "model.config=cogvideox-5b", "train.method=full", "train.learning_rate=1e-5",
-        "memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null",
-        "memory.offload={kind: block_swap, blocks_to_swap: 42}"]),
-    "C6": ("CogVideoX-5b-I2V LoRA r64, bf16, checkpointing", None, COG + ["family=cogvideox-i2v", "model.config=cogvideox-5b-i2v"]),
+    "C3": (
+        "CogVideoX-2b LoRA r64, bf16, checkpointing, block swap 30 of 30",
+        None,
+        COG
+        + ["family=cogvideox", "model.config=cogvideox-2b", "memory.offload={kind: block_swap, blocks_to_swap: 30}"],
+    ),
+    "C4": (
+        "CogVideoX-5b LoRA r64, bf16, checkpointing, block swap 42 of 42",
+        None,
+        COG
+        + ["family=cogvideox", "model.config=cogvideox-5b", "memory.offload={kind: block_swap, blocks_to_swap: 42}"],
+    ),
+    "C5": (
+        "CogVideoX-5b full, bf16, CPU-offload AdamW, checkpointing, block swap 42",
+        None,
+        COG
+        + [
+            "family=cogvideox",
+            "model.config=cogvideox-5b",
+            "train.method=full",
+            "train.learning_rate=1e-5",
+            "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null",
+            "memory.offload={kind: block_swap, blocks_to_swap: 42}",
+        ],
+    ),
+    "C6": (
+        "CogVideoX-5b-I2V LoRA r64, bf16, checkpointing",
+        None,
+        COG + ["family=cogvideox-i2v", "model.config=cogvideox-5b-i2v"],
+    ),
 }
 
 
 def _tiny(recipe: str | None, sets: list[str]) -> tuple[str, list[str]]:
     video = any("cogvideox" in s for s in sets)
     drop = ("cpu_offload", "max_grad_norm", "model.config", "resolution=", "frames=", "family=", "block_swap")
-    sets = [s.replace("=cuda", "=cpu").replace("mixed_precision=bf16", "mixed_precision=no").replace("weights.kind=bf16", "weights.kind=fp32")
-            for s in sets if not any(d in s for d in drop)]
+    sets = [
+        s.replace("=cuda", "=cpu")
+        .replace("mixed_precision=bf16", "mixed_precision=no")
+        .replace("weights.kind=bf16", "weights.kind=fp32")
+        for s in sets
+        if not any(d in s for d in drop)
+    ]
     return ("tiny-cogvideox-lora" if video else "tiny-sd3-lora"), sets
 
 
@@ -67,10 +113,21 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     cfg = resolve(recipe=recipe, sets=sets).config
     size = None if TINY else SIZE.get(name[0])
     r = bench_memory(cfg, work / cfg.family, steps, size=size)
-    return {"case": name, "what": what, "alloc": r.peak_train_alloc_gib, "reserved": r.peak_train_reserved_gib,
-            "after_load": r.peak_after_load_gib, "planned_alloc": r.planned_alloc_gib, "planned_reserved": r.planned_reserved_gib,
-            "s_per_step": r.s_per_step, "rss_train": r.stats.get("peak_rss_gib_train"),
-            "versions": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}}
+    return {
+        "case": name,
+        "what": what,
+        "alloc": r.peak_train_alloc_gib,
+        "reserved": r.peak_train_reserved_gib,
+        "after_load": r.peak_after_load_gib,
+        "planned_alloc": r.planned_alloc_gib,
+        "planned_reserved": r.planned_reserved_gib,
+        "s_per_step": r.s_per_step,
+        "rss_train": r.stats.get("peak_rss_gib_train"),
+        "versions": {
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+    }
 
 
 def eager(case: str, what: str, model_class, config: str, rank: int, inputs, timestep: float, steps: int) -> dict:
@@ -107,11 +164,14 @@ def eager(case: str, what: str, model_class, config: str, rank: int, inputs, tim
         if dev == "cuda":
             torch.cuda.synchronize()
         times.append(time.time() - t)
-    gib = lambda b: round(b / 2**30, 3)  # noqa: E731
-    return {"case": case, "what": what,
-            "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
-            "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
-            "s_per_step": round(statistics.median(times[2:]), 3)}
+    gib = lambda b: round(b / 2**30, 3)
+    return {
+        "case": case,
+        "what": what,
+        "alloc": gib(torch.cuda.max_memory_allocated()) if dev == "cuda" else None,
+        "reserved": gib(torch.cuda.max_memory_reserved()) if dev == "cuda" else None,
+        "s_per_step": round(statistics.median(times[2:]), 3),
+    }
 
 
 def eager_sd3(work: Path, steps: int) -> dict:
@@ -123,12 +183,22 @@ def eager_sd3(work: Path, steps: int) -> dict:
         import torch
 
         side = 16 if TINY else 128
-        return {"hidden_states": torch.randn(1, 16, side, side, device=dev, dtype=torch.bfloat16),
-                "encoder_hidden_states": torch.randn(1, 333, cfg["joint_attention_dim"], device=dev, dtype=torch.bfloat16),
-                "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], device=dev, dtype=torch.bfloat16)}
+        return {
+            "hidden_states": torch.randn(1, 16, side, side, device=dev, dtype=torch.bfloat16),
+            "encoder_hidden_states": torch.randn(1, 333, cfg["joint_attention_dim"], device=dev, dtype=torch.bfloat16),
+            "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], device=dev, dtype=torch.bfloat16),
+        }
 
-    return eager("E-sd3", "eager: SD3-medium LoRA r16, bf16, checkpointing (no difftrain code)", SD3Transformer2DModel,
-                 "sd3-tiny" if TINY else "sd3-medium", 16, inputs, 500.0, steps)
+    return eager(
+        "E-sd3",
+        "eager: SD3-medium LoRA r16, bf16, checkpointing (no difftrain code)",
+        SD3Transformer2DModel,
+        "sd3-tiny" if TINY else "sd3-medium",
+        16,
+        inputs,
+        500.0,
+        steps,
+    )
 
 
 def eager_cogvideox(work: Path, steps: int) -> dict:
@@ -140,11 +210,21 @@ def eager_cogvideox(work: Path, steps: int) -> dict:
         import torch
 
         f, h, w = (3, 8, 8) if TINY else (13, 60, 90)
-        return {"hidden_states": torch.randn(1, f, cfg["in_channels"], h, w, device=dev, dtype=torch.bfloat16),
-                "encoder_hidden_states": torch.randn(1, 226, cfg["text_embed_dim"], device=dev, dtype=torch.bfloat16)}
+        return {
+            "hidden_states": torch.randn(1, f, cfg["in_channels"], h, w, device=dev, dtype=torch.bfloat16),
+            "encoder_hidden_states": torch.randn(1, 226, cfg["text_embed_dim"], device=dev, dtype=torch.bfloat16),
+        }
 
-    return eager("E-cog", "eager: CogVideoX-2b LoRA r64, bf16, checkpointing (no difftrain code)", CogVideoXTransformer3DModel,
-                 "cogvideox-tiny" if TINY else "cogvideox-2b", 64, inputs, 500, steps)
+    return eager(
+        "E-cog",
+        "eager: CogVideoX-2b LoRA r64, bf16, checkpointing (no difftrain code)",
+        CogVideoXTransformer3DModel,
+        "cogvideox-tiny" if TINY else "cogvideox-2b",
+        64,
+        inputs,
+        500,
+        steps,
+    )
 
 
 EAGER = {"E-sd3": eager_sd3, "E-cog": eager_cogvideox}
@@ -173,8 +253,10 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['case']} | failed | | | | | |")
             continue
-        print(f"| {r['case']} {r['what']} | {r.get('alloc')} | {r.get('reserved')} | {r.get('planned_alloc', '')} | "
-              f"{r.get('planned_reserved', '')} | {r['s_per_step']} | {r.get('rss_train', '')} |")
+        print(
+            f"| {r['case']} {r['what']} | {r.get('alloc')} | {r.get('reserved')} | {r.get('planned_alloc', '')} | "
+            f"{r.get('planned_reserved', '')} | {r['s_per_step']} | {r.get('rss_train', '')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ the node's real use) and Anonymous (private copies). "load" is until the first t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -24,14 +25,38 @@ import time
 from pathlib import Path
 
 TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
-SDXL = ["train.batch_size=1", "data.resolution=1024", "lora.rank=16", "train.mixed_precision=bf16",
-        "memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "train.learning_rate=1e-4",
-        "report.to=[]", "report.html=false"]
-COG5B = ["family=cogvideox", "model.config=cogvideox-5b", "train.batch_size=1", "data.resolution=592", "data.bucket_step=16",
-         "data.frames=49", "train.mixed_precision=bf16", "memory.weights.kind=bf16", "memory.activations.kind=checkpoint",
-         "train.learning_rate=1e-5", "report.to=[]", "report.html=false"]
-ZERO3 = ["memory.engine.kind=deepspeed", "memory.engine.stage=3", "memory.engine.offload_optimizer_device=none",
-         "train.method=full", "save.formats=[]"]
+SDXL = [
+    "train.batch_size=1",
+    "data.resolution=1024",
+    "lora.rank=16",
+    "train.mixed_precision=bf16",
+    "memory.weights.kind=bf16",
+    "memory.activations.kind=checkpoint",
+    "train.learning_rate=1e-4",
+    "report.to=[]",
+    "report.html=false",
+]
+COG5B = [
+    "family=cogvideox",
+    "model.config=cogvideox-5b",
+    "train.batch_size=1",
+    "data.resolution=592",
+    "data.bucket_step=16",
+    "data.frames=49",
+    "train.mixed_precision=bf16",
+    "memory.weights.kind=bf16",
+    "memory.activations.kind=checkpoint",
+    "train.learning_rate=1e-5",
+    "report.to=[]",
+    "report.html=false",
+]
+ZERO3 = [
+    "memory.engine.kind=deepspeed",
+    "memory.engine.stage=3",
+    "memory.engine.offload_optimizer_device=none",
+    "train.method=full",
+    "save.formats=[]",
+]
 #: name: (what, family sets, gpus, extra sets)
 CASES = {
     "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, []),
@@ -136,10 +161,16 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     # speed.sync_seconds=0: each step's record is written when it finished (step times are read from them)
     sets = fam_sets + extra + ["train.device=cuda", "speed.sync_seconds=0"]
     if TINY:
-        sets = [s.replace("sdxl-base-1.0", "sdxl-tiny").replace("cogvideox-5b", "cogvideox-tiny")
-                .replace("resolution=1024", "resolution=128").replace("resolution=592", "resolution=64")
-                .replace("frames=49", "frames=9").replace("=cuda", "=cpu") for s in sets
-                if "engine" not in s] + ["data.min_side=32", "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny")]
+        sets = [
+            s.replace("sdxl-base-1.0", "sdxl-tiny")
+            .replace("cogvideox-5b", "cogvideox-tiny")
+            .replace("resolution=1024", "resolution=128")
+            .replace("resolution=592", "resolution=64")
+            .replace("frames=49", "frames=9")
+            .replace("=cuda", "=cpu")
+            for s in sets
+            if "engine" not in s
+        ] + ["data.min_side=32", "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny")]
     model, tok, cache = prepare(sets, work, gpus)
     run_dir = work / f"run-{name}"
     if run_dir.exists():
@@ -147,8 +178,14 @@ def run_case(name: str, work: Path, steps: int) -> dict:
 
         shutil.rmtree(run_dir)
     # no checkpoint at all: a full fine-tune's final training state (weights and optimizer) is not what is measured
-    sets += [f"model.path={model}", f"model.tokenizer_path={tok}", f"data.cache_dir={cache}",
-             f"train.output_dir={run_dir}", f"train.max_steps={steps}", "train.checkpoint_every=null"]
+    sets += [
+        f"model.path={model}",
+        f"model.tokenizer_path={tok}",
+        f"data.cache_dir={cache}",
+        f"train.output_dir={run_dir}",
+        f"train.max_steps={steps}",
+        "train.checkpoint_every=null",
+    ]
     cmd = [sys.executable, "-m", "difftrain", "train", "--gpus", str(gpus), *[a for s in sets for a in ("--set", s)]]
     sampler = Sampler(run_dir)
     sampler.start()
@@ -163,13 +200,20 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     wall = time.time() - t0
     if p.returncode != 0:
         return {"case": name, "what": what, "error": p.stderr[-3000:]}
-    stats = [json.loads((run_dir / ("stats.json" if r == 0 else f"stats.rank{r}.json")).read_text()) for r in range(gpus)]
+    stats = [
+        json.loads((run_dir / ("stats.json" if r == 0 else f"stats.rank{r}.json")).read_text()) for r in range(gpus)
+    ]
     times = [json.loads(x)["time"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    dts = [b - a for a, b in zip(times, times[1:])][2:]  # the first steps warm up
+    dts = [b - a for a, b in itertools.pairwise(times)][2:]  # the first steps warm up
     s_step = statistics.median(dts) if dts else None
     return {
-        "case": name, "what": what, "gpus": gpus, "wall_s": round(wall, 1), "s_per_step": s_step and round(s_step, 3),
-        "samples_per_s": s_step and round(gpus / s_step, 3), "host": sampler.peak,
+        "case": name,
+        "what": what,
+        "gpus": gpus,
+        "wall_s": round(wall, 1),
+        "s_per_step": s_step and round(s_step, 3),
+        "samples_per_s": s_step and round(gpus / s_step, 3),
+        "host": sampler.peak,
         "gpu_peak_alloc_gib": [s.get("gpu_peak_alloc_gib") for s in stats],
         "gpu_peak_reserved_gib": [s.get("gpu_peak_reserved_gib") for s in stats],
         "load_seconds": [s.get("load_seconds") for s in stats],
@@ -192,20 +236,35 @@ def main() -> None:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "multi_gpu.json").write_text(json.dumps(rows, indent=1))
         print(json.dumps(r)[:1500], flush=True)
-    base = next((r["samples_per_s"] for r in rows if r.get("gpus") == 1 and r["case"].startswith("L") and r.get("samples_per_s")), None)
-    print("\n| case | GPUs | s/step | samples/s | scaling | host GiB load: sum Pss / sum Rss / max rank Rss / sum Anon "
-          "/ node MemAvailable drop | host GiB train: sum Pss / sum Rss / sum Anon / node drop | GPU peak alloc GiB per rank |")
+    base = next(
+        (
+            r["samples_per_s"]
+            for r in rows
+            if r.get("gpus") == 1 and r["case"].startswith("L") and r.get("samples_per_s")
+        ),
+        None,
+    )
+    print(
+        "\n| case | GPUs | s/step | samples/s | scaling | host GiB load: sum Pss / sum Rss / max rank Rss / sum Anon "
+        "/ node MemAvailable drop | host GiB train: sum Pss / sum Rss / sum Anon / node drop | GPU peak alloc GiB per rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['case']} {r['what']} | error: {r['error'][-300:]!r} |")
             continue
         ld, tr = r["host"]["load"], r["host"]["train"]
-        eff = f"{r['samples_per_s'] / (r['gpus'] * base):.0%}" if base and r["case"].startswith("L") and r["samples_per_s"] else ""
-        f = lambda d, k: f"{d.get(k, 0):.2f}"  # noqa: E731
-        print(f"| {r['case']} {r['what']} | {r['gpus']} | {r['s_per_step']} | {r['samples_per_s']} | {eff} | "
-              f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} / {f(ld, 'node_used')} | "
-              f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} / {f(tr, 'node_used')} | {r['gpu_peak_alloc_gib']} |")
+        eff = (
+            f"{r['samples_per_s'] / (r['gpus'] * base):.0%}"
+            if base and r["case"].startswith("L") and r["samples_per_s"]
+            else ""
+        )
+        f = lambda d, k: f"{d.get(k, 0):.2f}"
+        print(
+            f"| {r['case']} {r['what']} | {r['gpus']} | {r['s_per_step']} | {r['samples_per_s']} | {eff} | "
+            f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} / {f(ld, 'node_used')} | "
+            f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} / {f(tr, 'node_used')} | {r['gpu_peak_alloc_gib']} |"
+        )
 
 
 if __name__ == "__main__":

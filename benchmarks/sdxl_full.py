@@ -15,6 +15,7 @@ split host memory into anonymous (what the process allocated) and file-backed
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -26,20 +27,44 @@ from pathlib import Path
 
 COMMON = [
     # speed.sync_seconds=0: a metrics record's time is when its step finished (this script times steps from them)
-    "speed.sync_seconds=0", "family=sdxl", "model.config=sdxl-base-1.0", "train.method=full", "train.batch_size=1", "train.mixed_precision=bf16",
-    "memory.activations.kind=checkpoint", "save.formats=[]", "train.device=cuda", "data.resolution=1024",
-    "train.learning_rate=1e-5", "train.lr_scheduler=constant", "train.max_grad_norm=1.0",
+    "speed.sync_seconds=0",
+    "family=sdxl",
+    "model.config=sdxl-base-1.0",
+    "train.method=full",
+    "train.batch_size=1",
+    "train.mixed_precision=bf16",
+    "memory.activations.kind=checkpoint",
+    "save.formats=[]",
+    "train.device=cuda",
+    "data.resolution=1024",
+    "train.learning_rate=1e-5",
+    "train.lr_scheduler=constant",
+    "train.max_grad_norm=1.0",
 ]
 TE = ["full.train_text_encoder_1=true", "full.train_text_encoder_2=true"]
 CASES = {
-    "A": ("UNet + both TEs, bf16 weights (SR), 8-bit AdamW, checkpointing, fp16 single-file export",
-          ["memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit", "save.formats=[single_file]", "save.precision=fp16", *TE]),
-    "B": ("UNet only, bf16 weights, 8-bit AdamW, checkpointing",
-          ["memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit"]),
-    "C": ("UNet + both TEs, fp32 master weights + fp16 autocast, 8-bit AdamW, checkpointing (the sd-scripts command)",
-          ["memory.weights.kind=fp32", "train.mixed_precision=fp16", "memory.optimizer.kind=adamw8bit", *TE]),
-    "D": ("UNet only, bf16 weights, AdamW fp32 moments + stochastic rounding, checkpointing",
-          ["memory.weights.kind=bf16", "memory.optimizer.kind=adamw"]),
+    "A": (
+        "UNet + both TEs, bf16 weights (SR), 8-bit AdamW, checkpointing, fp16 single-file export",
+        [
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw8bit",
+            "save.formats=[single_file]",
+            "save.precision=fp16",
+            *TE,
+        ],
+    ),
+    "B": (
+        "UNet only, bf16 weights, 8-bit AdamW, checkpointing",
+        ["memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit"],
+    ),
+    "C": (
+        "UNet + both TEs, fp32 master weights + fp16 autocast, 8-bit AdamW, checkpointing (the sd-scripts command)",
+        ["memory.weights.kind=fp32", "train.mixed_precision=fp16", "memory.optimizer.kind=adamw8bit", *TE],
+    ),
+    "D": (
+        "UNet only, bf16 weights, AdamW fp32 moments + stochastic rounding, checkpointing",
+        ["memory.weights.kind=bf16", "memory.optimizer.kind=adamw"],
+    ),
 }
 
 
@@ -54,7 +79,9 @@ def build_model(work: Path) -> Path:
     if not path.exists():
         t = time.time()
         SDXL().build_random("sdxl-tiny" if TINY else "sdxl-base-1.0", path, device="cpu" if TINY else "cuda")
-        print(f"built random SDXL -> {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.time() - t:.0f}s", flush=True)
+        print(
+            f"built random SDXL -> {path} ({path.stat().st_size / 2**30:.2f} GiB) in {time.time() - t:.0f}s", flush=True
+        )
     return path
 
 
@@ -66,7 +93,9 @@ def build_cache(work: Path) -> Path:
     synthetic_tokenizers(work / "tok")
     cache_dir = work / "cache"
     if not (cache_dir / "index.json").exists():
-        sets = ["model.config=sdxl-tiny", "data.resolution=128", "data.min_side=64"] if TINY else ["data.resolution=1024"]
+        sets = (
+            ["model.config=sdxl-tiny", "data.resolution=128", "data.min_side=64"] if TINY else ["data.resolution=1024"]
+        )
         synthetic_cache(resolve(sets=sets).config, cache_dir)
     return cache_dir
 
@@ -103,12 +132,20 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     from difftrain.trainers.loop import Trainer, plan_memory
 
     sets = sets + [
-        f"model.path={work / 'sdxl_random.safetensors'}", f"model.tokenizer_path={work / 'tok'}",
-        f"data.cache_dir={work / 'cache'}", f"train.output_dir={work / ('run-' + name)}", f"train.max_steps={steps}",
+        f"model.path={work / 'sdxl_random.safetensors'}",
+        f"model.tokenizer_path={work / 'tok'}",
+        f"data.cache_dir={work / 'cache'}",
+        f"train.output_dir={work / ('run-' + name)}",
+        f"train.max_steps={steps}",
     ]
     if TINY:
-        sets = [x.replace("adamw8bit", "adamw").replace("sdxl-base-1.0", "sdxl-tiny").replace("=cuda", "=cpu")
-                .replace("resolution=1024", "resolution=128") for x in sets] + ["data.min_side=64"]
+        sets = [
+            x.replace("adamw8bit", "adamw")
+            .replace("sdxl-base-1.0", "sdxl-tiny")
+            .replace("=cuda", "=cpu")
+            .replace("resolution=1024", "resolution=128")
+            for x in sets
+        ] + ["data.min_side=64"]
         torch.cuda.synchronize = lambda *a: None
     cfg = resolve(sets=sets).config
     plan = plan_memory(cfg)
@@ -136,16 +173,25 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     sampler.stop = True
     phases["end"] = sampler.gib()
     phases.setdefault("train", phases["end"])
-    times = [json.loads(l)["time"] for l in (cfg.train.output_dir / "metrics.jsonl").read_text().splitlines()]
-    step_times = [b - a for a, b in zip(times, times[1:])][1:]  # drop the first steps (warm-up)
+    times = [json.loads(line)["time"] for line in (cfg.train.output_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = [b - a for a, b in itertools.pairwise(times)][1:]  # drop the first steps (warm-up)
     return {
-        "case": name, "what": what, "steps": steps, "stats": result.stats, "rss": phases,
+        "case": name,
+        "what": what,
+        "steps": steps,
+        "stats": result.stats,
+        "rss": phases,
         "plan": {"gpu": plan.gpu, "gpu_total": plan.gpu_total, "gpu_reserved": plan.gpu_reserved, "host": plan.host},
-        "batch": cfg.train.batch_size, "resolution": cfg.data.resolution,
-        "s_per_step_median": round(statistics.median(step_times), 3), "step_times": [round(x, 3) for x in step_times],
+        "batch": cfg.train.batch_size,
+        "resolution": cfg.data.resolution,
+        "s_per_step_median": round(statistics.median(step_times), 3),
+        "step_times": [round(x, 3) for x in step_times],
         "losses": [round(x, 4) for x in result.losses],
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "gpu": None if TINY else torch.cuda.get_device_name()},
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "gpu": None if TINY else torch.cuda.get_device_name(),
+        },
     }
 
 
@@ -157,12 +203,18 @@ def run_cases(script: str, names: list[str], work: Path, steps: int, what: dict[
     results = []
     for name in names:
         t = time.time()
-        p = subprocess.run([sys.executable, script, "--case", name, "--work", str(work), "--steps", str(steps)],
-                           capture_output=True, text=True, env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
-        line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+        p = subprocess.run(
+            [sys.executable, script, "--case", name, "--work", str(work), "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, DIFFTRAIN_PROGRESS="0"),
+        )
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             print(f"case {name} failed ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-            results.append({"case": name, **({"what": what.get(name, "")} if what is not None else {}), "error": p.stderr[-2000:]})
+            results.append(
+                {"case": name, **({"what": what.get(name, "")} if what is not None else {}), "error": p.stderr[-2000:]}
+            )
             continue
         r = json.loads(line[0][7:])
         r["wall_seconds"] = round(time.time() - t, 1)
@@ -189,16 +241,20 @@ def main() -> None:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "sdxl_full.json").write_text(json.dumps(results, indent=1))
-    print("\n| case | GPU peak alloc GiB | GPU peak reserved GiB | s/step | host RSS load (anon) GiB | RSS train (anon) | RSS end/save (anon) | load s | save s |")
+    print(
+        "\n| case | GPU peak alloc GiB | GPU peak reserved GiB | s/step | host RSS load (anon) GiB | RSS train (anon) | RSS end/save (anon) | load s | save s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['case']} {r['what']} | failed | | | | | | | |")
             continue
         s, m = r["stats"], r["rss"]
-        print(f"| {r['case']} {r['what']} | {s.get('gpu_peak_alloc_gib')} | {s.get('gpu_peak_reserved_gib')} | {r['s_per_step_median']} | "
-              f"{m['load']['VmRSS']} ({m['load']['RssAnon']}) | {m['train']['VmRSS']} ({m['train']['RssAnon']}) | "
-              f"{m['end']['VmRSS']} ({m['end']['RssAnon']}) | {s['load_seconds']} | {s.get('save_seconds')} |")
+        print(
+            f"| {r['case']} {r['what']} | {s.get('gpu_peak_alloc_gib')} | {s.get('gpu_peak_reserved_gib')} | {r['s_per_step_median']} | "
+            f"{m['load']['VmRSS']} ({m['load']['RssAnon']}) | {m['train']['VmRSS']} ({m['train']['RssAnon']}) | "
+            f"{m['end']['VmRSS']} ({m['end']['RssAnon']}) | {s['load_seconds']} | {s.get('save_seconds')} |"
+        )
 
 
 if __name__ == "__main__":

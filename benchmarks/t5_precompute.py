@@ -51,11 +51,19 @@ def run_case(prec: str, work: Path) -> dict:
     fam = SD3()
     torch.cuda.reset_peak_memory_stats()
     t = time.time()
-    comps = fam.load(ModelConfig(path=work / "sd3", config="sd3-medium"), ["text_encoder_3"], dtype=torch.bfloat16,
-                     device=torch.device("cuda"), precision={"text_encoder_3": prec})
+    comps = fam.load(
+        ModelConfig(path=work / "sd3", config="sd3-medium"),
+        ["text_encoder_3"],
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        precision={"text_encoder_3": prec},
+    )
     torch.cuda.synchronize()
-    out = {"case": prec, "load_s": round(time.time() - t, 1),
-           "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
+    out = {
+        "case": prec,
+        "load_s": round(time.time() - t, 1),
+        "after_load_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+    }
     for n in (77, 256):
         opts = TextEncodersConfig(t5={"precision": prec, "max_length": n})
         torch.cuda.reset_peak_memory_stats()
@@ -84,8 +92,12 @@ def main() -> None:
     print(f"built random T5-XXL in {time.time() - t:.0f}s", flush=True)
     results = []
     for prec in CASES:
-        p = subprocess.run([sys.executable, __file__, "--case", prec, "--work", str(a.work)], capture_output=True, text=True,
-                           env=dict(os.environ, DIFFTRAIN_PROGRESS="0"))
+        p = subprocess.run(
+            [sys.executable, __file__, "--case", prec, "--work", str(a.work)],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, DIFFTRAIN_PROGRESS="0"),
+        )
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             print(f"case {prec} failed:\n{p.stderr[-3000:]}", flush=True)
@@ -95,11 +107,15 @@ def main() -> None:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "t5_precompute.json").write_text(json.dumps(results, indent=1))
-    print("\n| T5-XXL precision | after load GiB | peak alloc 77 tok (batch 4) | peak reserved 77 | peak alloc 256 | peak reserved 256 | load s |")
+    print(
+        "\n| T5-XXL precision | after load GiB | peak alloc 77 tok (batch 4) | peak reserved 77 | peak alloc 256 | peak reserved 256 | load s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['case']} | {r['after_load_gib']} | {r['peak_alloc_77']} | {r['peak_reserved_77']} | {r['peak_alloc_256']} | "
-              f"{r['peak_reserved_256']} | {r['load_s']} |")
+        print(
+            f"| {r['case']} | {r['after_load_gib']} | {r['peak_alloc_77']} | {r['peak_reserved_77']} | {r['peak_alloc_256']} | "
+            f"{r['peak_reserved_256']} | {r['load_s']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,12 @@ def dataset(_dataset_master, tmp_path) -> Path:
 
 
 def tiny_sets(model: Path, data: Path, out: Path, **extra) -> list[str]:
-    sets = [f"model.path={model}", f"data.dir={data}", f"data.cache_dir={out / 'cache'}", f"train.output_dir={out / 'run'}"]
+    sets = [
+        f"model.path={model}",
+        f"data.dir={data}",
+        f"data.cache_dir={out / 'cache'}",
+        f"train.output_dir={out / 'run'}",
+    ]
     sets += [f"{k}={v}" for k, v in extra.items()]
     return sets
 

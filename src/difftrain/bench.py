@@ -53,15 +53,26 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] |
     items = []
     side = cfg.data.resolution
     for i in range(n):
-        lat = {k: torch.zeros(v, dtype=torch.int64) if k == "crop" else torch.randn(v, generator=g)
-               for k, v in shapes["latent"].items()}
+        lat = {
+            k: torch.zeros(v, dtype=torch.int64) if k == "crop" else torch.randn(v, generator=g)
+            for k, v in shapes["latent"].items()
+        }
         cache.put(f"lat{i}", lat)
         texts = {}
         for stage in family.enabled_stages(cfg.text_encoders):
             cache.put(f"{stage}{i}", {k: torch.randn(v, generator=g) for k, v in shapes[stage].items()})
             texts[stage] = f"{stage}{i}"
-        items.append({"key": f"img{i}", "image": f"img{i}.png", "caption": f"a photo of a cat, number {i}",
-                      "bucket": [side, side], "original_size": [side, side], "latent": f"lat{i}", "texts": texts})
+        items.append(
+            {
+                "key": f"img{i}",
+                "image": f"img{i}.png",
+                "caption": f"a photo of a cat, number {i}",
+                "bucket": [side, side],
+                "original_size": [side, side],
+                "latent": f"lat{i}",
+                "texts": texts,
+            }
+        )
     cache.flush()
     cache.write_json("index.json", {"family": family.name, "items": items})
     return root
@@ -85,8 +96,9 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
     tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
     cache_dir = synthetic_cache(cfg, work / f"cache-{tag}-{cfg.data.frames}", size=size)
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})
-    update["train"] = cfg.train.model_copy(update={"max_steps": steps, "output_dir": work / run, "checkpoint_every": None,
-                                                   "device": str(device)})
+    update["train"] = cfg.train.model_copy(
+        update={"max_steps": steps, "output_dir": work / run, "checkpoint_every": None, "device": str(device)}
+    )
     update["save"] = cfg.save.model_copy(update={"formats": [], "every_n_epochs": None, "every_n_steps": None})
     return cfg.model_copy(update=update)
 
@@ -133,10 +145,13 @@ def baseline_config(base: Config, speed_keys: set[str]) -> Config:
     try:
         return Config.model_validate({**base.model_dump(), "speed": speed})  # the whole config checked again
     except ValidationError as e:
-        raise ConfigError("The baseline's configuration (the config with --baseline-set, speed options not named there "
-                          "off) has problems:", validation_problems(e),
-                          hint="Name the speed options the baseline needs with --baseline-set too, e.g. "
-                               "--baseline-set speed.compile=true.") from None
+        raise ConfigError(
+            "The baseline's configuration (the config with --baseline-set, speed options not named there "
+            "off) has problems:",
+            validation_problems(e),
+            hint="Name the speed options the baseline needs with --baseline-set too, e.g. "
+            "--baseline-set speed.compile=true.",
+        ) from None
 
 
 @dataclass
@@ -162,12 +177,14 @@ def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[T
     if profile is None:
         trainer.run()
         return trainer, trainer.flush_times, {}
-    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as torch_profile
 
     timed = end - 2
     trainer.flush_steps |= {timed, end - 1}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1)) as prof:
+
         def hook() -> None:
             if trainer.step >= timed and torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -226,20 +243,34 @@ def kinds_line(by_kind: dict[str, dict]) -> str:
 def _profile_summary(prof, path: Path) -> dict:
     """GPU time and launches of the profiled step: how much of the step the GPU computed, and on what."""
     ev = prof.key_averages()
-    path.write_text(ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
-                             row_limit=40))
-    kernels = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                    "cuLaunchKernelEx"))
+    path.write_text(
+        ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=40)
+    )
+    kernels = sum(
+        e.count
+        for e in ev
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+    )
     graph_launches = sum(e.count for e in ev if e.key in ("cudaGraphLaunch", "cuGraphLaunch"))
     from torch.autograd import DeviceType
 
     # the kernels' own rows only: an operator's row repeats the time of the kernels it launched
     # (not the step's and compiled graphs' GPU-side annotations, "ProfilerStep#n" and "## Call CompiledFxGraph ...")
-    rows = [(e.key, e.self_device_time_total, e.count) for e in ev if e.device_type == DeviceType.CUDA
-            and not getattr(e, "is_user_annotation", False) and not e.key.startswith(("ProfilerStep", "## "))]
+    rows = [
+        (e.key, e.self_device_time_total, e.count)
+        for e in ev
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and not e.key.startswith(("ProfilerStep", "## "))
+    ]
     gpu_us = sum(us for _, us, _ in rows)
-    return {"kernel_launches": kernels, "graph_launches": graph_launches, "gpu_ms": round(gpu_us / 1e3, 2),
-            "gpu_kernels": sum(n for _, _, n in rows), "by_kind": kernel_breakdown(rows)}
+    return {
+        "kernel_launches": kernels,
+        "graph_launches": graph_launches,
+        "gpu_ms": round(gpu_us / 1e3, 2),
+        "gpu_kernels": sum(n for _, _, n in rows),
+        "by_kind": kernel_breakdown(rows),
+    }
 
 
 def _compile_totals() -> tuple[dict[str, float], int]:
@@ -283,7 +314,11 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     from torch.utils.flop_counter import FlopCounterMode
 
     den = trainer.comps[trainer.family.denoiser]
-    flags = {m: m.gradient_checkpointing for m in den.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)}
+    flags = {
+        m: m.gradient_checkpointing
+        for m in den.modules()
+        if isinstance(getattr(m, "gradient_checkpointing", None), bool)
+    }
     batch = trainer._batch(list(range(min(trainer.cfg.train.batch_size, len(trainer.items)))))
 
     def count() -> float:
@@ -305,8 +340,15 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     return count(), False
 
 
-def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, baseline: Config | None = None,
-                size: tuple[int, int] | None = None, profile: bool = False) -> dict:
+def bench_speed(
+    cfg: Config,
+    work: Path,
+    steps: int = 10,
+    warmup: int = 3,
+    baseline: Config | None = None,
+    size: tuple[int, int] | None = None,
+    profile: bool = False,
+) -> dict:
     """Time ``cfg`` (and ``baseline``, by default the same config run eagerly) for ``warmup`` + ``steps`` steps on
     random weights and data of the real shapes; FLOPs counted once on the eager run, MFU against the dense matmul
     peak measured in the same process."""
@@ -314,12 +356,20 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
     device = pick_device(cfg.train.device)
     peak = peak_matmul_tflops(device)
     # the baseline runs eagerly unless it was given speed options (baseline_config), e.g. float8 against compiled bf16
-    runs = [("compiled baseline" if baseline.speed.compile else "eager baseline", baseline)] if baseline is not None else []
+    runs = (
+        [("compiled baseline" if baseline.speed.compile else "eager baseline", baseline)]
+        if baseline is not None
+        else []
+    )
     runs.append(("config", cfg))
     rows, flops = [], None
     for name, c in runs:
-        c = c.model_copy(update={"report": c.report.model_copy(update={"to": [], "html": False}),
-                                 "validation": c.validation.model_copy(update={"prompts": [], "loss_items": 0})})
+        c = c.model_copy(
+            update={
+                "report": c.report.model_copy(update={"to": [], "html": False}),
+                "validation": c.validation.model_copy(update={"prompts": [], "loss_items": 0}),
+            }
+        )
         run_cfg = _prepare(c, work, warmup + steps + (2 if profile else 0), size, run=name.split()[0])
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -329,27 +379,44 @@ def bench_speed(cfg: Config, work: Path, steps: int = 10, warmup: int = 3, basel
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
         peak_mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-        if flops is None and (not c.speed.float8 or name == runs[-1][0]):  # model FLOPs: bf16 matmuls if any run has them
+        if flops is None and (
+            not c.speed.float8 or name == runs[-1][0]
+        ):  # model FLOPs: bf16 matmuls if any run has them
             flops = (step_flops(trainer), bs)
-        rows.append(SpeedRow(name, round(per, 4), round(bs / per, 3), round(times[1] - times[0], 2),
-                             round(max(0.0, times[warmup] - times[0] - warmup * per), 2), peak_mem, profile=summary or None,
-                             compile=compile_phases(since=compile_before) if c.speed.compile else None))
+        rows.append(
+            SpeedRow(
+                name,
+                round(per, 4),
+                round(bs / per, 3),
+                round(times[1] - times[0], 2),
+                round(max(0.0, times[warmup] - times[0] - warmup * per), 2),
+                peak_mem,
+                profile=summary or None,
+                compile=compile_phases(since=compile_before) if c.speed.compile else None,
+            )
+        )
         del trainer
         if c.speed.compile:  # dynamo's per-code caches are process-wide: the next run's blocks (same forward code,
             from torch import _dynamo  # other layers, e.g. float8's) would hit its recompile limit and run eagerly
 
             _dynamo.reset()
         _free(device)
-    for r, (name, c) in zip(rows, runs):
+    for r, (_name, c) in zip(rows, runs):
         if flops is not None:
-            (count, exact), bs0 = flops
+            (count, _exact), bs0 = flops
             f = count * (c.train.batch_size * c.train.grad_accum) / bs0
             r.tflops = float(f"{f / r.s_per_step / 1e12:.4g}")
             r.mfu = float(f"{f / r.s_per_step / 1e12 / peak:.4g}")
-    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "peak_tflops": float(f"{peak:.4g}"), "torch": torch.__version__, "steps": steps, "warmup": warmup,
-           "flops_per_step": flops[0][0] if flops else None, "flops_exact": flops[0][1] if flops else None,
-           "rows": [r.__dict__ for r in rows]}
+    out = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "peak_tflops": float(f"{peak:.4g}"),
+        "torch": torch.__version__,
+        "steps": steps,
+        "warmup": warmup,
+        "flops_per_step": flops[0][0] if flops else None,
+        "flops_exact": flops[0][1] if flops else None,
+        "rows": [r.__dict__ for r in rows],
+    }
     if len(rows) == 2:
         out["speedup"] = round(rows[0].s_per_step / rows[1].s_per_step, 3)
     (work / "bench_speed.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -70,8 +70,10 @@ def backend_for(device: torch.device) -> str:
     if not dist.is_gloo_available():
         from .errors import BackendUnavailable
 
-        raise BackendUnavailable("This torch build has neither NCCL (for CUDA) nor gloo: it cannot run several processes.",
-                                 hint="Install an official torch build (they have gloo on every platform).")
+        raise BackendUnavailable(
+            "This torch build has neither NCCL (for CUDA) nor gloo: it cannot run several processes.",
+            hint="Install an official torch build (they have gloo on every platform).",
+        )
     return "gloo"
 
 
@@ -145,8 +147,14 @@ def ddp_options(n_trainable: int, backend: str, bucket_cap_mb: float = 25.0, ele
 
 
 #: the train command's launcher options, with whether each takes a value: removed from the workers' command line
-LAUNCH_OPTIONS = {"--gpus": True, "--nodes": True, "--node-rank": True, "--master-addr": True, "--master-port": True,
-                  "--rdzv-endpoint": True}
+LAUNCH_OPTIONS = {
+    "--gpus": True,
+    "--nodes": True,
+    "--node-rank": True,
+    "--master-addr": True,
+    "--master-port": True,
+    "--rdzv-endpoint": True,
+}
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -164,15 +172,25 @@ def worker_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def torchrun_args(nproc: int, argv: list[str], nodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
-                  master_port: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
+def torchrun_args(
+    nproc: int,
+    argv: list[str],
+    nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+) -> list[str]:
     """torchrun's arguments for ``python -m difftrain <argv>`` on ``nproc`` processes per node."""
     args = [f"--nproc-per-node={nproc}", f"--nnodes={nodes}"]
     if rdzv_endpoint:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=difftrain"]
     elif nodes > 1 or master_addr:
-        args += [f"--node-rank={node_rank}", f"--master-addr={master_addr or '127.0.0.1'}",
-                 f"--master-port={master_port or 29500}"]
+        args += [
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr or '127.0.0.1'}",
+            f"--master-port={master_port or 29500}",
+        ]
     else:
         args += ["--standalone"]  # one node: a free port, no address to give
     return args + ["--module", "difftrain", *argv]
@@ -192,5 +210,7 @@ def launch(nproc: int, argv: list[str], **where) -> None:
         run(get_args_parser().parse_args(torchrun_args(nproc, worker_argv(argv), **where)))
     except ChildFailedError as e:
         ranks = sorted(e.failures)
-        raise DifftrainError(f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes (global ranks {', '.join(map(str, ranks))}).",
-                             hint="Each process's own error is printed above it (rank N: error: ...).") from None
+        raise DifftrainError(
+            f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes (global ranks {', '.join(map(str, ranks))}).",
+            hint="Each process's own error is printed above it (rank N: error: ...).",
+        ) from None

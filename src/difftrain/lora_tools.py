@@ -43,28 +43,35 @@ def _read(path: Path, label: str) -> tuple[dict[str, torch.Tensor], dict[str, st
 
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
-        raise UnsafeCheckpoint(f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
-                               hint="Convert it to .safetensors (or give the .safetensors file difftrain wrote).")
+        raise UnsafeCheckpoint(
+            f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
+            hint="Convert it to .safetensors (or give the .safetensors file difftrain wrote).",
+        )
     if not path.is_file():
         raise UsageError(f"{label} {path} does not exist.", hint="Give the path of a LoRA .safetensors file.")
     try:
         meta = read_safetensors_header(path).get("__metadata__") or {}
         return load_file(str(path)), meta
     except Exception as e:  # noqa: BLE001 (safetensors raises its own error types)
-        raise CheckpointError(f"{label} {path} cannot be read: {e}.", hint="Is the file complete? Give a LoRA .safetensors file.") from None
+        raise CheckpointError(
+            f"{label} {path} cannot be read: {e}.", hint="Is the file complete? Give a LoRA .safetensors file."
+        ) from None
 
 
 def _layout(sd: dict[str, torch.Tensor], path: Path) -> str:
-    """"kohya" or "diffusers"; every key must be one of that layout's LoRA tensors (else all are named)."""
+    """ "kohya" or "diffusers"; every key must be one of that layout's LoRA tensors (else all are named)."""
     layout = "kohya" if kohya.is_kohya(sd) else "diffusers"
     other = sorted(k for k in sd if not k.endswith(_SUFFIXES[layout]))
     if other or not sd:
         shown = ", ".join(other[:5]) + (f" (and {len(other) - 5} more)" if len(other) > 5 else "")
         raise CheckpointError(
-            f"{path.name} is not a LoRA difftrain can read: " + (f"{len(other)} keys are not {layout}-layout LoRA "
-                                                                 f"weights: {shown}." if other else "it holds no tensors."),
+            f"{path.name} is not a LoRA difftrain can read: "
+            + (
+                f"{len(other)} keys are not {layout}-layout LoRA weights: {shown}." if other else "it holds no tensors."
+            ),
             hint="difftrain reads LoRA (lora_A/lora_B or lora_down/lora_up + alpha); LoHa/LoKr/DoRA files are other "
-                 "layouts: use the tool that made them.")
+            "layouts: use the tool that made them.",
+        )
     return layout
 
 
@@ -95,8 +102,10 @@ def _family_of(base: Path, keys: list[str] | None) -> str:
             return "sdxl"
         if "StableDiffusion3" in found:
             return "sd3"
-    raise UsageError(f"Cannot tell which model family {base} is ({found}); lora merge handles {', '.join(MERGEABLE)}.",
-                     hint="Pass --family sdxl or --family sd3.")
+    raise UsageError(
+        f"Cannot tell which model family {base} is ({found}); lora merge handles {', '.join(MERGEABLE)}.",
+        hint="Pass --family sdxl or --family sd3.",
+    )
 
 
 def _layout_of(name: str) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -112,14 +121,19 @@ def _base(base: Path, family: str | None, config: str | None):
 
     base = Path(base).expanduser()
     if not base.exists():
-        raise ModelLoadError(f"The base model {base} does not exist.", hint="Give a .safetensors checkpoint or a diffusers folder.")
+        raise ModelLoadError(
+            f"The base model {base} does not exist.", hint="Give a .safetensors checkpoint or a diffusers folder."
+        )
     keys = None
     if base.is_dir():
         files = sorted(base.glob("*/*.safetensors"))
     else:
         if base.suffix.lower() != ".safetensors":
-            raise UnsafeCheckpoint(f"The base model {base.name} is not a .safetensors file; difftrain does not unpickle "
-                                   "checkpoints to merge into them.", hint="Convert it to .safetensors first.")
+            raise UnsafeCheckpoint(
+                f"The base model {base.name} is not a .safetensors file; difftrain does not unpickle "
+                "checkpoints to merge into them.",
+                hint="Convert it to .safetensors first.",
+            )
         try:
             keys = [k for k in read_safetensors_header(base) if k != "__metadata__"]
         except (OSError, ValueError) as e:
@@ -127,17 +141,21 @@ def _base(base: Path, family: str | None, config: str | None):
         files = [base]
     name = family or _family_of(base, keys)
     if name not in MERGEABLE:
-        raise UsageError(f"lora merge handles {', '.join(MERGEABLE)}, not {name}.",
-                         hint="CogVideoX has no single-file layout: load its LoRA with the pipeline's load_lora_weights.")
+        raise UsageError(
+            f"lora merge handles {', '.join(MERGEABLE)}, not {name}.",
+            hint="CogVideoX has no single-file layout: load its LoRA with the pipeline's load_lora_weights.",
+        )
     fam = get_family(name)
     all_parts, prefixes = _layout_of(name)
     if keys is None:
         parts = [p for p in all_parts if (base / p).is_dir()]
         pickled = [p for p in parts if not any((base / p).glob("*.safetensors"))]
         if pickled:
-            raise UnsafeCheckpoint(f"{base}: the weights of {', '.join(pickled)} are not .safetensors files; difftrain "
-                                   "does not unpickle checkpoints to merge into them.",
-                                   hint="Save the folder with safe_serialization=True (or convert it) first.")
+            raise UnsafeCheckpoint(
+                f"{base}: the weights of {', '.join(pickled)} are not .safetensors files; difftrain "
+                "does not unpickle checkpoints to merge into them.",
+                hint="Save the folder with safe_serialization=True (or convert it) first.",
+            )
     else:
         parts = [p for p in all_parts if any(k.startswith(prefixes[p]) for k in keys)]
         if name == "sd3" and config is None:
@@ -177,23 +195,38 @@ def _check_fit(fam, mcfg: ModelConfig, layers: dict[str, dict[str, torch.Tensor]
             if up is None:
                 wrong.append(f"{part}.{module}: no lora_B/lora_up")
             elif up.shape[1] != down.shape[0] or up.dim() != down.dim() or any(s != 1 for s in up.shape[2:]):
-                wrong.append(f"{part}.{module}: down {tuple(down.shape)} and up {tuple(up.shape)} are not one LoRA "
-                             "(rank or kernel differ)")
+                wrong.append(
+                    f"{part}.{module}: down {tuple(down.shape)} and up {tuple(up.shape)} are not one LoRA "
+                    "(rank or kernel differ)"
+                )
             elif (up.shape[0], *down.shape[1:]) != tuple(m.weight.shape):
-                wrong.append(f"{part}.{module}: ΔW {(up.shape[0], *down.shape[1:])}, the model's weight {tuple(m.weight.shape)}")
+                wrong.append(
+                    f"{part}.{module}: ΔW {(up.shape[0], *down.shape[1:])}, the model's weight {tuple(m.weight.shape)}"
+                )
     if unmapped:
         more = f" (and {len(unmapped) - 8} more)" if len(unmapped) > 8 else ""
-        raise CheckpointError(f"{lora.name} does not fit this model: {len(unmapped)} keys name no Linear/Conv2d module "
-                              f"of it: {', '.join(sorted(unmapped)[:8])}{more}.",
-                              hint="Is it a LoRA of this model family and architecture?")
+        raise CheckpointError(
+            f"{lora.name} does not fit this model: {len(unmapped)} keys name no Linear/Conv2d module "
+            f"of it: {', '.join(sorted(unmapped)[:8])}{more}.",
+            hint="Is it a LoRA of this model family and architecture?",
+        )
     if wrong:
-        raise CheckpointError(f"{lora.name} does not fit this model ({len(wrong)} layers): {'; '.join(wrong[:5])}.",
-                              hint="Is it a LoRA of this architecture (e.g. SDXL base, not the refiner; SD3 medium, not "
-                                   "SD3.5)? For a single file, --config names the bundled architecture.")
+        raise CheckpointError(
+            f"{lora.name} does not fit this model ({len(wrong)} layers): {'; '.join(wrong[:5])}.",
+            hint="Is it a LoRA of this architecture (e.g. SDXL base, not the refiner; SD3 medium, not "
+            "SD3.5)? For a single file, --config names the bundled architecture.",
+        )
 
 
-def merge(base: Path, lora: Path, out: Path, scale: float = 1.0, family: str | None = None, config: str | None = None,
-          precision: str | None = None) -> MergeResult:
+def merge(
+    base: Path,
+    lora: Path,
+    out: Path,
+    scale: float = 1.0,
+    family: str | None = None,
+    config: str | None = None,
+    precision: str | None = None,
+) -> MergeResult:
     """Write ``base`` with ``lora`` (times ``scale``) merged into its weights as one single-file checkpoint.
 
     Each adapted weight becomes W + scale * ΔW, computed in fp32; the file is written in ``precision`` (fp16 |
@@ -204,7 +237,9 @@ def merge(base: Path, lora: Path, out: Path, scale: float = 1.0, family: str | N
 
     base, lora, out = Path(base), Path(lora), Path(out)
     if out.suffix.lower() != ".safetensors" or out.is_dir():
-        raise UsageError(f"-o {out}: the merged checkpoint is a single .safetensors file.", hint="Name it e.g. merged.safetensors.")
+        raise UsageError(
+            f"-o {out}: the merged checkpoint is a single .safetensors file.", hint="Name it e.g. merged.safetensors."
+        )
     if out.exists() and out.resolve() in (base.resolve(), lora.resolve()):
         raise UsageError(f"-o {out} is an input of the merge.", hint="Write the merged checkpoint to a new file.")
     if not math.isfinite(scale):
@@ -217,8 +252,11 @@ def merge(base: Path, lora: Path, out: Path, scale: float = 1.0, family: str | N
     if stray:
         made_for = [_DENOISER_OF[p] for p in stray if p in _DENOISER_OF and p != fam.denoiser]
         why = f"it looks made for {made_for[0]}" if made_for else f"the base has no {', '.join(stray)} weights"
-        raise CheckpointError(f"{lora.name} adapts {', '.join(stray)}, which the {fam.name.upper()} base {base.name} "
-                              f"does not have: {why}.", hint=f"Give a LoRA of this family ({fam.name}), or the base it was trained on.")
+        raise CheckpointError(
+            f"{lora.name} adapts {', '.join(stray)}, which the {fam.name.upper()} base {base.name} "
+            f"does not have: {why}.",
+            hint=f"Give a LoRA of this family ({fam.name}), or the base it was trained on.",
+        )
     del sd
     layers, alphas = read_lora_file(lora, mcfg, fam, adaptable, label="The LoRA")
     _check_fit(fam, mcfg, layers, lora)
@@ -320,24 +358,37 @@ def resize(lora: Path, out: Path, rank: int | None = None, energy: float | None 
 
     lora, out = Path(lora), Path(out)
     if rank is None and energy is None:
-        raise UsageError("lora resize needs --rank, --energy or both.", hint="e.g. --rank 8, or --energy 0.95 --rank 32.")
+        raise UsageError(
+            "lora resize needs --rank, --energy or both.", hint="e.g. --rank 8, or --energy 0.95 --rank 32."
+        )
     if rank is not None and rank < 1:
         raise UsageError(f"--rank {rank}: a rank is at least 1.")
     if energy is not None and not 0 < energy <= 1:
         raise UsageError(f"--energy {energy}: the fraction of energy to keep is in (0, 1].", hint="e.g. --energy 0.95.")
     if out.suffix.lower() != ".safetensors" or out.is_dir():
-        raise UsageError(f"-o {out}: the resized LoRA is a .safetensors file.", hint="Name it e.g. lora_r8.safetensors.")
+        raise UsageError(
+            f"-o {out}: the resized LoRA is a .safetensors file.", hint="Name it e.g. lora_r8.safetensors."
+        )
     sd, meta = _read(lora, "The LoRA")
     layout = _layout(sd, lora)
     pairs = _pairs(sd, meta, layout)
     missing = sorted(up for _, up, _ in pairs.values() if up not in sd)
     if missing or not pairs:
-        raise CheckpointError(f"{lora.name}: " + (f"{len(missing)} layers have no up weight ({', '.join(missing[:3])})."
-                                                  if missing else "no LoRA layer found."), hint="Is the file complete?")
+        raise CheckpointError(
+            f"{lora.name}: "
+            + (
+                f"{len(missing)} layers have no up weight ({', '.join(missing[:3])})."
+                if missing
+                else "no LoRA layer found."
+            ),
+            hint="Is the file complete?",
+        )
     old_max = max(sd[d].shape[0] for d, _, _ in pairs.values())
     if rank is not None and rank > old_max and energy is None:
-        raise UsageError(f"--rank {rank} is above the LoRA's rank {old_max}: ΔW has rank <= {old_max}, a larger rank adds nothing.",
-                         hint=f"Give --rank {old_max} or less.")
+        raise UsageError(
+            f"--rank {rank} is above the LoRA's rank {old_max}: ΔW has rank <= {old_max}, a larger rank adds nothing.",
+            hint=f"Give --rank {old_max} or less.",
+        )
     result = ResizeResult(out, layout)
     new = dict(sd)
     new_alphas: dict[str, float] = {}
@@ -347,8 +398,15 @@ def resize(lora: Path, out: Path, rank: int | None = None, energy: float | None 
         s2 = s.square()
         k = _new_rank(s2, rank, energy)
         total = float(s2.sum())
-        result.layers.append(LayerResize(name, down.shape[0], k, float(s2[:k].sum()) / total if total > 0 else 1.0,
-                                         total * (alpha / down.shape[0]) ** 2))
+        result.layers.append(
+            LayerResize(
+                name,
+                down.shape[0],
+                k,
+                float(s2[:k].sum()) / total if total > 0 else 1.0,
+                total * (alpha / down.shape[0]) ** 2,
+            )
+        )
         new[uk] = (u[:, :k] * s[:k]).reshape(up.shape[0], k, *up.shape[2:]).to(up.dtype).contiguous()
         new[dk] = vh[:k].reshape(k, *down.shape[1:]).to(down.dtype).contiguous()
         new_alphas[name] = alpha / down.shape[0] * k
@@ -362,16 +420,32 @@ def resize(lora: Path, out: Path, rank: int | None = None, energy: float | None 
     return result
 
 
-def _resized_metadata(meta: dict[str, str], layout: str, ranks: dict[str, int], alphas: dict[str, float], old_max: int,
-                      rank: int | None, energy: float | None) -> dict[str, str]:
+def _resized_metadata(
+    meta: dict[str, str],
+    layout: str,
+    ranks: dict[str, int],
+    alphas: dict[str, float],
+    old_max: int,
+    rank: int | None,
+    energy: float | None,
+) -> dict[str, str]:
     """The header with sd-scripts' fields as its resize_lora.py sets them, and (diffusers layout) the peft config
     each part is loaded with: the most common rank and alpha, the others in rank_pattern / alpha_pattern."""
     meta = {k: v for k, v in meta.items() if k not in _STALE}
-    one = lambda values: f"{next(iter(values)):g}" if len(set(values)) == 1 else "Dynamic"  # noqa: E731
+    one = lambda values: f"{next(iter(values)):g}" if len(set(values)) == 1 else "Dynamic"
     comment = meta.get("ss_training_comment", "")
-    how = f"to {rank}" if energy is None else f"to keep {energy:g} of the energy (sv_fro {math.sqrt(energy):.4g}), rank <= {rank or old_max}"
-    meta.update({"ss_network_dim": one(ranks.values()), "ss_network_alpha": one(alphas.values()),
-                 "ss_training_comment": f"dimension is resized from {old_max} {how}; {comment}".rstrip("; ")})
+    how = (
+        f"to {rank}"
+        if energy is None
+        else f"to keep {energy:g} of the energy (sv_fro {math.sqrt(energy):.4g}), rank <= {rank or old_max}"
+    )
+    meta.update(
+        {
+            "ss_network_dim": one(ranks.values()),
+            "ss_network_alpha": one(alphas.values()),
+            "ss_training_comment": f"dimension is resized from {old_max} {how}; {comment}".rstrip("; "),
+        }
+    )
     if layout == "diffusers" and "lora_adapter_metadata" in meta:
         try:
             flat = json.loads(meta["lora_adapter_metadata"])
@@ -381,8 +455,13 @@ def _resized_metadata(meta: dict[str, str], layout: str, ranks: dict[str, int], 
             mods = {n.partition(".")[2]: (ranks[n], alphas[n]) for n in ranks if n.partition(".")[0] == part}
             r = Counter(v[0] for v in mods.values()).most_common(1)[0][0]
             a = Counter(v[1] for v in mods.values()).most_common(1)[0][0]
-            flat.update({f"{part}.r": r, f"{part}.lora_alpha": a,
-                         f"{part}.rank_pattern": {m: v[0] for m, v in mods.items() if v[0] != r},
-                         f"{part}.alpha_pattern": {m: v[1] for m, v in mods.items() if v[1] != a}})
+            flat.update(
+                {
+                    f"{part}.r": r,
+                    f"{part}.lora_alpha": a,
+                    f"{part}.rank_pattern": {m: v[0] for m, v in mods.items() if v[0] != r},
+                    f"{part}.alpha_pattern": {m: v[1] for m, v in mods.items() if v[1] != a},
+                }
+            )
         meta["lora_adapter_metadata"] = json.dumps(flat, indent=2, sort_keys=True)
     return meta

@@ -83,15 +83,23 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
     info(f"merge-tags: {report.images} images, {report.with_tags} with tags -> {meta}")
     lap("merge-tags")
 
-    sets = [f"model.path={model}", f"data.dir={data}", f"data.metadata={meta}", f"data.cache_dir={out / 'cache'}",
-            f"train.output_dir={out / 'run'}", "data.caption_source=caption_and_tags"]
+    sets = [
+        f"model.path={model}",
+        f"data.dir={data}",
+        f"data.metadata={meta}",
+        f"data.cache_dir={out / 'cache'}",
+        f"train.output_dir={out / 'run'}",
+        "data.caption_source=caption_and_tags",
+    ]
     if steps:
         sets.append(f"train.max_steps={steps}")
     resolved = resolve(recipe="tiny-sdxl-lora", sets=sets)
     cfg = resolved.config
     pre = precompute(cfg)
-    info(f"precompute: {pre.latents_encoded} latents and {pre.texts_encoded} captions encoded, "
-         f"{pre.latents_reused + pre.texts_reused} reused")
+    info(
+        f"precompute: {pre.latents_encoded} latents and {pre.texts_encoded} captions encoded, "
+        f"{pre.latents_reused + pre.texts_reused} reused"
+    )
     lap("precompute")
     if (out / "run" / "checkpoints").exists():  # a rerun trains afresh over the reused cache
         import shutil
@@ -100,9 +108,19 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
     tr = train(cfg, config_yaml=resolved.to_yaml())
     res.losses = tr.losses
     lap("train")
-    res.outputs.update({"data": data, "model": model, "metadata": meta, "cache": out / "cache",
-                        "run": out / "run", "lora": tr.lora_path})
-    res.outputs["sample"] = sample(cfg, out / "run" / LORA_FILE, out / "sample.png", prompt="a red circle on a white background")
+    res.outputs.update(
+        {
+            "data": data,
+            "model": model,
+            "metadata": meta,
+            "cache": out / "cache",
+            "run": out / "run",
+            "lora": tr.lora_path,
+        }
+    )
+    res.outputs["sample"] = sample(
+        cfg, out / "run" / LORA_FILE, out / "sample.png", prompt="a red circle on a white background"
+    )
     lap("sample")
     return res
 
@@ -117,7 +135,8 @@ def sample(cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int 
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     pipe.set_progress_bar_config(disable=True)
     size = cfg.data.resolution
-    image = pipe(prompt, num_inference_steps=steps, height=size, width=size,
-                 generator=torch.Generator().manual_seed(seed)).images[0]
+    image = pipe(
+        prompt, num_inference_steps=steps, height=size, width=size, generator=torch.Generator().manual_seed(seed)
+    ).images[0]
     image.save(dest)
     return dest

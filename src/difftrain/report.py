@@ -91,7 +91,9 @@ def smooth(values: list[float], weight: float = 0.9) -> list[float]:
 
 
 # ----------------------------------------------------------------- plots
-def plot_losses(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, title: str, named: bool = False) -> Path | None:
+def plot_losses(
+    runs: dict[str, tuple[list[dict], list[dict]]], path: Path, title: str, named: bool = False
+) -> Path | None:
     """Training loss (smoothed, raw faint when one run) and validation loss (dots) per run, on one axis;
     ``named``: label the lines by run even when there is one."""
     from matplotlib.figure import Figure
@@ -110,14 +112,27 @@ def plot_losses(runs: dict[str, tuple[list[dict], list[dict]]], path: Path, titl
         if steps:
             if single:
                 ax.plot(steps, losses, color=color, alpha=0.25, linewidth=1, label="training loss")
-            ax.plot(steps, smooth(losses), color=color, linewidth=2, marker="o" if len(steps) < 3 else None,
-                    label="training loss (smoothed)" if single else name)
+            ax.plot(
+                steps,
+                smooth(losses),
+                color=color,
+                linewidth=2,
+                marker="o" if len(steps) < 3 else None,
+                label="training loss (smoothed)" if single else name,
+            )
         vsteps = [r["step"] for r in val if _finite(r.get("val_loss"))]
         vloss = [r["val_loss"] for r in val if _finite(r.get("val_loss"))]
         values += vloss
         if vsteps:
-            ax.plot(vsteps, vloss, color=color, linestyle="--", marker="o", markersize=4,
-                    label="validation loss" if single else f"{name} (validation)")
+            ax.plot(
+                vsteps,
+                vloss,
+                color=color,
+                linestyle="--",
+                marker="o",
+                markersize=4,
+                label="validation loss" if single else f"{name} (validation)",
+            )
     if values and min(values) > 0 and max(values) / min(values) > 20:
         ax.set_yscale("log")
     from matplotlib.ticker import MaxNLocator
@@ -271,7 +286,9 @@ def _cell(v: Any) -> str:
     return html.escape(str(v))
 
 
-def html_table(columns: list[tuple[str, str]], rows: list[dict], best: int | None = None, links: dict | None = None) -> str:
+def html_table(
+    columns: list[tuple[str, str]], rows: list[dict], best: int | None = None, links: dict | None = None
+) -> str:
     """A table of ``rows`` (dicts) under ``columns`` = [(key, header)]; row ``best`` highlighted."""
     head = "".join(f'<th class="{"l" if i == 0 else ""}">{html.escape(h)}</th>' for i, (_, h) in enumerate(columns))
     body = []
@@ -291,8 +308,10 @@ def html_table(columns: list[tuple[str, str]], rows: list[dict], best: int | Non
 
 
 def _page(title: str, subtitle: str, sections: list[tuple[str, str]]) -> str:
-    parts = [f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
-             f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1><p class=\"sub\">{html.escape(subtitle)}</p>"]
+    parts = [
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>',
+        f'<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1><p class="sub">{html.escape(subtitle)}</p>',
+    ]
     for heading, content in sections:
         if content:
             parts.append(f"<section><h2>{html.escape(heading)}</h2>{content}</section>")
@@ -308,62 +327,105 @@ def write_run_report(run_dir: Path) -> Path:
     samples_png = plot_samples(run_dir / "samples", run_dir / "plots" / "samples.png")
     summary = run_summary(run_dir)
     stats = read_json_object(run_dir / "stats.json")
-    numbers = html_table([("what", "what"), ("value", "value")],
-                         [{"what": STAT_LABELS[k], "value": v} for k, v in summary.items()])
-    memory = html_table([("what", "measurement"), ("value", "value")],
-                        [{"what": k, "value": v} for k, v in stats.items()]) if stats else ""
+    numbers = html_table(
+        [("what", "what"), ("value", "value")], [{"what": STAT_LABELS[k], "value": v} for k, v in summary.items()]
+    )
+    memory = (
+        html_table([("what", "measurement"), ("value", "value")], [{"what": k, "value": v} for k, v in stats.items()])
+        if stats
+        else ""
+    )
     config = run_dir / "config.yaml"
-    cfg_html = f"<details><summary>config.yaml</summary><pre>{html.escape(config.read_text(encoding='utf-8'))}</pre></details>" \
-        if config.is_file() else ""
-    page = _page(f"difftrain run: {run_dir.name}", str(run_dir.resolve()), [
-        ("Summary", numbers),
-        ("Loss", _img(loss_png, "loss curves")),
-        ("Validation samples", _img(samples_png, "validation samples")),
-        ("Memory and time (stats.json)", memory),
-        ("Configuration", cfg_html),
-    ])
+    cfg_html = (
+        f"<details><summary>config.yaml</summary><pre>{html.escape(config.read_text(encoding='utf-8'))}</pre></details>"
+        if config.is_file()
+        else ""
+    )
+    page = _page(
+        f"difftrain run: {run_dir.name}",
+        str(run_dir.resolve()),
+        [
+            ("Summary", numbers),
+            ("Loss", _img(loss_png, "loss curves")),
+            ("Validation samples", _img(samples_png, "validation samples")),
+            ("Memory and time (stats.json)", memory),
+            ("Configuration", cfg_html),
+        ],
+    )
     out = run_dir / "report.html"
     atomic_write_text(out, page)
     return out
 
 
-def write_sweep_report(sweep_dir: Path, rows: list[dict], columns: list[tuple[str, str]],
-                       trial_dirs: dict[str, Path], sort_key: str | None = None, axes: tuple[str, ...] = ()) -> Path:
+def write_sweep_report(
+    sweep_dir: Path,
+    rows: list[dict],
+    columns: list[tuple[str, str]],
+    trial_dirs: dict[str, Path],
+    sort_key: str | None = None,
+    axes: tuple[str, ...] = (),
+) -> Path:
     """plots/loss.png (every trial's training loss overlaid), plots/val_loss.png and report.html of a sweep.
     Plot legends name each trial with its swept values (``axes``)."""
     sweep_dir = Path(sweep_dir)
-    label = {r["trial"]: r["trial"] + (" (" + ", ".join(f"{a.rsplit('.', 1)[-1]}={_cell(r.get(a))}" for a in axes) + ")"
-                                        if axes else "") for r in rows}
+    label = {
+        r["trial"]: r["trial"]
+        + (" (" + ", ".join(f"{a.rsplit('.', 1)[-1]}={_cell(r.get(a))}" for a in axes) + ")" if axes else "")
+        for r in rows
+    }
     runs = {label.get(name, name): read_metrics(d) for name, d in trial_dirs.items()}
-    loss_png = plot_losses({k: (t, []) for k, (t, _) in runs.items()}, sweep_dir / "plots" / "loss.png",
-                           "training loss (smoothed), every trial", named=True)
-    val_png = plot_losses({k: ([], v) for k, (_, v) in runs.items() if v}, sweep_dir / "plots" / "val_loss.png",
-                          "validation loss, every trial", named=True)
-    samples_png = plot_trial_samples({label[r["trial"]].replace(" (", "\n("): trial_dirs[r["trial"]] for r in rows
-                                      if r["trial"] in trial_dirs},
-                                     sweep_dir / "plots" / "samples.png")
+    loss_png = plot_losses(
+        {k: (t, []) for k, (t, _) in runs.items()},
+        sweep_dir / "plots" / "loss.png",
+        "training loss (smoothed), every trial",
+        named=True,
+    )
+    val_png = plot_losses(
+        {k: ([], v) for k, (_, v) in runs.items() if v},
+        sweep_dir / "plots" / "val_loss.png",
+        "validation loss, every trial",
+        named=True,
+    )
+    samples_png = plot_trial_samples(
+        {label[r["trial"]].replace(" (", "\n("): trial_dirs[r["trial"]] for r in rows if r["trial"] in trial_dirs},
+        sweep_dir / "plots" / "samples.png",
+    )
     best = _best_row(rows)
-    links = {name: f"{d.relative_to(sweep_dir).as_posix()}/report.html" for name, d in trial_dirs.items()
-             if (d / "report.html").is_file() and d.is_relative_to(sweep_dir)}
+    links = {
+        name: f"{d.relative_to(sweep_dir).as_posix()}/report.html"
+        for name, d in trial_dirs.items()
+        if (d / "report.html").is_file() and d.is_relative_to(sweep_dir)
+    }
     done = sum(r.get("status") == "ok" for r in rows)
-    page = _page(f"difftrain sweep: {sweep_dir.name}",
-                 f"{len(rows)} trials, {done} finished; {('sorted by ' + sort_key) if sort_key else 'in sweep order'}; best validation "
-                 "(else final) loss highlighted", [
-                     ("Results", '<div class="wide">' + html_table([c for c in columns if c[0] != "error"], rows,
-                                                                  best=best, links=links) + "</div>"),
-                     ("Trials that did not finish", _problems(rows)),
-                     ("Training loss", _img(loss_png, "training loss of every trial")),
-                     ("Validation loss", _img(val_png, "validation loss of every trial")),
-                     ("Last validation samples of each trial", _img(samples_png, "validation samples of every trial")),
-                 ])
+    page = _page(
+        f"difftrain sweep: {sweep_dir.name}",
+        f"{len(rows)} trials, {done} finished; {('sorted by ' + sort_key) if sort_key else 'in sweep order'}; best validation "
+        "(else final) loss highlighted",
+        [
+            (
+                "Results",
+                '<div class="wide">'
+                + html_table([c for c in columns if c[0] != "error"], rows, best=best, links=links)
+                + "</div>",
+            ),
+            ("Trials that did not finish", _problems(rows)),
+            ("Training loss", _img(loss_png, "training loss of every trial")),
+            ("Validation loss", _img(val_png, "validation loss of every trial")),
+            ("Last validation samples of each trial", _img(samples_png, "validation samples of every trial")),
+        ],
+    )
     out = sweep_dir / "report.html"
     atomic_write_text(out, page)
     return out
 
 
 def _problems(rows: list[dict]) -> str:
-    items = [f"<li><b>{html.escape(str(r['trial']))}</b> ({html.escape(str(r.get('status')))}): "
-             f"{html.escape(str(r.get('error') or ''))}</li>" for r in rows if r.get("status") not in ("ok", "pending")]
+    items = [
+        f"<li><b>{html.escape(str(r['trial']))}</b> ({html.escape(str(r.get('status')))}): "
+        f"{html.escape(str(r.get('error') or ''))}</li>"
+        for r in rows
+        if r.get("status") not in ("ok", "pending")
+    ]
     return f'<ul class="problems">{"".join(items)}</ul>' if items else ""
 
 

@@ -42,8 +42,9 @@ def configure_compile(speed: SpeedConfig) -> None:
             setattr(cfg, name, max(64, getattr(cfg, name)))
 
 
-def compile_blocks(module: torch.nn.Module, block_classes: tuple[str, ...], speed: SpeedConfig,
-                   checkpoint_every: int = 0) -> int:
+def compile_blocks(
+    module: torch.nn.Module, block_classes: tuple[str, ...], speed: SpeedConfig, checkpoint_every: int = 0
+) -> int:
     """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
 
     ``Module.compile`` keeps the module's parameters and state-dict names (no ``_orig_mod`` wrapper), so
@@ -101,8 +102,10 @@ def attention_context(speed: SpeedConfig, device: torch.device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if device.type != "cuda" and speed.attention in ("cudnn", "efficient"):
-        raise BackendUnavailable(f"speed.attention {speed.attention} runs on CUDA GPUs only.",
-                                 hint="Use speed.attention: auto (or flash / math) on this device.")
+        raise BackendUnavailable(
+            f"speed.attention {speed.attention} runs on CUDA GPUs only.",
+            hint="Use speed.attention: auto (or flash / math) on this device.",
+        )
     return sdpa_kernel(getattr(SDPBackend, _SDPA[speed.attention]))
 
 
@@ -116,8 +119,10 @@ def check_attention(speed: SpeedConfig, device: torch.device) -> None:
         with attention_context(speed, device):
             torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
     except RuntimeError as e:
-        raise BackendUnavailable(f"speed.attention {speed.attention} does not run on this device: "
-                                 f"{str(e).splitlines()[0][:200]}", hint="Use speed.attention: auto.") from None
+        raise BackendUnavailable(
+            f"speed.attention {speed.attention} does not run on this device: {str(e).splitlines()[0][:200]}",
+            hint="Use speed.attention: auto.",
+        ) from None
 
 
 def optimizer_kernels(speed: SpeedConfig, params: list[torch.Tensor]) -> dict:
@@ -136,13 +141,17 @@ def float8_training(module: torch.nn.Module, device: torch.device) -> int:
     """torchao's float8 training on every Linear whose sizes fp8 matmuls take (multiples of 16); returns how many.
     Why torchao: it is the fp8 training recipe PyTorch maintains (dynamic scaling, FSDP-aware), nothing to rewrite."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise BackendUnavailable("speed.float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper).",
-                                 hint="Set speed.float8: false on this device.")
+        raise BackendUnavailable(
+            "speed.float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper).",
+            hint="Set speed.float8: false on this device.",
+        )
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise BackendUnavailable("speed.float8 needs torchao, which is not installed.",
-                                 hint="pip install 'difftrain[torchao]', or set speed.float8: false") from None
+        raise BackendUnavailable(
+            "speed.float8 needs torchao, which is not installed.",
+            hint="pip install 'difftrain[torchao]', or set speed.float8: false",
+        ) from None
     before = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
     # pad_inner_dim: a weight gradient's inner dimension is the token count (SDXL's 77 text tokens, SD3's 333),
     # which an fp8 matmul takes only in multiples of 16 (measured: the tiny SDXL's 2 x 77 failed without it)
@@ -154,8 +163,13 @@ def float8_eligible(mod: torch.nn.Module, fqn: str) -> bool:
     """Linear layers over tokens with fp8-sized features. Not the embedding and adaptive-norm layers (``*emb*``,
     ``*norm*``): they take one vector per sample, and an fp8 matmul needs the rows (the batch) in multiples of 16."""
     name = fqn.lower()
-    return (isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-            and "emb" not in name and "norm" not in name)
+    return (
+        isinstance(mod, torch.nn.Linear)
+        and mod.in_features % 16 == 0
+        and mod.out_features % 16 == 0
+        and "emb" not in name
+        and "norm" not in name
+    )
 
 
 def peak_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:

@@ -68,9 +68,17 @@ FINISHED = ("ok", "failed", "oom", "nan")
 #: config sections that decide what precompute writes (one precompute per distinct combination)
 PRECOMPUTE_SECTIONS = ("family", "model", "text_encoders", "data", "precompute", "dreambooth")
 #: the paths an sd-scripts or diffusers user may type for ours
-ALIASES = {"optimizer.lr": "train.learning_rate", "lr": "train.learning_rate", "learning_rate": "train.learning_rate",
-           "optimizer.kind": "memory.optimizer.kind", "rank": "lora.rank", "network_dim": "lora.rank",
-           "network_alpha": "lora.alpha", "steps": "train.max_steps", "max_train_steps": "train.max_steps"}
+ALIASES = {
+    "optimizer.lr": "train.learning_rate",
+    "lr": "train.learning_rate",
+    "learning_rate": "train.learning_rate",
+    "optimizer.kind": "memory.optimizer.kind",
+    "rank": "lora.rank",
+    "network_dim": "lora.rank",
+    "network_alpha": "lora.alpha",
+    "steps": "train.max_steps",
+    "max_train_steps": "train.max_steps",
+}
 DISTRIBUTIONS = ("log_uniform", "uniform", "int_uniform", "choice")
 
 
@@ -87,8 +95,16 @@ class SweepSpec:
     seed: int = 0
 
     def as_json(self) -> dict:
-        return {"recipe": self.recipe, "config": str(self.config) if self.config else None, "set": self.sets,
-                "extra": self.extra, "grid": self.grid, "dists": self.dists, "trials": self.trials, "seed": self.seed}
+        return {
+            "recipe": self.recipe,
+            "config": str(self.config) if self.config else None,
+            "set": self.sets,
+            "extra": self.extra,
+            "grid": self.grid,
+            "dists": self.dists,
+            "trials": self.trials,
+            "seed": self.seed,
+        }
 
 
 def _path(p: str, where: str) -> str:
@@ -133,7 +149,9 @@ def _value(text: str) -> Any:
 def parse_grid(item: str) -> tuple[str, list]:
     """``path=v1,v2,...`` -> (path, values), each value read as YAML (numbers, booleans, lists)."""
     if "=" not in item:
-        raise UsageError(f"--grid {item!r}: expected path=value1,value2,...", hint="e.g. --grid train.learning_rate=1e-4,3e-4")
+        raise UsageError(
+            f"--grid {item!r}: expected path=value1,value2,...", hint="e.g. --grid train.learning_rate=1e-4,3e-4"
+        )
     path, _, rest = item.partition("=")
     values = [_value(v) for v in _split_top(rest)]
     if not values:
@@ -152,15 +170,23 @@ def parse_dist(item: str) -> tuple[str, dict]:
 
 def _check_dist(d: Any, where: str) -> dict:
     if not isinstance(d, dict) or len(d) != 1 or next(iter(d)) not in DISTRIBUTIONS:
-        raise UsageError(f"sweep distribution {where!r}: expected one of {', '.join(DISTRIBUTIONS)}.",
-                         hint="e.g. {log_uniform: [1.0e-5, 1.0e-3]} or {choice: [16, 32, 64]}")
+        raise UsageError(
+            f"sweep distribution {where!r}: expected one of {', '.join(DISTRIBUTIONS)}.",
+            hint="e.g. {log_uniform: [1.0e-5, 1.0e-3]} or {choice: [16, 32, 64]}",
+        )
     kind, args = next(iter(d.items()))
     if not isinstance(args, list) or not args:
         raise UsageError(f"sweep distribution {where!r}: {kind} needs a list.", hint="e.g. {uniform: [0.0, 0.1]}")
     if kind != "choice":
-        if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args) or args[0] > args[1]:
-            raise UsageError(f"sweep distribution {where!r}: {kind} needs [low, high] numbers with low <= high.",
-                             hint="e.g. {log_uniform: [1.0e-5, 1.0e-3]}")
+        if (
+            len(args) != 2
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+            or args[0] > args[1]
+        ):
+            raise UsageError(
+                f"sweep distribution {where!r}: {kind} needs [low, high] numbers with low <= high.",
+                hint="e.g. {log_uniform: [1.0e-5, 1.0e-3]}",
+            )
         if kind == "log_uniform" and args[0] <= 0:
             raise UsageError(f"sweep distribution {where!r}: log_uniform needs low > 0.")
     return {kind: args}
@@ -171,20 +197,38 @@ def load_spec(path: Path) -> SweepSpec:
     raw = read_yaml(path, "sweep file")
     unknown = set(raw) - {"recipe", "config", "set", "grid", "random"}
     if unknown:
-        raise ConfigError(f"The sweep file {path} has unknown keys: {', '.join(sorted(unknown))}.",
-                          hint="Use recipe, config, set, grid and random.")
+        raise ConfigError(
+            f"The sweep file {path} has unknown keys: {', '.join(sorted(unknown))}.",
+            hint="Use recipe, config, set, grid and random.",
+        )
     sets, grid_raw, rnd = raw.get("set") or [], raw.get("grid") or {}, raw.get("random")
-    for key, ok, what in (("recipe", isinstance(raw.get("recipe"), (str, type(None))), "a recipe name or path"),
-                          ("config", isinstance(raw.get("config"), (str, type(None))), "a file path"),
-                          ("set", isinstance(sets, (dict, list)), "a mapping of path: value, or a list of path=value"),
-                          ("grid", isinstance(grid_raw, dict) and all(isinstance(k, str) for k in grid_raw),
-                           "a mapping of path: [values]"),
-                          ("random", rnd is None or (isinstance(rnd, dict) and type(rnd.get("trials")) is int and rnd["trials"] >= 1
-                                                     and type(rnd.get("seed", 0)) is int and isinstance(rnd.get("axes") or {}, dict)
-                                                     and all(isinstance(k, str) for k in rnd.get("axes") or {})),
-                           "{trials: N (a positive integer), seed: an integer, axes: {path: distribution}}")):
+    for key, ok, what in (
+        ("recipe", isinstance(raw.get("recipe"), (str, type(None))), "a recipe name or path"),
+        ("config", isinstance(raw.get("config"), (str, type(None))), "a file path"),
+        ("set", isinstance(sets, (dict, list)), "a mapping of path: value, or a list of path=value"),
+        (
+            "grid",
+            isinstance(grid_raw, dict) and all(isinstance(k, str) for k in grid_raw),
+            "a mapping of path: [values]",
+        ),
+        (
+            "random",
+            rnd is None
+            or (
+                isinstance(rnd, dict)
+                and type(rnd.get("trials")) is int
+                and rnd["trials"] >= 1
+                and type(rnd.get("seed", 0)) is int
+                and isinstance(rnd.get("axes") or {}, dict)
+                and all(isinstance(k, str) for k in rnd.get("axes") or {})
+            ),
+            "{trials: N (a positive integer), seed: an integer, axes: {path: distribution}}",
+        ),
+    ):
         if not ok:
-            raise ConfigError(f"The sweep file {path}: {key} must be {what}.", hint="`difftrain sweep --help` shows an example.")
+            raise ConfigError(
+                f"The sweep file {path}: {key} must be {what}.", hint="`difftrain sweep --help` shows an example."
+            )
     if isinstance(sets, dict):
         sets = [f"{k}={_dump(v)}" for k, v in sets.items()]
     grid = {}
@@ -192,12 +236,18 @@ def load_spec(path: Path) -> SweepSpec:
         if not isinstance(v, list) or not v:
             raise ConfigError(f"{path}: grid.{k} must be a non-empty list of values.")
         grid[_path(k, f"{path}: grid")] = v
-    spec = SweepSpec(recipe=raw.get("recipe"), config=Path(raw["config"]) if raw.get("config") else None,
-                     sets=[str(s) for s in sets], grid=grid)
+    spec = SweepSpec(
+        recipe=raw.get("recipe"),
+        config=Path(raw["config"]) if raw.get("config") else None,
+        sets=[str(s) for s in sets],
+        grid=grid,
+    )
     if rnd is not None:
         spec.trials, spec.seed = rnd["trials"], rnd.get("seed", 0)
-        spec.dists = {_path(k, f"{path}: random.axes"): _check_dist(v, f"{path}: random.axes.{k}")
-                      for k, v in (rnd.get("axes") or {}).items()}
+        spec.dists = {
+            _path(k, f"{path}: random.axes"): _check_dist(v, f"{path}: random.axes.{k}")
+            for k, v in (rnd.get("axes") or {}).items()
+        }
     return spec
 
 
@@ -213,7 +263,9 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     axes = list(spec.grid) + [k for k in spec.dists if k not in spec.grid]
     if spec.trials is None:
         if spec.dists:
-            raise UsageError("Distributions need random search.", hint="Add --random N (random: {trials: N} in a sweep file).")
+            raise UsageError(
+                "Distributions need random search.", hint="Add --random N (random: {trials: N} in a sweep file)."
+            )
         if not spec.grid:
             raise UsageError("The sweep has no axes.", hint="Add --grid path=v1,v2 (or grid:/random: in a sweep file).")
         return [dict(zip(spec.grid, combo)) for combo in itertools.product(*spec.grid.values())]
@@ -236,14 +288,18 @@ def _draw(rng: random.Random, dist: dict) -> Any:
         return rng.choice(args)
     lo, hi = args
     if kind == "log_uniform":
-        return float(f"{math.exp(rng.uniform(math.log(lo), math.log(hi))):.4g}")  # 4 digits: readable, and still distinct
+        return float(
+            f"{math.exp(rng.uniform(math.log(lo), math.log(hi))):.4g}"
+        )  # 4 digits: readable, and still distinct
     if kind == "int_uniform":
         return rng.randint(int(lo), int(hi))
     return float(f"{rng.uniform(lo, hi):.4g}")
 
 
 def trial_name(values: dict[str, Any], spec: SweepSpec) -> str:
-    key = json.dumps({"values": values, "base": [spec.recipe, str(spec.config), spec.sets, spec.extra]}, sort_keys=True, default=str)
+    key = json.dumps(
+        {"values": values, "base": [spec.recipe, str(spec.config), spec.sets, spec.extra]}, sort_keys=True, default=str
+    )
     return "t-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
@@ -298,9 +354,19 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
         warn("some trials have the same values (random search drew a point twice): each runs once")
         trials = list({t.name: t for t in trials}.values())
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "sweep.json", json.dumps({
-        "spec": spec.as_json(), "axes": _axes(spec),
-        "trials": [{"name": t.name, "values": t.values} for t in trials]}, indent=1, default=str) + "\n")
+    atomic_write_text(
+        out / "sweep.json",
+        json.dumps(
+            {
+                "spec": spec.as_json(),
+                "axes": _axes(spec),
+                "trials": [{"name": t.name, "values": t.values} for t in trials],
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n",
+    )
 
     todo = []
     for t in trials:
@@ -328,8 +394,10 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
             try:
                 r = precompute(t.resolved.config)
                 built[key] = None
-                info(f"sweep: cache {r.cache_dir}: {r.latents_encoded} latents and {r.texts_encoded} captions encoded, "
-                     f"{r.latents_reused + r.texts_reused} reused")
+                info(
+                    f"sweep: cache {r.cache_dir}: {r.latents_encoded} latents and {r.texts_encoded} captions encoded, "
+                    f"{r.latents_reused + r.texts_reused} reused"
+                )
             except DifftrainError as e:
                 built[key] = _error_text(e)
         if built[key] is not None:
@@ -364,7 +432,10 @@ def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
                 if slot not in running and queue:
                     t = queue.pop(0)
                     n += 1
-                    info(f"sweep: trial {n}/{len(todo)} {t.name} ({_short(t.values)})" + (f" on GPU {slot}" if slot else ""))
+                    info(
+                        f"sweep: trial {n}/{len(todo)} {t.name} ({_short(t.values)})"
+                        + (f" on GPU {slot}" if slot else "")
+                    )
                     running[slot] = (t, *_start(t, slot, len(slots)))
             time.sleep(0.2)
             for slot, (t, proc, t0, log) in list(running.items()):
@@ -375,13 +446,22 @@ def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
                 res = _read_result(t.folder)
                 if res.get("status") not in FINISHED:  # the child died before it could say (killed, segfault)
                     tail = (t.folder / "train.log").read_text(encoding="utf-8", errors="replace")[-400:]
-                    res = {"status": "failed", "values": t.values,
-                           "error": f"the trial process ended with exit code {proc.returncode}: {tail.strip()}"}
+                    res = {
+                        "status": "failed",
+                        "values": t.values,
+                        "error": f"the trial process ended with exit code {proc.returncode}: {tail.strip()}",
+                    }
                     _write_result(t.folder, res)
-                info(f"sweep: {t.name}: {res['status']}" + (f" ({res.get('error', '')[:200]})" if res["status"] != "ok" else
-                                                            f", final loss {_fmt(res.get('final_loss'))} in {time.time() - t0:.0f} s"))
+                info(
+                    f"sweep: {t.name}: {res['status']}"
+                    + (
+                        f" ({res.get('error', '')[:200]})"
+                        if res["status"] != "ok"
+                        else f", final loss {_fmt(res.get('final_loss'))} in {time.time() - t0:.0f} s"
+                    )
+                )
     except BaseException:
-        for _, proc, _, log in running.values():  # Ctrl+C: stop the children too; a rerun resumes them
+        for _, proc, _, _log in running.values():  # Ctrl+C: stop the children too; a rerun resumes them
             proc.terminate()
         for _, proc, _, log in running.values():
             try:
@@ -405,8 +485,10 @@ def _start(t: Trial, gpu: str | None, parallel: int) -> tuple[subprocess.Popen, 
     env.setdefault("DIFFTRAIN_PROGRESS", "0")  # children's bars would interleave; the log has the lines
     src = str(Path(__file__).resolve().parents[1])  # the running difftrain, also when it is not installed
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log = open(t.folder / "train.log", "a", encoding="utf-8")
-    proc = subprocess.Popen([sys.executable, "-m", "difftrain.sweep", str(t.folder)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    log = open(t.folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (the child writes it; closed when it ends)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "difftrain.sweep", str(t.folder)], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     return proc, time.time(), log
 
 
@@ -512,8 +594,14 @@ def write_results(out: Path, sort: str | None = None, descending: bool = False) 
     atomic_write_text(out / "results.json", json.dumps(rows, indent=1, default=str) + "\n")
     atomic_write_text(out / "trials.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rows))
     _hparams(out, rows, axes)
-    headers = [("trial", "trial"), *((a, a) for a in axes), ("status", "status"),
-               *((k, v) for k, v in STAT_LABELS.items()), ("seconds", "seconds"), ("error", "error")]
+    headers = [
+        ("trial", "trial"),
+        *((a, a) for a in axes),
+        ("status", "status"),
+        *((k, v) for k, v in STAT_LABELS.items()),
+        ("seconds", "seconds"),
+        ("error", "error"),
+    ]
     dirs = {r["trial"]: out / "trials" / r["trial"] for r in rows if (out / "trials" / r["trial"]).is_dir()}
     try:
         write_sweep_report(out, rows, headers, dirs, sort_key=sort, axes=tuple(axes))
@@ -538,8 +626,11 @@ def _hparams(out: Path, rows: list[dict], axes: list[str]) -> None:
             if r["status"] != "ok":
                 continue
             hp = {a: (r[a] if isinstance(r[a], (int, float, str, bool)) else str(r[a])) for a in axes}
-            metrics = {f"hparam/{k}": r[k] for k in ("final_loss", "best_loss", "val_loss", "s_per_step")
-                       if isinstance(r.get(k), (int, float))}
+            metrics = {
+                f"hparam/{k}": r[k]
+                for k in ("final_loss", "best_loss", "val_loss", "s_per_step")
+                if isinstance(r.get(k), (int, float))
+            }
             w.add_hparams(hp, metrics, run_name=r["trial"])
 
 
@@ -550,12 +641,25 @@ def _print_table(rows: list[dict], axes: list[str]) -> None:
     from .console import console
 
     table = Table(title="sweep results")
-    for col in ["trial", *(a.rsplit(".", 1)[-1] for a in axes), "status", "final loss", "best loss", "val loss", "s/step", "peak GiB"]:
+    for col in [
+        "trial",
+        *(a.rsplit(".", 1)[-1] for a in axes),
+        "status",
+        "final loss",
+        "best loss",
+        "val loss",
+        "s/step",
+        "peak GiB",
+    ]:
         table.add_column(col, justify="left" if col in ("trial", "status") else "right", no_wrap=col == "trial")
     for r in rows:
         color = {"ok": "green", "pending": "yellow"}.get(r["status"], "red")
-        table.add_row(escape(r["trial"]), *(escape(str(r[a])) for a in axes), f"[{color}]{escape(r['status'])}[/{color}]",
-                      *(_fmt4(r.get(k)) for k in ("final_loss", "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib")))
+        table.add_row(
+            escape(r["trial"]),
+            *(escape(str(r[a])) for a in axes),
+            f"[{color}]{escape(r['status'])}[/{color}]",
+            *(_fmt4(r.get(k)) for k in ("final_loss", "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib")),
+        )
     # as wide as its content: a narrow or piped terminal would cut the numbers to "0.00…"
     need = sum(max([len(str(c.header))] + [len(x) for x in c.cells]) + 3 for c in table.columns) + 1
     saved = console._width  # rich caps print(width=) at the console's width: widen the console for this print

@@ -7,9 +7,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -126,13 +126,24 @@ def sha256_text(*parts: str) -> str:
 
 
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
-def stream_save_safetensors(path: Path, tensors, metadata: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Path:
+def stream_save_safetensors(
+    path: Path, tensors, metadata: dict[str, str] | None = None, dtype: torch.dtype | None = None
+) -> Path:
     """Write a .safetensors file one tensor at a time, atomically.
 
     ``safetensors.torch.save_file`` serialises the whole dict in host memory
@@ -211,8 +222,10 @@ def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> 
             raise ValueError(f"{path} is too short to be a safetensors file ({size} bytes)")
         n = int.from_bytes(head, "little")
         if n > limit or n > size - 8:
-            raise ValueError(f"{path} claims a {n}-byte header ({size} bytes in the file, at most {limit} accepted): "
-                             "it is damaged or not a safetensors file")
+            raise ValueError(
+                f"{path} claims a {n}-byte header ({size} bytes in the file, at most {limit} accepted): "
+                "it is damaged or not a safetensors file"
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -27,8 +27,10 @@ def test_cache_shapes_of_the_real_architecture():
     from difftrain.families.sdxl import SDXL
 
     shapes = SDXL().cache_shapes("sdxl-base-1.0", 1024)
-    assert shapes == {"latent": {"latents": (4, 128, 128), "crop": (2,)},
-                      "clip": {"prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)}}
+    assert shapes == {
+        "latent": {"latents": (4, 128, 128), "crop": (2,)},
+        "clip": {"prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)},
+    }
 
 
 @pytest.mark.gpu
@@ -36,7 +38,10 @@ def test_bench_memory_on_cuda_reports_gpu_peaks(tmp_path):
     from difftrain.bench import bench_memory
 
     r = bench_memory(resolve(recipe="tiny-sdxl-lora", sets=["train.device=cuda"]).config, tmp_path, steps=4)
-    assert r.peak_after_load_gib is not None and 0 < r.peak_after_load_gib <= r.peak_train_alloc_gib <= r.peak_train_reserved_gib
+    assert (
+        r.peak_after_load_gib is not None
+        and 0 < r.peak_after_load_gib <= r.peak_train_alloc_gib <= r.peak_train_reserved_gib
+    )
     assert torch.cuda.is_available()
 
 
@@ -45,8 +50,22 @@ def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
     over the measured matmul peak, so the faster run has the higher MFU."""
     import json
 
-    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "memory.activations.kind=checkpoint",
-            "--baseline-set", "memory.activations.kind=none", "--steps", "3", "--warmup", "1", "--work", tmp_path)
+    r = cli(
+        "bench",
+        "speed",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "memory.activations.kind=checkpoint",
+        "--baseline-set",
+        "memory.activations.kind=none",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--work",
+        tmp_path,
+    )
     assert r.code == 0, r
     assert "config vs eager baseline" in r.err and "MFU" in r.err
     out = json.loads((tmp_path / "bench_speed.json").read_text())
@@ -68,15 +87,29 @@ def test_bench_speed_baseline_keeps_only_the_speed_options_it_names(cli, tmp_pat
     baseline that cannot run is refused with the reason, before anything is built."""
     from difftrain.bench import EAGER, baseline_config
 
-    cfg = resolve(recipe="tiny-sdxl-lora", sets=["speed.compile=true", "speed.cuda_graphs=true",
-                                                   "speed.attention=math", "speed.sync_seconds=5"]).config
+    cfg = resolve(
+        recipe="tiny-sdxl-lora",
+        sets=["speed.compile=true", "speed.cuda_graphs=true", "speed.attention=math", "speed.sync_seconds=5"],
+    ).config
     b = baseline_config(cfg, {"compile", "attention"})
     assert b.speed.compile and b.speed.attention == "math" and not b.speed.cuda_graphs
     assert b.speed.sync_seconds == EAGER.sync_seconds == 0 and b.speed.optimizer_kernels == EAGER.optimizer_kernels
     assert b.model_dump(exclude={"speed"}) == cfg.model_dump(exclude={"speed"})
     assert baseline_config(cfg, set()).speed == EAGER
-    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "speed.compile=true", "--set",
-            "speed.cuda_graphs=true", "--baseline-set", "speed.cuda_graphs=true", "--work", tmp_path)
+    r = cli(
+        "bench",
+        "speed",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "speed.compile=true",
+        "--set",
+        "speed.cuda_graphs=true",
+        "--baseline-set",
+        "speed.cuda_graphs=true",
+        "--work",
+        tmp_path,
+    )
     assert r.code != 0 and "baseline" in r.err and "speed.compile" in r.err and "Traceback" not in r.err
     assert not list(tmp_path.iterdir())  # refused before the random model was built
 
@@ -86,8 +119,23 @@ def test_bench_speed_of_a_full_fine_tune_crosses_epochs_without_exporting(cli, t
     what training loads (no VAE, no text encoders) and its few cached items make an epoch a step or two, so an
     export inside the timed steps failed on the H100 (S6-full-fp8). Bench runs save nothing; a trainer with no
     save.formats writes and loads nothing to export."""
-    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--set", "train.method=full", "--set",
-            "save.every_n_epochs=1", "--no-baseline", "--steps", "3", "--warmup", "1", "--work", tmp_path)
+    r = cli(
+        "bench",
+        "speed",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "train.method=full",
+        "--set",
+        "save.every_n_epochs=1",
+        "--no-baseline",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--work",
+        tmp_path,
+    )
     assert r.code == 0, r
     assert not (tmp_path / "config" / "saved").exists()
 
@@ -104,8 +152,20 @@ def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     timing) and reports the profiled step's own duration and kernels by kind."""
     import json
 
-    r = cli("bench", "speed", "--recipe", "tiny-sdxl-lora", "--no-baseline", "--steps", "2", "--warmup", "1",
-            "--profile", "--work", tmp_path)
+    r = cli(
+        "bench",
+        "speed",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--no-baseline",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--profile",
+        "--work",
+        tmp_path,
+    )
     assert r.code == 0, r
     row = json.loads((tmp_path / "bench_speed.json").read_text())["rows"][0]
     assert len((tmp_path / "config" / "metrics.jsonl").read_text().splitlines()) == 1 + 2 + 2

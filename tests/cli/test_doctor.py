@@ -79,10 +79,16 @@ def _fake_deepspeed(monkeypatch, prebuilt: bool, compatible: bool = True, boom=N
         def is_compatible(self, verbose=False):
             return compatible
 
-    _fake_modules(monkeypatch, deepspeed={"__version__": "0.99"}, **{
-        "deepspeed.git_version_info": {"installed_ops": {"cpu_adam": prebuilt}},
-        "deepspeed.ops": {}, "deepspeed.ops.adam": {"DeepSpeedCPUAdam": CPUAdam},
-        "deepspeed.ops.op_builder": {"CPUAdamBuilder": Builder}})
+    _fake_modules(
+        monkeypatch,
+        deepspeed={"__version__": "0.99"},
+        **{
+            "deepspeed.git_version_info": {"installed_ops": {"cpu_adam": prebuilt}},
+            "deepspeed.ops": {},
+            "deepspeed.ops.adam": {"DeepSpeedCPUAdam": CPUAdam},
+            "deepspeed.ops.op_builder": {"CPUAdamBuilder": Builder},
+        },
+    )
     return constructed
 
 
@@ -137,15 +143,20 @@ def test_xformers_attention_runs_or_says_what_to_do(monkeypatch):
 
     def attention(q, k, v):
         calls.append(q.shape)
-        return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        ).transpose(1, 2)
 
-    _fake_modules(monkeypatch, xformers={"__version__": "0.97"}, **{"xformers.ops": {"memory_efficient_attention": attention}})
+    _fake_modules(
+        monkeypatch, xformers={"__version__": "0.97"}, **{"xformers.ops": {"memory_efficient_attention": attention}}
+    )
     assert doctor._xformers(cuda=False).status == "info" and not calls
     monkeypatch.setattr(torch, "float16", torch.float32)  # the CPU's SDPA stands in for the GPU kernel
     c = doctor._xformers(cuda=True, device="cpu")
     assert c.status == "ok" and calls and "memory_efficient_attention runs" in c.found
     sys.modules["xformers.ops"].memory_efficient_attention = lambda q, k, v: (_ for _ in ()).throw(
-        NotImplementedError("No operator found for `memory_efficient_attention_forward`"))
+        NotImplementedError("No operator found for `memory_efficient_attention_forward`")
+    )
     c = doctor._xformers(cuda=True, device="cpu")
     assert c.status == "warn" and "No operator found" in c.found and "uninstall it" in c.fix
     monkeypatch.setitem(sys.modules, "xformers", None)

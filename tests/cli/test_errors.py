@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-
 from conftest import tiny_sets
 
 
@@ -26,8 +25,17 @@ def test_unknown_recipe(cli):
 
 
 def test_unknown_config_key_and_negative_lr_are_all_listed(cli, tmp_path):
-    r = cli("train", "--recipe", "tiny-sdxl-lora", "--set", "train.learning_rte=1e-4", "--set", "train.learning_rate=-1",
-            "--set", "memory.weights.kind=fp9")
+    r = cli(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "train.learning_rte=1e-4",
+        "--set",
+        "train.learning_rate=-1",
+        "--set",
+        "memory.weights.kind=fp9",
+    )
     assert r.code == 2
     assert "3 problems" in r.err
     assert "train.learning_rte: unknown key" in r.err
@@ -37,7 +45,9 @@ def test_unknown_config_key_and_negative_lr_are_all_listed(cli, tmp_path):
 
 
 def test_impossible_combination_names_both_options(cli):
-    r = cli("train", "--recipe", "tiny-sdxl-lora", "--set", "train.warmup_steps=10", "--set", "train.lr_scheduler=constant")
+    r = cli(
+        "train", "--recipe", "tiny-sdxl-lora", "--set", "train.warmup_steps=10", "--set", "train.lr_scheduler=constant"
+    )
     assert r.code == 2
     assert "warmup_steps" in r.err and "constant_with_warmup" in r.err
     _no_traceback(r)
@@ -78,10 +88,27 @@ def test_pickle_checkpoint_refused_without_flag(cli, dataset, tmp_path):
 
 def test_debug_env_shows_traceback_and_console_script_exit_code(tmp_path):
     env = dict(os.environ, DIFFTRAIN_DEBUG="1")
-    p = subprocess.run([sys.executable, "-m", "difftrain", "train", "--recipe", "tiny-sdxl-lora",
-                        "--set", f"model.path={tmp_path / 'missing'}", "--set", f"data.dir={tmp_path}"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "difftrain",
+            "train",
+            "--recipe",
+            "tiny-sdxl-lora",
+            "--set",
+            f"model.path={tmp_path / 'missing'}",
+            "--set",
+            f"data.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 1
     assert "Traceback" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "difftrain", "recipes", "show", "nope"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "difftrain", "recipes", "show", "nope"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr

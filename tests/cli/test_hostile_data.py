@@ -8,25 +8,33 @@ import json
 
 import pytest
 
-from conftest import tiny_sets, clean_failure as _clean_failure, set_args as _sets
-
-
+from conftest import clean_failure as _clean_failure
+from conftest import set_args as _sets
+from conftest import tiny_sets
 
 
 # ----------------------------------------------------------------- metadata and caption files
-@pytest.mark.parametrize("content, needle", [
-    ("[1, 2]", "holds a JSON list, not an object of image keys"),
-    ('{"00_red_circle": ["caption"]}', "the value of '00_red_circle' is a list, not an object"),
-    ('{"00_red_circle": {"caption": 5}}', "'00_red_circle'.caption is a int, not a string"),
-    ("[" * 100_000 + "]" * 100_000, "nests too deeply to read"),
-    ('{"a": 1', "is not valid JSON"),
-    ('{"../../home/x.png": {"caption": "x"}}', "the entry '../../home/x.png' names a path outside the data folder"),
-    ('{"/etc/passwd": {"caption": "x"}}', "the entry '/etc/passwd' names a path outside the data folder"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("[1, 2]", "holds a JSON list, not an object of image keys"),
+        ('{"00_red_circle": ["caption"]}', "the value of '00_red_circle' is a list, not an object"),
+        ('{"00_red_circle": {"caption": 5}}', "'00_red_circle'.caption is a int, not a string"),
+        ("[" * 100_000 + "]" * 100_000, "nests too deeply to read"),
+        ('{"a": 1', "is not valid JSON"),
+        ('{"../../home/x.png": {"caption": "x"}}', "the entry '../../home/x.png' names a path outside the data folder"),
+        ('{"/etc/passwd": {"caption": "x"}}', "the entry '/etc/passwd' names a path outside the data folder"),
+    ],
+)
 def test_a_bad_metadata_file(cli, tiny_model, dataset, tmp_path, content, needle):
     meta = tmp_path / "meta.json"
     meta.write_text(content)
-    r = cli("precompute", "--recipe", "tiny-sdxl-lora", *_sets(tiny_sets(tiny_model, dataset, tmp_path, **{"data.metadata": meta})))
+    r = cli(
+        "precompute",
+        "--recipe",
+        "tiny-sdxl-lora",
+        *_sets(tiny_sets(tiny_model, dataset, tmp_path, **{"data.metadata": meta})),
+    )
     _clean_failure(r, 1, f"metadata file {meta}", needle)
 
 
@@ -69,4 +77,6 @@ def test_file_names_with_rich_markup_are_printed_as_they_are(cli, tiny_model, da
     assert r.code == 0, r
     assert "[bold]x :fire:.png" in r.err and "sub[/y] z.png" in r.err  # neither a MarkupError nor swallowed text
     (dataset / "sub[" / "y] z.caption").write_bytes(b"\xff")
-    _clean_failure(cli("merge-tags", dataset, tmp_path / "m.json", "--recursive"), 1, "sub[/y] z.caption is not valid UTF-8")
+    _clean_failure(
+        cli("merge-tags", dataset, tmp_path / "m.json", "--recursive"), 1, "sub[/y] z.caption is not valid UTF-8"
+    )

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_sets, clean_failure as _clean_failure, set_args as _sets
-
-
+from conftest import clean_failure as _clean_failure
+from conftest import set_args as _sets
+from conftest import tiny_sets
 
 
 # ----------------------------------------------------------------- checkpoints and LoRA files
@@ -27,7 +27,10 @@ CRAFTED = {
     "header of 2^60 bytes": ((2**60).to_bytes(8, "little") + b"{}", "claims a 1152921504606846976-byte header"),
     "header longer than the file": ((50).to_bytes(8, "little") + b"{}", "claims a 50-byte header"),
     "header not JSON": ((4).to_bytes(8, "little") + b"\xff\xfe{}", "unreadable safetensors header"),
-    "offsets beyond the file": (_st({"a": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}), "not fully covered"),
+    "offsets beyond the file": (
+        _st({"a": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}),
+        "not fully covered",
+    ),
     "unknown dtype": (_st({"a": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 16]}}), "unknown variant `Q7`"),
     "zero bytes": (b"", "too short to be a safetensors file"),
 }
@@ -106,16 +109,35 @@ def test_a_lora_file_of_integers_or_with_a_bad_alpha(cli, tiny_model, _dataset_m
 
     f = tmp_path / "ints.safetensors"
     save_file({"unet.x.lora_A.weight": torch.zeros(4, 4, dtype=torch.int32)}, f)
-    _clean_failure(_train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}), 1,
-                   "is torch.int32, not a LoRA weight")
+    _clean_failure(
+        _train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}),
+        1,
+        "is torch.int32, not a LoRA weight",
+    )
     # a kohya file whose alpha is not a scalar
-    save_file({"lora_unet_input_blocks_0_0.lora_down.weight": torch.zeros(4, 4), "lora_unet_input_blocks_0_0.alpha": torch.zeros(3)}, f)
-    _clean_failure(_train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}), 1,
-                   "has a malformed alpha or lora_adapter_metadata")
+    save_file(
+        {
+            "lora_unet_input_blocks_0_0.lora_down.weight": torch.zeros(4, 4),
+            "lora_unet_input_blocks_0_0.alpha": torch.zeros(3),
+        },
+        f,
+    )
+    _clean_failure(
+        _train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}),
+        1,
+        "has a malformed alpha or lora_adapter_metadata",
+    )
     # a diffusers file whose metadata gives an alpha that is not a number
-    save_file({"unet.conv_in.lora_A.weight": torch.zeros(4, 4)}, f, metadata={"lora_adapter_metadata": '{"unet.lora_alpha": "x"}'})
-    _clean_failure(_train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}), 1,
-                   "has a malformed alpha or lora_adapter_metadata")
+    save_file(
+        {"unet.conv_in.lora_A.weight": torch.zeros(4, 4)},
+        f,
+        metadata={"lora_adapter_metadata": '{"unet.lora_alpha": "x"}'},
+    )
+    _clean_failure(
+        _train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"lora.init_weights": f}),
+        1,
+        "has a malformed alpha or lora_adapter_metadata",
+    )
 
 
 def _copy_cache(cached, tmp_path):
@@ -145,16 +167,21 @@ def test_cache_shard_names_cannot_leave_the_cache_folder(cli, tiny_model, _datas
     key = next(iter(manifest["entries"]))
     manifest["entries"][key]["shard"] = str(victim)
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    _clean_failure(_train(cli, tiny_model, _dataset_master, cache, tmp_path), 1, "is not {shard: shards/xx/<id>.safetensors")
+    _clean_failure(
+        _train(cli, tiny_model, _dataset_master, cache, tmp_path), 1, "is not {shard: shards/xx/<id>.safetensors"
+    )
 
 
-@pytest.mark.parametrize("change", [
-    lambda index: index.update(items={"a": 1}),
-    lambda index: index["items"][0].update(bucket="64x64"),
-    lambda index: index["items"][0].update(texts=["x"]),
-    lambda index: index["items"][0].update(latent=None),
-    lambda index: index["items"].__setitem__(0, "item"),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda index: index.update(items={"a": 1}),
+        lambda index: index["items"][0].update(bucket="64x64"),
+        lambda index: index["items"][0].update(texts=["x"]),
+        lambda index: index["items"][0].update(latent=None),
+        lambda index: index["items"].__setitem__(0, "item"),
+    ],
+)
 def test_an_index_of_wrong_types(cli, tiny_model, _dataset_master, cached, tmp_path, change):
     cache = _copy_cache(cached, tmp_path)
     index = json.loads((cache / "index.json").read_text())
@@ -176,14 +203,25 @@ def test_a_crafted_checkpoint_to_resume_from(cli, tiny_model, _dataset_master, c
     _clean_failure(r, 1, f"The checkpoint {ckpt} is incomplete or damaged", CRAFTED[case][1])
 
 
-@pytest.mark.parametrize("damage", [
-    lambda ck: (ck / "trainer_state.json").write_text("[]"),
-    lambda ck: (ck / "trainer_state.json").write_text('{"step": "1", "epoch": 0, "batch_pos": 0}'),
-    lambda ck: (ck / "trainer_state.json").write_bytes(b"\xff"),
-    lambda ck: (ck / "rng.json").write_text('{"__dict__": {"python": 5}}'),
-    lambda ck: (ck / "trainable.json").write_text('{"__dict__": {"unet.x": {"__tensor__": "nope"}}}'),
-    lambda ck: (ck / "schedule.json").write_text("[" * 100_000 + "]" * 100_000),
-], ids=["state a list", "step a string", "state not UTF-8", "rng of wrong types", "tensor not in the file", "too deep"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda ck: (ck / "trainer_state.json").write_text("[]"),
+        lambda ck: (ck / "trainer_state.json").write_text('{"step": "1", "epoch": 0, "batch_pos": 0}'),
+        lambda ck: (ck / "trainer_state.json").write_bytes(b"\xff"),
+        lambda ck: (ck / "rng.json").write_text('{"__dict__": {"python": 5}}'),
+        lambda ck: (ck / "trainable.json").write_text('{"__dict__": {"unet.x": {"__tensor__": "nope"}}}'),
+        lambda ck: (ck / "schedule.json").write_text("[" * 100_000 + "]" * 100_000),
+    ],
+    ids=[
+        "state a list",
+        "step a string",
+        "state not UTF-8",
+        "rng of wrong types",
+        "tensor not in the file",
+        "too deep",
+    ],
+)
 def test_a_checkpoint_with_wrong_types_to_resume_from(cli, tiny_model, _dataset_master, cached, tmp_path, damage):
     r = _train(cli, tiny_model, _dataset_master, cached, tmp_path, **{"train.checkpoint_every": 1})
     assert r.code == 0, r

@@ -11,8 +11,15 @@ def test_quickstart_twice(cli, tmp_path):
     out = tmp_path / "qs"
     r = cli("quickstart", "--out", out, "--steps", "6")
     assert r.code == 0, r
-    for name in ("data", "model/model_index.json", "metadata.json", "cache/index.json", "run/config.yaml",
-                 "run/pytorch_lora_weights.safetensors", "sample.png"):
+    for name in (
+        "data",
+        "model/model_index.json",
+        "metadata.json",
+        "cache/index.json",
+        "run/config.yaml",
+        "run/pytorch_lora_weights.safetensors",
+        "sample.png",
+    ):
         assert (out / name).exists(), name
     assert len(list((out / "data").glob("*.png"))) == 12
     sizes = {Image.open(p).size for p in (out / "data").glob("*.png")}

@@ -24,27 +24,56 @@ def test_full_finetune_with_bitsandbytes_adamw8bit(tiny_model, dataset, tmp_path
 
     from difftrain.trainers.loop import Trainer
 
-    cfg = _cfg(tiny_model, dataset, tmp_path, **{"train.method": "full", "memory.optimizer.kind": "adamw8bit",
-                                                 "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
-                                                 "train.max_steps": 30, "train.batch_size": 4, "train.learning_rate": 1e-3})
+    cfg = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "memory.optimizer.kind": "adamw8bit",
+            "memory.weights.kind": "bf16",
+            "train.mixed_precision": "bf16",
+            "train.max_steps": 30,
+            "train.batch_size": 4,
+            "train.learning_rate": 1e-3,
+        },
+    )
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
     assert isinstance(t.optimizer, bnb.optim.AdamW8bit)
     assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
     # 8-bit state: a quarter of AdamW's fp32 moments, roughly
-    state_bytes = sum(v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    state_bytes = sum(
+        v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
     param_count = sum(p.numel() for p in t.params)
     assert state_bytes < 3 * param_count  # AdamW fp32 would be 8 bytes per parameter
 
 
 def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):
-    ref = _cfg(tiny_model, dataset, tmp_path / "a", **{"train.max_steps": 6, "memory.weights.kind": "fp32", "train.mixed_precision": "no"})
+    ref = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "a",
+        **{"train.max_steps": 6, "memory.weights.kind": "fp32", "train.mixed_precision": "no"},
+    )
     precompute(ref)
     a = train(ref).losses
-    b = train(_cfg(tiny_model, dataset, tmp_path / "b", **{"train.max_steps": 6, "memory.weights.kind": "bf16",
-                                                           "train.mixed_precision": "bf16", "memory.activations.kind": "checkpoint",
-                                                           "data.cache_dir": tmp_path / "a" / "cache"})).losses
+    b = train(
+        _cfg(
+            tiny_model,
+            dataset,
+            tmp_path / "b",
+            **{
+                "train.max_steps": 6,
+                "memory.weights.kind": "bf16",
+                "train.mixed_precision": "bf16",
+                "memory.activations.kind": "checkpoint",
+                "data.cache_dir": tmp_path / "a" / "cache",
+            },
+        )
+    ).losses
     assert b == pytest.approx(a, rel=0.05)
 
 
@@ -53,20 +82,46 @@ def test_single_file_loads_straight_to_cuda(tiny_model, tmp_path):
     from difftrain.families.sdxl import PARTS, SDXL
 
     comps = SDXL().load(ModelConfig(path=tiny_model), PARTS)
-    f = SDXL().save_single_file({p: comps[p].state_dict() for p in PARTS}, SDXL.module_configs(comps), tmp_path / "m.safetensors")
-    back = SDXL().load(ModelConfig(path=f, config="sdxl-tiny", tokenizer_path=tiny_model), ["unet"], dtype=torch.bfloat16, device="cuda")
+    f = SDXL().save_single_file(
+        {p: comps[p].state_dict() for p in PARTS}, SDXL.module_configs(comps), tmp_path / "m.safetensors"
+    )
+    back = SDXL().load(
+        ModelConfig(path=f, config="sdxl-tiny", tokenizer_path=tiny_model),
+        ["unet"],
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in back["unet"].parameters())
 
 
-@pytest.mark.parametrize("opt", [
-    "{kind: adamw8bit, paged: true}", "{kind: adamw8bit, backend: torchao}", "{kind: adamw4bit}",
-    "{kind: cpu_offload}", "{kind: cpu_offload, offload_gradients: true}",
-])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        "{kind: adamw8bit, paged: true}",
+        "{kind: adamw8bit, backend: torchao}",
+        "{kind: adamw4bit}",
+        "{kind: cpu_offload}",
+        "{kind: cpu_offload, offload_gradients: true}",
+    ],
+)
 def test_optimizers_on_cuda(tiny_model, dataset, tmp_path, opt):
-    cfg = _cfg(tiny_model, dataset, tmp_path, **{"train.method": "full", "memory.optimizer": opt, "memory.weights.kind": "bf16",
-                                                 "train.mixed_precision": "bf16", "train.max_steps": 20, "train.batch_size": 4,
-                                                 "train.learning_rate": 1e-3, "train.max_grad_norm": "null",
-                                                 "train.lr_scheduler": "cosine", "train.warmup_steps": 2})
+    cfg = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "memory.optimizer": opt,
+            "memory.weights.kind": "bf16",
+            "train.mixed_precision": "bf16",
+            "train.max_steps": 20,
+            "train.batch_size": 4,
+            "train.learning_rate": 1e-3,
+            "train.max_grad_norm": "null",
+            "train.lr_scheduler": "cosine",
+            "train.warmup_steps": 2,
+        },
+    )
     precompute(cfg)
     r = train(cfg)
     assert all(torch.isfinite(torch.tensor(r.losses)))
@@ -81,11 +136,17 @@ def test_fp8_lora_on_cuda_saves_memory_and_tracks_bf16(tiny_model, dataset, tmp_
     precompute(a)
     ta = Trainer(a)
     ra = ta.run()
-    b = _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"memory.weights": "{kind: fp8}", "data.cache_dir": tmp_path / "a" / "cache"})
+    b = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        **common,
+        **{"memory.weights": "{kind: fp8}", "data.cache_dir": tmp_path / "a" / "cache"},
+    )
     tb = Trainer(b)
     rb = tb.run()
     assert rb.losses == pytest.approx(ra.losses, rel=0.05)
-    bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.comps["unet"].parameters() if not p.requires_grad)  # noqa: E731
+    bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.comps["unet"].parameters() if not p.requires_grad)
     assert bytes_of(tb) < 0.6 * bytes_of(ta)
     assert all(p.is_cuda for p in tb.comps["unet"].parameters())
 
@@ -96,11 +157,21 @@ def test_bitsandbytes_base_weights_lora_tracks_bf16(tiny_model, dataset, tmp_pat
 
     from difftrain.trainers.loop import Trainer
 
-    common = {"train.max_steps": 8, "train.mixed_precision": "bf16", "lora.targets": "[to_q, to_k, to_v, to_out.0, proj_in, proj_out]"}
+    common = {
+        "train.max_steps": 8,
+        "train.mixed_precision": "bf16",
+        "lora.targets": "[to_q, to_k, to_v, to_out.0, proj_in, proj_out]",
+    }
     a = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"memory.weights.kind": "bf16"})
     precompute(a)
     ra = train(a)
-    b = _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"memory.weights": f"{{kind: {kind}}}", "data.cache_dir": tmp_path / "a" / "cache"})
+    b = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        **common,
+        **{"memory.weights": f"{{kind: {kind}}}", "data.cache_dir": tmp_path / "a" / "cache"},
+    )
     t = Trainer(b)
     rb = t.run()
     cls = bnb.nn.Linear4bit if kind == "nf4" else bnb.nn.Linear8bitLt
@@ -129,8 +200,13 @@ def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora):
         x = torch.randn(2, c.in_channels, 32, 32, generator=g, device="cuda")
         emb = torch.randn(2, 77, c.cross_attention_dim, generator=g, device="cuda")
         n_time = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
-        added = {"text_embeds": torch.randn(2, n_time, generator=g, device="cuda"), "time_ids": torch.full((2, 6), 32.0, device="cuda")}
-        unet(x, torch.tensor([10, 500], device="cuda"), encoder_hidden_states=emb, added_cond_kwargs=added).sample.pow(2).mean().backward()
+        added = {
+            "text_embeds": torch.randn(2, n_time, generator=g, device="cuda"),
+            "time_ids": torch.full((2, 6), 32.0, device="cuda"),
+        }
+        unet(x, torch.tensor([10, 500], device="cuda"), encoder_hidden_states=emb, added_cond_kwargs=added).sample.pow(
+            2
+        ).mean().backward()
         return {n: p.grad.detach().cpu() for n, p in unet.named_parameters() if p.grad is not None}
 
     ref = _unet(tiny_model, lora).cuda()
@@ -154,11 +230,24 @@ def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora):
 def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_path):
     from difftrain.trainers.loop import Trainer
 
-    cfg = _cfg(tiny_model, dataset, tmp_path, **{
-        "train.method": "full", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16", "train.max_grad_norm": "null",
-        "memory.optimizer": "{kind: cpu_offload, offload_gradients: true}", "train.max_steps": 20, "train.batch_size": 4,
-        "train.learning_rate": 1e-3, "memory.offload": "{kind: block_swap, blocks_to_swap: 20}", "save.formats": "[]",
-        "memory.activations.kind": "checkpoint"})
+    cfg = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "memory.weights.kind": "bf16",
+            "train.mixed_precision": "bf16",
+            "train.max_grad_norm": "null",
+            "memory.optimizer": "{kind: cpu_offload, offload_gradients: true}",
+            "train.max_steps": 20,
+            "train.batch_size": 4,
+            "train.learning_rate": 1e-3,
+            "memory.offload": "{kind: block_swap, blocks_to_swap: 20}",
+            "save.formats": "[]",
+            "memory.activations.kind": "checkpoint",
+        },
+    )
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
@@ -167,8 +256,14 @@ def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_pat
 
 
 def _ds(tiny_model, dataset, out, engine: str, **extra):
-    sets = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16", "memory.engine": engine,
-            "train.batch_size": 4, "train.learning_rate": 3e-3, "train.checkpoint_every": 1000}
+    sets = {
+        "memory.weights.kind": "bf16",
+        "train.mixed_precision": "bf16",
+        "memory.engine": engine,
+        "train.batch_size": 4,
+        "train.learning_rate": 3e-3,
+        "train.checkpoint_every": 1000,
+    }
     sets.update(extra)
     return _cfg(tiny_model, dataset, out, **sets)
 
@@ -176,8 +271,13 @@ def _ds(tiny_model, dataset, out, engine: str, **extra):
 def test_deepspeed_zero2_lora_learns_and_exports(tiny_model, dataset, tmp_path):
     from difftrain.trainers.loop import Trainer
 
-    cfg = _ds(tiny_model, dataset, tmp_path, "{kind: deepspeed, stage: 2, offload_optimizer_device: cpu}",
-              **{"train.max_steps": 30})
+    cfg = _ds(
+        tiny_model,
+        dataset,
+        tmp_path,
+        "{kind: deepspeed, stage: 2, offload_optimizer_device: cpu}",
+        **{"train.max_steps": 30},
+    )
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
@@ -194,8 +294,18 @@ def test_deepspeed_zero2_resumes_exactly(tiny_model, dataset, tmp_path):
     a = _ds(tiny_model, dataset, tmp_path / "a", eng, **{"train.max_steps": 6, "data.cache_dir": tmp_path / "cache"})
     precompute(a)
     ref = train(a)
-    b = _ds(tiny_model, dataset, tmp_path / "b", eng, **{"train.max_steps": 6, "train.checkpoint_every": 3,
-                                                         "data.cache_dir": tmp_path / "cache", "model.allow_pickle": "true"})
+    b = _ds(
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        eng,
+        **{
+            "train.max_steps": 6,
+            "train.checkpoint_every": 3,
+            "data.cache_dir": tmp_path / "cache",
+            "model.allow_pickle": "true",
+        },
+    )
     train(b, stop_at=3)
     assert train(b, resume="latest").losses == pytest.approx(ref.losses[3:], rel=1e-4)
 
@@ -203,9 +313,13 @@ def test_deepspeed_zero2_resumes_exactly(tiny_model, dataset, tmp_path):
 def test_deepspeed_zero3_param_offload_full_finetune(tiny_model, dataset, tmp_path):
     from difftrain.trainers.loop import Trainer
 
-    cfg = _ds(tiny_model, dataset, tmp_path,
-              "{kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
-              **{"train.method": "full", "train.max_steps": 20, "train.learning_rate": 1e-3, "save.formats": "[single_file]"})
+    cfg = _ds(
+        tiny_model,
+        dataset,
+        tmp_path,
+        "{kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+        **{"train.method": "full", "train.max_steps": 20, "train.learning_rate": 1e-3, "save.formats": "[single_file]"},
+    )
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
@@ -221,10 +335,23 @@ def test_sd3_lora_with_8bit_adam_and_int8_t5_precompute(dataset, tmp_path):
     from difftrain.trainers.loop import Trainer
 
     model = SD3().build_tiny(tmp_path / "tiny-sd3")
-    sets = tiny_sets(model, dataset, tmp_path, **{
-        "train.device": "cuda", "precompute.device": "cuda", "text_encoders.t5.precision": "int8",
-        "memory.optimizer.kind": "adamw8bit", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
-        "train.max_steps": 20, "train.batch_size": 4, "train.learning_rate": 3e-3, "memory.activations.kind": "checkpoint"})
+    sets = tiny_sets(
+        model,
+        dataset,
+        tmp_path,
+        **{
+            "train.device": "cuda",
+            "precompute.device": "cuda",
+            "text_encoders.t5.precision": "int8",
+            "memory.optimizer.kind": "adamw8bit",
+            "memory.weights.kind": "bf16",
+            "train.mixed_precision": "bf16",
+            "train.max_steps": 20,
+            "train.batch_size": 4,
+            "train.learning_rate": 3e-3,
+            "memory.activations.kind": "checkpoint",
+        },
+    )
     cfg = resolve(recipe="tiny-sd3-lora", sets=sets).config
     r = precompute(cfg)
     assert r.texts_encoded == 24
@@ -237,14 +364,25 @@ def test_sd3_lora_with_8bit_adam_and_int8_t5_precompute(dataset, tmp_path):
 
 def test_deepspeed_zero2_loss_tracks_the_plain_run(tiny_model, dataset, tmp_path):
     """Pinned-loss check for the engine: ZeRO-2 (bf16 module weights, fp32 master copy) against plain AdamW."""
-    common = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16", "train.batch_size": 4,
-              "train.learning_rate": 1e-3, "train.max_steps": 12, "train.checkpoint_every": 1000,
-              "data.cache_dir": tmp_path / "cache"}
+    common = {
+        "memory.weights.kind": "bf16",
+        "train.mixed_precision": "bf16",
+        "train.batch_size": 4,
+        "train.learning_rate": 1e-3,
+        "train.max_steps": 12,
+        "train.checkpoint_every": 1000,
+        "data.cache_dir": tmp_path / "cache",
+    }
     plain = _cfg(tiny_model, dataset, tmp_path / "plain", **common)
     precompute(plain)
     ref = train(plain).losses
-    ds = _cfg(tiny_model, dataset, tmp_path / "ds", **common,
-              **{"memory.engine": "{kind: deepspeed, stage: 2, offload_optimizer_device: none}"})
+    ds = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "ds",
+        **common,
+        **{"memory.engine": "{kind: deepspeed, stage: 2, offload_optimizer_device: none}"},
+    )
     got = train(ds).losses
     assert got[0] == pytest.approx(ref[0], rel=1e-3)  # the same first step: same data, noise and weights
     assert got == pytest.approx(ref, rel=0.05)
@@ -255,10 +393,21 @@ def test_cogvideox_lora_with_block_swap_on_cuda(dataset, tmp_path):
     from difftrain.trainers.loop import Trainer
 
     model = CogVideoX().build_tiny(tmp_path / "tiny-cog")
-    sets = tiny_sets(model, dataset, tmp_path, **{
-        "train.device": "cuda", "precompute.device": "cuda", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
-        "memory.activations.kind": "checkpoint", "memory.offload": "{kind: block_swap, blocks_to_swap: 2}",
-        "train.max_steps": 10, "train.batch_size": 2})
+    sets = tiny_sets(
+        model,
+        dataset,
+        tmp_path,
+        **{
+            "train.device": "cuda",
+            "precompute.device": "cuda",
+            "memory.weights.kind": "bf16",
+            "train.mixed_precision": "bf16",
+            "memory.activations.kind": "checkpoint",
+            "memory.offload": "{kind: block_swap, blocks_to_swap: 2}",
+            "train.max_steps": 10,
+            "train.batch_size": 2,
+        },
+    )
     cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets).config
     precompute(cfg)
     t = Trainer(cfg)
@@ -278,11 +427,26 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
     model = CogVideoXI2V().build_tiny(tmp_path / "tiny-i2v", seed=0)
     start = tmp_path / "start.png"
     Image.new("RGB", (64, 64), (200, 40, 40)).save(start)
-    cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(model, dataset, tmp_path, **{
-        "family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v", "train.device": "cuda",
-        "precompute.device": "cuda", "train.max_steps": 1, "validation.prompts": "[a red start]",
-        "validation.images": f"[{start}]", "validation.num_inference_steps": 2, "validation.resolution": 64,
-        "data.frames": 9})).config
+    cfg = resolve(
+        recipe="tiny-cogvideox-lora",
+        sets=tiny_sets(
+            model,
+            dataset,
+            tmp_path,
+            **{
+                "family": "cogvideox-i2v",
+                "model.config": "cogvideox-tiny-i2v",
+                "train.device": "cuda",
+                "precompute.device": "cuda",
+                "train.max_steps": 1,
+                "validation.prompts": "[a red start]",
+                "validation.images": f"[{start}]",
+                "validation.num_inference_steps": 2,
+                "validation.resolution": 64,
+                "data.frames": 9,
+            },
+        ),
+    ).config
     precompute(cfg)
     t = Trainer(cfg)
     t.run()
@@ -298,8 +462,9 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
 
     t.family.load = spy_load
     # on the first block: after the transformer's own pre-hooks (difftrain's offload among them) have run
-    handle = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a: seen.append(
-        {n: next(loaded[n].parameters()).device.type for n in ("text_encoder", "vae")}))
+    handle = tr.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, a: seen.append({n: next(loaded[n].parameters()).device.type for n in ("text_encoder", "vae")})
+    )
     t.cfg.validation.cpu_offload = True
     try:
         offloaded = validate(t, "offloaded")
@@ -317,11 +482,14 @@ def test_sweep_on_the_gpu_records_peak_memory_and_an_out_of_memory_trial(tiny_mo
 
     from difftrain.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 3}),
-        grid={"train.gpu_memory_limit_gib": [0.001, 64]})
+    spec = SweepSpec(
+        recipe="tiny-sdxl-lora",
+        sets=tiny_sets(
+            tiny_model, dataset, tmp_path, **{"train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 3}
+        ),
+        grid={"train.gpu_memory_limit_gib": [0.001, 64]},
+    )
     rows = {r["train.gpu_memory_limit_gib"]: r for r in run_sweep(spec, tmp_path / "sw", gpus=["0"])}
     assert rows[0.001]["status"] == "oom" and "memory" in rows[0.001]["error"].lower()
     assert rows[64]["status"] == "ok" and 0 < rows[64]["gpu_peak_alloc_gib"] < 2
     assert json.loads((tmp_path / "sw" / "trials" / rows[64]["trial"] / "result.json").read_text())["gpu"] == "0"
-

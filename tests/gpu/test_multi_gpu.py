@@ -21,20 +21,36 @@ LORA = "pytorch_lora_weights.safetensors"
 
 def _run(*args):
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
-    return subprocess.run([sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=900
+    )
 
 
 def _args(model, data, out, cache, **extra):
-    base = {"train.device": "cuda", "train.max_steps": 6, "train.learning_rate": 1e-3, "data.cache_dir": cache,
-            "train.checkpoint_every": 3}
+    base = {
+        "train.device": "cuda",
+        "train.max_steps": 6,
+        "train.learning_rate": 1e-3,
+        "data.cache_dir": cache,
+        "train.checkpoint_every": 3,
+    }
     return [a for s in tiny_sets(model, data, out, **{**base, **extra}) for a in ("--set", s)]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, tiny_model, _dataset_master):
     root = tmp_path_factory.mktemp("mgpu")
-    precompute(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, _dataset_master, root / "x", **{
-        "data.cache_dir": root / "cache", "precompute.device": "cuda"})).config)
+    precompute(
+        resolve(
+            recipe="tiny-sdxl-lora",
+            sets=tiny_sets(
+                tiny_model,
+                _dataset_master,
+                root / "x",
+                **{"data.cache_dir": root / "cache", "precompute.device": "cuda"},
+            ),
+        ).config
+    )
     return root
 
 
@@ -43,11 +59,25 @@ def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dat
     extra = {"memory.engine.kind": engine, "train.mixed_precision": "bf16", "memory.weights.kind": "bf16"}
     if engine == "deepspeed":
         extra["memory.engine.offload_optimizer_device"] = "none"
-    two = _run("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
-               *_args(tiny_model, _dataset_master, cache / f"two-{engine}", cache / "cache", **{"train.batch_size": 2, **extra}))
+    two = _run(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_args(
+            tiny_model, _dataset_master, cache / f"two-{engine}", cache / "cache", **{"train.batch_size": 2, **extra}
+        ),
+    )
     assert two.returncode == 0, two.stderr[-4000:]
-    one = _run("train", "--recipe", "tiny-sdxl-lora",
-               *_args(tiny_model, _dataset_master, cache / f"one-{engine}", cache / "cache", **{"train.batch_size": 4, **extra}))
+    one = _run(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        *_args(
+            tiny_model, _dataset_master, cache / f"one-{engine}", cache / "cache", **{"train.batch_size": 4, **extra}
+        ),
+    )
     assert one.returncode == 0, one.stderr[-4000:]
     if engine == "ddp":
         assert "the 2 processes' trained weights agree" in two.stderr
@@ -65,8 +95,16 @@ def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dat
 def test_sweep_two_trials_on_two_gpus(tiny_model, dataset, tmp_path):
     from difftrain.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 30}), grid={"train.seed": [1, 2]})
+    spec = SweepSpec(
+        recipe="tiny-sdxl-lora",
+        sets=tiny_sets(
+            tiny_model,
+            dataset,
+            tmp_path,
+            **{"train.device": "cuda", "precompute.device": "cuda", "train.max_steps": 30},
+        ),
+        grid={"train.seed": [1, 2]},
+    )
     rows = run_sweep(spec, tmp_path / "sw", gpus=["0", "1"])
     assert [r["status"] for r in rows] == ["ok", "ok"]
     res = [json.loads((tmp_path / "sw" / "trials" / r["trial"] / "result.json").read_text()) for r in rows]
@@ -76,23 +114,41 @@ def test_sweep_two_trials_on_two_gpus(tiny_model, dataset, tmp_path):
 def test_a_two_gpu_zero2_checkpoint_resumes_on_one_gpu(cache, tiny_model, _dataset_master):
     """ZeRO's optimizer partitions are cut per GPU: resuming on another count goes through DeepSpeed's
     universal checkpoint, and the run ends where the two-GPU run ended (same global batch)."""
-    extra = {"memory.engine.kind": "deepspeed", "memory.engine.offload_optimizer_device": "none",
-             "train.mixed_precision": "bf16", "memory.weights.kind": "bf16", "model.allow_pickle": "true"}
-    two = _run("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
-               *_args(tiny_model, _dataset_master, cache / "z2", cache / "cache", **{"train.batch_size": 2, **extra}))
+    extra = {
+        "memory.engine.kind": "deepspeed",
+        "memory.engine.offload_optimizer_device": "none",
+        "train.mixed_precision": "bf16",
+        "memory.weights.kind": "bf16",
+        "model.allow_pickle": "true",
+    }
+    two = _run(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_args(tiny_model, _dataset_master, cache / "z2", cache / "cache", **{"train.batch_size": 2, **extra}),
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     first = sorted((cache / "z2" / "run" / "checkpoints").iterdir())[0]
     final = load_file(cache / "z2" / "run" / LORA)
-    one = _run("train", "--recipe", "tiny-sdxl-lora", "--resume", str(first),
-               *_args(tiny_model, _dataset_master, cache / "z2", cache / "cache", **{"train.batch_size": 4, **extra}))
+    one = _run(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--resume",
+        str(first),
+        *_args(tiny_model, _dataset_master, cache / "z2", cache / "cache", **{"train.batch_size": 4, **extra}),
+    )
     assert one.returncode == 0, one.stderr[-4000:]
     assert "universal format" in one.stderr and (first / "deepspeed" / "state_universal").is_dir()
     again, start = load_file(cache / "z2" / "run" / LORA), load_file(first / LORA)
     # what the last 3 steps changed, on two GPUs and resumed on one: the same within bf16 noise (measured 7 %;
     # early Adam steps move by about lr x sign(g) either way, so this does not prove the moments were restored)
-    da, db = (torch.cat([x[k].float().flatten() - start[k].float().flatten() for k in sorted(x)]) for x in (again, final))
+    da, db = (
+        torch.cat([x[k].float().flatten() - start[k].float().flatten() for k in sorted(x)]) for x in (again, final)
+    )
     assert db.norm() > 0 and ((da - db).norm() / db.norm()).item() < 0.1
-
 
 
 def test_zero3_builds_the_model_partitioned_and_every_rank_gets_the_files_weights(cache, tiny_model, _dataset_master):
@@ -104,28 +160,58 @@ def test_zero3_builds_the_model_partitioned_and_every_rank_gets_the_files_weight
     from difftrain.config.schema import ModelConfig
     from difftrain.families.sdxl import SDXL
 
-    extra = {"memory.engine.kind": "deepspeed", "memory.engine.stage": 3, "memory.engine.offload_optimizer_device": "none",
-             "train.mixed_precision": "bf16", "memory.weights.kind": "bf16", "train.method": "full",
-             "train.learning_rate": 1e-12, "save.formats": "[single_file]", "save.precision": "bf16"}
-    two = _run("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
-               *_args(tiny_model, _dataset_master, cache / "z3", cache / "cache", **{"train.batch_size": 2, **extra}))
+    extra = {
+        "memory.engine.kind": "deepspeed",
+        "memory.engine.stage": 3,
+        "memory.engine.offload_optimizer_device": "none",
+        "train.mixed_precision": "bf16",
+        "memory.weights.kind": "bf16",
+        "train.method": "full",
+        "train.learning_rate": 1e-12,
+        "save.formats": "[single_file]",
+        "save.precision": "bf16",
+    }
+    two = _run(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_args(tiny_model, _dataset_master, cache / "z3", cache / "cache", **{"train.batch_size": 2, **extra}),
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     fam = SDXL()
     want = fam.load(ModelConfig(path=tiny_model), ["unet"], dtype=torch.bfloat16)["unet"].state_dict()
-    got = fam.load(ModelConfig(path=cache / "z3" / "run" / "model.safetensors", config="sdxl-tiny"), ["unet"], dtype=torch.bfloat16)["unet"].state_dict()
+    got = fam.load(
+        ModelConfig(path=cache / "z3" / "run" / "model.safetensors", config="sdxl-tiny"), ["unet"], dtype=torch.bfloat16
+    )["unet"].state_dict()
     assert set(got) == set(want)
     differ = [k for k in want if not torch.allclose(got[k].float(), want[k].float(), rtol=0, atol=1e-9)]
     assert not differ, differ[:5]
 
 
 def test_zero3_lora_on_two_gpus_trains_as_one_gpu(cache, tiny_model, _dataset_master):
-    extra = {"memory.engine.kind": "deepspeed", "memory.engine.stage": 3, "memory.engine.offload_optimizer_device": "none",
-             "train.mixed_precision": "bf16", "memory.weights.kind": "bf16"}
+    extra = {
+        "memory.engine.kind": "deepspeed",
+        "memory.engine.stage": 3,
+        "memory.engine.offload_optimizer_device": "none",
+        "train.mixed_precision": "bf16",
+        "memory.weights.kind": "bf16",
+    }
     runs = {}
     for n, bs in ((2, 2), (1, 4)):
         gpus = ["--gpus", "2"] if n == 2 else []
-        r = _run("train", "--recipe", "tiny-sdxl-lora", *gpus,
-                 *_args(tiny_model, _dataset_master, cache / f"z3l{n}", cache / "cache", **{"train.batch_size": bs, **extra}))
+        r = _run(
+            "train",
+            "--recipe",
+            "tiny-sdxl-lora",
+            *gpus,
+            *_args(
+                tiny_model, _dataset_master, cache / f"z3l{n}", cache / "cache", **{"train.batch_size": bs, **extra}
+            ),
+        )
         assert r.returncode == 0, r.stderr[-4000:]
-        runs[n] = [json.loads(x)["loss"] for x in (cache / f"z3l{n}" / "run" / "metrics.jsonl").read_text().splitlines()]
+        runs[n] = [
+            json.loads(x)["loss"] for x in (cache / f"z3l{n}" / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
     assert runs[2] == pytest.approx(runs[1], rel=0.02)

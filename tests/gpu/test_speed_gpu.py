@@ -15,18 +15,32 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(model, data, out, **extra):
-    base = {"train.device": "cuda", "memory.weights.kind": "bf16", "train.mixed_precision": "bf16",
-            "train.max_steps": 6, "train.checkpoint_every": 1000, "train.learning_rate": 1e-4, "data.cache_dir": out.parent / "cache"}
+    base = {
+        "train.device": "cuda",
+        "memory.weights.kind": "bf16",
+        "train.mixed_precision": "bf16",
+        "train.max_steps": 6,
+        "train.checkpoint_every": 1000,
+        "train.learning_rate": 1e-4,
+        "data.cache_dir": out.parent / "cache",
+    }
     return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(model, data, out, **{**base, **extra})).config
 
 
-@pytest.mark.parametrize("extra", [{"speed.compile": "true", "memory.activations.kind": "checkpoint"},
-                                   {"speed.compile": "true", "speed.cuda_graphs": "true"},
-                                   # checkpointing inside the compiled blocks lets CUDA graphs replay them
-                                   {"speed.compile": "true", "speed.cuda_graphs": "true", "memory.activations.kind": "checkpoint"},
-                                   {"speed.attention": "flash", "speed.channels_last": "true"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"speed.compile": "true", "memory.activations.kind": "checkpoint"},
+        {"speed.compile": "true", "speed.cuda_graphs": "true"},
+        # checkpointing inside the compiled blocks lets CUDA graphs replay them
+        {"speed.compile": "true", "speed.cuda_graphs": "true", "memory.activations.kind": "checkpoint"},
+        {"speed.attention": "flash", "speed.channels_last": "true"},
+    ],
+)
 def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, extra):
-    eager = _cfg(tiny_model, dataset, tmp_path / "a", **{"memory.activations.kind": extra.get("memory.activations.kind", "none")})
+    eager = _cfg(
+        tiny_model, dataset, tmp_path / "a", **{"memory.activations.kind": extra.get("memory.activations.kind", "none")}
+    )
     precompute(eager)
     ref = train(eager)
     t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **extra))
@@ -42,15 +56,27 @@ def test_fp8_weights_compiled_with_cuda_graphs_train_as_eager(tiny_model, datase
     eager = _cfg(tiny_model, dataset, tmp_path / "a", **common)
     precompute(eager)
     ref = train(eager)
-    out = train(_cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"}))
+    out = train(
+        _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"})
+    )
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
 
 def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")
-    cfg = _cfg(tiny_model, dataset, tmp_path / "a", **{"train.method": "full", "speed.float8": "true", "speed.compile": "true",
-                                                       "train.learning_rate": 1e-5, "save.formats": "[]"})
+    cfg = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "a",
+        **{
+            "train.method": "full",
+            "speed.float8": "true",
+            "speed.compile": "true",
+            "train.learning_rate": 1e-5,
+            "save.formats": "[]",
+        },
+    )
     precompute(cfg)
     t = Trainer(cfg)
     out = t.run()

@@ -59,7 +59,12 @@ def test_bad_images_are_converted_or_skipped_and_reported(tiny_model, dataset, t
     assert report["captions"] == {"caption": 12, "filename": 1} and report["usable"] == 13
     index = json.loads((tmp_path / "cache" / "index.json").read_text())
     assert {it["key"]: it["caption"] for it in index["items"]}["no_caption_here"] == "no caption here"
-    for needle in ("4 skipped", "converted to RGB: 1 CMYK, 1 I;16, 1 P, 1 RGBA", "filename 1", "precompute-report.json"):
+    for needle in (
+        "4 skipped",
+        "converted to RGB: 1 CMYK, 1 I;16, 1 P, 1 RGBA",
+        "filename 1",
+        "precompute-report.json",
+    ):
         assert needle in r.err.replace("\n", " "), needle
     assert "Traceback" not in r.err
 

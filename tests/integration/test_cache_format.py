@@ -29,7 +29,9 @@ def old_cache(tmp_path_factory):
     cache = root / "cache"
     shutil.copytree(FIXTURE / "shards", cache / "shards")
     shutil.copy(FIXTURE / "manifest.json", cache / "manifest.json")
-    index = (FIXTURE / "index.json").read_text(encoding="utf-8").replace("@MODEL@", str(model)).replace("@DATA@", str(data))
+    index = (
+        (FIXTURE / "index.json").read_text(encoding="utf-8").replace("@MODEL@", str(model)).replace("@DATA@", str(data))
+    )
     (cache / "index.json").write_text(index, encoding="utf-8")
     memo = {}
     for rel, digest in json.loads((FIXTURE / "weight_hashes.json").read_text(encoding="utf-8")).items():

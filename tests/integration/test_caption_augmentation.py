@@ -12,8 +12,13 @@ from difftrain.errors import CacheMismatch
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import train
 
-AUG = {"data.caption_source": "tags", "data.shuffle_caption": True, "data.keep_tokens": 1, "data.caption_variants": 3,
-       "data.caption_dropout_rate": 0.3}
+AUG = {
+    "data.caption_source": "tags",
+    "data.shuffle_caption": True,
+    "data.keep_tokens": 1,
+    "data.caption_variants": 3,
+    "data.caption_dropout_rate": 0.3,
+}
 
 
 def _cfg(tiny_model, data, out, **extra):
@@ -30,7 +35,9 @@ def test_shuffled_variants_are_cached_and_training_draws_them(tiny_model, datase
         vs = it["text_variants"]
         assert len(vs) == 3 and len({v["clip"] for v in vs}) == 3
         variant_keys |= {k for v in vs for k in v.values()}
-    expected = variant_keys | {k for it in index["items"] for k in it["texts"].values()} | set(index["empty_text"].values())
+    expected = (
+        variant_keys | {k for it in index["items"] for k in it["texts"].values()} | set(index["empty_text"].values())
+    )
     assert r.texts_encoded == len(expected)  # every variant and the empty caption, each once
     cache = DataCache(tmp_path / "cache")
     assert not cache.missing(expected)
@@ -50,19 +57,26 @@ def test_shuffled_variants_are_cached_and_training_draws_them(tiny_model, datase
     assert read & set(index["empty_text"].values())  # and the dropped caption
 
 
-@pytest.mark.parametrize("change, needle", [
-    ({"data.shuffle_caption": True, "data.caption_source": "tags"}, "shuffle_caption"),
-    ({"data.caption_dropout_rate": 0.1}, "empty caption"),
-    ({"precompute.vae_dtype": "bf16"}, "precompute.vae_dtype: the cache was made with fp32, this config has bf16"),
-    ({"precompute.text_encoder_dtype": "bf16"}, "precompute.text_encoder_dtype"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"data.shuffle_caption": True, "data.caption_source": "tags"}, "shuffle_caption"),
+        ({"data.caption_dropout_rate": 0.1}, "empty caption"),
+        ({"precompute.vae_dtype": "bf16"}, "precompute.vae_dtype: the cache was made with fp32, this config has bf16"),
+        ({"precompute.text_encoder_dtype": "bf16"}, "precompute.text_encoder_dtype"),
+    ],
+)
 def test_training_refuses_a_cache_that_does_not_match(tiny_model, dataset, tmp_path, change, needle, cli):
     precompute(_cfg(tiny_model, dataset, tmp_path))
     with pytest.raises(CacheMismatch) as e:
         train(_cfg(tiny_model, dataset, tmp_path, **change))
     assert needle in e.value.message
-    r = cli("train", "--recipe", "tiny-sdxl-lora", *[a for s in tiny_sets(tiny_model, dataset, tmp_path, **change)
-                                                      for a in ("--set", s)])
+    r = cli(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        *[a for s in tiny_sets(tiny_model, dataset, tmp_path, **change) for a in ("--set", s)],
+    )
     assert r.code != 0 and needle in r.err and "Traceback" not in r.err
 
 

@@ -40,8 +40,14 @@ def test_images_train_as_one_frame_clips_and_the_lora_loads(tiny_cog, dataset, t
 def test_bench_on_video_shaped_latents_with_block_swap(tiny_cog, tmp_path):
     from difftrain.bench import bench_memory
 
-    cfg = resolve(recipe="tiny-cogvideox-lora", sets=["train.device=cpu", "memory.activations.kind=checkpoint",
-                                                     "memory.offload={kind: block_swap, blocks_to_swap: 2}"]).config
+    cfg = resolve(
+        recipe="tiny-cogvideox-lora",
+        sets=[
+            "train.device=cpu",
+            "memory.activations.kind=checkpoint",
+            "memory.offload={kind: block_swap, blocks_to_swap: 2}",
+        ],
+    ).config
     r = bench_memory(cfg, tmp_path, steps=3, size=(32, 48))
     from difftrain.data.cache import DataCache
 
@@ -66,7 +72,7 @@ def _clip(path, n_frames, size=(64, 48), seed=0):
         s.pix_fmt = "yuv420p"
         for i in range(n_frames):
             px = np.tile(base.astype(np.uint8), (size[1], size[0], 1))
-            px[8:24, 4 * i % size[0]:4 * i % size[0] + 16] = 255
+            px[8:24, 4 * i % size[0] : 4 * i % size[0] + 16] = 255
             for pkt in s.encode(av.VideoFrame.from_ndarray(px, format="rgb24")):
                 c.mux(pkt)
         for pkt in s.encode():
@@ -90,8 +96,12 @@ def clips(tmp_path):
 def test_video_clips_precompute_and_train_through_the_cli(cli, tiny_cog, clips, tmp_path):
     from difftrain.data.cache import DataCache
 
-    sets = tiny_sets(tiny_cog, clips, tmp_path, **{"train.max_steps": 30, "train.learning_rate": 3e-3,
-                                                   "train.batch_size": 3, "data.caption_ext": ".txt"})
+    sets = tiny_sets(
+        tiny_cog,
+        clips,
+        tmp_path,
+        **{"train.max_steps": 30, "train.learning_rate": 3e-3, "train.batch_size": 3, "data.caption_ext": ".txt"},
+    )
     args = [a for s in sets for a in ("--set", s)]
     r = cli("precompute", "--recipe", "tiny-cogvideox-lora", *args)
     assert r.code == 0, r
@@ -131,9 +141,19 @@ def test_image_to_video_trains_on_several_sizes_and_the_lora_needs_no_edit_at_in
     for i, (n, size) in enumerate([(9, (64, 64)), (6, (64, 64)), (9, (96, 48))]):
         _clip(d / f"c{i}.mp4", n, size=size, seed=i)
         (d / f"c{i}.txt").write_text(f"clip {i}")
-    sets = tiny_sets(model, d, tmp_path, **{"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v",
-                                            "data.caption_ext": ".txt", "train.max_steps": 6, "train.batch_size": 1,
-                                            "train.learning_rate": 1e-2})
+    sets = tiny_sets(
+        model,
+        d,
+        tmp_path,
+        **{
+            "family": "cogvideox-i2v",
+            "model.config": "cogvideox-tiny-i2v",
+            "data.caption_ext": ".txt",
+            "train.max_steps": 6,
+            "train.batch_size": 1,
+            "train.learning_rate": 1e-2,
+        },
+    )
     cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets).config
     precompute(cfg)
     cache = DataCache(tmp_path / "cache")
@@ -147,8 +167,15 @@ def test_image_to_video_trains_on_several_sizes_and_the_lora_needs_no_edit_at_in
 
     pipe = CogVideoXImageToVideoPipeline.from_pretrained(model)  # stock: no difftrain hook, table as shipped
     assert not hasattr(pipe.transformer.patch_embed, "_difftrain_native")
-    kw = dict(image=Image.new("RGB", (64, 64), (200, 40, 40)), prompt="clip 0", num_frames=9, height=64, width=64,
-              num_inference_steps=2, output_type="pt")
+    kw = {
+        "image": Image.new("RGB", (64, 64), (200, 40, 40)),
+        "prompt": "clip 0",
+        "num_frames": 9,
+        "height": 64,
+        "width": 64,
+        "num_inference_steps": 2,
+        "output_type": "pt",
+    }
     before = pipe(generator=torch.Generator().manual_seed(0), **kw).frames
     pipe.load_lora_weights(str(r.lora_path))
     after = pipe(generator=torch.Generator().manual_seed(0), **kw).frames
@@ -160,9 +187,21 @@ def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipelin
 
     from difftrain.trainers.loop import Trainer
 
-    cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(tiny_cog, dataset, tmp_path / "full", **{
-        "train.method": "full", "train.max_steps": 2, "train.learning_rate": 1e-3, "save.formats": "[diffusers]",
-        "save.precision": "fp32"})).config
+    cfg = resolve(
+        recipe="tiny-cogvideox-lora",
+        sets=tiny_sets(
+            tiny_cog,
+            dataset,
+            tmp_path / "full",
+            **{
+                "train.method": "full",
+                "train.max_steps": 2,
+                "train.learning_rate": 1e-3,
+                "save.formats": "[diffusers]",
+                "save.precision": "fp32",
+            },
+        ),
+    ).config
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
@@ -172,11 +211,25 @@ def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipelin
     for k, v in pipe.transformer.state_dict().items():
         torch.testing.assert_close(v, trained[k], rtol=0, atol=0)
 
-    lora_cfg = resolve(recipe="tiny-cogvideox-lora", sets=tiny_sets(tiny_cog, dataset, tmp_path / "lora", **{
-        "train.max_steps": 3, "train.learning_rate": 1e-2, "data.cache_dir": tmp_path / "full" / "cache"})).config
+    lora_cfg = resolve(
+        recipe="tiny-cogvideox-lora",
+        sets=tiny_sets(
+            tiny_cog,
+            dataset,
+            tmp_path / "lora",
+            **{"train.max_steps": 3, "train.learning_rate": 1e-2, "data.cache_dir": tmp_path / "full" / "cache"},
+        ),
+    ).config
     lora = train(lora_cfg).lora_path
     base = CogVideoXPipeline.from_pretrained(tiny_cog)
-    kw = dict(prompt="a square", num_frames=9, height=32, width=32, num_inference_steps=2, output_type="pt")
+    kw = {
+        "prompt": "a square",
+        "num_frames": 9,
+        "height": 32,
+        "width": 32,
+        "num_inference_steps": 2,
+        "output_type": "pt",
+    }
     before = base(generator=torch.Generator().manual_seed(0), **kw).frames
     base.load_lora_weights(str(lora))
     after = base(generator=torch.Generator().manual_seed(0), **kw).frames
@@ -196,10 +249,21 @@ def test_image_to_video_flow_through_the_cli_with_validation_samples(cli, tmp_pa
         (d / f"c{i}.txt").write_text(f"clip {i}")
     start = tmp_path / "start.png"
     Image.new("RGB", (80, 80), (200, 40, 40)).save(start)
-    sets = tiny_sets(model, d, tmp_path, **{
-        "family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v", "data.caption_ext": ".txt",
-        "train.max_steps": 2, "validation.prompts": "[a red start]", "validation.images": f"[{start}]",
-        "validation.num_inference_steps": 2, "validation.resolution": 96})  # off the table: resampled
+    sets = tiny_sets(
+        model,
+        d,
+        tmp_path,
+        **{
+            "family": "cogvideox-i2v",
+            "model.config": "cogvideox-tiny-i2v",
+            "data.caption_ext": ".txt",
+            "train.max_steps": 2,
+            "validation.prompts": "[a red start]",
+            "validation.images": f"[{start}]",
+            "validation.num_inference_steps": 2,
+            "validation.resolution": 96,
+        },
+    )  # off the table: resampled
     args = [a for s in sets for a in ("--set", s)]
     r = cli("precompute", "--recipe", "tiny-cogvideox-lora", *args)
     assert r.code == 0, r

@@ -34,8 +34,12 @@ def _block(which: str, device: str = "cpu"):
         args, kwargs = (torch.randn(2, 200, 64),), {"encoder_hidden_states": torch.randn(2, 20, 48)}
     block.requires_grad_(False)
     if which != "ResnetBlock2D":
-        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                           target_modules=["to_q", "to_k", "to_v", "to_out.0"]), block)
+        inject_adapter_in_model(
+            LoraConfig(
+                r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+            ),
+            block,
+        )
     n = fp8.convert(block, device)["fp8_params"]
     assert n > 0
     block.to(device)
@@ -65,7 +69,9 @@ def _run(block, args, kwargs):
 
 
 # inductor compiles differently for CUDA (a variant that kept no copy on the CPU kept bf16 weights on an H100)
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
 @pytest.mark.parametrize("which", ["ResnetBlock2D", "BasicTransformerBlock"])
 def test_checkpoint_inside_compiled_fp8_block_keeps_its_inputs_only(which, device, tmp_path, monkeypatch):
     """A compiled fp8 block checkpointed inside keeps (about) its inputs for backward, where the compiled block
@@ -81,8 +87,12 @@ def test_checkpoint_inside_compiled_fp8_block_keeps_its_inputs_only(which, devic
         torch._dynamo.reset()
         b = copy.deepcopy(block)
         if mode != "eager":
-            n = speed.compile_blocks(torch.nn.Sequential(b), (which,), SpeedConfig(compile=True),
-                                     checkpoint_every=1 if mode == "compiled-ckpt" else 0)
+            n = speed.compile_blocks(
+                torch.nn.Sequential(b),
+                (which,),
+                SpeedConfig(compile=True),
+                checkpoint_every=1 if mode == "compiled-ckpt" else 0,
+            )
             assert n == 1 and b._compiled_call_impl is not None
         _run(b, args, kwargs)  # compiled outside the measurement
         b.zero_grad(set_to_none=True)

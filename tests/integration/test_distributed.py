@@ -22,12 +22,21 @@ LORA = "pytorch_lora_weights.safetensors"
 
 def _difftrain(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def _sets(model, data, out, cache, **extra):
-    base = {"train.device": "cpu", "train.max_steps": 4, "train.checkpoint_every": 2, "train.learning_rate": 1e-2,
-            "data.cache_dir": cache, "report.to": "[]", "report.html": "false"}
+    base = {
+        "train.device": "cpu",
+        "train.max_steps": 4,
+        "train.checkpoint_every": 2,
+        "train.learning_rate": 1e-2,
+        "data.cache_dir": cache,
+        "report.to": "[]",
+        "report.html": "false",
+    }
     return [a for s in tiny_sets(model, data, out, **{**base, **extra}) for a in ("--set", s)]
 
 
@@ -36,13 +45,27 @@ def two_procs(tmp_path_factory, tiny_model, _dataset_master):
     """The tiny SDXL LoRA on 2 processes x batch 2, and on 1 process x batch 4: the same global batch."""
     root = tmp_path_factory.mktemp("ddp")
     cache = root / "cache"
-    precompute(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, _dataset_master, root / "x",
-                                                                **{"data.cache_dir": cache})).config)
-    two = _difftrain("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
-                     *_sets(tiny_model, _dataset_master, root / "two", cache, **{"train.batch_size": 2}))
+    precompute(
+        resolve(
+            recipe="tiny-sdxl-lora",
+            sets=tiny_sets(tiny_model, _dataset_master, root / "x", **{"data.cache_dir": cache}),
+        ).config
+    )
+    two = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_sets(tiny_model, _dataset_master, root / "two", cache, **{"train.batch_size": 2}),
+    )
     assert two.returncode == 0, two.stderr[-4000:]
-    one = _difftrain("train", "--recipe", "tiny-sdxl-lora",
-                     *_sets(tiny_model, _dataset_master, root / "one", cache, **{"train.batch_size": 4}))
+    one = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        *_sets(tiny_model, _dataset_master, root / "one", cache, **{"train.batch_size": 4}),
+    )
     assert one.returncode == 0, one.stderr[-4000:]
     return root, two, one
 
@@ -60,7 +83,8 @@ def test_two_processes_train_as_one_with_the_same_global_batch(two_procs):
     # one writer: rank 1 wrote its memory figures and nothing else
     assert (root / "two" / "run" / "stats.rank1.json").is_file()
     assert sorted(p.name for p in (root / "two" / "run").glob("checkpoints/*")) == sorted(
-        p.name for p in (root / "one" / "run").glob("checkpoints/*"))
+        p.name for p in (root / "one" / "run").glob("checkpoints/*")
+    )
 
 
 def test_a_two_process_checkpoint_resumes_on_one_process(two_procs, tiny_model, _dataset_master):
@@ -69,8 +93,14 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_procs, tiny_model, 
     first = ckpts[0]
     assert json.loads((first / "trainer_state.json").read_text())["world_size"] == 2
     # same global batch (1 x 4): the run continues exactly as the two processes did
-    same = _difftrain("train", "--recipe", "tiny-sdxl-lora", "--resume", str(first),
-                      *_sets(tiny_model, _dataset_master, root / "two", root / "cache", **{"train.batch_size": 4}))
+    same = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--resume",
+        str(first),
+        *_sets(tiny_model, _dataset_master, root / "two", root / "cache", **{"train.batch_size": 4}),
+    )
     assert same.returncode == 0, same.stderr[-3000:]
     # (resumed into the same folder: its final LoRA is the one-process continuation)
     a = load_file(root / "two" / "run" / LORA)
@@ -78,8 +108,14 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_procs, tiny_model, 
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)  # AdamW magnifies summation-order noise
     # another global batch (1 x 2): the rest of the epoch is re-cut, every item still trained once
-    other = _difftrain("train", "--recipe", "tiny-sdxl-lora", "--resume", str(first),
-                       *_sets(tiny_model, _dataset_master, root / "two", root / "cache", **{"train.batch_size": 2}))
+    other = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--resume",
+        str(first),
+        *_sets(tiny_model, _dataset_master, root / "two", root / "cache", **{"train.batch_size": 2}),
+    )
     assert other.returncode == 0, other.stderr[-3000:]
     assert "global batch changed from 4 to 2" in other.stderr
 
@@ -94,8 +130,14 @@ def test_recut_serves_every_remaining_item_once_within_its_bucket():
 
 
 def test_rank_one_is_quiet_and_every_error_names_its_rank(tiny_model, dataset, tmp_path):
-    bad = _difftrain("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
-                     *_sets(tiny_model, dataset, tmp_path, tmp_path / "nocache"))
+    bad = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_sets(tiny_model, dataset, tmp_path, tmp_path / "nocache"),
+    )
     assert bad.returncode == 1
     assert "rank 0: error: No precomputed data" in bad.stderr and "rank 1: error: No precomputed data" in bad.stderr
     assert "train failed in 2 of the processes" in bad.stderr
@@ -111,10 +153,25 @@ def test_precompute_on_two_processes_builds_the_same_cache(tiny_model, _dataset_
     from difftrain.data.cache import DataCache
 
     one = tmp_path / "one"
-    precompute(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, _dataset_master, one, **{
-        "data.cache_dir": one / "cache"})).config)
-    r = _difftrain("precompute", "--recipe", "tiny-sdxl-lora", "--gpus", "2", "--model", str(tiny_model),
-                   "--data-dir", str(_dataset_master), "--set", f"data.cache_dir={tmp_path / 'two' / 'cache'}")
+    precompute(
+        resolve(
+            recipe="tiny-sdxl-lora",
+            sets=tiny_sets(tiny_model, _dataset_master, one, **{"data.cache_dir": one / "cache"}),
+        ).config
+    )
+    r = _difftrain(
+        "precompute",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        "--model",
+        str(tiny_model),
+        "--data-dir",
+        str(_dataset_master),
+        "--set",
+        f"data.cache_dir={tmp_path / 'two' / 'cache'}",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = DataCache(one / "cache"), DataCache(tmp_path / "two" / "cache")
     ia, ib = a.read_json("index.json"), b.read_json("index.json")

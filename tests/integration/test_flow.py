@@ -21,7 +21,9 @@ def test_cli_flow_merge_precompute_train_export(cli, tiny_model, dataset, tmp_pa
     entries = json.loads(meta.read_text())
     assert len(entries) == 8 and all("tags" in e and "caption" in e for e in entries.values())
 
-    sets = tiny_sets(tiny_model, dataset, tmp_path, **{"data.metadata": meta, "train.max_steps": 4, "train.checkpoint_every": 2})
+    sets = tiny_sets(
+        tiny_model, dataset, tmp_path, **{"data.metadata": meta, "train.max_steps": 4, "train.checkpoint_every": 2}
+    )
     r = cli("precompute", "--recipe", "tiny-sdxl-lora", *_set_args(sets))
     assert r.code == 0, r
     assert "8 encoded" in r.err.replace("\n", " ")
@@ -48,7 +50,7 @@ def test_print_config_shows_sources(cli, tmp_path):
     user.write_text("train:\n  learning_rate: 0.5\n  batch_size: 3\n")
     r = cli("train", "--recipe", "tiny-sdxl-lora", "--config", user, "--set", "train.batch_size=5", "--print-config")
     assert r.code == 0, r
-    lines = {l.split(":")[0]: l for l in r.out.splitlines()}
+    lines = {ln.split(":")[0]: ln for ln in r.out.splitlines()}
     assert lines["train.batch_size"].split("#")[0].split(":")[1].strip() == "5"
     assert lines["train.batch_size"].endswith("# --set train.batch_size")
     assert lines["train.learning_rate"].endswith(f"# file {user}")

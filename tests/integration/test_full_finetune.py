@@ -23,14 +23,19 @@ def _args(sets):
 def _split(path):
     """A single file's tensors by part, in diffusers naming."""
     sd = load_file(path)
-    return {part: {k[len(sf.PREFIXES[part]):]: v for k, v in sd.items() if k.startswith(sf.PREFIXES[part])} for part in PARTS}
+    return {
+        part: {k[len(sf.PREFIXES[part]) :]: v for k, v in sd.items() if k.startswith(sf.PREFIXES[part])}
+        for part in PARTS
+    }
 
 
 @pytest.fixture(scope="module")
 def original_file(tiny_model, tmp_path_factory):
     comps = SDXL().load(ModelConfig(path=tiny_model), PARTS)
     sds = {p: comps[p].state_dict() for p in PARTS}
-    return _split(SDXL().save_single_file(sds, SDXL.module_configs(comps), tmp_path_factory.mktemp("orig") / "orig.safetensors"))
+    return _split(
+        SDXL().save_single_file(sds, SDXL.module_configs(comps), tmp_path_factory.mktemp("orig") / "orig.safetensors")
+    )
 
 
 def _changed(a, b):
@@ -42,9 +47,20 @@ def _identical(a, b):
 
 
 def test_full_unet_only(cli, tiny_model, dataset, tmp_path, original_file):
-    sets = tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.method": "full", "train.max_steps": 24, "train.batch_size": 4, "train.learning_rate": 1e-3,
-        "train.checkpoint_every": 1000, "save.every_n_steps": 12, "save.every_n_epochs": 5})
+    sets = tiny_sets(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "train.max_steps": 24,
+            "train.batch_size": 4,
+            "train.learning_rate": 1e-3,
+            "train.checkpoint_every": 1000,
+            "save.every_n_steps": 12,
+            "save.every_n_epochs": 5,
+        },
+    )
     assert cli("precompute", "--recipe", "tiny-sdxl-lora", *_args(sets)).code == 0
     r = cli("train", "--recipe", "tiny-sdxl-lora", *_args(sets), "--save-precision", "fp32")
     assert r.code == 0, r
@@ -52,8 +68,10 @@ def test_full_unet_only(cli, tiny_model, dataset, tmp_path, original_file):
     saved = sorted(p.name for p in (tmp_path / "run" / "saved").iterdir())
     assert saved == ["epoch-0005", "step-00000012"]
     assert (tmp_path / "run" / "saved" / "step-00000012" / "model.safetensors").exists()
-    assert load_file(tmp_path / "run" / "model.safetensors")["model.diffusion_model.out.2.weight"].dtype == torch.float32
-    losses = [json.loads(l)["loss"] for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        load_file(tmp_path / "run" / "model.safetensors")["model.diffusion_model.out.2.weight"].dtype == torch.float32
+    )
+    losses = [json.loads(ln)["loss"] for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6
     out = _split(tmp_path / "run" / "model.safetensors")
     assert _changed(out["unet"], original_file["unet"])
@@ -65,10 +83,21 @@ def test_full_unet_only(cli, tiny_model, dataset, tmp_path, original_file):
 def test_full_with_text_encoder_1_and_both_formats(cli, tiny_model, dataset, tmp_path, original_file):
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
 
-    sets = tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.method": "full", "train.max_steps": 6, "full.train_text_encoder_1": "true", "full.learning_rate_te1": 1e-3,
-        "save.formats": "[single_file, diffusers]", "save.precision": "fp32", "train.checkpoint_every": 1000,
-        "memory.activations.kind": "checkpoint"})
+    sets = tiny_sets(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "train.max_steps": 6,
+            "full.train_text_encoder_1": "true",
+            "full.learning_rate_te1": 1e-3,
+            "save.formats": "[single_file, diffusers]",
+            "save.precision": "fp32",
+            "train.checkpoint_every": 1000,
+            "memory.activations.kind": "checkpoint",
+        },
+    )
     assert cli("precompute", "--recipe", "tiny-sdxl-lora", *_args(sets)).code == 0
     r = cli("train", "--recipe", "tiny-sdxl-lora", *_args(sets))
     assert r.code == 0, r
@@ -83,20 +112,34 @@ def test_full_with_text_encoder_1_and_both_formats(cli, tiny_model, dataset, tmp
     # the single file loads back identically through difftrain and through diffusers' own loader
     back = SDXL().load(ModelConfig(path=file, config="sdxl-tiny", tokenizer_path=tiny_model), PARTS)
     cfgdir = str(bundled_config_dir("sdxl-tiny"))
-    theirs = {"unet": UNet2DConditionModel.from_single_file(str(file), config=cfgdir, subfolder="unet", local_files_only=True),
-              "vae": AutoencoderKL.from_single_file(str(file), config=cfgdir, subfolder="vae", local_files_only=True)}
+    theirs = {
+        "unet": UNet2DConditionModel.from_single_file(
+            str(file), config=cfgdir, subfolder="unet", local_files_only=True
+        ),
+        "vae": AutoencoderKL.from_single_file(str(file), config=cfgdir, subfolder="vae", local_files_only=True),
+    }
     folder = StableDiffusionXLPipeline.from_pretrained(tmp_path / "run" / "diffusers", local_files_only=True)
     for part in PARTS:
         ours = {k: v for k, v in back[part].state_dict().items() if not k.endswith("position_ids")}
-        diffusers_folder = {k: v for k, v in getattr(folder, part).state_dict().items() if not k.endswith("position_ids")}
+        diffusers_folder = {
+            k: v for k, v in getattr(folder, part).state_dict().items() if not k.endswith("position_ids")
+        }
         assert _identical(ours, diffusers_folder), part
         if part in theirs:
             assert _identical(ours, theirs[part].state_dict()), part
 
 
 def _full_cfg(tiny_model, data, out, **extra):
-    base = {"train.method": "full", "memory.weights.kind": "bf16", "ema.enabled": "true", "ema.decay": 0.8,
-            "ema.update_every": 2, "train.batch_size": 2, "train.learning_rate": 1e-3, "save.precision": "fp32"}
+    base = {
+        "train.method": "full",
+        "memory.weights.kind": "bf16",
+        "ema.enabled": "true",
+        "ema.decay": 0.8,
+        "ema.update_every": 2,
+        "train.batch_size": 2,
+        "train.learning_rate": 1e-3,
+        "save.precision": "fp32",
+    }
     base.update(extra)
     return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, data, out, **base)).config
 
@@ -107,8 +150,12 @@ def test_bf16_full_with_ema_resumes_exactly_and_exports_ema(tiny_model, dataset,
     ref_cfg = _full_cfg(tiny_model, dataset, tmp_path / "a", **{"train.max_steps": 6, "train.checkpoint_every": 6})
     precompute(ref_cfg)
     ref = train(ref_cfg)
-    split = _full_cfg(tiny_model, dataset, tmp_path / "b", **{"train.max_steps": 6, "train.checkpoint_every": 3,
-                                                              "data.cache_dir": tmp_path / "a" / "cache"})
+    split = _full_cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        **{"train.max_steps": 6, "train.checkpoint_every": 3, "data.cache_dir": tmp_path / "a" / "cache"},
+    )
     train(split, stop_at=3)
     resumed = train(split, resume="latest")
     assert resumed.losses == pytest.approx(ref.losses[3:], rel=1e-6)
@@ -145,11 +192,17 @@ def test_no_distributed_setup_in_single_process(tiny_model, dataset, tmp_path, m
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (["train.method=full", "memory.weights.kind=fp16", "train.mixed_precision=fp16"], "fp16 weights cannot take small updates"),
-    (["train.method=full", "full.train_unet=false"], "nothing to train"),
-    (["full.train_text_encoder_1=true"], "train.method full"),
-])
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (
+            ["train.method=full", "memory.weights.kind=fp16", "train.mixed_precision=fp16"],
+            "fp16 weights cannot take small updates",
+        ),
+        (["train.method=full", "full.train_unet=false"], "nothing to train"),
+        (["full.train_text_encoder_1=true"], "train.method full"),
+    ],
+)
 def test_full_validators(cli, sets, needle):
     r = cli("train", "--recipe", "tiny-sdxl-lora", *_args(sets))
     assert r.code == 2 and needle in r.err.replace("\n", " ")

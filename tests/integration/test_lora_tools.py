@@ -21,7 +21,9 @@ SDXL_UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2", "conv
 def _adapted(family, model, recipe: str, denoiser_targets: list[str], out):
     """The base's denoiser and CLIPs with a random rank-4, alpha-2 LoRA (peft), and the LoRA written in both layouts."""
     parts = [family.denoiser, "text_encoder", "text_encoder_2"]
-    comps = family.load(ModelConfig(path=model), [*parts, *(["text_encoder_3"] if family.name == "sd3" else [])], dtype=torch.float32)
+    comps = family.load(
+        ModelConfig(path=model), [*parts, *(["text_encoder_3"] if family.name == "sd3" else [])], dtype=torch.float32
+    )
     gen = torch.Generator().manual_seed(0)
     for part in parts:
         targets = denoiser_targets if part == family.denoiser else family.text_encoder_lora_targets
@@ -64,8 +66,9 @@ def sdxl(tiny_model, tmp_path_factory):
     from difftrain.families.sdxl import SDXL
 
     fam = SDXL()
-    comps, diffusers_file, kohya_file = _adapted(fam, tiny_model, "tiny-sdxl-lora", SDXL_UNET_TARGETS,
-                                                 tmp_path_factory.mktemp("sdxl-lora"))
+    comps, diffusers_file, kohya_file = _adapted(
+        fam, tiny_model, "tiny-sdxl-lora", SDXL_UNET_TARGETS, tmp_path_factory.mktemp("sdxl-lora")
+    )
     return fam, comps, diffusers_file, kohya_file
 
 
@@ -75,8 +78,9 @@ def sd3(tmp_path_factory):
 
     fam = SD3()
     model = fam.build_tiny(tmp_path_factory.mktemp("sd3") / "tiny-sd3", seed=0)
-    comps, diffusers_file, kohya_file = _adapted(fam, model, "tiny-sd3-lora", [*fam.default_lora_targets, "proj_out"],
-                                                 tmp_path_factory.mktemp("sd3-lora"))
+    comps, diffusers_file, kohya_file = _adapted(
+        fam, model, "tiny-sd3-lora", [*fam.default_lora_targets, "proj_out"], tmp_path_factory.mktemp("sd3-lora")
+    )
     return fam, model, comps, diffusers_file, kohya_file
 
 
@@ -113,11 +117,15 @@ def test_sdxl_both_layouts_give_the_same_merged_file(sdxl, tiny_model, tmp_path)
 
 
 def test_scale_zero_gives_the_base_back_in_its_stored_dtype(sdxl, tiny_model, tmp_path):
-    fam, _, diffusers_file, kohya_file = sdxl
+    fam, _, _diffusers_file, kohya_file = sdxl
     parts = ["unet", "vae", "text_encoder", "text_encoder_2"]
     comps = fam.load(ModelConfig(path=tiny_model), parts, tokenizers=False)
-    base = fam.save_single_file({p: comps[p].state_dict() for p in parts}, fam.module_configs(comps),
-                                tmp_path / "base16.safetensors", dtype=torch.float16)
+    base = fam.save_single_file(
+        {p: comps[p].state_dict() for p in parts},
+        fam.module_configs(comps),
+        tmp_path / "base16.safetensors",
+        dtype=torch.float16,
+    )
     same = merge(base, kohya_file, tmp_path / "zero.safetensors", scale=0.0, config="sdxl-tiny")
     sb, s0 = load_file(base), load_file(same.path)
     assert same.dtype == torch.float16 and sb.keys() == s0.keys()
@@ -127,9 +135,16 @@ def test_scale_zero_gives_the_base_back_in_its_stored_dtype(sdxl, tiny_model, tm
     assert {t.dtype for t in one.values()} == {torch.float16}
     # 3x3 convs, 1x1 shortcut convs, attention and both CLIPs all changed; the VAE did not
     assert any(".in_layers.2." in k for k in changed) and any(".skip_connection." in k for k in changed)
-    assert any(k.startswith("conditioner.embedders.0.") for k in changed) and any(k.startswith("conditioner.embedders.1.") for k in changed)
+    assert any(k.startswith("conditioner.embedders.0.") for k in changed) and any(
+        k.startswith("conditioner.embedders.1.") for k in changed
+    )
     assert not any(k.startswith("first_stage_model.") for k in changed)
-    assert load_file(merge(base, kohya_file, tmp_path / "f32.safetensors", config="sdxl-tiny", precision="fp32").path)[changed[0]].dtype == torch.float32
+    assert (
+        load_file(merge(base, kohya_file, tmp_path / "f32.safetensors", config="sdxl-tiny", precision="fp32").path)[
+            changed[0]
+        ].dtype
+        == torch.float32
+    )
 
 
 @pytest.mark.parametrize("which", ["diffusers", "kohya"])
@@ -193,8 +208,11 @@ def test_a_resized_lora_loads_through_diffusers_with_its_per_layer_ranks(sdxl, t
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_model, local_files_only=True)
     pipe.load_lora_weights(str(tmp_path), weight_name=r.path.name)
     loaded = {"unet": pipe.unet, "text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
-    merged = fam.load(ModelConfig(path=merge(tiny_model, r.path, tmp_path / "m.safetensors").path, config="sdxl-tiny"),
-                      list(loaded), tokenizers=False)
+    merged = fam.load(
+        ModelConfig(path=merge(tiny_model, r.path, tmp_path / "m.safetensors").path, config="sdxl-tiny"),
+        list(loaded),
+        tokenizers=False,
+    )
     ids = fam.tokenize(comps, ["a photo of sks", "a red cube"])
     with torch.no_grad():
         got, want, full = _unet_out(fam, loaded, ids), _unet_out(fam, merged, ids), _unet_out(fam, comps, ids)

@@ -15,8 +15,18 @@ STEPS = 12
 
 
 def _cfg(tiny_model, data, out, cache, *sets):
-    base = tiny_sets(tiny_model, data, out, **{"train.max_steps": STEPS, "train.batch_size": 4, "train.checkpoint_every": 1000,
-                                               "data.cache_dir": cache, "save.formats": "[]"})
+    base = tiny_sets(
+        tiny_model,
+        data,
+        out,
+        **{
+            "train.max_steps": STEPS,
+            "train.batch_size": 4,
+            "train.checkpoint_every": 1000,
+            "data.cache_dir": cache,
+            "save.formats": "[]",
+        },
+    )
     return resolve(recipe="tiny-sdxl-lora", sets=base + list(sets)).config
 
 
@@ -39,12 +49,15 @@ LORA_BF16 = ("memory.weights.kind=bf16", "train.mixed_precision=bf16")
 FULL = ("train.method=full", "memory.weights.kind=fp32", "train.max_grad_norm=null", "train.learning_rate=1e-4")
 
 
-@pytest.mark.parametrize("name,sets,tol", [
-    ("fp8-tensor", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16"), 0.05),
-    ("fp8-channel", ("memory.weights={kind: fp8, scale: channel}", "train.mixed_precision=bf16"), 0.05),
-    ("checkpoint-every-2", (*LORA_BF16, "memory.activations={kind: checkpoint, every: 2}"), 0.02),
-    ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}"), 0.02),
-])
+@pytest.mark.parametrize(
+    "name,sets,tol",
+    [
+        ("fp8-tensor", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16"), 0.05),
+        ("fp8-channel", ("memory.weights={kind: fp8, scale: channel}", "train.mixed_precision=bf16"), 0.05),
+        ("checkpoint-every-2", (*LORA_BF16, "memory.activations={kind: checkpoint, every: 2}"), 0.02),
+        ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}"), 0.02),
+    ],
+)
 def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
     _, ref = runs("lora-bf16", *LORA_BF16)
     t, r = runs(name, *sets)
@@ -57,10 +70,16 @@ def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
         assert unet.conv_in.weight.dtype == torch.bfloat16  # the family's high-precision layers stay
 
 
-@pytest.mark.parametrize("ref_name,ref_sets", [
-    ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}")),
-    ("fp8-checkpoint", ("memory.weights={kind: fp8}", "train.mixed_precision=bf16", "memory.activations={kind: checkpoint}")),
-])
+@pytest.mark.parametrize(
+    "ref_name,ref_sets",
+    [
+        ("checkpoint-all", (*LORA_BF16, "memory.activations={kind: checkpoint}")),
+        (
+            "fp8-checkpoint",
+            ("memory.weights={kind: fp8}", "train.mixed_precision=bf16", "memory.activations={kind: checkpoint}"),
+        ),
+    ],
+)
 def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_sets):
     _, ref = runs(ref_name, *ref_sets)
     t, r = runs(ref_name + "-swap", *ref_sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
@@ -75,8 +94,11 @@ def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_s
 def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
     t_all, _ = runs("checkpoint-all", *LORA_BF16, "memory.activations={kind: checkpoint}")
     t_two, _ = runs("checkpoint-every-2", *LORA_BF16, "memory.activations={kind: checkpoint, every: 2}")
-    flags = lambda t: [m.gradient_checkpointing for m in t.comps["unet"].modules()  # noqa: E731
-                       if m is not t.comps["unet"] and hasattr(m, "gradient_checkpointing")]
+    flags = lambda t: [
+        m.gradient_checkpointing
+        for m in t.comps["unet"].modules()
+        if m is not t.comps["unet"] and hasattr(m, "gradient_checkpointing")
+    ]
     assert all(flags(t_all)) and 0 < sum(flags(t_two)) < len(flags(t_two))
 
 
@@ -93,28 +115,62 @@ def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
     a = _cfg(tiny_model, dataset, tmp_path / "a", tmp_path / "cache", *sets, "train.max_steps=6")
     precompute(a)
     ref = train(a)
-    b = _cfg(tiny_model, dataset, tmp_path / "b", tmp_path / "cache", *sets, "train.max_steps=6", "train.checkpoint_every=3")
+    b = _cfg(
+        tiny_model, dataset, tmp_path / "b", tmp_path / "cache", *sets, "train.max_steps=6", "train.checkpoint_every=3"
+    )
     train(b, stop_at=3)
     assert train(b, resume="latest").losses == pytest.approx(ref.losses[3:], rel=1e-6)
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (("train.method=full", "memory.weights={kind: fp8}"), "fp8 rounds a weight once"),
-    (("train.method=full", "memory.weights={kind: nf4}"), "nf4 rounds a weight once"),
-    (("train.method=full", "memory.fused_backward=true", "train.grad_accum=2", "train.max_grad_norm=null"), "cannot accumulate"),
-    (("train.method=full", "memory.fused_backward=true"), "set train.max_grad_norm: null"),
-    (("train.method=full", "memory.fused_backward=true", "train.max_grad_norm=null", "train.mixed_precision=fp16",
-      "memory.weights.kind=fp32"), "fp16 overflow"),
-    (("memory.fused_backward=true",), "for train.method full"),
-    (("memory.optimizer.kind=cpu_offload",), "does not clip gradients"),
-    (("memory.offload={kind: block_swap, blocks_to_swap: 4}",), "set memory.activations.kind: checkpoint"),
-    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.activations.kind=checkpoint", "memory.weights={kind: nf4}"),
-     "block_swap with memory.weights nf4"),
-    (("memory.offload={kind: block_swap, blocks_to_swap: 4}", "memory.activations.kind=checkpoint", "train.method=full"),
-     "optimizer must step there"),
-    (("memory.optimizer={kind: cpu_offload, offload_gradients: true}", "train.max_grad_norm=null", "train.grad_accum=2"),
-     "cannot accumulate"),
-])
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (("train.method=full", "memory.weights={kind: fp8}"), "fp8 rounds a weight once"),
+        (("train.method=full", "memory.weights={kind: nf4}"), "nf4 rounds a weight once"),
+        (
+            ("train.method=full", "memory.fused_backward=true", "train.grad_accum=2", "train.max_grad_norm=null"),
+            "cannot accumulate",
+        ),
+        (("train.method=full", "memory.fused_backward=true"), "set train.max_grad_norm: null"),
+        (
+            (
+                "train.method=full",
+                "memory.fused_backward=true",
+                "train.max_grad_norm=null",
+                "train.mixed_precision=fp16",
+                "memory.weights.kind=fp32",
+            ),
+            "fp16 overflow",
+        ),
+        (("memory.fused_backward=true",), "for train.method full"),
+        (("memory.optimizer.kind=cpu_offload",), "does not clip gradients"),
+        (("memory.offload={kind: block_swap, blocks_to_swap: 4}",), "set memory.activations.kind: checkpoint"),
+        (
+            (
+                "memory.offload={kind: block_swap, blocks_to_swap: 4}",
+                "memory.activations.kind=checkpoint",
+                "memory.weights={kind: nf4}",
+            ),
+            "block_swap with memory.weights nf4",
+        ),
+        (
+            (
+                "memory.offload={kind: block_swap, blocks_to_swap: 4}",
+                "memory.activations.kind=checkpoint",
+                "train.method=full",
+            ),
+            "optimizer must step there",
+        ),
+        (
+            (
+                "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+                "train.max_grad_norm=null",
+                "train.grad_accum=2",
+            ),
+            "cannot accumulate",
+        ),
+    ],
+)
 def test_incompatible_pairs_name_both_options(sets, needle):
     with pytest.raises(ConfigError) as e:
         resolve(recipe="tiny-sdxl-lora", sets=list(sets))

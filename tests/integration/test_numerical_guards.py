@@ -35,7 +35,9 @@ def _poison(monkeypatch, steps):
     monkeypatch.setattr(Trainer, "_batch", batch)
 
 
-def test_a_nan_from_the_cache_stops_with_the_step_the_cause_and_the_last_checkpoint(tiny_model, dataset, tmp_path, monkeypatch):
+def test_a_nan_from_the_cache_stops_with_the_step_the_cause_and_the_last_checkpoint(
+    tiny_model, dataset, tmp_path, monkeypatch
+):
     cfg = _cfg(tiny_model, dataset, tmp_path / "run", **{"train.max_steps": 6, "speed.sync_seconds": 1e6})
     precompute(cfg)
     _poison(monkeypatch, {3})
@@ -51,8 +53,17 @@ def test_a_nan_from_the_cache_stops_with_the_step_the_cause_and_the_last_checkpo
 
 def test_a_diverging_learning_rate_is_named(tiny_model, dataset, tmp_path, cli):
     out = tmp_path / "run"
-    sets = tiny_sets(tiny_model, dataset, out, **{"train.max_steps": 4, "train.learning_rate": 1e30, "train.checkpoint_every": 100,
-                                                  "data.cache_dir": tmp_path / "cache"})
+    sets = tiny_sets(
+        tiny_model,
+        dataset,
+        out,
+        **{
+            "train.max_steps": 4,
+            "train.learning_rate": 1e30,
+            "train.checkpoint_every": 100,
+            "data.cache_dir": tmp_path / "cache",
+        },
+    )
     args = [a for s in sets for a in ("--set", s)]
     assert cli("precompute", "--recipe", "tiny-sdxl-lora", *args).code == 0
     r = cli("train", "--recipe", "tiny-sdxl-lora", *args)
@@ -69,7 +80,9 @@ def test_skip_mode_drops_the_bad_steps_and_finishes(tiny_model, dataset, tmp_pat
     assert all(torch.isfinite(v).all() for v in load_file(res.lora_path).values())  # no NaN reached the weights
     stats = json.loads((tmp_path / "run" / "run" / "stats.json").read_text())
     assert stats["nonfinite_skipped_steps"] == 2
-    recs = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "run" / "metrics.jsonl").read_text().splitlines())}
+    recs = {
+        r["step"]: r for r in map(json.loads, (tmp_path / "run" / "run" / "metrics.jsonl").read_text().splitlines())
+    }
     assert recs[3].get("skipped") and recs[4].get("skipped") and not recs[5].get("skipped")
 
 
@@ -84,12 +97,17 @@ def test_skip_mode_stops_after_five_bad_steps_in_a_row(tiny_model, dataset, tmp_
 def test_fp16_scaler_skips_are_counted(tiny_model, dataset, tmp_path, monkeypatch):
     """A scale so large that fp16 gradients overflow: the scaler skips steps (halving its scale each time) and the
     run reports how many."""
-    cfg = _cfg(tiny_model, dataset, tmp_path / "run", **{"train.max_steps": 4, "train.mixed_precision": "fp16",
-                                                         "train.checkpoint_every": 100})
+    cfg = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "run",
+        **{"train.max_steps": 4, "train.mixed_precision": "fp16", "train.checkpoint_every": 100},
+    )
     precompute(cfg)
     real = torch.amp.GradScaler.__init__
-    monkeypatch.setattr(torch.amp.GradScaler, "__init__",
-                        lambda self, *a, **k: real(self, *a, **{**k, "init_scale": 2.0**126}))
+    monkeypatch.setattr(
+        torch.amp.GradScaler, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "init_scale": 2.0**126})
+    )
     t = Trainer(cfg)
     res = t.run()
     assert 1 <= t.fp16_skipped <= 4

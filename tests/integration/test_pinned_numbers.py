@@ -34,16 +34,26 @@ FAMILIES = {
     "sdxl": ("tiny-sdxl-lora", "sdxl:SDXL", {}),
     "sd3": ("tiny-sd3-lora", "sd3:SD3", {}),
     "cogvideox": ("tiny-cogvideox-lora", "cogvideox:CogVideoX", {}),
-    "cogvideox-i2v": ("tiny-cogvideox-lora", "cogvideox:CogVideoXI2V",
-                      {"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v"}),
+    "cogvideox-i2v": (
+        "tiny-cogvideox-lora",
+        "cogvideox:CogVideoXI2V",
+        {"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v"},
+    ),
 }
 BF16 = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16"}
 PLANS = {
     "plain": {},
     "checkpoint": {**BF16, "memory.activations": "{kind: checkpoint}"},
     "fp8": {"memory.weights": "{kind: fp8}", "train.mixed_precision": "bf16"},
-    "full_ema": {"train.method": "full", "memory.weights.kind": "fp32", "ema.enabled": "true", "ema.decay": 0.8,
-                 "train.learning_rate": 1e-4, "train.checkpoint_every": STEPS, "save.formats": "[]"},
+    "full_ema": {
+        "train.method": "full",
+        "memory.weights.kind": "fp32",
+        "ema.enabled": "true",
+        "ema.decay": 0.8,
+        "train.learning_rate": 1e-4,
+        "train.checkpoint_every": STEPS,
+        "save.formats": "[]",
+    },
 }
 # tolerances: fp32 runs tight; bf16 (and fp8 upcast to bf16) rounds, so a last-bit difference in one element
 # can move a loss by a little more
@@ -55,22 +65,46 @@ TOL = {"plain": 5e-5, "checkpoint": 5e-4, "fp8": 5e-4, "full_ema": 5e-5}
 # zero and so are what training wrote; of a full fine-tune, (sum of |x|, sum of squares) of the trained and of the EMA
 # weights minus the base model's, from the last checkpoint.
 PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
-    ('sdxl', 'plain'): ([1.109987, 1.0686009, 0.99006116, 0.82163274], [17085.88318, 2547.891809, 31.27440152]),
-    ('sdxl', 'checkpoint'): ([1.1099479, 1.0674016, 0.98811424, 0.82160532], [17083.33277, 2547.281912, 31.27502349]),
-    ('sdxl', 'fp8'): ([1.1105421, 1.0671253, 0.99275267, 0.82111233], [17110.50538, 2551.05794, 32.1089488]),
-    ('sdxl', 'full_ema'): ([1.109987, 1.1284107, 1.1314399, 1.0538907], [396.2431466, 0.1053529956, 185.8220608, 0.0218367129]),
-    ('sd3', 'plain'): ([1.6921787, 1.5092896, 1.6331778, 1.5216541], [683.5062858, 92.08656885, 4.851036584]),
-    ('sd3', 'checkpoint'): ([1.6921886, 1.5090822, 1.6326317, 1.5214911], [683.4428062, 92.08546027, 4.84762723]),
-    ('sd3', 'fp8'): ([1.6921315, 1.5092105, 1.6321031, 1.5213048], [683.4965327, 92.09709222, 4.847913719]),
-    ('sd3', 'full_ema'): ([1.6921787, 1.5332654, 1.7011046, 1.6549253], [26.14332616, 0.008743109159, 11.23872206, 0.001581451299]),
-    ('cogvideox', 'plain'): ([0.70568943, 0.44830331, 0.55442256, 0.51552874], [210.895822, 31.9435718, 0.0210167359]),
-    ('cogvideox', 'checkpoint'): ([0.70578671, 0.44858488, 0.55431712, 0.51550174], [210.8984711, 31.94449047, 0.02100715558]),
-    ('cogvideox', 'fp8'): ([0.70550609, 0.44850627, 0.5538286, 0.51588643], [210.8952872, 31.94644925, 0.02099752665]),
-    ('cogvideox', 'full_ema'): ([0.70568943, 0.44641876, 0.55044496, 0.50973004], [12.59408636, 0.004097501039, 5.403126078, 0.0007458268153]),
-    ('cogvideox-i2v', 'plain'): ([0.72201282, 0.95797318, 1.1453512, 1.123553], [210.515053, 31.97307942, 0.01871799054]),
-    ('cogvideox-i2v', 'checkpoint'): ([0.72221041, 0.9578107, 1.145337, 1.1234654], [210.5333384, 31.97333774, 0.01877630934]),
-    ('cogvideox-i2v', 'fp8'): ([0.72144395, 0.95664477, 1.1446613, 1.1227353], [210.5164629, 31.97139966, 0.01881209093]),
-    ('cogvideox-i2v', 'full_ema'): ([0.72201282, 0.95551676, 1.1406491, 1.1164836], [12.31746032, 0.003907851857, 5.365235715, 0.0007262624358]),
+    ("sdxl", "plain"): ([1.109987, 1.0686009, 0.99006116, 0.82163274], [17085.88318, 2547.891809, 31.27440152]),
+    ("sdxl", "checkpoint"): ([1.1099479, 1.0674016, 0.98811424, 0.82160532], [17083.33277, 2547.281912, 31.27502349]),
+    ("sdxl", "fp8"): ([1.1105421, 1.0671253, 0.99275267, 0.82111233], [17110.50538, 2551.05794, 32.1089488]),
+    ("sdxl", "full_ema"): (
+        [1.109987, 1.1284107, 1.1314399, 1.0538907],
+        [396.2431466, 0.1053529956, 185.8220608, 0.0218367129],
+    ),
+    ("sd3", "plain"): ([1.6921787, 1.5092896, 1.6331778, 1.5216541], [683.5062858, 92.08656885, 4.851036584]),
+    ("sd3", "checkpoint"): ([1.6921886, 1.5090822, 1.6326317, 1.5214911], [683.4428062, 92.08546027, 4.84762723]),
+    ("sd3", "fp8"): ([1.6921315, 1.5092105, 1.6321031, 1.5213048], [683.4965327, 92.09709222, 4.847913719]),
+    ("sd3", "full_ema"): (
+        [1.6921787, 1.5332654, 1.7011046, 1.6549253],
+        [26.14332616, 0.008743109159, 11.23872206, 0.001581451299],
+    ),
+    ("cogvideox", "plain"): ([0.70568943, 0.44830331, 0.55442256, 0.51552874], [210.895822, 31.9435718, 0.0210167359]),
+    ("cogvideox", "checkpoint"): (
+        [0.70578671, 0.44858488, 0.55431712, 0.51550174],
+        [210.8984711, 31.94449047, 0.02100715558],
+    ),
+    ("cogvideox", "fp8"): ([0.70550609, 0.44850627, 0.5538286, 0.51588643], [210.8952872, 31.94644925, 0.02099752665]),
+    ("cogvideox", "full_ema"): (
+        [0.70568943, 0.44641876, 0.55044496, 0.50973004],
+        [12.59408636, 0.004097501039, 5.403126078, 0.0007458268153],
+    ),
+    ("cogvideox-i2v", "plain"): (
+        [0.72201282, 0.95797318, 1.1453512, 1.123553],
+        [210.515053, 31.97307942, 0.01871799054],
+    ),
+    ("cogvideox-i2v", "checkpoint"): (
+        [0.72221041, 0.9578107, 1.145337, 1.1234654],
+        [210.5333384, 31.97333774, 0.01877630934],
+    ),
+    ("cogvideox-i2v", "fp8"): (
+        [0.72144395, 0.95664477, 1.1446613, 1.1227353],
+        [210.5164629, 31.97139966, 0.01881209093],
+    ),
+    ("cogvideox-i2v", "full_ema"): (
+        [0.72201282, 0.95551676, 1.1406491, 1.1164836],
+        [12.31746032, 0.003907851857, 5.365235715, 0.0007262624358],
+    ),
 }
 
 
@@ -92,8 +126,10 @@ def setup(_dataset_master, tmp_path_factory):
         if family not in made:
             root = tmp_path_factory.mktemp(f"pin-{family}")
             made[family] = (_build(spec, root / "model"), root / "cache")
-            cfg = resolve(recipe=recipe, sets=tiny_sets(made[family][0], _dataset_master, root, **extra,
-                                                         **{"data.cache_dir": made[family][1]})).config
+            cfg = resolve(
+                recipe=recipe,
+                sets=tiny_sets(made[family][0], _dataset_master, root, **extra, **{"data.cache_dir": made[family][1]}),
+            ).config
             precompute(cfg)
         model, cache = made[family]
         return model, cache, recipe, extra
@@ -127,8 +163,9 @@ def _checksums(result, plan: str, model: Path) -> list[float]:
         part = next(iter(trained)).split(".", 1)[0]  # the denoiser's folder: unet or transformer
         base = {f"{part}.{k}": v for f in sorted((model / part).glob("*.safetensors")) for k, v in load_file(f).items()}
         assert set(trained) <= set(base) and set(ema) == set(trained)
-        return (_sums(trained[k].double() - base[k].double() for k in sorted(trained))
-                + _sums(ema[k].double() - base[k].double() for k in sorted(ema)))
+        return _sums(trained[k].double() - base[k].double() for k in sorted(trained)) + _sums(
+            ema[k].double() - base[k].double() for k in sorted(ema)
+        )
     lora = load_file(result.lora_path)
     return _sums(lora.values()) + _sums(v for k, v in lora.items() if "lora_B" in k or ".up." in k)[1:]
 

@@ -41,8 +41,13 @@ def _args(tiny_model, data, out):
 @pytest.mark.parametrize("kill_at", [3, 11], ids=["during-latents", "during-captions"])
 def test_killed_precompute_resumes_to_the_clean_result(tiny_model, dataset, tmp_path, cli, kill_at):
     env = {**os.environ, "KILL_AT_SHARD": str(kill_at), "DIFFTRAIN_PROGRESS": "0"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, *_args(tiny_model, dataset, tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *_args(tiny_model, dataset, tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     cache_root = tmp_path / "cache"
     assert not (cache_root / "index.json").exists()
@@ -54,8 +59,9 @@ def test_killed_precompute_resumes_to_the_clean_result(tiny_model, dataset, tmp_
     from difftrain.config.load import resolve
     from difftrain.precompute.run import precompute
 
-    cfg = resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path,
-                                                           **{"precompute.shard_max_mb": 0.0005})).config
+    cfg = resolve(
+        recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path, **{"precompute.shard_max_mb": 0.0005})
+    ).config
     r = precompute(cfg)
     assert r.latents_encoded + r.texts_encoded + done_before == 16  # 8 latents + 8 captions, none twice
     assert verify_cache(cache_root) == []

@@ -42,8 +42,12 @@ def test_precompute_caches_each_text_encoder_on_its_own(tiny_sd3, dataset, tmp_p
 def test_sd3_lora_learns_resumes_exactly_and_loads_into_the_pipeline(tiny_sd3, dataset, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 
-    common = {"train.batch_size": 4, "train.learning_rate": 3e-3, "flow.loss_weighting": "cosmap",
-              "data.cache_dir": tmp_path / "cache"}
+    common = {
+        "train.batch_size": 4,
+        "train.learning_rate": 3e-3,
+        "flow.loss_weighting": "cosmap",
+        "data.cache_dir": tmp_path / "cache",
+    }
     cfg = _cfg(tiny_sd3, dataset, tmp_path / "a", **common, **{"train.max_steps": 30, "train.checkpoint_every": 1000})
     precompute(cfg)
     ref = train(cfg)
@@ -56,7 +60,14 @@ def test_sd3_lora_learns_resumes_exactly_and_loads_into_the_pipeline(tiny_sd3, d
     assert a.losses + b.losses == pytest.approx(ref.losses, rel=1e-6, abs=1e-7)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-    kwargs = dict(prompt="a red circle", num_inference_steps=2, height=64, width=64, output_type="pt", max_sequence_length=77)
+    kwargs = {
+        "prompt": "a red circle",
+        "num_inference_steps": 2,
+        "height": 64,
+        "width": 64,
+        "output_type": "pt",
+        "max_sequence_length": 77,
+    }
     before = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
     pipe.load_lora_weights(str(ref.lora_path))
     after = pipe(generator=torch.Generator().manual_seed(0), **kwargs).images
@@ -102,9 +113,15 @@ def test_dreambooth_prior_preservation_generates_caches_and_adds_the_class_loss(
     from difftrain.data.cache import DataCache
 
     cls = tmp_path / "class"
-    db = {"dreambooth.instance_prompt": "a photo of sks shape", "dreambooth.with_prior_preservation": "true",
-          "dreambooth.class_prompt": "a photo of a shape", "dreambooth.class_data_dir": cls,
-          "dreambooth.num_class_images": 3, "dreambooth.class_sample_steps": 2, "dreambooth.prior_loss_weight": 0.5}
+    db = {
+        "dreambooth.instance_prompt": "a photo of sks shape",
+        "dreambooth.with_prior_preservation": "true",
+        "dreambooth.class_prompt": "a photo of a shape",
+        "dreambooth.class_data_dir": cls,
+        "dreambooth.num_class_images": 3,
+        "dreambooth.class_sample_steps": 2,
+        "dreambooth.prior_loss_weight": 0.5,
+    }
     cfg = _cfg(tiny_sd3, dataset, tmp_path, **db, **{"train.max_steps": 4, "train.checkpoint_every": 1000})
     r = precompute(cfg)
     assert len(list(cls.glob("class-*.png"))) == 3 and r.items == 8 + 3
@@ -123,8 +140,13 @@ def test_dreambooth_prior_preservation_generates_caches_and_adds_the_class_loss(
     assert all(rec["prior_loss"] > 0 for rec in recs)
     # the logged loss is the instance loss plus the weighted class loss: with weight 0.5 it differs from
     # a run with weight 0 (same draws) by exactly half the class loss
-    cfg0 = _cfg(tiny_sd3, dataset, tmp_path / "w0", **{**db, "dreambooth.prior_loss_weight": 0.0},
-                **{"train.max_steps": 1, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache"})
+    cfg0 = _cfg(
+        tiny_sd3,
+        dataset,
+        tmp_path / "w0",
+        **{**db, "dreambooth.prior_loss_weight": 0.0},
+        **{"train.max_steps": 1, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache"},
+    )
     t0 = Trainer(cfg0)
     r0 = t0.run()
     rec0 = json.loads((tmp_path / "w0" / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -136,8 +158,9 @@ def test_long_captions_are_cut_to_the_t5_length_with_a_warning(tiny_sd3, capsys)
     from difftrain.families.sd3 import SD3
 
     fam = SD3()
-    comps = fam.load(__import__("difftrain.config.schema", fromlist=["ModelConfig"]).ModelConfig(path=tiny_sd3),
-                     ["text_encoder_3"])
+    comps = fam.load(
+        __import__("difftrain.config.schema", fromlist=["ModelConfig"]).ModelConfig(path=tiny_sd3), ["text_encoder_3"]
+    )
     out = fam.encode_prompts(comps, ["a " * 200], "t5", TextEncodersConfig(t5={"precision": "fp32", "max_length": 77}))
     assert out["t5_embeds"].shape[1] == 77
     assert "longer than text_encoders.t5.max_length (77 tokens)" in capsys.readouterr().err
@@ -163,22 +186,36 @@ def test_sd3_full_finetune_exports_a_single_file_and_a_diffusers_folder(tiny_sd3
     from difftrain.families.sd3 import SD3
     from difftrain.trainers.loop import Trainer
 
-    cfg = _cfg(tiny_sd3, dataset, tmp_path, **{"train.method": "full", "train.max_steps": 2, "train.learning_rate": 1e-3,
-                                               "save.formats": "[single_file, diffusers]", "save.precision": "fp32",
-                                               "train.checkpoint_every": 1000})
+    cfg = _cfg(
+        tiny_sd3,
+        dataset,
+        tmp_path,
+        **{
+            "train.method": "full",
+            "train.max_steps": 2,
+            "train.learning_rate": 1e-3,
+            "save.formats": "[single_file, diffusers]",
+            "save.precision": "fp32",
+            "train.checkpoint_every": 1000,
+        },
+    )
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
     trained = {k: v.detach().clone() for k, v in t.comps["transformer"].state_dict().items()}
     single = next(p for p in r.saved if p.suffix == ".safetensors")
-    back = SD3().load(ModelConfig(path=single, config="sd3-tiny", tokenizer_path=tiny_sd3), ["transformer"])["transformer"]
+    back = SD3().load(ModelConfig(path=single, config="sd3-tiny", tokenizer_path=tiny_sd3), ["transformer"])[
+        "transformer"
+    ]
     for k, v in back.state_dict().items():
         torch.testing.assert_close(v, trained[k], rtol=0, atol=0)
     base = SD3().load(ModelConfig(path=tiny_sd3), ["transformer"])["transformer"].state_dict()
     assert any(not torch.equal(base[k], trained[k]) for k in base)  # training changed the weights
     folder = next(p for p in r.saved if p.is_dir())
     pipe = StableDiffusion3Pipeline.from_pretrained(folder)
-    torch.testing.assert_close(pipe.transformer.state_dict()["proj_out.weight"], trained["proj_out.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        pipe.transformer.state_dict()["proj_out.weight"], trained["proj_out.weight"], rtol=0, atol=0
+    )
 
 
 def test_flow_matching_inputs_follow_the_formulas():
@@ -188,9 +225,16 @@ def test_flow_matching_inputs_follow_the_formulas():
     from difftrain.trainers.loop import Trainer
 
     for sampling in ("logit_normal", "mode", "uniform"):
-        flow = FlowConfig(timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap")
-        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, gen=torch.Generator().manual_seed(1), device="cpu",
-                               _draw=lambda draw, n: draw(n))
+        flow = FlowConfig(
+            timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap"
+        )
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(flow=flow),
+            flow_shift=3.0,
+            gen=torch.Generator().manual_seed(1),
+            device="cpu",
+            _draw=lambda draw, n: draw(n),
+        )
         x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
         noisy, t, target, w = Trainer._flow_inputs(fake, x0, noise)
         s = t / 1000

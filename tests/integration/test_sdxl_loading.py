@@ -11,7 +11,9 @@ from difftrain.families.sdxl import PARTS, SDXL
 
 
 def _state(comps):
-    return {part: {k: v for k, v in comps[part].state_dict().items() if not k.endswith("position_ids")} for part in PARTS}
+    return {
+        part: {k: v for k, v in comps[part].state_dict().items() if not k.endswith("position_ids")} for part in PARTS
+    }
 
 
 def _save(comps, path):
@@ -47,8 +49,10 @@ def test_single_file_round_trip(tiny_model, folder_comps, tmp_path):
     ids = back["tokenizer"](["a red circle"]).input_ids
     assert ids == folder_comps["tokenizer"](["a red circle"]).input_ids
     # the same prompt encodes to the same embeddings through either source
-    torch.testing.assert_close(fam.encode_prompts(back, ["a red circle"])["prompt_embeds"],
-                               fam.encode_prompts(folder_comps, ["a red circle"])["prompt_embeds"])
+    torch.testing.assert_close(
+        fam.encode_prompts(back, ["a red circle"])["prompt_embeds"],
+        fam.encode_prompts(folder_comps, ["a red circle"])["prompt_embeds"],
+    )
 
 
 def test_single_file_with_wrong_bundled_config_is_refused(folder_comps, tmp_path, tiny_model):
@@ -85,7 +89,7 @@ def test_pickle_with_code_is_not_executed(tmp_path, tiny_model):
 
     ckpt = tmp_path / "evil.ckpt"
     ckpt.write_bytes(pickle.dumps({"state_dict": Evil()}))
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whatever the loader raises, the payload must not run)
         SDXL().load(ModelConfig(path=ckpt, config="sdxl-tiny", tokenizer_path=tiny_model, allow_pickle=True), ["unet"])
     assert not marker.exists()
 

@@ -34,12 +34,21 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
     blocks): the loss curve of 6 steps matches eager within float tolerance, the compiled blocks really ran
     compiled, and the LoRA exports the same names."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    common = {"train.max_steps": 6, "train.batch_size": 2, "train.checkpoint_every": 1000, "train.learning_rate": 3e-3,
-              "memory.activations.kind": "checkpoint", "memory.weights.kind": "fp8", "data.cache_dir": tmp_path / "cache"}
+    common = {
+        "train.max_steps": 6,
+        "train.batch_size": 2,
+        "train.checkpoint_every": 1000,
+        "train.learning_rate": 3e-3,
+        "memory.activations.kind": "checkpoint",
+        "memory.weights.kind": "fp8",
+        "data.cache_dir": tmp_path / "cache",
+    }
     eager = _cfg("tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "eager", **common)
     precompute(eager)
     ref = train(eager)
-    compiled_cfg = _cfg("tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "compiled", **common, **{"speed.compile": "true"})
+    compiled_cfg = _cfg(
+        "tiny-sd3-lora", tiny_sd3, dataset, tmp_path / "compiled", **common, **{"speed.compile": "true"}
+    )
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -65,7 +74,12 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
 def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, tmp_path, monkeypatch):
     """speed.sync_seconds: reading the losses every step or only at forced points (checkpoints, the end) gives the
     same losses and the same metrics records; the batched run flushes far less often."""
-    common = {"train.max_steps": 6, "train.batch_size": 2, "train.checkpoint_every": 4, "data.cache_dir": tmp_path / "cache"}
+    common = {
+        "train.max_steps": 6,
+        "train.batch_size": 2,
+        "train.checkpoint_every": 4,
+        "data.cache_dir": tmp_path / "cache",
+    }
     flushes = []
     real = Trainer._flush
 
@@ -92,11 +106,16 @@ def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, t
 def test_speed_options_that_cannot_work_together_are_refused():
     from difftrain.config.schema import Config
 
-    bad = [({"speed": {"cuda_graphs": True}}, "set speed.compile: true"),
-           ({"speed": {"compile": True}, "memory": {"offload": {"kind": "block_swap", "blocks_to_swap": 2}}}, "block swap"),
-           ({"speed": {"float8": True}}, "train.method: full"),
-           ({"family": "sd3", "speed": {"channels_last": True}}, "channels_last"),
-           ({"speed": {"compile": True}, "memory": {"engine": {"kind": "deepspeed", "stage": 3}}}, "stage 2")]
+    bad = [
+        ({"speed": {"cuda_graphs": True}}, "set speed.compile: true"),
+        (
+            {"speed": {"compile": True}, "memory": {"offload": {"kind": "block_swap", "blocks_to_swap": 2}}},
+            "block swap",
+        ),
+        ({"speed": {"float8": True}}, "train.method: full"),
+        ({"family": "sd3", "speed": {"channels_last": True}}, "channels_last"),
+        ({"speed": {"compile": True}, "memory": {"engine": {"kind": "deepspeed", "stage": 3}}}, "stage 2"),
+    ]
     from pydantic import ValidationError
 
     for data, words in bad:
@@ -110,26 +129,52 @@ def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
     from difftrain.errors import BackendUnavailable
 
     # a small learning rate: Adam turns rounding-level gradient differences into whole lr-sized steps
-    common = {"train.max_steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache",
-              "train.learning_rate": 1e-5}
+    common = {
+        "train.max_steps": 3,
+        "train.batch_size": 2,
+        "train.checkpoint_every": 1000,
+        "data.cache_dir": tmp_path / "cache",
+        "train.learning_rate": 1e-5,
+    }
     base = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common)
     precompute(base)
     ref = train(base)
-    fast = train(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common,
-                      **{"speed.attention": "math", "speed.optimizer_kernels": "fused"}))
+    fast = train(
+        _cfg(
+            "tiny-sdxl-lora",
+            tiny_model,
+            dataset,
+            tmp_path / "b",
+            **common,
+            **{"speed.attention": "math", "speed.optimizer_kernels": "fused"},
+        )
+    )
     assert fast.losses == pytest.approx(ref.losses, rel=1e-4)
     with pytest.raises(BackendUnavailable, match="CUDA"):
-        Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "d", **common, **{"speed.attention": "cudnn"})).run()
+        Trainer(
+            _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "d", **common, **{"speed.attention": "cudnn"})
+        ).run()
 
 
 def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tmp_path):
-    common = {"train.max_steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache"}
+    common = {
+        "train.max_steps": 3,
+        "train.batch_size": 2,
+        "train.checkpoint_every": 1000,
+        "data.cache_dir": tmp_path / "cache",
+    }
     base = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common)
     precompute(base)
     ref = train(base)
-    t = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.channels_last": "true"}))
+    t = Trainer(
+        _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.channels_last": "true"})
+    )
     out = t.run()
-    conv = t.comps["unet"].conv_in.base_layer if hasattr(t.comps["unet"].conv_in, "base_layer") else t.comps["unet"].conv_in
+    conv = (
+        t.comps["unet"].conv_in.base_layer
+        if hasattr(t.comps["unet"].conv_in, "base_layer")
+        else t.comps["unet"].conv_in
+    )
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     assert out.losses == pytest.approx(ref.losses, rel=1e-4)
 
@@ -142,13 +187,20 @@ def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self).__name__, kw["mode"])))
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
-    expect = {("default", False): None, ("default", True): "reduce-overhead",
-              ("max-autotune", False): "max-autotune-no-cudagraphs", ("max-autotune", True): "max-autotune",
-              ("max-autotune-no-cudagraphs", False): "max-autotune-no-cudagraphs",
-              ("max-autotune-no-cudagraphs", True): "max-autotune"}
+    expect = {
+        ("default", False): None,
+        ("default", True): "reduce-overhead",
+        ("max-autotune", False): "max-autotune-no-cudagraphs",
+        ("max-autotune", True): "max-autotune",
+        ("max-autotune-no-cudagraphs", False): "max-autotune-no-cudagraphs",
+        ("max-autotune-no-cudagraphs", True): "max-autotune",
+    }
     for (mode, graphs), torch_mode in expect.items():
         seen.clear()
-        assert speed.compile_blocks(net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs)) == 2
+        assert (
+            speed.compile_blocks(net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs))
+            == 2
+        )
         assert seen == [("Linear", torch_mode)] * 2
 
 
@@ -166,8 +218,11 @@ def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_mode
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]  # process-wide: earlier tests compiled too
     counts = {}
-    for name, extra in {"eager": {}, "compiled": {"speed.compile": "true"},
-                        "compiled-ckpt": {"speed.compile": "true", "memory.activations.kind": "checkpoint"}}.items():
+    for name, extra in {
+        "eager": {},
+        "compiled": {"speed.compile": "true"},
+        "compiled-ckpt": {"speed.compile": "true", "memory.activations.kind": "checkpoint"},
+    }.items():
         trainer = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / name, **{**common, **extra}))
         trainer._setup()
         counts[name] = step_flops(trainer)

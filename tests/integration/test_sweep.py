@@ -35,13 +35,39 @@ def swept(tmp_path_factory, tiny_model, _dataset_master):
 
     SDXL.encode_images = counting
     try:
-        args = ["sweep", "--recipe", "tiny-sdxl-lora", "--model", str(tiny_model), "--data-dir", str(_dataset_master),
-                "--set", f"data.cache_dir={root / 'cache'}", "--set", "train.max_steps=4", "--set", "train.batch_size=2",
-                "--set", "validation.loss_items=2", "--set", "validation.every_n_steps=2",
-                "--set", "validation.prompts=[a red circle]", "--set", "validation.num_inference_steps=1",
-                "--set", "validation.resolution=64",
-                "--grid", f"optimizer.lr={LR_OK},{LR_DIVERGES}", "--grid", "memory.optimizer.kind=adamw,cpu_offload",
-                "--gpus", "2", "-o", str(root / "sw")]
+        args = [
+            "sweep",
+            "--recipe",
+            "tiny-sdxl-lora",
+            "--model",
+            str(tiny_model),
+            "--data-dir",
+            str(_dataset_master),
+            "--set",
+            f"data.cache_dir={root / 'cache'}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.batch_size=2",
+            "--set",
+            "validation.loss_items=2",
+            "--set",
+            "validation.every_n_steps=2",
+            "--set",
+            "validation.prompts=[a red circle]",
+            "--set",
+            "validation.num_inference_steps=1",
+            "--set",
+            "validation.resolution=64",
+            "--grid",
+            f"optimizer.lr={LR_OK},{LR_DIVERGES}",
+            "--grid",
+            "memory.optimizer.kind=adamw,cpu_offload",
+            "--gpus",
+            "2",
+            "-o",
+            str(root / "sw"),
+        ]
         r = CliRunner().invoke(app, args, catch_exceptions=False)
     finally:
         SDXL.encode_images = real
@@ -59,7 +85,13 @@ def test_a_grid_sweep_runs_every_trial_over_one_cache(swept):
     rows = {(r["train.learning_rate"], r["memory.optimizer.kind"]): r for r in _rows(sw)}
     assert set(rows) == {(1e-3, "adamw"), (1e30, "adamw"), (1e-3, "cpu_offload"), (1e30, "cpu_offload")}
     ok, nan = rows[(1e-3, "adamw")], rows[(1e30, "adamw")]
-    assert ok["status"] == "ok" and ok["steps"] == 4 and ok["final_loss"] > 0 and ok["val_loss"] > 0 and ok["s_per_step"] > 0
+    assert (
+        ok["status"] == "ok"
+        and ok["steps"] == 4
+        and ok["final_loss"] > 0
+        and ok["val_loss"] > 0
+        and ok["s_per_step"] > 0
+    )
     assert nan["status"] == "nan" and "loss became" in nan["error"]
     for opt_off in (rows[(1e-3, "cpu_offload")], rows[(1e30, "cpu_offload")]):  # refused by the config: never started
         assert opt_off["status"] == "failed" and "cpu_offload" in opt_off["error"] and opt_off["steps"] is None
@@ -75,18 +107,40 @@ def test_results_are_written_as_csv_json_plots_and_a_report(swept):
     sw, _, _ = swept
     with open(sw / "results.csv", newline="") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 4 and {"trial", "train.learning_rate", "memory.optimizer.kind", "status", "final_loss",
-                                "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib", "error"} <= set(table[0])
+    assert len(table) == 4 and {
+        "trial",
+        "train.learning_rate",
+        "memory.optimizer.kind",
+        "status",
+        "final_loss",
+        "best_loss",
+        "val_loss",
+        "s_per_step",
+        "gpu_peak_alloc_gib",
+        "error",
+    } <= set(table[0])
     assert len((sw / "trials.jsonl").read_text().splitlines()) == 4
     for png in ("loss.png", "val_loss.png", "samples.png"):
         assert (sw / "plots" / png).stat().st_size > 5000
     ok = next(r for r in _rows(sw) if r["status"] == "ok")
     run = sw / "trials" / ok["trial"]
-    for f in ("metrics.jsonl", "report.html", "plots/loss.png", "plots/samples.png", "pytorch_lora_weights.safetensors"):
+    for f in (
+        "metrics.jsonl",
+        "report.html",
+        "plots/loss.png",
+        "plots/samples.png",
+        "pytorch_lora_weights.safetensors",
+    ):
         assert (run / f).is_file(), f
-    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and list((sw / "tensorboard").rglob("events.out.tfevents.*"))
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")) and list(
+        (sw / "tensorboard").rglob("events.out.tfevents.*")
+    )
     html = (sw / "report.html").read_text()
-    assert html.count("<tr") == 5 and html.count("data:image/png;base64,") == 3 and f'href="trials/{ok["trial"]}/report.html"' in html
+    assert (
+        html.count("<tr") == 5
+        and html.count("data:image/png;base64,") == 3
+        and f'href="trials/{ok["trial"]}/report.html"' in html
+    )
 
 
 def test_rerunning_skips_finished_trials_and_resumes_an_interrupted_one(swept):
@@ -136,9 +190,18 @@ def test_the_report_page_renders_in_headless_chromium(swept, tmp_path):
     sw, _, _ = swept
     opts = webdriver.ChromeOptions()
     opts.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2000"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1280,2000",
+    ):
         opts.add_argument(flag)
     browser = webdriver.Chrome(service=Service(driver_path), options=opts)
     try:
@@ -146,7 +209,9 @@ def test_the_report_page_renders_in_headless_chromium(swept, tmp_path):
         assert "difftrain sweep" in browser.title
         rows = browser.execute_script("return document.querySelectorAll('table tbody tr').length")
         widths = browser.execute_script("return [...document.images].map(i => i.complete ? i.naturalWidth : 0)")
-        statuses = browser.execute_script("return [...document.querySelectorAll('td[class*=status]')].map(t => t.textContent)")
+        statuses = browser.execute_script(
+            "return [...document.querySelectorAll('td[class*=status]')].map(t => t.textContent)"
+        )
         assert rows == 4 and len(widths) == 3 and all(w > 100 for w in widths)
         assert sorted(statuses) == ["failed", "failed", "nan", "ok"]
         browser.save_screenshot(str(sw / "report.png"))
@@ -159,11 +224,18 @@ def test_the_report_page_renders_in_headless_chromium(swept, tmp_path):
 
 
 def test_random_search_is_reproducible_and_draws_from_its_distributions():
-    spec = SweepSpec(recipe="tiny-sdxl-lora", grid={"lora.rank": [4, 8]}, trials=6, seed=3,
-                     dists={"train.learning_rate": {"log_uniform": [1e-5, 1e-3]}, "train.seed": {"int_uniform": [0, 9]}})
+    spec = SweepSpec(
+        recipe="tiny-sdxl-lora",
+        grid={"lora.rank": [4, 8]},
+        trials=6,
+        seed=3,
+        dists={"train.learning_rate": {"log_uniform": [1e-5, 1e-3]}, "train.seed": {"int_uniform": [0, 9]}},
+    )
     a, b = expand(spec), expand(spec)
     assert a == b and len(a) == 6
-    assert all(1e-5 <= t["train.learning_rate"] <= 1e-3 and t["lora.rank"] in (4, 8) and 0 <= t["train.seed"] <= 9 for t in a)
+    assert all(
+        1e-5 <= t["train.learning_rate"] <= 1e-3 and t["lora.rank"] in (4, 8) and 0 <= t["train.seed"] <= 9 for t in a
+    )
     assert len({t["train.learning_rate"] for t in a}) == 6
     spec.seed = 4
     assert expand(spec) != a
@@ -175,10 +247,17 @@ def test_grid_product_order_aliases_and_a_sweep_file(tmp_path):
     assert parse_grid("lora.targets=[to_q, to_k],[to_v]") == ("lora.targets", [["to_q", "to_k"], ["to_v"]])
     assert parse_dist("lr=log_uniform:1e-5:1e-3") == ("train.learning_rate", {"log_uniform": [1e-5, 1e-3]})
     spec = SweepSpec(grid={"a.x": [1, 2], "b.y": ["p", "q"]})
-    assert expand(spec) == [{"a.x": 1, "b.y": "p"}, {"a.x": 1, "b.y": "q"}, {"a.x": 2, "b.y": "p"}, {"a.x": 2, "b.y": "q"}]
+    assert expand(spec) == [
+        {"a.x": 1, "b.y": "p"},
+        {"a.x": 1, "b.y": "q"},
+        {"a.x": 2, "b.y": "p"},
+        {"a.x": 2, "b.y": "q"},
+    ]
     f = tmp_path / "sweep.yaml"
-    f.write_text("recipe: tiny-sdxl-lora\nset: {train.max_steps: 5}\ngrid: {lora.rank: [4, 8]}\n"
-                 "random: {trials: 3, seed: 1, axes: {train.learning_rate: {log_uniform: [1.0e-5, 1.0e-3]}}}\n")
+    f.write_text(
+        "recipe: tiny-sdxl-lora\nset: {train.max_steps: 5}\ngrid: {lora.rank: [4, 8]}\n"
+        "random: {trials: 3, seed: 1, axes: {train.learning_rate: {log_uniform: [1.0e-5, 1.0e-3]}}}\n"
+    )
     spec = load_spec(f)
     assert spec.sets == ["train.max_steps=5"] and spec.trials == 3 and len(expand(spec)) == 3
     from difftrain.errors import UsageError

@@ -24,10 +24,18 @@ def four_images(dataset):
 
 
 def test_loss_falls_when_overfitting_four_images(tiny_model, four_images, tmp_path):
-    cfg = _cfg(tiny_model, four_images, tmp_path, **{
-        "train.max_steps": 40, "train.batch_size": 4, "train.learning_rate": 3e-3, "lora.rank": 8,
-        "train.checkpoint_every": 1000,
-    })
+    cfg = _cfg(
+        tiny_model,
+        four_images,
+        tmp_path,
+        **{
+            "train.max_steps": 40,
+            "train.batch_size": 4,
+            "train.learning_rate": 3e-3,
+            "lora.rank": 8,
+            "train.checkpoint_every": 1000,
+        },
+    )
     precompute(cfg)
     losses = train(cfg).losses
     assert len(losses) == 40
@@ -36,14 +44,28 @@ def test_loss_falls_when_overfitting_four_images(tiny_model, four_images, tmp_pa
 
 
 def test_resume_gives_the_same_weights_and_losses(tiny_model, dataset, tmp_path):
-    common = {"train.batch_size": 2, "train.grad_accum": 2, "train.lr_scheduler": "cosine", "train.warmup_steps": 2,
-              "train.noise_offset": 0.05, "train.min_snr_gamma": 5.0, "lora.dropout": 0.1}
-    straight = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"train.max_steps": 6, "train.checkpoint_every": 100})
+    common = {
+        "train.batch_size": 2,
+        "train.grad_accum": 2,
+        "train.lr_scheduler": "cosine",
+        "train.warmup_steps": 2,
+        "train.noise_offset": 0.05,
+        "train.min_snr_gamma": 5.0,
+        "lora.dropout": 0.1,
+    }
+    straight = _cfg(
+        tiny_model, dataset, tmp_path / "a", **common, **{"train.max_steps": 6, "train.checkpoint_every": 100}
+    )
     precompute(straight)
     ref = train(straight)
 
-    split = _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"train.max_steps": 6, "train.checkpoint_every": 3,
-                                                                   "data.cache_dir": tmp_path / "a" / "cache"})
+    split = _cfg(
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        **common,
+        **{"train.max_steps": 6, "train.checkpoint_every": 3, "data.cache_dir": tmp_path / "a" / "cache"},
+    )
     first = train(split, stop_at=3)  # as if interrupted after step 3
     assert first.checkpoints[-1].name == "step-00000003"
     second = train(split, resume="latest")
@@ -67,8 +89,14 @@ def test_exported_lora_changes_the_diffusers_pipeline_output(tiny_model, dataset
     pipe.set_progress_bar_config(disable=True)
 
     def render():
-        return pipe("a red circle", num_inference_steps=3, height=64, width=64, output_type="np",
-                    generator=torch.Generator().manual_seed(0)).images[0]
+        return pipe(
+            "a red circle",
+            num_inference_steps=3,
+            height=64,
+            width=64,
+            output_type="np",
+            generator=torch.Generator().manual_seed(0),
+        ).images[0]
 
     before = render()
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
@@ -115,12 +143,15 @@ def test_precision_and_checkpointing_track_the_plain_run(tiny_model, dataset, tm
     precompute(plain)
     ref = train(plain).losses
     extra = {"train.mixed_precision": "fp16"} if mode == "fp16" else {"memory.activations.kind": "checkpoint"}
-    other = _cfg(tiny_model, dataset, tmp_path / mode, **base, **extra, **{"data.cache_dir": tmp_path / "plain" / "cache"})
+    other = _cfg(
+        tiny_model, dataset, tmp_path / mode, **base, **extra, **{"data.cache_dir": tmp_path / "plain" / "cache"}
+    )
     t = train(other)
     tol = 1e-2 if mode == "fp16" else 1e-5
     assert t.losses == pytest.approx(ref, rel=tol)
     if mode == "fp16":
-
         from difftrain.trainers.state import load_tree
 
-        assert load_tree(t.checkpoints[-1], "schedule")["scaler"]["scale"] > 1  # the scaler was live, and is checkpointed
+        assert (
+            load_tree(t.checkpoints[-1], "schedule")["scaler"]["scale"] > 1
+        )  # the scaler was live, and is checkpointed

@@ -20,8 +20,18 @@ def _trainer(recipe, model, data, out, **extra):
 
 
 def test_sdxl_validation_loss_is_held_out_logged_and_repeatable(tiny_model, dataset, tmp_path):
-    t = _trainer("tiny-sdxl-lora", tiny_model, dataset, tmp_path, **{
-        "train.max_steps": 4, "validation.every_n_steps": 2, "validation.loss_items": 2, "train.learning_rate": 1e-2})
+    t = _trainer(
+        "tiny-sdxl-lora",
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.max_steps": 4,
+            "validation.every_n_steps": 2,
+            "validation.loss_items": 2,
+            "train.learning_rate": 1e-2,
+        },
+    )
     r = t.run()
     assert [s for s, _ in r.val_losses] == [2, 4]
     held = {it["latent"] for it in t.val_items}
@@ -33,8 +43,13 @@ def test_sdxl_validation_loss_is_held_out_logged_and_repeatable(tiny_model, data
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [rec["val_loss"] for rec in logged if "val_loss" in rec] == [v for _, v in r.val_losses]
     # another training seed holds out the same items (trials of a sweep compare on one set)
-    other = _trainer("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **{
-        "train.seed": 7, "validation.loss_items": 2, "data.cache_dir": tmp_path / "cache"})
+    other = _trainer(
+        "tiny-sdxl-lora",
+        tiny_model,
+        dataset,
+        tmp_path / "b",
+        **{"train.seed": 7, "validation.loss_items": 2, "data.cache_dir": tmp_path / "cache"},
+    )
     other._setup()
     assert {it["latent"] for it in other.val_items} == held
 
@@ -43,8 +58,13 @@ def test_sd3_flow_validation_loss_is_repeatable(dataset, tmp_path):
     from difftrain.families.sd3 import SD3
 
     model = SD3().build_tiny(tmp_path / "tiny-sd3", seed=0)
-    t = _trainer("tiny-sd3-lora", model, dataset, tmp_path, **{"train.max_steps": 1, "validation.loss_items": 1,
-                                                               "validation.loss_timesteps": 3})
+    t = _trainer(
+        "tiny-sd3-lora",
+        model,
+        dataset,
+        tmp_path,
+        **{"train.max_steps": 1, "validation.loss_items": 1, "validation.loss_timesteps": 3},
+    )
     r = t.run()
     assert len(r.val_losses) == 1 and t.validation_loss() == r.val_losses[0][1] > 0
 

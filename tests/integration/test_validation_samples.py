@@ -13,10 +13,19 @@ from difftrain.trainers.loop import Trainer
 
 
 def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path):
-    sets = tiny_sets(tiny_model, dataset, tmp_path, **{
-        "train.max_steps": 4, "train.checkpoint_every": 1000, "validation.every_n_steps": 2,
-        "validation.prompts": "[a red circle, a blue square]", "validation.num_inference_steps": 2,
-        "validation.resolution": 64})
+    sets = tiny_sets(
+        tiny_model,
+        dataset,
+        tmp_path,
+        **{
+            "train.max_steps": 4,
+            "train.checkpoint_every": 1000,
+            "validation.every_n_steps": 2,
+            "validation.prompts": "[a red circle, a blue square]",
+            "validation.num_inference_steps": 2,
+            "validation.resolution": 64,
+        },
+    )
     cfg = resolve(recipe="tiny-sdxl-lora", sets=sets).config
     precompute(cfg)
     t = Trainer(cfg)
@@ -48,14 +57,24 @@ def test_cogvideox_validation_writes_an_mp4(tmp_path, dataset):
     from difftrain.families.cogvideox import CogVideoX
 
     model = CogVideoX().build_tiny(tmp_path / "tiny-cog")
-    sets = tiny_sets(model, dataset, tmp_path, **{
-        "train.max_steps": 1, "validation.prompts": "[a square]", "validation.num_inference_steps": 2,
-        "validation.resolution": 64, "data.frames": 9, "validation.fps": 8})
+    sets = tiny_sets(
+        model,
+        dataset,
+        tmp_path,
+        **{
+            "train.max_steps": 1,
+            "validation.prompts": "[a square]",
+            "validation.num_inference_steps": 2,
+            "validation.resolution": 64,
+            "data.frames": 9,
+            "validation.fps": 8,
+        },
+    )
     cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets).config
     precompute(cfg)
     Trainer(cfg).run()
     mp4 = tmp_path / "run" / "samples" / "final" / "00.mp4"
     with av.open(str(mp4)) as c:
-        frames = [f for f in c.decode(video=0)]
+        frames = list(c.decode(video=0))
         assert len(frames) == 9 and frames[0].width == 64
         assert float(c.streams.video[0].average_rate) == 8

@@ -9,8 +9,12 @@ from difftrain.data.batches import BucketBatchSampler
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from([(1024, 1024), (832, 1216), (1216, 832), (768, 1344)]), min_size=1, max_size=60),
-       st.integers(1, 5), st.integers(0, 10**6), st.integers(0, 50))
+@given(
+    st.lists(st.sampled_from([(1024, 1024), (832, 1216), (1216, 832), (768, 1344)]), min_size=1, max_size=60),
+    st.integers(1, 5),
+    st.integers(0, 10**6),
+    st.integers(0, 50),
+)
 def test_every_item_once_per_epoch_within_one_bucket(buckets, batch_size, seed, epoch):
     s = BucketBatchSampler(buckets, batch_size, seed)
     batches = s.epoch(epoch)

@@ -29,7 +29,7 @@ def _step(unet, seed: int = 0):
     cfg = unet.config
     x = torch.randn(2, cfg.in_channels, 16, 16, generator=g)
     emb = torch.randn(2, 77, cfg.cross_attention_dim, generator=g)
-    n_time = (cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim)
+    n_time = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
     added = {"text_embeds": torch.randn(2, n_time, generator=g), "time_ids": torch.rand(2, 6, generator=g) * 64}
     out = unet(x, torch.tensor([10, 500]), encoder_hidden_states=emb, added_cond_kwargs=added).sample
     loss = out.pow(2).mean()

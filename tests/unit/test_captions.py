@@ -92,9 +92,23 @@ def test_live_caption_is_augmented_afresh_or_dropped():
 def test_config_bounds_and_sd_scripts_flags():
     with pytest.raises(Exception, match="caption_tag_dropout_rate"):
         resolve(recipe="tiny-sdxl-lora", sets=["data.caption_tag_dropout_rate=1.0"])
-    c = convert("sdxl_train_network.py --network_module=networks.lora --shuffle_caption --keep_tokens=2 "
-                "--caption_dropout_rate=0.1 --caption_tag_dropout_rate=0.05 --keep_tokens_separator=|||".split())
+    c = convert(
+        [
+            "sdxl_train_network.py",
+            "--network_module=networks.lora",
+            "--shuffle_caption",
+            "--keep_tokens=2",
+            "--caption_dropout_rate=0.1",
+            "--caption_tag_dropout_rate=0.05",
+            "--keep_tokens_separator=|||",
+        ]
+    )
     d = resolve(extra=c.config).config.data
-    assert (d.shuffle_caption, d.keep_tokens, d.caption_dropout_rate, d.caption_tag_dropout_rate, d.keep_tokens_separator) == \
-        (True, 2, 0.1, 0.05, "|||")
+    assert (
+        d.shuffle_caption,
+        d.keep_tokens,
+        d.caption_dropout_rate,
+        d.caption_tag_dropout_rate,
+        d.keep_tokens_separator,
+    ) == (True, 2, 0.1, 0.05, "|||")
     assert not [u for u in c.unmapped if "caption" in u[0] or "keep_tokens" in u[0]]

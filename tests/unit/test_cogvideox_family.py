@@ -28,7 +28,6 @@ from difftrain.errors import (
     UnsafeCheckpoint,
 )
 from difftrain.families.cogvideox import (
-    resample_positional_table,
     PARTS,
     T5_TOKENS,
     CogVideoX,
@@ -38,6 +37,7 @@ from difftrain.families.cogvideox import (
     bundled_config_dir,
     config_name_of,
     known_configs,
+    resample_positional_table,
 )
 
 CAPTIONS = ["a red cat on a mat", "two dogs, " + "running far away " * 30]
@@ -104,9 +104,13 @@ def prompt_embeds(fam, comps) -> torch.Tensor:
 def _pipe(comps, cls_name: str = "CogVideoXPipeline", transformer=None):
     import diffusers
 
-    return getattr(diffusers, cls_name)(tokenizer=comps["tokenizer"], text_encoder=comps["text_encoder"], vae=comps["vae"],
-                                        transformer=transformer or comps["transformer"],
-                                        scheduler=diffusers.CogVideoXDPMScheduler())
+    return getattr(diffusers, cls_name)(
+        tokenizer=comps["tokenizer"],
+        text_encoder=comps["text_encoder"],
+        vae=comps["vae"],
+        transformer=transformer or comps["transformer"],
+        scheduler=diffusers.CogVideoXDPMScheduler(),
+    )
 
 
 # ------------------------------------------------------------------ bundled configs
@@ -114,7 +118,9 @@ def test_cogvideox_2b_transformer_has_the_published_parameter_count():
     assert meta_count("cogvideox-2b", "transformer") == 1_693_783_872
     if REFERENCE.exists():  # the bundled config is the published one (shared/reference, beside the repo)
         ref = json.loads(REFERENCE.read_text())
-        assert {k: v for k, v in ref.items() if not k.startswith("_")}.items() <= config("cogvideox-2b", "transformer").items()
+        assert {k: v for k, v in ref.items() if not k.startswith("_")}.items() <= config(
+            "cogvideox-2b", "transformer"
+        ).items()
 
 
 @pytest.mark.parametrize(
@@ -143,22 +149,32 @@ def test_bundled_configs_agree_on_the_cogvideox_facts():
         assert vae["invert_scale_latents"] == name.startswith("cogvideox1.5")
         assert tr["text_embed_dim"] == t5["d_model"] == 4096 and tr["max_text_seq_length"] == T5_TOKENS
         assert (tr["num_layers"], tr["num_attention_heads"], tr["attention_head_dim"]) == (
-            (30, 30, 64) if name == "cogvideox-2b" else (42, 48, 64))
+            (30, 30, 64) if name == "cogvideox-2b" else (42, 48, 64)
+        )
         assert tr["use_rotary_positional_embeddings"] == (name != "cogvideox-2b")
         assert tr["use_learned_positional_embeddings"] == (name == "cogvideox-5b-i2v")
         assert tr["in_channels"] == (32 if name.endswith("i2v") else 16)
-        assert (tr["patch_size_t"], tr["ofs_embed_dim"]) == ((2, 512 if name.endswith("i2v") else None)
-                                                            if name.startswith("cogvideox1.5") else (None, None))
+        assert (tr["patch_size_t"], tr["ofs_embed_dim"]) == (
+            (2, 512 if name.endswith("i2v") else None) if name.startswith("cogvideox1.5") else (None, None)
+        )
         assert sched["prediction_type"] == "v_prediction" and sched["rescale_betas_zero_snr"] is True
         assert (sched["beta_schedule"], sched["beta_start"], sched["beta_end"], sched["timestep_spacing"]) == (
-            "scaled_linear", 0.00085, 0.012, "trailing")
+            "scaled_linear",
+            0.00085,
+            0.012,
+            "trailing",
+        )
         assert sched["snr_shift_scale"] == (3.0 if name == "cogvideox-2b" else 1.0)
         index = _read_json(bundled_config_dir(name) / "model_index.json")
-        assert index["_class_name"] == ("CogVideoXImageToVideoPipeline" if name.endswith("i2v") else "CogVideoXPipeline")
+        assert index["_class_name"] == (
+            "CogVideoXImageToVideoPipeline" if name.endswith("i2v") else "CogVideoXPipeline"
+        )
         assert index["scheduler"][1] == sched["_class_name"]
     # CogVideoX-2b ships a DDIM scheduler config; training draws from the DPM class: the same noise schedule
     cfg = _read_json(bundled_config_dir("cogvideox-2b") / "scheduler" / "scheduler_config.json")
-    assert torch.equal(CogVideoXDDIMScheduler.from_config(cfg).alphas_cumprod, CogVideoXDPMScheduler.from_config(cfg).alphas_cumprod)
+    assert torch.equal(
+        CogVideoXDDIMScheduler.from_config(cfg).alphas_cumprod, CogVideoXDPMScheduler.from_config(cfg).alphas_cumprod
+    )
     assert config_name_of(config("cogvideox-5b", "transformer")) == "cogvideox-5b"
 
 
@@ -191,7 +207,9 @@ def test_tiny_loads_from_a_diffusers_folder_with_a_bounded_vae(comps, fam, tiny)
         assert not comps[part].training
         assert not any(p.requires_grad for p in comps[part].parameters())
     only = fam.load(ModelConfig(path=tiny), ["text_encoder"], torch.float32, "cpu", precision={"text_encoder": "bf16"})
-    assert set(only) == {"text_encoder", "tokenizer"} and next(only["text_encoder"].parameters()).dtype == torch.bfloat16
+    assert (
+        set(only) == {"text_encoder", "tokenizer"} and next(only["text_encoder"].parameters()).dtype == torch.bfloat16
+    )
 
 
 def test_each_family_refuses_the_other_kind(fam, i2v, tiny, tiny_i2v):
@@ -217,7 +235,9 @@ def test_quantized_t5_without_bitsandbytes_names_the_install(fam, tiny, monkeypa
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(BackendUnavailable) as e:  # a CUDA device is named; the check comes before any CUDA call
         fam.load(ModelConfig(path=tiny), ["text_encoder"], torch.float32, "cuda", precision={"text_encoder": "nf4"})
     assert "not installed" in e.value.message and "set text_encoders.t5.precision: bf16" in e.value.hint
@@ -242,8 +262,11 @@ def test_bad_sources_are_named(fam, tmp_path):
 # ------------------------------------------------------------------ single file (transformer only)
 @pytest.fixture(scope="module")
 def single(fam, comps, tmp_path_factory) -> Path:
-    return fam.save_single_file({"transformer": comps["transformer"].state_dict()}, fam.module_configs(comps),
-                                tmp_path_factory.mktemp("cogvideox-file") / "transformer.safetensors")
+    return fam.save_single_file(
+        {"transformer": comps["transformer"].state_dict()},
+        fam.module_configs(comps),
+        tmp_path_factory.mktemp("cogvideox-file") / "transformer.safetensors",
+    )
 
 
 def test_transformer_single_file_round_trip_is_bit_exact(fam, comps, single):
@@ -252,7 +275,9 @@ def test_transformer_single_file_round_trip_is_bit_exact(fam, comps, single):
         assert "transformer_blocks.0.attn1.to_q.weight" in set(h.keys())
     assert meta["difftrain.config"] == "cogvideox-tiny" and meta["difftrain.family"] == "cogvideox"
     assert json.loads(meta["difftrain.transformer_config"])["num_layers"] == 2
-    back = fam.load(ModelConfig(path=single, config="cogvideox-tiny"), ["transformer"], torch.float32, "cpu")["transformer"]
+    back = fam.load(ModelConfig(path=single, config="cogvideox-tiny"), ["transformer"], torch.float32, "cpu")[
+        "transformer"
+    ]
     a = {**dict(comps["transformer"].named_parameters()), **dict(comps["transformer"].named_buffers())}
     b = {**dict(back.named_parameters()), **dict(back.named_buffers())}
     assert set(a) == set(b)  # the 2b-style sincos table (a non-persistent buffer) is rebuilt
@@ -262,9 +287,14 @@ def test_transformer_single_file_round_trip_is_bit_exact(fam, comps, single):
 
 
 def test_i2v_single_file_keeps_the_learned_positional_table(i2v, comps_i2v, tmp_path):
-    path = i2v.save_single_file({"transformer": comps_i2v["transformer"].state_dict()}, i2v.module_configs(comps_i2v),
-                                tmp_path / "i2v.safetensors")
-    back = i2v.load(ModelConfig(path=path, config="cogvideox-tiny-i2v"), ["transformer"], torch.float32, "cpu")["transformer"]
+    path = i2v.save_single_file(
+        {"transformer": comps_i2v["transformer"].state_dict()},
+        i2v.module_configs(comps_i2v),
+        tmp_path / "i2v.safetensors",
+    )
+    back = i2v.load(ModelConfig(path=path, config="cogvideox-tiny-i2v"), ["transformer"], torch.float32, "cpu")[
+        "transformer"
+    ]
     a, b = comps_i2v["transformer"].state_dict(), back.state_dict()
     assert "patch_embed.pos_embedding" in b and set(a) == set(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -304,7 +334,9 @@ def test_build_random_transformer_is_a_loadable_single_file(fam, tmp_path):
     with safe_open(str(path), "pt") as h:
         assert h.metadata()["difftrain.config"] == "cogvideox-tiny"
         assert h.get_tensor("proj_out.weight").dtype == torch.bfloat16
-    got = fam.load(ModelConfig(path=path, config="cogvideox-tiny"), ["transformer"], torch.float32, "cpu")["transformer"]
+    got = fam.load(ModelConfig(path=path, config="cogvideox-tiny"), ["transformer"], torch.float32, "cpu")[
+        "transformer"
+    ]
     assert count(got) == meta_count("cogvideox-tiny", "transformer")
     folder = fam.build_random("cogvideox-tiny", tmp_path / "random", seed=1, parts=["transformer", "vae"])
     loaded = fam.load(ModelConfig(path=folder), ["transformer", "vae"], torch.float32, "cpu")
@@ -323,8 +355,16 @@ def test_save_diffusers_round_trip_runs_in_the_pipeline(fam, comps, tiny, tmp_pa
         assert all(torch.equal(a[k], b[k]) for k in a), part
     assert back["tokenizer"]("a cat").input_ids == comps["tokenizer"]("a cat").input_ids
     pipe = CogVideoXPipeline.from_pretrained(out, local_files_only=True)
-    frames = pipe("a red cat", num_inference_steps=2, num_frames=9, height=32, width=32, guidance_scale=1.0,
-                  output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    frames = pipe(
+        "a red cat",
+        num_inference_steps=2,
+        num_frames=9,
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).frames
     assert frames.shape == (1, 9, 3, 32, 32) and torch.isfinite(frames).all()
     with pytest.raises(CheckpointError):
         fam.save_diffusers({"vae": sds["vae"]}, fam.module_configs(comps), tmp_path / "bad", ModelConfig(path=tiny))
@@ -352,7 +392,9 @@ def test_encode_images_is_the_scaled_posterior_mean_of_video(fam, comps):
 @torch.no_grad()
 def test_encode_prompts_equals_the_pipelines_prompt_encoding(fam, comps, prompt_embeds, monkeypatch):
     assert prompt_embeds.shape == (2, T5_TOKENS, 96) and prompt_embeds.dtype == torch.float32
-    want, _ = _pipe(comps).encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=226, device="cpu")
+    want, _ = _pipe(comps).encode_prompt(
+        CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=226, device="cpu"
+    )
     torch.testing.assert_close(prompt_embeds, want, rtol=0, atol=0)
     # 226 tokens whatever text_encoders.t5.max_length says (CogVideoX was trained with 226); a longer caption is cut
     warned: list[str] = []
@@ -416,8 +458,13 @@ def test_denoise_with_rope_uses_the_pipelines_rotary_embeddings(fam, comps, prom
     mine = fam.rotary_embeddings(tr, 3, 6, 4, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(mine, rope))
     out = fam.denoise(tr, noisy, t, {"prompt_embeds": prompt_embeds})
-    want = tr(noisy.permute(0, 2, 1, 3, 4), encoder_hidden_states=prompt_embeds, timestep=t, image_rotary_emb=rope,
-              return_dict=False)[0].permute(0, 2, 1, 3, 4)
+    want = tr(
+        noisy.permute(0, 2, 1, 3, 4),
+        encoder_hidden_states=prompt_embeds,
+        timestep=t,
+        image_rotary_emb=rope,
+        return_dict=False,
+    )[0].permute(0, 2, 1, 3, 4)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert fam.rotary_embeddings(comps["transformer"], 3, 4, 4, "cpu") is None  # 2b-style sincos positions
 
@@ -483,9 +530,13 @@ def test_learned_positional_table_is_resampled_per_bucket_and_untouched_at_the_n
 
     # native size: the stored table, exactly what the stock pipeline's transformer computes
     noisy, img, out = run(tr, 3, 8, 8)
-    want = stock(hidden_states=torch.cat([noisy, img], 1).permute(0, 2, 1, 3, 4), encoder_hidden_states=embeds,
-                 timestep=torch.tensor([7]), image_rotary_emb=i2v.rotary_embeddings(stock, 3, 8, 8, "cpu"),
-                 return_dict=False)[0].permute(0, 2, 1, 3, 4)
+    want = stock(
+        hidden_states=torch.cat([noisy, img], 1).permute(0, 2, 1, 3, 4),
+        encoder_hidden_states=embeds,
+        timestep=torch.tensor([7]),
+        image_rotary_emb=i2v.rotary_embeddings(stock, 3, 8, 8, "cpu"),
+        return_dict=False,
+    )[0].permute(0, 2, 1, 3, 4)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     # other sizes, which stock diffusers refuses (height/width) or silently gives a sincos table (frames)
     with pytest.raises(ValueError, match="different resolution"):
@@ -493,7 +544,7 @@ def test_learned_positional_table_is_resampled_per_bucket_and_untouched_at_the_n
     assert run(tr, 2, 4, 8)[2].shape == (1, 16, 2, 4, 8)
     assert pe.pos_embedding is table and (pe.sample_frames, pe.sample_height, pe.sample_width) == (9, 8, 8)
     # fewer frames: the table's first frames; 2 x 4 patches in the 4 x 4 grid: RoPE's crop rows 1 and 1.5
-    torch.testing.assert_close(resample_positional_table(pe, 2, 8, 8), table[:, :T5_TOKENS + 2 * 16], rtol=0, atol=0)
+    torch.testing.assert_close(resample_positional_table(pe, 2, 8, 8), table[:, : T5_TOKENS + 2 * 16], rtol=0, atol=0)
     got = resample_positional_table(pe, 2, 4, 8)[0, T5_TOKENS:].reshape(2, 2, 4, -1)
     assert got.shape[0] == 2 and table[:, :T5_TOKENS].abs().sum() == 0
     torch.testing.assert_close(got[:, 0], grid[:2, 1])
@@ -509,8 +560,14 @@ def test_learned_positional_table_is_resampled_per_bucket_and_untouched_at_the_n
 @pytest.mark.parametrize("image", [False, True])
 def test_cogvideox15_pairs_frames_pads_odd_counts_and_passes_ofs(fam, i2v, comps, prompt_embeds, image):
     """A tiny 1.5-style transformer (patch_size_t 2, Linear patch, RoPE by slices, ofs for I2V)."""
-    cfg = {**dict(comps["transformer"].config), "patch_size_t": 2, "patch_bias": False,
-           "use_rotary_positional_embeddings": True, "in_channels": 32 if image else 16, "ofs_embed_dim": 16 if image else None}
+    cfg = {
+        **dict(comps["transformer"].config),
+        "patch_size_t": 2,
+        "patch_bias": False,
+        "use_rotary_positional_embeddings": True,
+        "in_channels": 32 if image else 16,
+        "ofs_embed_dim": 16 if image else None,
+    }
     torch.manual_seed(2)
     tr = _new_module("transformer", cfg).eval()
     family = i2v if image else fam
@@ -528,8 +585,14 @@ def test_cogvideox15_pairs_frames_pads_odd_counts_and_passes_ofs(fam, i2v, comps
         x = torch.cat([x, torch.cat([img, torch.zeros_like(img[:, :, :1])], dim=2)], dim=1)
     rope = pipe._prepare_rotary_positional_embeddings(height=32, width=32, num_frames=4, device="cpu")
     ofs = torch.full((1,), 2.0) if image else None
-    want = tr(x.permute(0, 2, 1, 3, 4), encoder_hidden_states=prompt_embeds, timestep=t, ofs=ofs, image_rotary_emb=rope,
-              return_dict=False)[0][:, 1:].permute(0, 2, 1, 3, 4)
+    want = tr(
+        x.permute(0, 2, 1, 3, 4),
+        encoder_hidden_states=prompt_embeds,
+        timestep=t,
+        ofs=ofs,
+        image_rotary_emb=rope,
+        return_dict=False,
+    )[0][:, 1:].permute(0, 2, 1, 3, 4)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     even = torch.randn(2, 16, 4, 4, 4, generator=g)
     if image:
@@ -567,8 +630,15 @@ def test_swap_blocks_are_the_transformer_blocks(fam, comps):
 
 
 def test_memory_hints_count_the_real_transformer(fam, tmp_path):
-    hints = fam.memory_hints(ModelConfig(path=tmp_path / "t.safetensors", config="cogvideox-5b"), fam.default_lora_targets,
-                             16, 592, ["transformer"], ["transformer"], "lora")
+    hints = fam.memory_hints(
+        ModelConfig(path=tmp_path / "t.safetensors", config="cogvideox-5b"),
+        fam.default_lora_targets,
+        16,
+        592,
+        ["transformer"],
+        ["transformer"],
+        "lora",
+    )
     assert hints["parts"]["transformer"]["total"] == 5_570_283_072
     assert hints["lora_params"] == 42 * 4 * 16 * (3072 + 3072)  # to_q, to_k, to_v, to_out.0 of every block
     assert hints["latent_pixels"] == 13 * 74 * 74  # 49 frames -> 13 latent frames of the largest bucket's area
@@ -577,8 +647,19 @@ def test_memory_hints_count_the_real_transformer(fam, tmp_path):
         tr = _new_module("transformer", config("cogvideox-5b", "transformer"))
     in_blocks = sum(m.weight.numel() for m in tr.transformer_blocks.modules() if isinstance(m, torch.nn.Linear))
     assert hints["parts"]["transformer"]["fp8_eligible"] == in_blocks  # the embeddings and output layers stay out
-    assert fam.memory_hints(ModelConfig(path=tmp_path / "t.safetensors", config="cogvideox-5b"), [], 16, 592, ["transformer"],
-                            ["transformer"], "lora", frames=81)["latent_pixels"] == 21 * 74 * 74
+    assert (
+        fam.memory_hints(
+            ModelConfig(path=tmp_path / "t.safetensors", config="cogvideox-5b"),
+            [],
+            16,
+            592,
+            ["transformer"],
+            ["transformer"],
+            "lora",
+            frames=81,
+        )["latent_pixels"]
+        == 21 * 74 * 74
+    )
 
 
 def test_lora_saved_by_the_family_loads_in_the_pipeline(fam, comps, tiny, prompt_embeds, tmp_path):
@@ -600,7 +681,9 @@ def test_lora_saved_by_the_family_loads_in_the_pipeline(fam, comps, tiny, prompt
             if "lora_B" in name:
                 p.normal_(0, 0.1)
         trained = fam.denoise(tr, noisy, t, cond)
-    fam.save_lora(tmp_path / "lora", {"transformer": get_peft_model_state_dict(tr)}, metadata={"transformer": lcfg.to_dict()})
+    fam.save_lora(
+        tmp_path / "lora", {"transformer": get_peft_model_state_dict(tr)}, metadata={"transformer": lcfg.to_dict()}
+    )
     pipe.load_lora_weights(tmp_path / "lora")
     with torch.no_grad():
         loaded = fam.denoise(pipe.transformer, noisy, t, cond)

@@ -33,7 +33,12 @@ def test_set_values_are_typed():
     # YAML 1.1 would read these as booleans; kept as strings so train.mixed_precision=no works
     # (pydantic still accepts "yes"/"no" for a bool field)
     assert parse_set("train.mixed_precision=no") == (["train", "mixed_precision"], "no")
-    assert resolve(sets=["train.mixed_precision=no", "memory.weights.kind=fp32", "data.no_upscale=yes"]).config.data.no_upscale is True
+    assert (
+        resolve(
+            sets=["train.mixed_precision=no", "memory.weights.kind=fp32", "data.no_upscale=yes"]
+        ).config.data.no_upscale
+        is True
+    )
     with pytest.raises(UsageError):
         parse_set("novalue")
 

@@ -17,17 +17,32 @@ def _cfg(*sets):
 
 
 def test_zero2_with_optimizer_offload_from_the_config():
-    c = ds_config(_cfg("memory.engine={kind: deepspeed}", "train.batch_size=2", "train.grad_accum=4",
-                       "train.max_grad_norm=0.5", "train.learning_rate=3e-6"))
+    c = ds_config(
+        _cfg(
+            "memory.engine={kind: deepspeed}",
+            "train.batch_size=2",
+            "train.grad_accum=4",
+            "train.max_grad_norm=0.5",
+            "train.learning_rate=3e-6",
+        )
+    )
     z = c["zero_optimization"]
-    assert z["stage"] == 2 and z["offload_optimizer"] == {"device": "cpu", "pin_memory": True} and "offload_param" not in z
-    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"]) == (2, 4, 0.5)
+    assert (
+        z["stage"] == 2 and z["offload_optimizer"] == {"device": "cpu", "pin_memory": True} and "offload_param" not in z
+    )
+    assert (c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"], c["gradient_clipping"]) == (
+        2,
+        4,
+        0.5,
+    )
     assert c["bf16"] == {"enabled": True}
     assert c["optimizer"]["type"] == "AdamW" and c["optimizer"]["params"]["lr"] == 3e-6
 
 
 def test_zero3_parameter_offload_and_no_optimizer_block_without_offload():
-    c = ds_config(_cfg("memory.engine={kind: deepspeed, stage: 3, offload_param_device: cpu, offload_optimizer_device: none}"))
+    c = ds_config(
+        _cfg("memory.engine={kind: deepspeed, stage: 3, offload_param_device: cpu, offload_optimizer_device: none}")
+    )
     z = c["zero_optimization"]
     assert z["stage"] == 3 and z["offload_param"]["device"] == "cpu" and "offload_optimizer" not in z
     assert "optimizer" not in c  # a torch AdamW is handed to DeepSpeed instead (no CUDA compiler needed)
@@ -45,16 +60,28 @@ def test_a_deepspeed_json_can_still_be_passed_and_wins(tmp_path):
         ds_config(_cfg(f"memory.engine={{kind: deepspeed, config_file: {f}}}"))
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (("memory.engine={kind: deepspeed, offload_param_device: cpu}",), "needs ZeRO stage 3"),
-    (("memory.engine={kind: deepspeed}", "memory.optimizer.kind=adamw8bit"), "brings its own"),
-    (("memory.engine={kind: deepspeed}", "memory.fused_backward=true", "train.max_grad_norm=null"), "steps the optimizer itself"),
-    (("memory.engine={kind: deepspeed}", "memory.offload={kind: block_swap, blocks_to_swap: 4}"), "pick one"),
-    (("memory.engine={kind: deepspeed}", "train.method=lora", "memory.weights={kind: fp8}"), "casts every parameter"),
-    (("memory.engine={kind: deepspeed}", "train.mixed_precision=no", "memory.weights.kind=fp32"), "mixed_precision bf16"),
-    (("memory.engine={kind: deepspeed}", "full.train_text_encoder_1=true"), "denoiser only"),
-    (("memory.engine={kind: deepspeed, stage: 3}", "ema.enabled=true"), "partitioned"),
-])
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (("memory.engine={kind: deepspeed, offload_param_device: cpu}",), "needs ZeRO stage 3"),
+        (("memory.engine={kind: deepspeed}", "memory.optimizer.kind=adamw8bit"), "brings its own"),
+        (
+            ("memory.engine={kind: deepspeed}", "memory.fused_backward=true", "train.max_grad_norm=null"),
+            "steps the optimizer itself",
+        ),
+        (("memory.engine={kind: deepspeed}", "memory.offload={kind: block_swap, blocks_to_swap: 4}"), "pick one"),
+        (
+            ("memory.engine={kind: deepspeed}", "train.method=lora", "memory.weights={kind: fp8}"),
+            "casts every parameter",
+        ),
+        (
+            ("memory.engine={kind: deepspeed}", "train.mixed_precision=no", "memory.weights.kind=fp32"),
+            "mixed_precision bf16",
+        ),
+        (("memory.engine={kind: deepspeed}", "full.train_text_encoder_1=true"), "denoiser only"),
+        (("memory.engine={kind: deepspeed, stage: 3}", "ema.enabled=true"), "partitioned"),
+    ],
+)
 def test_incompatible_pairs_name_both_options(sets, needle):
     with pytest.raises(ConfigError) as e:
         _cfg(*sets)
@@ -68,8 +95,11 @@ def test_without_deepspeed_installed_the_message_says_how(monkeypatch):
     from difftrain.memory.deepspeed_engine import initialize
 
     real = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__",
-                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError()) if name == "deepspeed" else real(name, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda name, *a, **k: (_ for _ in ()).throw(ImportError()) if name == "deepspeed" else real(name, *a, **k),
+    )
     with pytest.raises(BackendUnavailable) as e:
         initialize(_cfg("memory.engine={kind: deepspeed}"), None, [])
     assert "no-build-isolation" in e.value.hint

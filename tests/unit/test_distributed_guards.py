@@ -41,7 +41,20 @@ def test_global_batches_split_evenly_and_cover_every_item():
 
 
 def test_workers_run_the_users_command_without_the_launcher_options():
-    argv = ["train", "--recipe", "r", "--gpus", "4", "--nodes=2", "--node-rank", "1", "--master-addr", "h", "--set", "a=1"]
+    argv = [
+        "train",
+        "--recipe",
+        "r",
+        "--gpus",
+        "4",
+        "--nodes=2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "h",
+        "--set",
+        "a=1",
+    ]
     assert d.worker_argv(argv) == ["train", "--recipe", "r", "--set", "a=1"]
     one = d.torchrun_args(4, ["train"])
     assert "--standalone" in one and one[-3:] == ["--module", "difftrain", "train"]

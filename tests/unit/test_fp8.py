@@ -19,8 +19,10 @@ def _pair(make):
 
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_linear_and_conv_match_reference_and_backward(per_channel):
-    for make, x in ((lambda: torch.nn.Linear(64, 48), torch.randn(7, 64)),
-                    (lambda: torch.nn.Conv2d(8, 16, 3, padding=1, stride=2), torch.randn(2, 8, 12, 12))):
+    for make, x in (
+        (lambda: torch.nn.Linear(64, 48), torch.randn(7, 64)),
+        (lambda: torch.nn.Conv2d(8, 16, 3, padding=1, stride=2), torch.randn(2, 8, 12, 12)),
+    ):
         q, ref = _pair(make)
         convert(torch.nn.Sequential(q), "cpu", per_channel=per_channel)
         assert q.weight.dtype == FP8 and isinstance(q, (torch.nn.Linear, torch.nn.Conv2d))
@@ -30,7 +32,7 @@ def test_linear_and_conv_match_reference_and_backward(per_channel):
         g = torch.randn_like(yb)
         ya.backward(g)
         yb.backward(g)
-        rel = lambda u, v: ((u - v).norm() / v.norm()).item()  # noqa: E731
+        rel = lambda u, v: ((u - v).norm() / v.norm()).item()
         assert rel(ya, yb) < 0.06  # e4m3: 3 mantissa bits
         assert rel(xa.grad, xb.grad) < 0.06
         assert rel(ya, yb) > 0  # really quantized
@@ -54,8 +56,14 @@ def test_per_channel_scale_helps_rows_of_different_magnitude():
 
 def test_convert_skips_trainable_and_named_layers_and_saves_bytes():
     torch.manual_seed(0)
-    m = torch.nn.ModuleDict({"conv_in": torch.nn.Conv2d(4, 8, 3), "proj": torch.nn.Linear(256, 256),
-                             "norm": torch.nn.LayerNorm(256), "lora": torch.nn.Linear(256, 4)})
+    m = torch.nn.ModuleDict(
+        {
+            "conv_in": torch.nn.Conv2d(4, 8, 3),
+            "proj": torch.nn.Linear(256, 256),
+            "norm": torch.nn.LayerNorm(256),
+            "lora": torch.nn.Linear(256, 4),
+        }
+    )
     m.requires_grad_(False)
     m["lora"].requires_grad_(True)
     before = sum(p.numel() * p.element_size() for p in m.parameters())

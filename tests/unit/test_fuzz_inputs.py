@@ -32,17 +32,54 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=list(Heal
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
 # dotted keys the schema has (and some it has not), so values reach the real validators
-_SECTIONS = {name: list(f.annotation.model_fields) if hasattr(f.annotation, "model_fields") else []
-             for name, f in Config.model_fields.items()}
-_KEYS = sorted([s for s in _SECTIONS] + [f"{s}.{k}" for s, ks in _SECTIONS.items() for k in ks]
-               + ["memory.weights.kind", "memory.optimizer.kind", "memory.engine.stage", "bogus", "train.bogus.x"])
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=-2**80, max_value=2**80),
-                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
-_json = st.recursive(_scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                     max_leaves=20)
-_values = st.one_of(st.text(max_size=30), st.sampled_from(["1e400", "-1e400", ".nan", ".inf", "nan", "[[[[", "{a: [1, {b: }",
-                                                           "!!python/object:os.system", "&a [*a]", "*x", "99999999999999999999999",
-                                                           "-0", "0x10", "{kind: nf4}", "[1, 2]", "null", "~", "yes", "''"]))
+_SECTIONS = {
+    name: list(f.annotation.model_fields) if hasattr(f.annotation, "model_fields") else []
+    for name, f in Config.model_fields.items()
+}
+_KEYS = sorted(
+    list(_SECTIONS)
+    + [f"{s}.{k}" for s, ks in _SECTIONS.items() for k in ks]
+    + ["memory.weights.kind", "memory.optimizer.kind", "memory.engine.stage", "bogus", "train.bogus.x"]
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+_json = st.recursive(
+    _scalars,
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    max_leaves=20,
+)
+_values = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(
+        [
+            "1e400",
+            "-1e400",
+            ".nan",
+            ".inf",
+            "nan",
+            "[[[[",
+            "{a: [1, {b: }",
+            "!!python/object:os.system",
+            "&a [*a]",
+            "*x",
+            "99999999999999999999999",
+            "-0",
+            "0x10",
+            "{kind: nf4}",
+            "[1, 2]",
+            "null",
+            "~",
+            "yes",
+            "''",
+        ]
+    ),
+)
 
 
 def _ok_or_difftrain(fn, *args, **kw):
@@ -68,9 +105,14 @@ def test_parse_set_never_crashes(item):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(list(_SECTIONS) + ["bogus"]),
-                       _json | st.dictionaries(st.sampled_from(sorted({k for ks in _SECTIONS.values() for k in ks})), _json, max_size=5),
-                       max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(list(_SECTIONS) + ["bogus"]),
+        _json
+        | st.dictionaries(st.sampled_from(sorted({k for ks in _SECTIONS.values() for k in ks})), _json, max_size=5),
+        max_size=4,
+    )
+)
 def test_yaml_config_files_of_any_structure(data):
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "c.yaml"
@@ -79,9 +121,21 @@ def test_yaml_config_files_of_any_structure(data):
 
 
 @FUZZ
-@given(st.text(max_size=200) | st.sampled_from([
-    "a: !!python/object/apply:os.system ['true']", "a: &x [*x]", "[" * 2000, "{" * 2000, "a: b: c",
-    "x: &a {b: 1}\ny: {<<: *a}", "%YAML 9.9\n---\na: 1", "\t- x"]))
+@given(
+    st.text(max_size=200)
+    | st.sampled_from(
+        [
+            "a: !!python/object/apply:os.system ['true']",
+            "a: &x [*x]",
+            "[" * 2000,
+            "{" * 2000,
+            "a: b: c",
+            "x: &a {b: 1}\ny: {<<: *a}",
+            "%YAML 9.9\n---\na: 1",
+            "\t- x",
+        ]
+    )
+)
 def test_yaml_text_of_a_user_file(text):
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "c.yaml"
@@ -114,8 +168,13 @@ def test_metadata_json_of_any_shape(obj):
 
 
 @FEW
-@given(st.dictionaries(st.sampled_from(["a", "b", "a.png", "/abs/a.png", "../a.png", "sub/../a.png", ""]), _json, max_size=4)
-       | st.binary(max_size=80).map(lambda b: b.decode("latin-1")) | _json)
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "a.png", "/abs/a.png", "../a.png", "sub/../a.png", ""]), _json, max_size=4
+    )
+    | st.binary(max_size=80).map(lambda b: b.decode("latin-1"))
+    | _json
+)
 def test_scan_with_any_metadata_file(meta):
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / "data"
@@ -143,19 +202,34 @@ def test_deeply_nested_metadata_is_a_data_error(tmp_path):
 
 
 # ----------------------------------------------------------------- captions and tags
-_tag_text = st.text(max_size=120) | st.lists(st.tuples(st.text(max_size=10), st.floats(-2, 2) | st.sampled_from(["x", "", "1e999", "nan"])),
-                                             max_size=6).map(lambda rows: "tag,confidence\n" + "\n".join(f"{t},{v}" for t, v in rows))
+_tag_text = st.text(max_size=120) | st.lists(
+    st.tuples(st.text(max_size=10), st.floats(-2, 2) | st.sampled_from(["x", "", "1e999", "nan"])), max_size=6
+).map(lambda rows: "tag,confidence\n" + "\n".join(f"{t},{v}" for t, v in rows))
 
 
 @FUZZ
-@given(_tag_text, st.lists(st.text(max_size=8), max_size=3), st.none() | st.floats(allow_nan=True),
-       st.booleans(), st.booleans(), st.text(max_size=6), st.sampled_from([None, "tags", "caption", "both", "bogus"]))
+@given(
+    _tag_text,
+    st.lists(st.text(max_size=8), max_size=3),
+    st.none() | st.floats(allow_nan=True),
+    st.booleans(),
+    st.booleans(),
+    st.text(max_size=6),
+    st.sampled_from([None, "tags", "caption", "both", "bogus"]),
+)
 def test_tag_files_and_rules(text, drop, threshold, dedupe, underscores, ratings, caption_from):
     pairs = parse_tag_file(text)
     assert all(isinstance(t, str) for t, _ in pairs)
     assert isinstance(normalize_tags(text), str)
-    rules = _ok_or_difftrain(TagRules, drop=frozenset(drop), dedupe=dedupe, threshold=threshold, underscores=underscores,
-                             ratings=ratings, caption_from=caption_from)
+    rules = _ok_or_difftrain(
+        TagRules,
+        drop=frozenset(drop),
+        dedupe=dedupe,
+        threshold=threshold,
+        underscores=underscores,
+        ratings=ratings,
+        caption_from=caption_from,
+    )
     if rules is not None:
         assert all(isinstance(t, str) for t in apply_rules(pairs, rules))
 
@@ -185,9 +259,25 @@ def test_cogvideox_factory_prompt_and_video_lists(prompts, videos):
 
 
 @FUZZ
-@given(st.text(max_size=80), st.text(max_size=80) | st.none(), st.sampled_from(["caption_then_tags", "caption_and_tags", "tags"]),
-       st.dictionaries(st.sampled_from(["shuffle_caption", "keep_tokens", "keep_tokens_separator", "caption_separator",
-                                        "caption_tag_dropout_rate", "caption_variants"]), _scalars, max_size=4))
+@given(
+    st.text(max_size=80),
+    st.text(max_size=80) | st.none(),
+    st.sampled_from(["caption_then_tags", "caption_and_tags", "tags"]),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "shuffle_caption",
+                "keep_tokens",
+                "keep_tokens_separator",
+                "caption_separator",
+                "caption_tag_dropout_rate",
+                "caption_variants",
+            ]
+        ),
+        _scalars,
+        max_size=4,
+    ),
+)
 def test_caption_augmentation(caption, tags, source, data):
     cfg = _ok_or_difftrain(resolve, sets=[f"data.{k}={json.dumps(v)}" for k, v in data.items()])
     text = caption_for(caption, tags, source)
@@ -199,10 +289,18 @@ def test_caption_augmentation(caption, tags, source, data):
 
 # ----------------------------------------------------------------- sweep specs and sd-scripts options (configs too)
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["recipe", "config", "set", "grid", "random", "bogus"]),
-                       _json | st.dictionaries(st.sampled_from(["trials", "seed", "axes", "lora.rank", "train.seed"]),
-                                               _json | st.dictionaries(st.text(max_size=8), _json, max_size=3), max_size=3),
-                       max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(["recipe", "config", "set", "grid", "random", "bogus"]),
+        _json
+        | st.dictionaries(
+            st.sampled_from(["trials", "seed", "axes", "lora.rank", "train.seed"]),
+            _json | st.dictionaries(st.text(max_size=8), _json, max_size=3),
+            max_size=3,
+        ),
+        max_size=4,
+    )
+)
 def test_sweep_files_of_any_structure(data):
     from difftrain.sweep import expand, load_spec
 
@@ -214,15 +312,38 @@ def test_sweep_files_of_any_structure(data):
             _ok_or_difftrain(expand, spec)
 
 
-_SDS_NAMES = ["pretrained_model_name_or_path", "train_data_dir", "resolution", "learning_rate", "max_train_steps",
-              "network_dim", "network_alpha", "mixed_precision", "save_every_n_steps", "lr_warmup_steps", "max_grad_norm",
-              "optimizer_type", "train_batch_size", "seed", "config_file", "bogus", "caption_extension", "keep_tokens"]
+_SDS_NAMES = [
+    "pretrained_model_name_or_path",
+    "train_data_dir",
+    "resolution",
+    "learning_rate",
+    "max_train_steps",
+    "network_dim",
+    "network_alpha",
+    "mixed_precision",
+    "save_every_n_steps",
+    "lr_warmup_steps",
+    "max_grad_norm",
+    "optimizer_type",
+    "train_batch_size",
+    "seed",
+    "config_file",
+    "bogus",
+    "caption_extension",
+    "keep_tokens",
+]
 
 
 @FUZZ
-@given(st.sampled_from(["sdxl_train_network.py", "sdxl_train.py", "sd3_train_network.py", "x.py"]),
-       st.lists(st.tuples(st.sampled_from(_SDS_NAMES), st.text(max_size=12) | st.sampled_from(["nan", "1e400", "-1", "0,0", ""])),
-                max_size=5))
+@given(
+    st.sampled_from(["sdxl_train_network.py", "sdxl_train.py", "sd3_train_network.py", "x.py"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(_SDS_NAMES), st.text(max_size=12) | st.sampled_from(["nan", "1e400", "-1", "0,0", ""])
+        ),
+        max_size=5,
+    ),
+)
 def test_sd_scripts_command_lines(script, options):
     from difftrain.config.sdscripts import convert
 

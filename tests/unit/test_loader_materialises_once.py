@@ -13,8 +13,18 @@ from difftrain.config.schema import ModelConfig
 from difftrain.families import common
 from difftrain.families.sdxl import PARTS, SDXL
 
-INITS = ("kaiming_uniform_", "kaiming_normal_", "uniform_", "normal_", "xavier_uniform_", "xavier_normal_",
-         "trunc_normal_", "zeros_", "ones_", "constant_")
+INITS = (
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "uniform_",
+    "normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "trunc_normal_",
+    "zeros_",
+    "ones_",
+    "constant_",
+)
 
 
 @pytest.fixture
@@ -37,8 +47,11 @@ def init_calls(monkeypatch):
 def single_file(tiny_model, tmp_path_factory):
     fam = SDXL()
     comps = fam.load(ModelConfig(path=tiny_model), PARTS)
-    return fam.save_single_file({p: comps[p].state_dict() for p in PARTS}, fam.module_configs(comps),
-                                tmp_path_factory.mktemp("single") / "tiny-sdxl.safetensors")
+    return fam.save_single_file(
+        {p: comps[p].state_dict() for p in PARTS},
+        fam.module_configs(comps),
+        tmp_path_factory.mktemp("single") / "tiny-sdxl.safetensors",
+    )
 
 
 def test_single_file_reads_each_tensor_once_and_initialises_nothing(single_file, init_calls, monkeypatch):
@@ -65,7 +78,9 @@ def test_single_file_reads_each_tensor_once_and_initialises_nothing(single_file,
     from safetensors import safe_open
 
     with safe_open(str(single_file), "pt") as f:  # and the weights are the file's
-        torch.testing.assert_close(unet.conv_in.weight, f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").float())
+        torch.testing.assert_close(
+            unet.conv_in.weight, f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").float()
+        )
 
 
 def test_diffusers_folder_builds_on_meta_and_reads_each_file_once(tiny_model, init_calls, monkeypatch):

@@ -20,9 +20,11 @@ RANK, ALPHA = 6, 3.0
 def _layers(gen):
     """name -> (down, up): a Linear, a 3x3 conv, and a Linear whose ΔW has rank 2 (from rank-6 factors)."""
     low = torch.randn(24, 2, generator=gen) @ torch.randn(2, RANK, generator=gen)
-    return {"lin": (torch.randn(RANK, 16, generator=gen), torch.randn(24, RANK, generator=gen)),
-            "conv": (torch.randn(RANK, 4, 3, 3, generator=gen), torch.randn(8, RANK, 1, 1, generator=gen)),
-            "low": (torch.randn(RANK, 16, generator=gen), low)}
+    return {
+        "lin": (torch.randn(RANK, 16, generator=gen), torch.randn(24, RANK, generator=gen)),
+        "conv": (torch.randn(RANK, 4, 3, 3, generator=gen), torch.randn(8, RANK, 1, 1, generator=gen)),
+        "low": (torch.randn(RANK, 16, generator=gen), low),
+    }
 
 
 @pytest.fixture
@@ -31,8 +33,16 @@ def kohya_file(tmp_path):
     for name, (down, up) in _layers(torch.Generator().manual_seed(0)).items():
         key = f"lora_unet_{name}"
         sd |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(ALPHA)}
-    save_file(sd, tmp_path / "lora_kohya.safetensors", metadata={"ss_network_dim": str(RANK), "ss_network_alpha": "3",
-                                                                  "sshs_model_hash": "stale", "ss_output_name": "mine"})
+    save_file(
+        sd,
+        tmp_path / "lora_kohya.safetensors",
+        metadata={
+            "ss_network_dim": str(RANK),
+            "ss_network_alpha": "3",
+            "sshs_model_hash": "stale",
+            "ss_output_name": "mine",
+        },
+    )
     return tmp_path / "lora_kohya.safetensors"
 
 
@@ -81,7 +91,9 @@ def test_lower_rank_is_the_best_rank_r_approximation_with_its_energy(kohya_file,
         assert sd[f"{k}.lora_down.weight"].shape[0] == 2 and rows[k].new_rank == 2 and rows[k].rank == RANK
         assert rows[k].energy == pytest.approx(energy, abs=1e-6)
         assert sd[f"{k}.alpha"].item() == pytest.approx(ALPHA / RANK * 2)  # the scale alpha/rank is kept
-    assert sd["lora_unet_conv.lora_up.weight"].shape == (8, 2, 1, 1) and sd["lora_unet_conv.lora_down.weight"].shape == (2, 4, 3, 3)
+    assert sd["lora_unet_conv.lora_up.weight"].shape == (8, 2, 1, 1) and sd[
+        "lora_unet_conv.lora_down.weight"
+    ].shape == (2, 4, 3, 3)
     # ΔW of known rank 2 keeps everything; the full-rank layers lose some
     assert rows["lora_unet_low"].energy == pytest.approx(1.0, abs=1e-9)
     torch.testing.assert_close(after["lora_unet_low"], before["lora_unet_low"], rtol=1e-4, atol=1e-4)

@@ -72,7 +72,9 @@ def test_ema_by_hand():
         updated.append(ema.update(step))
     assert updated == [False, True, False, True]
     # only steps 2 and 4 count: e = 0.9 * (0.9 * [2, -4] + 0.1 * [10, 10]) + 0.1 * [1, 1]
-    expected = 0.9 * (0.9 * torch.tensor([2.0, -4.0]) + 0.1 * torch.tensor([10.0, 10.0])) + 0.1 * torch.tensor([1.0, 1.0])
+    expected = 0.9 * (0.9 * torch.tensor([2.0, -4.0]) + 0.1 * torch.tensor([10.0, 10.0])) + 0.1 * torch.tensor(
+        [1.0, 1.0]
+    )
     torch.testing.assert_close(ema.shadow["w"], expected)
     assert ema.shadow["w"].device.type == "cpu" and ema.shadow["w"].dtype == torch.float32
 

@@ -13,9 +13,15 @@ from difftrain.trainers.loop import plan_memory
 
 
 def _hints(**over):
-    h = {"parts": {"unet": {"total": 1000, "fp8_eligible": 800}}, "trained_parts": ["unet"], "lora_params": 50,
-         "largest_param": 100, "latent_pixels": 10, "activations": {"checkpoint": 2.0, "none": 20.0},
-         "encode_captions": False}
+    h = {
+        "parts": {"unet": {"total": 1000, "fp8_eligible": 800}},
+        "trained_parts": ["unet"],
+        "lora_params": 50,
+        "largest_param": 100,
+        "latent_pixels": 10,
+        "activations": {"checkpoint": 2.0, "none": 20.0},
+        "encode_captions": False,
+    }
     h.update(over)
     return h
 
@@ -29,13 +35,27 @@ def test_terms_by_hand():
     assert e.gpu["activations"] * GIB == pytest.approx(2.0 * 10 * 3)
     fp8 = resolve(sets=["memory.weights={kind: fp8}"]).config
     assert estimate(fp8, _hints()).gpu["weights"] * GIB == pytest.approx(800 * 1 + 200 * 2 + 50 * 4)
-    full = resolve(sets=["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit",
-                         "memory.activations={kind: checkpoint, every: 2}"]).config
+    full = resolve(
+        sets=[
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw8bit",
+            "memory.activations={kind: checkpoint, every: 2}",
+        ]
+    ).config
     e = estimate(full, _hints())
-    assert (e.gpu["weights"] * GIB, e.gpu["gradients"] * GIB, e.gpu["optimizer state"] * GIB) == pytest.approx((2000, 2000, 2000))
+    assert (e.gpu["weights"] * GIB, e.gpu["gradients"] * GIB, e.gpu["optimizer state"] * GIB) == pytest.approx(
+        (2000, 2000, 2000)
+    )
     assert e.gpu["activations"] * GIB == pytest.approx((2.0 + (20.0 - 2.0) / 2) * 10)
-    off = resolve(sets=["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload}",
-                        "train.max_grad_norm=null"]).config
+    off = resolve(
+        sets=[
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer={kind: cpu_offload}",
+            "train.max_grad_norm=null",
+        ]
+    ).config
     e = estimate(off, _hints())
     assert e.gpu["optimizer state"] == 0 and e.host["optimizer state"] * GIB == pytest.approx(1000 * 16)
 
@@ -49,7 +69,9 @@ def test_block_swap_terms_by_hand():
     # the 3 largest (600 params) leave the GPU; 2 of them (prefetch 1 + the one computing, the largest: 300) come back
     assert (e0.gpu["weights"] - e.gpu["weights"]) * GIB == pytest.approx(600 * 2 - 2 * 300 * 2)
     assert e.host["swapped blocks (pinned)"] * GIB == pytest.approx(600 * 2)
-    more = resolve(sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 1}"]).config
+    more = resolve(
+        sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 1}"]
+    ).config
     assert (e0.gpu["weights"] - estimate(more, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 2 * 300 * 2)
 
 
@@ -67,22 +89,59 @@ MEASURED = {
     "L1": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=checkpoint"], 5.853),
     "L2": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=none"], 12.46),
     "L3": (["train.method=lora", "memory.weights={kind: fp8}", "memory.activations.kind=checkpoint"], 3.393),
-    "L4": (["train.method=lora", "memory.weights={kind: fp8}", "memory.activations={kind: checkpoint, every: 2}"], 6.73),
-    "L5": (["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=none", "train.batch_size=2"], 19.698),
+    "L4": (
+        ["train.method=lora", "memory.weights={kind: fp8}", "memory.activations={kind: checkpoint, every: 2}"],
+        6.73,
+    ),
+    "L5": (
+        ["train.method=lora", "memory.weights.kind=bf16", "memory.activations.kind=none", "train.batch_size=2"],
+        19.698,
+    ),
     "F1": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit"], 15.076),
-    "F2": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit", "memory.fused_backward=true",
-            "train.max_grad_norm=null"], 11.033),
-    "F3": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
-            "train.max_grad_norm=null"], 5.756),
-    "F4": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw8bit",
-            "full.train_text_encoder_1=true", "full.train_text_encoder_2=true"], 19.35),
+    "F2": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw8bit",
+            "memory.fused_backward=true",
+            "train.max_grad_norm=null",
+        ],
+        11.033,
+    ),
+    "F3": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null",
+        ],
+        5.756,
+    ),
+    "F4": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw8bit",
+            "full.train_text_encoder_1=true",
+            "full.train_text_encoder_2=true",
+        ],
+        19.35,
+    ),
 }
 
 
 def _sdxl_planned(sets: list[str]) -> float:
     """The planner's allocated peak for the benchmark's SDXL set-up (1024, LoRA r16, bf16, checkpointing) plus ``sets``."""
-    cfg = resolve(sets=["model.config=sdxl-base-1.0", "lora.rank=16", "data.resolution=1024", "train.mixed_precision=bf16",
-                        "memory.activations.kind=checkpoint", *sets]).config
+    cfg = resolve(
+        sets=[
+            "model.config=sdxl-base-1.0",
+            "lora.rank=16",
+            "data.resolution=1024",
+            "train.mixed_precision=bf16",
+            "memory.activations.kind=checkpoint",
+            *sets,
+        ]
+    ).config
     return plan_memory(cfg).gpu_total
 
 
@@ -95,10 +154,24 @@ def test_planner_within_ten_percent_of_measured(case):
 
 # block swap (H200, same script): the planner over-estimates these by 8-19 %, on the safe side; stated tolerance 20 %
 MEASURED_SWAP = {
-    "L9": (["train.method=lora", "memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.135),
-    "L10": (["train.method=lora", "memory.weights={kind: fp8}", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.047),
-    "F5": (["train.method=full", "memory.weights.kind=bf16", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
-            "train.max_grad_norm=null", "memory.offload={kind: block_swap, blocks_to_swap: 87}"], 1.041),
+    "L9": (
+        ["train.method=lora", "memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 87}"],
+        1.135,
+    ),
+    "L10": (
+        ["train.method=lora", "memory.weights={kind: fp8}", "memory.offload={kind: block_swap, blocks_to_swap: 87}"],
+        1.047,
+    ),
+    "F5": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null",
+            "memory.offload={kind: block_swap, blocks_to_swap: 87}",
+        ],
+        1.041,
+    ),
 }
 
 
@@ -116,8 +189,16 @@ MEASURED_SD3 = {
     "S2": ("sd3-lora-8gb", ["memory.activations.kind=none"], 9.125),
     "S3": ("sd3-lora-8gb", ["memory.weights={kind: fp8}"], 2.847),
     "S4": ("sd3-lora-4gb", [], 1.252),
-    "S5": ("sd3-lora-8gb", ["train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
-                            "train.max_grad_norm=null", "memory.offload={kind: block_swap, blocks_to_swap: 24}"], 1.257),
+    "S5": (
+        "sd3-lora-8gb",
+        [
+            "train.method=full",
+            "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+            "train.max_grad_norm=null",
+            "memory.offload={kind: block_swap, blocks_to_swap: 24}",
+        ],
+        1.257,
+    ),
 }
 
 
@@ -142,8 +223,16 @@ RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_
 
 
 def test_tiered_recipes_exist():
-    assert {"sdxl-lora-2gb", "sdxl-lora-4gb", "sdxl-lora-8gb", "sdxl-full-2gb", "sdxl-full-8gb", "sdxl-full-12gb",
-            "sd3-lora-4gb", "sd3-lora-8gb"} <= set(RECIPES_WITH_TIERS)
+    assert {
+        "sdxl-lora-2gb",
+        "sdxl-lora-4gb",
+        "sdxl-lora-8gb",
+        "sdxl-full-2gb",
+        "sdxl-full-8gb",
+        "sdxl-full-12gb",
+        "sd3-lora-4gb",
+        "sd3-lora-8gb",
+    } <= set(RECIPES_WITH_TIERS)
 
 
 @pytest.mark.parametrize("name", RECIPES_WITH_TIERS)
@@ -161,7 +250,12 @@ def test_plan_cli_search(cli):
     assert "--set 'memory.weights={kind: bf16}'" in r.out and "blocks_to_swap: 43" in r.out
     r = cli("plan", "--recipe", "sdxl-full", "--vram", "8GiB")
     assert r.code == 0 and "cpu_offload" in r.out and "train.max_grad_norm=null" in r.out
-    assert resolve(recipe="sdxl-full", sets=[l.split(" ", 1)[1].strip("'") for l in r.out.splitlines()]).config.memory.optimizer.kind == "cpu_offload"
+    assert (
+        resolve(
+            recipe="sdxl-full", sets=[ln.split(" ", 1)[1].strip("'") for ln in r.out.splitlines()]
+        ).config.memory.optimizer.kind
+        == "cpu_offload"
+    )
     r = cli("plan", "--recipe", "sdxl-full", "--vram", "1GiB")
     assert r.code == 1 and "Nothing difftrain offers" in r.err
     r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "lots")
@@ -177,7 +271,7 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     cfg = resolve(recipe="sdxl-full").config
     monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
-    with pytest.raises(DifftrainError, match="needs about 16.2 GiB of GPU memory and 4.0 GiB is free"):
+    with pytest.raises(DifftrainError, match=r"needs about 16\.2 GiB of GPU memory and 4\.0 GiB is free"):
         train_cmd.check_memory(cfg, strict=True)
     train_cmd.check_memory(cfg, strict=False)  # warns only
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GIB, 80 * GIB))

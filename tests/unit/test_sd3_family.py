@@ -51,7 +51,9 @@ def comps(fam, tiny) -> dict:
 @pytest.fixture(scope="module")
 def single(fam, comps, tmp_path_factory) -> Path:
     sds = {part: comps[part].state_dict() for part in PARTS}
-    return fam.save_single_file(sds, fam.module_configs(comps), tmp_path_factory.mktemp("sd3-file") / "tiny-sd3.safetensors")
+    return fam.save_single_file(
+        sds, fam.module_configs(comps), tmp_path_factory.mktemp("sd3-file") / "tiny-sd3.safetensors"
+    )
 
 
 def options(**t5) -> TextEncodersConfig:
@@ -101,7 +103,9 @@ def test_bundled_configs_agree_on_the_sd3_facts():
         assert tr["joint_attention_dim"] == t5["d_model"] == 4096 and t5["feed_forward_proj"] == "gated-gelu"
         assert tr["caption_projection_dim"] == tr["num_attention_heads"] * tr["attention_head_dim"]
         assert _read_json(d / "scheduler" / "scheduler_config.json")["shift"] == 3.0
-    assert _read_json(bundled_config_dir("sd3.5-medium") / "transformer" / "config.json")["dual_attention_layers"] == list(range(13))
+    assert _read_json(bundled_config_dir("sd3.5-medium") / "transformer" / "config.json")[
+        "dual_attention_layers"
+    ] == list(range(13))
 
 
 def test_unknown_config_names_the_known_ones():
@@ -130,7 +134,9 @@ def test_tiny_loads_from_a_diffusers_folder(comps):
 
 
 def test_only_the_tokenizers_of_loaded_encoders_are_loaded(fam, tiny):
-    got = fam.load(ModelConfig(path=tiny), ["text_encoder_3"], torch.float32, "cpu", precision={"text_encoder_3": "bf16"})
+    got = fam.load(
+        ModelConfig(path=tiny), ["text_encoder_3"], torch.float32, "cpu", precision={"text_encoder_3": "bf16"}
+    )
     assert set(got) == {"text_encoder_3", "tokenizer_3"}
     assert next(got["text_encoder_3"].parameters()).dtype == torch.bfloat16
 
@@ -159,13 +165,20 @@ def test_pickle_checkpoints_are_refused_unless_allowed(fam, tiny, single, tmp_pa
 def test_single_file_has_the_distributed_sd3_layout(single):
     with safe_open(str(single), "pt") as h:
         keys = set(h.keys())
-    for prefix in ("model.diffusion_model.", "first_stage_model.", "text_encoders.clip_l.transformer.text_model.",
-                   "text_encoders.clip_g.transformer.text_model.", "text_encoders.t5xxl.transformer."):
+    for prefix in (
+        "model.diffusion_model.",
+        "first_stage_model.",
+        "text_encoders.clip_l.transformer.text_model.",
+        "text_encoders.clip_g.transformer.text_model.",
+        "text_encoders.t5xxl.transformer.",
+    ):
         assert any(k.startswith(prefix) for k in keys), prefix
     assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in keys
     assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in keys  # dual attention (SD3.5)
     assert "model.diffusion_model.final_layer.adaLN_modulation.1.weight" in keys
-    assert "model.diffusion_model.joint_blocks.1.context_block.attn.proj.weight" not in keys  # last context block is pre-only
+    assert (
+        "model.diffusion_model.joint_blocks.1.context_block.attn.proj.weight" not in keys
+    )  # last context block is pre-only
     assert "text_encoders.t5xxl.transformer.shared.weight" in keys
     assert not any("quant_conv" in k or "position_ids" in k for k in keys)
 
@@ -184,7 +197,9 @@ def test_single_file_round_trip_is_bit_exact_per_part(fam, comps, tiny, single):
 def test_single_file_loads_in_diffusers_own_single_file_loader(comps, tiny, single):
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    tr = SD3Transformer2DModel.from_single_file(str(single), config=str(tiny), subfolder="transformer", local_files_only=True)
+    tr = SD3Transformer2DModel.from_single_file(
+        str(single), config=str(tiny), subfolder="transformer", local_files_only=True
+    )
     vae = AutoencoderKL.from_single_file(str(single), config=str(tiny), subfolder="vae", local_files_only=True)
     for mine, theirs in ((comps["transformer"], tr), (comps["vae"], vae)):
         a, b = mine.state_dict(), theirs.state_dict()
@@ -240,10 +255,15 @@ def _pipe(comps, t5: bool = True):
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     return StableDiffusion3Pipeline(
-        transformer=comps["transformer"], scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=comps["vae"],
-        text_encoder=comps["text_encoder"], tokenizer=comps["tokenizer"],
-        text_encoder_2=comps["text_encoder_2"], tokenizer_2=comps["tokenizer_2"],
-        text_encoder_3=comps["text_encoder_3"] if t5 else None, tokenizer_3=comps["tokenizer_3"] if t5 else None,
+        transformer=comps["transformer"],
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=comps["vae"],
+        text_encoder=comps["text_encoder"],
+        tokenizer=comps["tokenizer"],
+        text_encoder_2=comps["text_encoder_2"],
+        tokenizer_2=comps["tokenizer_2"],
+        text_encoder_3=comps["text_encoder_3"] if t5 else None,
+        tokenizer_3=comps["tokenizer_3"] if t5 else None,
     )
 
 
@@ -261,8 +281,9 @@ def test_cached_stages_join_into_the_pipelines_prompt_embeddings(fam, comps, sta
     assert stages["t5"]["t5_embeds"].shape == (2, T5_LEN, 96)
     assert all(v.dtype == torch.float32 for out in stages.values() for v in out.values())
     got = fam.combine_texts(stages, options())
-    want, _, pooled, _ = _pipe(comps).encode_prompt(CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False,
-                                                   max_sequence_length=T5_LEN)
+    want, _, pooled, _ = _pipe(comps).encode_prompt(
+        CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False, max_sequence_length=T5_LEN
+    )
     assert want.shape == (2, 77 + T5_LEN, 96)
     torch.testing.assert_close(got["prompt_embeds"], want, rtol=0, atol=1e-6)
     torch.testing.assert_close(got["pooled_prompt_embeds"], pooled, rtol=0, atol=1e-6)
@@ -275,12 +296,17 @@ def test_without_t5_the_joint_sequence_ends_in_zeros_as_in_the_pipeline(fam, com
     assert fam.enabled_stages(off) == ["clip_l", "clip_g"]
     assert fam.encode_prompts(comps, CAPTIONS, "t5", off) == {}
     got = fam.combine_texts({s: stages[s] for s in fam.enabled_stages(off)}, off)["prompt_embeds"]
-    want = _pipe(comps, t5=False).encode_prompt(CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False,
-                                                max_sequence_length=T5_LEN)[0]
+    want = _pipe(comps, t5=False).encode_prompt(
+        CAPTIONS, None, None, device="cpu", do_classifier_free_guidance=False, max_sequence_length=T5_LEN
+    )[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got[:, 77:].abs().sum() == 0 and got[:, :77].abs().sum() > 0
     # the zeros' width is the loaded transformer's joint_attention_dim; SD3's 4096 before any transformer is loaded
-    assert SD3().combine_texts({s: stages[s] for s in ("clip_l", "clip_g")}, off)["prompt_embeds"].shape == (2, 77 + T5_LEN, 4096)
+    assert SD3().combine_texts({s: stages[s] for s in ("clip_l", "clip_g")}, off)["prompt_embeds"].shape == (
+        2,
+        77 + T5_LEN,
+        4096,
+    )
 
 
 def test_clip_stages_encoded_on_the_fly_are_differentiable_and_match_the_cache(fam, comps, stages):
@@ -354,7 +380,9 @@ def test_denoise_keeps_the_latent_shape_and_swap_blocks_are_the_joint_blocks(fam
     assert out.shape == noisy.shape and torch.isfinite(out).all()
     assert len(fam.swap_blocks(comps["transformer"])) == comps["transformer"].config.num_layers == 2
     with torch.device("meta"):
-        large = _new_module("transformer", _read_json(bundled_config_dir("sd3.5-large") / "transformer" / "config.json"))
+        large = _new_module(
+            "transformer", _read_json(bundled_config_dir("sd3.5-large") / "transformer" / "config.json")
+        )
     assert len(fam.swap_blocks(large)) == 38
 
 
@@ -365,8 +393,15 @@ def test_training_scheduler_is_flow_matching_with_sd3_shift(fam, tiny):
 
 
 def test_memory_hints_count_the_real_transformer(fam, tmp_path):
-    hints = fam.memory_hints(ModelConfig(path=tmp_path / "sd3.safetensors", config="sd3-medium"), fam.default_lora_targets, 16,
-                             1024, ["transformer", "vae"], ["transformer"], "lora")
+    hints = fam.memory_hints(
+        ModelConfig(path=tmp_path / "sd3.safetensors", config="sd3-medium"),
+        fam.default_lora_targets,
+        16,
+        1024,
+        ["transformer", "vae"],
+        ["transformer"],
+        "lora",
+    )
     assert hints["parts"]["transformer"]["total"] == 2_028_328_000
     # 24 blocks x 8 projections of 1536 -> 1536 (the last block has no to_add_out): rank 16 x (in + out)
     assert hints["lora_params"] == (24 * 8 - 1) * 16 * (1536 + 1536)
@@ -415,9 +450,13 @@ def test_quantized_t5_without_bitsandbytes_names_the_install_and_the_bf16_way_ou
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(BackendUnavailable) as e:  # a CUDA device is named; the check comes before any CUDA call
-        fam.load(ModelConfig(path=tiny), ["text_encoder_3"], torch.float32, "cuda", precision={"text_encoder_3": "int8"})
+        fam.load(
+            ModelConfig(path=tiny), ["text_encoder_3"], torch.float32, "cuda", precision={"text_encoder_3": "int8"}
+        )
     assert "bitsandbytes" in e.value.message and "not installed" in e.value.message
     assert "set text_encoders.t5.precision: bf16" in e.value.hint
 
@@ -441,13 +480,23 @@ def test_save_diffusers_from_a_file_without_t5_runs_in_the_pipeline_without_t5(f
     src = fam.save_single_file(sds, fam.module_configs(comps), tmp_path / "no-t5.safetensors")
     mcfg = ModelConfig(path=src, config="sd3-tiny", tokenizer_path=tiny)
     loaded = fam.load(mcfg, parts, torch.float32, "cpu")
-    out = fam.save_diffusers({p: loaded[p].state_dict() for p in parts}, fam.module_configs(loaded), tmp_path / "export", mcfg)
+    out = fam.save_diffusers(
+        {p: loaded[p].state_dict() for p in parts}, fam.module_configs(loaded), tmp_path / "export", mcfg
+    )
     index = json.loads((out / "model_index.json").read_text())
     assert index["text_encoder_3"] == [None, None] and not (out / "text_encoder_3").exists()
     # as with a folder diffusers itself saved without T5: load it with text_encoder_3=None
     pipe = StableDiffusion3Pipeline.from_pretrained(out, text_encoder_3=None, tokenizer_3=None, local_files_only=True)
-    image = pipe("a red cat", num_inference_steps=2, height=64, width=64, guidance_scale=1.0, max_sequence_length=T5_LEN,
-                 output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    image = pipe(
+        "a red cat",
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        guidance_scale=1.0,
+        max_sequence_length=T5_LEN,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
 
 
@@ -463,5 +512,7 @@ def test_build_random_writes_a_loadable_single_file(fam, tmp_path):
     got = fam.load(ModelConfig(path=path, config="sd3-tiny"), ["transformer", "vae"], torch.float32, "cpu")
     assert count(got["transformer"]) == meta_count("sd3-tiny", "transformer")
     with safe_open(str(path), "pt") as h:
-        assert h.metadata()["modelspec.architecture"] == "stable-diffusion-v3.5-medium"  # the tiny one has dual attention
+        assert (
+            h.metadata()["modelspec.architecture"] == "stable-diffusion-v3.5-medium"
+        )  # the tiny one has dual attention
         assert h.get_tensor("first_stage_model.encoder.conv_in.weight").dtype == torch.float16

@@ -57,7 +57,7 @@ def randomized_state_dict(model: torch.nn.Module, seed: int) -> dict[str, torch.
     """Every floating tensor of the state dict replaced by seeded N(0, 1) draws."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for t in model.state_dict().values():
             if t.is_floating_point():
                 t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
     return {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("position_ids")}
@@ -166,7 +166,9 @@ def test_original_layout(tiny_original, tiny_state_dicts):
         TE2 + "ln_final.bias": t2["text_model.final_layer_norm.bias"],
         TE2 + "transformer.resblocks.1.ln_1.weight": t2["text_model.encoder.layers.1.layer_norm1.weight"],
         TE2 + "transformer.resblocks.1.ln_2.weight": t2["text_model.encoder.layers.1.layer_norm2.weight"],
-        TE2 + "transformer.resblocks.2.attn.out_proj.weight": t2["text_model.encoder.layers.2.self_attn.out_proj.weight"],
+        TE2 + "transformer.resblocks.2.attn.out_proj.weight": t2[
+            "text_model.encoder.layers.2.self_attn.out_proj.weight"
+        ],
         TE2 + "transformer.resblocks.0.mlp.c_fc.weight": t2["text_model.encoder.layers.0.mlp.fc1.weight"],
         TE2 + "transformer.resblocks.0.mlp.c_proj.bias": t2["text_model.encoder.layers.0.mlp.fc2.bias"],
     }
@@ -179,7 +181,8 @@ def test_original_layout(tiny_original, tiny_state_dicts):
     assert q.ndim == 4 and q.shape[2:] == (1, 1)
     assert torch.equal(q[:, :, 0, 0], v["encoder.mid_block.attentions.0.to_q.weight"])
     assert torch.equal(
-        orig[VAE + "decoder.mid.attn_1.proj_out.weight"][:, :, 0, 0], v["decoder.mid_block.attentions.0.to_out.0.weight"]
+        orig[VAE + "decoder.mid.attn_1.proj_out.weight"][:, :, 0, 0],
+        v["decoder.mid_block.attentions.0.to_out.0.weight"],
     )
 
     # OpenCLIP: q, k, v fused along dim 0; projection transposed; logit_scale = ln(100).
@@ -232,7 +235,7 @@ def test_subset_of_components(tiny_state_dicts, tiny_configs):
     assert set(back) == {"unet", "vae"}
     assert_same_tensors(back["vae"], tiny_state_dicts["vae"], "vae")
     # Asking for a component the file lacks names its missing keys.
-    with pytest.raises(ModelLoadError, match="no text_encoder_2 weights.*conditioner.embedders.1.model"):
+    with pytest.raises(ModelLoadError, match=r"no text_encoder_2 weights.*conditioner\.embedders\.1\.model"):
         original_to_diffusers(orig.__getitem__, orig, tiny_configs, components=("text_encoder_2",))
 
 
@@ -334,7 +337,7 @@ def base_meta():
 
 
 def test_real_sdxl_key_set(base_meta):
-    configs, models, sds, orig = base_meta
+    configs, _models, sds, orig = base_meta
     # Counts of sd_xl_base_1.0.safetensors (2515 keys; CLIP-L's position_ids is the 197th
     # embedders.0 key there, and it is neither written nor needed).
     counts = {p: sum(k.startswith(p) for k in orig) for p in (UNET, VAE, TE1, TE2)}
@@ -405,6 +408,8 @@ def test_real_sdxl_matches_diffusers_conversion(base_meta):
     same_shapes(convert_ldm_vae_checkpoint(dict(orig), configs["vae"]), sds["vae"], "vae")
     te1 = {k: v for k, v in convert_ldm_clip_checkpoint(orig).items() if not k.endswith("position_ids")}
     flat = {k.removeprefix("text_model."): v for k, v in te1.items()}
-    same_shapes(te1 if "text_model.final_layer_norm.weight" in sds["text_encoder"] else flat, sds["text_encoder"], "te1")
+    same_shapes(
+        te1 if "text_model.final_layer_norm.weight" in sds["text_encoder"] else flat, sds["text_encoder"], "te1"
+    )
     te2 = convert_open_clip_checkpoint(models["text_encoder_2"], orig, prefix=TE2)
     same_shapes(te2, sds["text_encoder_2"], "text_encoder_2")

@@ -199,7 +199,7 @@ def test_truncated_image_passes_scan_but_load_rgb_names_it(tmp_path):
 
     records, skipped = scan_dataset(tmp_path)
     assert skipped == [] and records[0].width == 96  # header is intact
-    with pytest.raises(DataError, match="trunc.png") as err:
+    with pytest.raises(DataError, match=r"trunc\.png") as err:
         load_rgb(path)
     assert err.value.hint
 
@@ -210,7 +210,7 @@ def test_truncated_jpeg_load_rgb_raises(tmp_path):
     _noise_png(tmp_path / "src.png")
     Image.open(tmp_path / "src.png").save(buf, format="JPEG", quality=95)
     path.write_bytes(buf.getvalue()[: len(buf.getvalue()) // 3])
-    with pytest.raises(DataError, match="t.jpg"):
+    with pytest.raises(DataError, match=r"t\.jpg"):
         load_rgb(path)
 
 
@@ -332,8 +332,8 @@ def test_load_rgb_returns_an_independent_rgb_copy(tmp_path):
 
 
 def test_load_rgb_missing_or_not_an_image(tmp_path):
-    with pytest.raises(DataError, match="missing.png"):
+    with pytest.raises(DataError, match=r"missing\.png"):
         load_rgb(tmp_path / "missing.png")
     (tmp_path / "x.png").write_text("nope", encoding="utf-8")
-    with pytest.raises(DataError, match="x.png"):
+    with pytest.raises(DataError, match=r"x\.png"):
         load_rgb(tmp_path / "x.png")

@@ -9,17 +9,17 @@ import pytest
 from PIL import Image
 
 from difftrain.data.tags import (
-    TagRules,
-    apply_rules,
-    parse_tag_file,
-    read_drop_list,
     IMAGE_EXTS,
     MergeReport,
+    TagRules,
+    apply_rules,
     image_key,
     list_images,
     merge_tags,
     normalize_ext,
     normalize_tags,
+    parse_tag_file,
+    read_drop_list,
     read_text_file,
 )
 from difftrain.errors import DataError
@@ -94,7 +94,11 @@ def test_normalize_tags_and_ext():
     assert normalize_tags(" a,b ,  c,, long   hair\n") == "a, b, c, long hair"
     assert normalize_tags("a\nb\r\nc") == "a, b, c"
     assert normalize_tags("") == ""
-    assert normalize_tags("1girl:0.98, smile:0.5") == normalize_tags("tag,confidence\n1girl,0.98\nsmile,0.5") == "1girl, smile"
+    assert (
+        normalize_tags("1girl:0.98, smile:0.5")
+        == normalize_tags("tag,confidence\n1girl,0.98\nsmile,0.5")
+        == "1girl, smile"
+    )
     assert normalize_ext("txt") == ".txt" == normalize_ext(".txt")
     with pytest.raises(DataError, match="empty"):
         normalize_ext(".")
@@ -282,7 +286,12 @@ def test_in_json_entry_that_is_not_an_object(tmp_path):
 
 def test_scores_are_read_from_inline_and_wd14_csv_layouts():
     assert parse_tag_file("1girl:0.99, long_hair:0.4, :d, re:zero, smile") == [
-        ("1girl", 0.99), ("long_hair", 0.4), (":d", None), ("re:zero", None), ("smile", None)]
+        ("1girl", 0.99),
+        ("long_hair", 0.4),
+        (":d", None),
+        ("re:zero", None),
+        ("smile", None),
+    ]
     csv = "tag,confidence\n1girl,0.98\nlong_hair,0.35\nblue_eyes,0.71\n"
     assert parse_tag_file(csv) == [("1girl", 0.98), ("long_hair", 0.35), ("blue_eyes", 0.71)]
     assert parse_tag_file("1girl,0.98\nsolo,0.9") == [("1girl", 0.98), ("solo", 0.9)]  # no header, still CSV
@@ -291,8 +300,18 @@ def test_scores_are_read_from_inline_and_wd14_csv_layouts():
 
 
 def test_rules_threshold_drop_dedupe_underscores_ratings_keep_order():
-    pairs = parse_tag_file("general, 1girl:0.99, long_hair:0.4, Long Hair, ^_^, blue_eyes:0.8, rating:explicit, watermark")
-    assert apply_rules(pairs, TagRules()) == ["general", "1girl", "long_hair", "^_^", "blue_eyes", "rating:explicit", "watermark"]
+    pairs = parse_tag_file(
+        "general, 1girl:0.99, long_hair:0.4, Long Hair, ^_^, blue_eyes:0.8, rating:explicit, watermark"
+    )
+    assert apply_rules(pairs, TagRules()) == [
+        "general",
+        "1girl",
+        "long_hair",
+        "^_^",
+        "blue_eyes",
+        "rating:explicit",
+        "watermark",
+    ]
     rules = TagRules(threshold=0.5, drop=frozenset({"Watermark"}), underscores=True, ratings="drop")
     assert apply_rules(pairs, rules) == ["1girl", "Long Hair", "^_^", "blue eyes"]
     assert apply_rules(pairs, TagRules(dedupe=False))[2:4] == ["long_hair", "Long Hair"]
@@ -302,7 +321,8 @@ def test_drop_list_from_text_and_files(tmp_path):
     f = tmp_path / "drop.txt"
     f.write_text("\ufeffwatermark\nsignature, text\n", encoding="utf-8")
     assert read_drop_list(["simple background, white_background", str(f), f"@{f}"]) == frozenset(
-        {"simple background", "white_background", "watermark", "signature", "text"})
+        {"simple background", "white_background", "watermark", "signature", "text"}
+    )
     with pytest.raises(DataError, match="does not exist"):
         read_drop_list([f"@{tmp_path / 'nope.txt'}"])
 
@@ -310,7 +330,11 @@ def test_drop_list_from_text_and_files(tmp_path):
 def test_merge_tags_with_rules_caption_from_and_dry_run(tmp_path):
     from PIL import Image
 
-    for name, tags, caption in (("a", "1girl:0.9, solo:0.2, solo, rating:safe, 猫", "a cat"), ("b", "", None), ("c", "x_x, smile", "")):
+    for name, tags, caption in (
+        ("a", "1girl:0.9, solo:0.2, solo, rating:safe, 猫", "a cat"),
+        ("b", "", None),
+        ("c", "x_x, smile", ""),
+    ):
         Image.new("RGB", (8, 8)).save(tmp_path / f"{name}.png")
         (tmp_path / f"{name}.txt").write_text("\ufeff" + tags, encoding="utf-8")
         if caption is not None:
@@ -321,8 +345,14 @@ def test_merge_tags_with_rules_caption_from_and_dry_run(tmp_path):
     assert not out.exists() and not dry.written and [k for k, _, _ in dry.changes] == ["a", "c"]
     r = merge_tags(tmp_path, out, rules=rules)
     meta = json.loads(out.read_text(encoding="utf-8"))
-    assert meta["a"] == {"caption": "a cat | 1girl, solo, 猫", "tags": "1girl, solo, 猫"}  # solo:0.2 below, the bare solo kept
-    assert meta["c"] == {"caption": "x_x, smile", "tags": "x_x, smile"}  # empty caption file: the tags alone; kaomoji kept
+    assert meta["a"] == {
+        "caption": "a cat | 1girl, solo, 猫",
+        "tags": "1girl, solo, 猫",
+    }  # solo:0.2 below, the bare solo kept
+    assert meta["c"] == {
+        "caption": "x_x, smile",
+        "tags": "x_x, smile",
+    }  # empty caption file: the tags alone; kaomoji kept
     assert "b" not in meta or meta["b"] == {}
     assert r.tags_removed == 2 and r.missing_tags == ["b"] and r.missing_captions == ["b", "c"]
 
@@ -332,7 +362,9 @@ def test_merge_tags_cli_dry_run_prints_changes(cli, tmp_path):
 
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     (tmp_path / "a.txt").write_text("long_hair, long_hair, watermark", encoding="utf-8")
-    r = cli("merge-tags", tmp_path, tmp_path / "m.json", "--drop-tags", "watermark", "--underscores-to-spaces", "--dry-run")
+    r = cli(
+        "merge-tags", tmp_path, tmp_path / "m.json", "--drop-tags", "watermark", "--underscores-to-spaces", "--dry-run"
+    )
     assert r.code == 0 and "would change" in r.err and "long hair" in r.err and not (tmp_path / "m.json").exists()
     r = cli("merge-tags", tmp_path, tmp_path / "m.json", "--ratings", "maybe")
     assert r.code != 0 and "ratings must be keep or drop" in r.err

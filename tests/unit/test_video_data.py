@@ -17,7 +17,7 @@ from PIL import Image
 
 av = pytest.importorskip("av")
 
-from difftrain.data.video import (
+from difftrain.data.video import (  # noqa: E402 (after the importorskip)
     VideoRecord,
     choose_frames,
     choose_video_bucket,
@@ -28,7 +28,7 @@ from difftrain.data.video import (
     scan_videos,
     video_size_buckets,
 )
-from difftrain.errors import DataError
+from difftrain.errors import DataError  # noqa: E402
 
 W, H = 64, 48
 TOL = 4  # grey levels are 10 apart; yuv420p round trips are within a few levels
@@ -199,7 +199,14 @@ def test_folder_layout_with_captions_images_and_bad_files(tmp_path):
     assert list(by_key) == ["a", "still", "sub/b"]
     a = by_key["a"]
     assert (a.path, a.caption, a.width, a.height, a.frames, a.fps, a.is_image) == (
-        tmp_path / "a.mp4", "a grey fade", W, H, 12, 8.0, False)
+        tmp_path / "a.mp4",
+        "a grey fade",
+        W,
+        H,
+        12,
+        8.0,
+        False,
+    )
     b = by_key["sub/b"]
     assert (b.caption, b.frames, b.width, b.height, b.fps) == ("from .caption", 21, W, H, 8.0)
     assert by_key["still"] == VideoRecord("still", tmp_path / "still.png", "a still", 40, 30, 1, 0.0, True)
@@ -266,7 +273,9 @@ def test_factory_layout_line_aligned(tmp_path):
     records, skipped = scan_videos(tmp_path)
 
     assert [(r.key, r.caption, r.frames) for r in records] == [
-        ("videos/one", "first prompt", 12), ("videos/two", "second prompt", 9)]
+        ("videos/one", "first prompt", 12),
+        ("videos/two", "second prompt", 9),
+    ]
     assert records[0].path == tmp_path / "videos" / "one.mp4"
     reasons = {p.name: why for p, why in skipped}
     assert reasons["short.mp4"].startswith("3 frames")
@@ -296,7 +305,7 @@ def test_factory_layout_blank_middle_line_keeps_alignment_and_duplicates_skip(tm
 def test_factory_layout_half_present_is_a_data_error(tmp_path):
     _video(tmp_path / "a.mp4", 5)
     _write(tmp_path / "videos.txt", "a.mp4\n")
-    with pytest.raises(DataError, match="has videos.txt but no prompt.txt"):
+    with pytest.raises(DataError, match=r"has videos\.txt but no prompt\.txt"):
         scan_videos(tmp_path)
     # prompt.txt beside prompt.mp4 is just that clip's caption
     (tmp_path / "videos.txt").unlink()

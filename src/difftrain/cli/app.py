@@ -9,12 +9,15 @@ import traceback
 # The libraries' own chatter (weight-loading bars, optional-backend notices) is
 # not for difftrain's users; DIFFTRAIN_DEBUG=1 brings it back.
 if os.environ.get("DIFFTRAIN_DEBUG", "") in ("", "0"):
-    for _k, _v in (("TRANSFORMERS_VERBOSITY", "error"), ("DIFFUSERS_VERBOSITY", "error"),
-                   ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+    for _k, _v in (
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("DIFFUSERS_VERBOSITY", "error"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+    ):
         os.environ.setdefault(_k, _v)
 
 import typer
-
 from rich.markup import escape
 
 from ..console import console, debug_enabled
@@ -30,8 +33,19 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import (bench_cmd, cache_cmd, convert_cmd, data_cmds, doctor_cmd, lora_cmd, plan_cmd, quickstart_cmd, recipes_cmd,
-                   sweep_cmd, train_cmd)
+    from . import (
+        bench_cmd,
+        cache_cmd,
+        convert_cmd,
+        data_cmds,
+        doctor_cmd,
+        lora_cmd,
+        plan_cmd,
+        quickstart_cmd,
+        recipes_cmd,
+        sweep_cmd,
+        train_cmd,
+    )
 
     app.command("quickstart")(quickstart_cmd.quickstart)
     app.command("merge-tags")(data_cmds.merge_tags)
@@ -54,7 +68,11 @@ _register()
 def report_error(e: BaseException) -> int:
     """Print an error the user can act on; return the exit code."""
     # several processes: say which one failed, on the same line (their lines interleave)
-    who = f"[bold]rank {os.environ.get('RANK', '?')}:[/bold] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
+    who = (
+        f"[bold]rank {os.environ.get('RANK', '?')}:[/bold] "
+        if os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+        else ""
+    )
     if isinstance(e, DifftrainError):
         # messages quote file names and values, which may hold [...]: printed as they are, never as markup
         console.print(f"{who}[bold red]error:[/bold red] {escape(e.message)}")
@@ -67,13 +85,19 @@ def report_error(e: BaseException) -> int:
         console.print("[yellow]interrupted[/yellow]")
         code = 130
     elif isinstance(e, MemoryError) or any(m in str(e).lower() for m in ("out of memory", "can't allocate memory")):
-        console.print(f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}")
-        console.print("[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
-                      "GPU tier (`difftrain plan` predicts the peak).")
+        console.print(
+            f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}"
+        )
+        console.print(
+            "[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
+            "GPU tier (`difftrain plan` predicts the peak)."
+        )
         code = 1
     else:
         console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {escape(str(e))}")
-        console.print("[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.")
+        console.print(
+            "[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug."
+        )
         code = 1
     if debug_enabled():
         traceback.print_exception(e)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..console import console
 from .common import resolved_config
@@ -23,7 +22,7 @@ def memory(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="training steps (the first two count as warm-up)")] = 6,
-    work: Annotated[Optional[Path], typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
+    work: Annotated[Path | None, typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
 ) -> None:
     """Train a config for a few steps on random data of the real shapes; print peak memory, step time and the plan."""
     from ..bench import bench_memory
@@ -35,7 +34,7 @@ def memory(
     t.add_column("what")
     t.add_column("measured", justify="right")
     t.add_column("planned", justify="right")
-    fmt = lambda v: "n/a (no GPU)" if v is None else f"{v:.2f} GiB"  # noqa: E731
+    fmt = lambda v: "n/a (no GPU)" if v is None else f"{v:.2f} GiB"
     t.add_row("peak before training (weights loaded)", fmt(r.peak_after_load_gib), "")
     t.add_row("peak of training, allocated", fmt(r.peak_train_alloc_gib), f"{r.planned_alloc_gib:.2f} GiB")
     t.add_row("peak of training, reserved", fmt(r.peak_train_reserved_gib), f"{r.planned_reserved_gib:.2f} GiB")
@@ -50,17 +49,33 @@ def speed(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    baseline_set: Annotated[Optional[list[str]], typer.Option(
-        "--baseline-set", help="key=value for the baseline only (e.g. memory.weights.kind=bf16); it runs eagerly unless "
-        "speed options are named here (e.g. speed.compile=true speed.float8=false: float8 against compiled bf16)")] = None,
+    baseline_set: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--baseline-set",
+            help="key=value for the baseline only (e.g. memory.weights.kind=bf16); it runs eagerly unless "
+            "speed options are named here (e.g. speed.compile=true speed.float8=false: float8 against compiled bf16)",
+        ),
+    ] = None,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="time the config alone")] = False,
     steps: Annotated[int, typer.Option("--steps", help="timed steps")] = 10,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed steps first (compiling happens here)")] = 3,
-    work: Annotated[Optional[Path], typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
-    profile: Annotated[bool, typer.Option("--profile", help="the last step under torch.profiler: kernel launches and "
-                                          "GPU-busy time per run, the top kernels in WORK/profile-*.txt")] = False,
-    size: Annotated[Optional[str], typer.Option("--size", help="HxW of the random latents' images (default: the "
-                                                "square data.resolution), e.g. 480x720 for CogVideoX")] = None,
+    work: Annotated[Path | None, typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
+    profile: Annotated[
+        bool,
+        typer.Option(
+            "--profile",
+            help="the last step under torch.profiler: kernel launches and "
+            "GPU-busy time per run, the top kernels in WORK/profile-*.txt",
+        ),
+    ] = False,
+    size: Annotated[
+        str | None,
+        typer.Option(
+            "--size",
+            help="HxW of the random latents' images (default: the square data.resolution), e.g. 480x720 for CogVideoX",
+        ),
+    ] = None,
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
@@ -84,29 +99,42 @@ def speed(
         except (ValueError, AssertionError):
             raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
     r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw, profile=profile)
-    t = Table(title=f"bench speed: {recipe or config or 'config'} on {r['device']} ({warmup} + {steps} steps; "
-                    f"matmul peak {r['peak_tflops']} TFLOP/s)")
+    t = Table(
+        title=f"bench speed: {recipe or config or 'config'} on {r['device']} ({warmup} + {steps} steps; "
+        f"matmul peak {r['peak_tflops']} TFLOP/s)"
+    )
     for col in ("run", "s/step", "samples/s", "TFLOP/s", "MFU", "step 1 s", "warm-up overhead s", "peak GiB"):
         t.add_column(col, justify="left" if col == "run" else "right")
-    na = lambda v, f: "n/a" if v is None else f.format(v)  # noqa: E731
+    na = lambda v, f: "n/a" if v is None else f.format(v)
     for row in r["rows"]:
-        t.add_row(row["name"], f"{row['s_per_step']:.3f}", f"{row['samples_per_s']:.2f}", na(row["tflops"], "{:.3g}"),
-                  na(row["mfu"], "{:.1%}"), f"{row['first_step_s']:.1f}", f"{row['warmup_overhead_s']:.1f}",
-                  na(row["peak_alloc_gib"], "{:.2f}"))
+        t.add_row(
+            row["name"],
+            f"{row['s_per_step']:.3f}",
+            f"{row['samples_per_s']:.2f}",
+            na(row["tflops"], "{:.3g}"),
+            na(row["mfu"], "{:.1%}"),
+            f"{row['first_step_s']:.1f}",
+            f"{row['warmup_overhead_s']:.1f}",
+            na(row["peak_alloc_gib"], "{:.2f}"),
+        )
     console.print(t)
     for row in r["rows"]:
         if row["profile"] and row["profile"]["gpu_ms"]:
             p = row["profile"]
-            console.print(f"{row['name']}: one step launched {p['kernel_launches']} kernels"
-                          + (f" and {p['graph_launches']} CUDA graphs" if p.get("graph_launches") else "")
-                          + f", the GPU computed {p['gpu_ms']:.0f} ms of its {p['step_ms']:.0f} ms "
-                          f"({p['gpu_ms'] / p['step_ms']:.0%}; the profiled step runs after the timed ones), in "
-                          + kinds_line(p.get("by_kind", {})))
+            console.print(
+                f"{row['name']}: one step launched {p['kernel_launches']} kernels"
+                + (f" and {p['graph_launches']} CUDA graphs" if p.get("graph_launches") else "")
+                + f", the GPU computed {p['gpu_ms']:.0f} ms of its {p['step_ms']:.0f} ms "
+                f"({p['gpu_ms'] / p['step_ms']:.0%}; the profiled step runs after the timed ones), in "
+                + kinds_line(p.get("by_kind", {}))
+            )
     for row in r["rows"]:
         if row.get("compile") and row["compile"]["phases_s"]:
             c = row["compile"]
-            console.print(f"{row['name']}: compiled {c['graphs']} graphs; slowest phases (nested, s): "
-                          + ", ".join(f"{k} {v:.1f}" for k, v in list(c["phases_s"].items())[:5]))
+            console.print(
+                f"{row['name']}: compiled {c['graphs']} graphs; slowest phases (nested, s): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in list(c["phases_s"].items())[:5])
+            )
     if "speedup" in r:
         console.print(f"config vs {r['rows'][0]['name']}: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
-from typing_extensions import Annotated
 
 from ..console import info
 
@@ -21,7 +21,9 @@ def _check(folder: Path) -> None:
     from ..errors import UsageError
 
     if not (folder / "manifest.json").is_file():
-        raise UsageError(f"{folder} is not a difftrain cache (no manifest.json).", hint="Give the folder precompute wrote.")
+        raise UsageError(
+            f"{folder} is not a difftrain cache (no manifest.json).", hint="Give the folder precompute wrote."
+        )
 
 
 @app.command("info")
@@ -31,8 +33,10 @@ def info_(folder: CacheDir) -> None:
 
     _check(folder)
     i = cache_info(folder)
-    info(f"{i['root']}: {i['items']} items ({i['family']}), {i['entries']} entries in {i['shards']} shards, {_gib(i['bytes'])}; "
-         f"{i['unused_entries']} entries unused by the index, {len(i['stray_files'])} stray files")
+    info(
+        f"{i['root']}: {i['items']} items ({i['family']}), {i['entries']} entries in {i['shards']} shards, {_gib(i['bytes'])}; "
+        f"{i['unused_entries']} entries unused by the index, {len(i['stray_files'])} stray files"
+    )
 
 
 @app.command("verify")
@@ -46,18 +50,25 @@ def verify(folder: CacheDir) -> None:
     for p in problems[:50]:
         info(f"problem: {p}")
     if problems:
-        raise CacheMismatch(f"The cache at {folder} has {len(problems)} problem(s).",
-                            hint="Run `difftrain precompute` again: it re-encodes what is missing (after `difftrain cache prune`).")
+        raise CacheMismatch(
+            f"The cache at {folder} has {len(problems)} problem(s).",
+            hint="Run `difftrain precompute` again: it re-encodes what is missing (after `difftrain cache prune`).",
+        )
     info(f"{folder}: sound")
 
 
 @app.command("prune")
-def prune(folder: CacheDir, dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go; delete nothing")] = False) -> None:
+def prune(
+    folder: CacheDir,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="say what would go; delete nothing")] = False,
+) -> None:
     """Delete entries and shards the current index.json does not use, and stray files from interrupted writes."""
     from ..data.cache import prune_cache
 
     _check(folder)
     r = prune_cache(folder, dry_run=dry_run)
     verb = "would drop" if dry_run else "dropped"
-    info(f"{verb} {r['entries_dropped']} entries, {r['shards_deleted']} shards and {r['stray_deleted']} stray files "
-         f"({_gib(r['bytes_freed'])}); {r['unused_entries_kept_in_live_shards']} unused entries stay in shards still in use")
+    info(
+        f"{verb} {r['entries_dropped']} entries, {r['shards_deleted']} shards and {r['stray_deleted']} stray files "
+        f"({_gib(r['bytes_freed'])}); {r['unused_entries_kept_in_live_shards']} unused entries stay in shards still in use"
+    )

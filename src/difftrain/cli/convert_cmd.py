@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import Annotated
 
 import typer
 import yaml
 from rich.markup import escape
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..config.load import resolve
 from ..config.sdscripts import convert
@@ -16,7 +15,7 @@ from ..console import console, info
 
 
 def convert_args(
-    tokens: Annotated[List[str], typer.Argument(help="the sd-scripts command line (after --), or a TOML config path")],
+    tokens: Annotated[list[str], typer.Argument(help="the sd-scripts command line (after --), or a TOML config path")],
 ) -> None:
     """Print the difftrain config equivalent to an sd-scripts command line, and what could not be mapped."""
     c = convert(tokens)

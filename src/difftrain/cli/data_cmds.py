@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..console import console, info
 from .common import print_config, resolved_config
@@ -19,18 +18,38 @@ def merge_tags(
     out_json: Annotated[Path, typer.Argument(help="metadata JSON to write (sd-scripts finetune layout)")],
     tag_ext: Annotated[str, typer.Option("--tag-ext", help="extension of WD14-style tag files")] = ".txt",
     caption_ext: Annotated[str, typer.Option("--caption-ext", help="extension of caption files")] = ".caption",
-    in_json: Annotated[Optional[Path], typer.Option("--in-json", help="existing metadata to update (other fields are kept)")] = None,
+    in_json: Annotated[
+        Path | None, typer.Option("--in-json", help="existing metadata to update (other fields are kept)")
+    ] = None,
     full_path: Annotated[bool, typer.Option("--full-path", help="key images by full path, as sd-scripts does")] = False,
     recursive: Annotated[bool, typer.Option("--recursive", help="look in subfolders too")] = False,
-    drop_tags: Annotated[Optional[List[str]], typer.Option("--drop-tags", help="unwanted tags: a comma list, or a file of them (repeatable)")] = None,
-    threshold: Annotated[Optional[float], typer.Option("--threshold", help="drop tags whose score (tag:0.83, or WD14 CSV) is below this")] = None,
-    underscores_to_spaces: Annotated[bool, typer.Option("--underscores-to-spaces", help="long_hair -> long hair (kaomoji such as ^_^ kept)")] = False,
-    ratings: Annotated[str, typer.Option("--ratings", help="keep | drop WD14's rating tags (general, sensitive, questionable, explicit, rating:*)")] = "keep",
+    drop_tags: Annotated[
+        list[str] | None,
+        typer.Option("--drop-tags", help="unwanted tags: a comma list, or a file of them (repeatable)"),
+    ] = None,
+    threshold: Annotated[
+        float | None, typer.Option("--threshold", help="drop tags whose score (tag:0.83, or WD14 CSV) is below this")
+    ] = None,
+    underscores_to_spaces: Annotated[
+        bool, typer.Option("--underscores-to-spaces", help="long_hair -> long hair (kaomoji such as ^_^ kept)")
+    ] = False,
+    ratings: Annotated[
+        str,
+        typer.Option(
+            "--ratings", help="keep | drop WD14's rating tags (general, sensitive, questionable, explicit, rating:*)"
+        ),
+    ] = "keep",
     keep_duplicates: Annotated[bool, typer.Option("--keep-duplicates", help="do not remove repeated tags")] = False,
-    caption_from: Annotated[Optional[str], typer.Option("--caption-from", help="tags | caption | both: what the caption field holds")] = None,
-    separator: Annotated[str, typer.Option("--separator", help="between caption and tags with --caption-from both")] = ", ",
+    caption_from: Annotated[
+        str | None, typer.Option("--caption-from", help="tags | caption | both: what the caption field holds")
+    ] = None,
+    separator: Annotated[
+        str, typer.Option("--separator", help="between caption and tags with --caption-from both")
+    ] = ", ",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print what would change; write nothing")] = False,
-    allow_outside_paths: Annotated[bool, typer.Option("--allow-outside-paths", help="follow links to files outside the folder")] = False,
+    allow_outside_paths: Annotated[
+        bool, typer.Option("--allow-outside-paths", help="follow links to files outside the folder")
+    ] = False,
 ) -> None:
     """Merge tag files and captions into one metadata JSON."""
     from rich.markup import escape
@@ -38,22 +57,46 @@ def merge_tags(
     from ..data.tags import TagRules, read_drop_list
     from ..data.tags import merge_tags as run
 
-    rules = TagRules(drop=read_drop_list(drop_tags or []), dedupe=not keep_duplicates, threshold=threshold,
-                     underscores=underscores_to_spaces, ratings=ratings, caption_from=caption_from, separator=separator)
-    r = run(data_dir, out_json, tag_ext=tag_ext, caption_ext=caption_ext, in_json=in_json, full_path=full_path, recursive=recursive,
-            rules=rules, dry_run=dry_run, allow_outside=allow_outside_paths)
+    rules = TagRules(
+        drop=read_drop_list(drop_tags or []),
+        dedupe=not keep_duplicates,
+        threshold=threshold,
+        underscores=underscores_to_spaces,
+        ratings=ratings,
+        caption_from=caption_from,
+        separator=separator,
+    )
+    r = run(
+        data_dir,
+        out_json,
+        tag_ext=tag_ext,
+        caption_ext=caption_ext,
+        in_json=in_json,
+        full_path=full_path,
+        recursive=recursive,
+        rules=rules,
+        dry_run=dry_run,
+        allow_outside=allow_outside_paths,
+    )
     if dry_run:
         for key, before, after in r.changes[:20]:
             for field_ in ("caption", "tags"):
                 if before.get(field_) != after.get(field_):
                     info(f"{key} {field_}: {before.get(field_)!r} -> {after.get(field_)!r}")
-        info(f"dry run: {len(r.changes)} of {r.images} entries would change, {r.tags_removed} tags removed; "
-             f"{r.out_path} not written")
+        info(
+            f"dry run: {len(r.changes)} of {r.images} entries would change, {r.tags_removed} tags removed; "
+            f"{r.out_path} not written"
+        )
         return
-    info(f"{r.images} images: {r.with_tags} with tags, {r.with_caption} with captions, {r.tags_removed} tags removed "
-         f"-> {r.out_path}")
+    info(
+        f"{r.images} images: {r.with_tags} with tags, {r.with_caption} with captions, {r.tags_removed} tags removed "
+        f"-> {r.out_path}"
+    )
     if r.missing_tags:
-        info(f"[yellow]{len(r.missing_tags)} without a tag file[/yellow] (e.g. {escape(', '.join(r.missing_tags[:5]))})", markup=True)
+        info(
+            f"[yellow]{len(r.missing_tags)} without a tag file[/yellow] (e.g. {escape(', '.join(r.missing_tags[:5]))})",
+            markup=True,
+        )
     if r.missing_captions:
         info(f"{len(r.missing_captions)} without a caption file")
 
@@ -67,8 +110,12 @@ def precompute(
     allow_pickle: AllowPickleOpt = False,
     strict: Annotated[bool, typer.Option("--strict", help="fail if any image cannot be used")] = False,
     print_config_: PrintConfigOpt = False,
-    gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) sharing the encoding, started through torchrun")] = 1,
-    plan_only: Annotated[bool, typer.Option("--plan-only", help="print the bucket table and what is dropped and why; encode nothing")] = False,
+    gpus: Annotated[
+        int, typer.Option("--gpus", help="processes (GPUs) sharing the encoding, started through torchrun")
+    ] = 1,
+    plan_only: Annotated[
+        bool, typer.Option("--plan-only", help="print the bucket table and what is dropped and why; encode nothing")
+    ] = False,
 ) -> None:
     """Cache aspect buckets, VAE latents and text embeddings once, keyed by content."""
     import os
@@ -115,6 +162,9 @@ def precompute(
     if r.converted:
         info("converted to RGB: " + ", ".join(f"{n} {mode}" for mode, n in sorted(r.converted.items())))
     if set(r.captions) - {"caption"}:
-        info("captions from: " + ", ".join(f"{origin} {n}" for origin, n in sorted(r.captions.items(), key=lambda kv: -kv[1])))
+        info(
+            "captions from: "
+            + ", ".join(f"{origin} {n}" for origin, n in sorted(r.captions.items(), key=lambda kv: -kv[1]))
+        )
     if r.skipped and r.report_file:
         info(f"every skipped file and its reason: {r.report_file}")

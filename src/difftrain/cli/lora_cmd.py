@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..console import console, info
 
@@ -31,32 +30,56 @@ OutOpt = Annotated[Path, typer.Option("--out", "-o", help="the .safetensors file
 
 @app.command("merge")
 def merge(
-    base: Annotated[Path, typer.Argument(help="the base model: a single-file .safetensors checkpoint or a diffusers folder")],
+    base: Annotated[
+        Path, typer.Argument(help="the base model: a single-file .safetensors checkpoint or a diffusers folder")
+    ],
     lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
     out: OutOpt,
     scale: Annotated[float, typer.Option("--scale", help="multiplies the LoRA's change to each weight")] = 1.0,
-    family: Annotated[Optional[Family], typer.Option("--family", help="default: told from the base model")] = None,
-    config: Annotated[Optional[str], typer.Option("--config", help="bundled architecture of a single-file base "
-                                                  "(default: sdxl-base-1.0, or the SD3 one its keys match)")] = None,
-    precision: Annotated[Optional[Precision], typer.Option("--precision", help="default: the base's stored dtype")] = None,
+    family: Annotated[Family | None, typer.Option("--family", help="default: told from the base model")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config",
+            help="bundled architecture of a single-file base (default: sdxl-base-1.0, or the SD3 one its keys match)",
+        ),
+    ] = None,
+    precision: Annotated[Precision | None, typer.Option("--precision", help="default: the base's stored dtype")] = None,
 ) -> None:
     """Merge a LoRA into its base model's weights (W += scale * alpha/rank * up @ down) and write one single file."""
     from ..lora_tools import merge as run
 
-    r = run(base, lora, out, scale=scale, family=family.value if family else None, config=config,
-            precision=precision.value if precision else None)
+    r = run(
+        base,
+        lora,
+        out,
+        scale=scale,
+        family=family.value if family else None,
+        config=config,
+        precision=precision.value if precision else None,
+    )
     layers = ", ".join(f"{n} {part}" for part, n in r.layers.items())
-    info(f"merged {r.layout} LoRA ({layers} layers, scale {scale:g}) into the {r.family} base: {r.path} "
-         f"({str(r.dtype).removeprefix('torch.')})")
+    info(
+        f"merged {r.layout} LoRA ({layers} layers, scale {scale:g}) into the {r.family} base: {r.path} "
+        f"({str(r.dtype).removeprefix('torch.')})"
+    )
 
 
 @app.command("resize")
 def resize(
     lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
     out: OutOpt,
-    rank: Annotated[Optional[int], typer.Option("--rank", help="the new rank (with --energy: the largest allowed)")] = None,
-    energy: Annotated[Optional[float], typer.Option("--energy", help="per layer, the smallest rank keeping this fraction "
-                                                    "of ΔW's sum of squared singular values (sd-scripts' sv_fro, squared)")] = None,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="the new rank (with --energy: the largest allowed)")
+    ] = None,
+    energy: Annotated[
+        float | None,
+        typer.Option(
+            "--energy",
+            help="per layer, the smallest rank keeping this fraction "
+            "of ΔW's sum of squared singular values (sd-scripts' sv_fro, squared)",
+        ),
+    ] = None,
 ) -> None:
     """Change a LoRA's rank by truncated SVD of each layer's ΔW; print the energy each layer keeps."""
     from ..lora_tools import resize as run
@@ -71,5 +94,7 @@ def resize(
         t.add_row(row.name, str(row.rank), str(row.new_rank), f"{row.energy:.2%}")
     console.print(t)
     low = r.min
-    info(f"{len(r.layers)} layers: energy kept {r.overall:.2%} overall, mean {r.mean:.2%}, min {low.energy:.2%} ({low.name}); "
-         f"wrote {r.path} ({r.layout} layout)")
+    info(
+        f"{len(r.layers)} layers: energy kept {r.overall:.2%} overall, mean {r.mean:.2%}, min {low.energy:.2%} ({low.name}); "
+        f"wrote {r.path} ({r.layout} layout)"
+    )

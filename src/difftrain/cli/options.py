@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated
 
 import typer
-from typing_extensions import Annotated
 
-RecipeOpt = Annotated[Optional[str], typer.Option("--recipe", "-r", help="a recipe name (`difftrain recipes list`) or a YAML path")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="your YAML config, applied over the recipe")]
-SetOpt = Annotated[Optional[List[str]], typer.Option("--set", "-s", help="override one value: section.key=value (repeatable)")]
-PrintConfigOpt = Annotated[bool, typer.Option("--print-config", help="print the resolved config with the source of each value, then exit")]
-DataDirOpt = Annotated[Optional[Path], typer.Option("--data-dir", help="shortcut for --set data.dir=...")]
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="shortcut for --set model.path=...")]
-AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints (read with weights_only=True)")]
+RecipeOpt = Annotated[
+    str | None, typer.Option("--recipe", "-r", help="a recipe name (`difftrain recipes list`) or a YAML path")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="your YAML config, applied over the recipe")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="override one value: section.key=value (repeatable)")
+]
+PrintConfigOpt = Annotated[
+    bool, typer.Option("--print-config", help="print the resolved config with the source of each value, then exit")
+]
+DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="shortcut for --set data.dir=...")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", help="shortcut for --set model.path=...")]
+AllowPickleOpt = Annotated[
+    bool, typer.Option("--allow-pickle", help="allow .ckpt/.pt/.bin checkpoints (read with weights_only=True)")
+]
 
 
 def shortcuts(data_dir: Path | None, model: Path | None, allow_pickle: bool) -> dict:

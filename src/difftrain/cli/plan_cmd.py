@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..config.load import resolve
 from ..console import console, info
@@ -43,8 +42,10 @@ def plan(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    vram: Annotated[Optional[str], typer.Option("--vram", help="GPU memory to fit in, e.g. 8GiB: prints the fastest plan that fits")] = None,
-    ram: Annotated[Optional[str], typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
+    vram: Annotated[
+        str | None, typer.Option("--vram", help="GPU memory to fit in, e.g. 8GiB: prints the fastest plan that fits")
+    ] = None,
+    ram: Annotated[str | None, typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..memory.planner import as_set_lines, candidates, speed_cost
@@ -53,7 +54,9 @@ def plan(
     res = resolved_config(recipe, config, set_)
     cfg = res.config
     e = plan_memory(cfg)
-    console.print(_table(f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px", e))
+    console.print(
+        _table(f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px", e)
+    )
     for n in e.notes:
         info(f"[yellow]note:[/yellow] {n}", markup=True)
     if vram is None:
@@ -69,11 +72,18 @@ def plan(
         if est.gpu_reserved <= limit and (host_limit is None or est.host_total <= host_limit):
             fits.append((speed_cost(c), est.gpu_reserved, override, est))
     if not fits:
-        info(f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
-             "(lower train.batch_size or data.resolution, or use a larger GPU).", markup=True)
+        info(
+            f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
+            "(lower train.batch_size or data.resolution, or use a larger GPU).",
+            markup=True,
+        )
         raise typer.Exit(1)
     # equal cost: fewer blocks swapped (less copying), then less memory
-    fits.sort(key=lambda f: (f[0], getattr(f[2]["memory"].get("offload"), "get", lambda k, d: d)("blocks_to_swap", 0), f[1]))
+    fits.sort(
+        key=lambda f: (f[0], getattr(f[2]["memory"].get("offload"), "get", lambda k, d: d)("blocks_to_swap", 0), f[1])
+    )
     cost, reserved, override, est = fits[0]
-    info(f"fastest plan predicted to fit in {limit:g} GiB: {reserved:.2f} GiB reserved, step time x{cost:.2f} of the unconstrained run")
+    info(
+        f"fastest plan predicted to fit in {limit:g} GiB: {reserved:.2f} GiB reserved, step time x{cost:.2f} of the unconstrained run"
+    )
     typer.echo("\n".join(as_set_lines(override)))

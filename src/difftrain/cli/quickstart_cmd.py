@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from typing_extensions import Annotated
 
 from ..console import console
 
 
 def quickstart(
-    out: Annotated[Path, typer.Option("--out", help="folder for everything quickstart makes")] = Path("difftrain-quickstart"),
-    steps: Annotated[Optional[int], typer.Option("--steps", help="training steps (default: the recipe's)")] = None,
+    out: Annotated[Path, typer.Option("--out", help="folder for everything quickstart makes")] = Path(
+        "difftrain-quickstart"
+    ),
+    steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: the recipe's)")] = None,
 ) -> None:
     """Run the whole flow on a tiny seeded SDXL and synthetic images: no downloads, a few minutes on a CPU."""
     from ..quickstart import run_quickstart

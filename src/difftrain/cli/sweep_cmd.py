@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated
 
 import typer
-from typing_extensions import Annotated
 
 from .options import ConfigOpt, DataDirOpt, ModelOpt, RecipeOpt, SetOpt, shortcuts
 
@@ -21,14 +20,29 @@ def sweep(
     set_: SetOpt = None,
     data_dir: DataDirOpt = None,
     model: ModelOpt = None,
-    grid: Annotated[Optional[List[str]], typer.Option("--grid", "-g", help="an axis: path=v1,v2,... (repeatable; every combination)")] = None,
-    dist: Annotated[Optional[List[str]], typer.Option("--dist", help="a random axis: path=log_uniform:LO:HI | uniform:LO:HI | int_uniform:LO:HI | choice:a,b")] = None,
-    random_: Annotated[Optional[int], typer.Option("--random", help="random search: this many trials (grid axes become choices)")] = None,
+    grid: Annotated[
+        list[str] | None, typer.Option("--grid", "-g", help="an axis: path=v1,v2,... (repeatable; every combination)")
+    ] = None,
+    dist: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dist", help="a random axis: path=log_uniform:LO:HI | uniform:LO:HI | int_uniform:LO:HI | choice:a,b"
+        ),
+    ] = None,
+    random_: Annotated[
+        int | None, typer.Option("--random", help="random search: this many trials (grid axes become choices)")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="random search seed: the same seed gives the same trials")] = 0,
-    spec_file: Annotated[Optional[Path], typer.Option("--spec", help="a sweep YAML (recipe, config, set, grid, random)")] = None,
-    gpus: Annotated[Optional[str], typer.Option("--gpus", help="trials in parallel, one per GPU: a count (4) or ids (0,1)")] = None,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="the sweep folder (default sweeps/<recipe>)")] = None,
-    sort: Annotated[Optional[str], typer.Option("--sort", help="sort the table by this column (e.g. val_loss)")] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", help="a sweep YAML (recipe, config, set, grid, random)")
+    ] = None,
+    gpus: Annotated[
+        str | None, typer.Option("--gpus", help="trials in parallel, one per GPU: a count (4) or ids (0,1)")
+    ] = None,
+    output_dir: Annotated[
+        Path | None, typer.Option("--output-dir", "-o", help="the sweep folder (default sweeps/<recipe>)")
+    ] = None,
+    sort: Annotated[str | None, typer.Option("--sort", help="sort the table by this column (e.g. val_loss)")] = None,
 ) -> None:
     """Train every trial of a grid or random search over one cache; rerun to finish an interrupted sweep."""
     if ctx.invoked_subcommand is not None:
@@ -54,7 +68,9 @@ def sweep(
     elif spec_file is None or spec.trials is None:
         spec.seed = seed
     if not spec.recipe and not spec.config:
-        raise UsageError("A sweep needs a base config.", hint="Give --recipe NAME and/or --config FILE (or recipe: in --spec).")
+        raise UsageError(
+            "A sweep needs a base config.", hint="Give --recipe NAME and/or --config FILE (or recipe: in --spec)."
+        )
     name = Path(spec.recipe).stem if spec.recipe else spec.config.stem
     run_sweep(spec, output_dir or Path("sweeps") / name, gpus=parse_gpus(gpus), sort=sort)
 
@@ -62,7 +78,13 @@ def sweep(
 @app.command("report")
 def report(
     folder: Annotated[Path, typer.Argument(help="a sweep folder")],
-    sort: Annotated[Optional[str], typer.Option("--sort", help="a column: trial, status, final_loss, best_loss, val_loss, s_per_step, gpu_peak_alloc_gib, or a swept path")] = None,
+    sort: Annotated[
+        str | None,
+        typer.Option(
+            "--sort",
+            help="a column: trial, status, final_loss, best_loss, val_loss, s_per_step, gpu_peak_alloc_gib, or a swept path",
+        ),
+    ] = None,
     descending: Annotated[bool, typer.Option("--desc", help="largest first")] = False,
 ) -> None:
     """Redraw a sweep's table, CSV/JSON and report.html from its trial folders."""
@@ -70,6 +92,8 @@ def report(
     from ..sweep import write_results
 
     if not (folder / "sweep.json").is_file():
-        raise UsageError(f"{folder} is not a sweep folder (no sweep.json).", hint="Give the -o folder of `difftrain sweep`.")
+        raise UsageError(
+            f"{folder} is not a sweep folder (no sweep.json).", hint="Give the -o folder of `difftrain sweep`."
+        )
     write_results(folder, sort=sort, descending=descending)
     typer.echo(str(folder / "report.html"))

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated
 
 import typer
-from typing_extensions import Annotated
 
 from ..console import info
 from .common import print_config, resolved_config
@@ -19,18 +18,32 @@ def train(
     set_: SetOpt = None,
     data_dir: DataDirOpt = None,
     model: ModelOpt = None,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")] = None,
+    output_dir: Annotated[
+        Path | None, typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")
+    ] = None,
     allow_pickle: AllowPickleOpt = False,
-    resume: Annotated[Optional[str], typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
-    save_precision: Annotated[Optional[str], typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")] = None,
-    strict_memory: Annotated[bool, typer.Option("--strict-memory", help="refuse to start when the plan exceeds free GPU memory")] = False,
+    resume: Annotated[str | None, typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
+    save_precision: Annotated[
+        str | None, typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")
+    ] = None,
+    strict_memory: Annotated[
+        bool, typer.Option("--strict-memory", help="refuse to start when the plan exceeds free GPU memory")
+    ] = False,
     print_config_: PrintConfigOpt = False,
     gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) on this machine, started through torchrun")] = 1,
-    nodes: Annotated[int, typer.Option("--nodes", help="machines taking part (with --node-rank and --master-addr, or --rdzv-endpoint)")] = 1,
+    nodes: Annotated[
+        int,
+        typer.Option("--nodes", help="machines taking part (with --node-rank and --master-addr, or --rdzv-endpoint)"),
+    ] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", help="this machine's index, 0 .. nodes-1")] = 0,
-    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="address of the node with --node-rank 0")] = None,
-    master_port: Annotated[Optional[int], typer.Option("--master-port", help="its port (default 29500)")] = None,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of torchrun's c10d rendezvous (instead of --master-addr)")] = None,
+    master_addr: Annotated[
+        str | None, typer.Option("--master-addr", help="address of the node with --node-rank 0")
+    ] = None,
+    master_port: Annotated[int | None, typer.Option("--master-port", help="its port (default 29500)")] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option("--rdzv-endpoint", help="HOST:PORT of torchrun's c10d rendezvous (instead of --master-addr)"),
+    ] = None,
 ) -> None:
     """Train (LoRA or full) from the precompute cache: a recipe plus your overrides."""
     import os
@@ -38,15 +51,24 @@ def train(
     from ..trainers.loop import train as run
 
     if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
-        from ..errors import UsageError
         from ..distributed import launch
+        from ..errors import UsageError
         from .common import invoked_argv
 
         if gpus < 1 or nodes < 1 or not 0 <= node_rank < nodes:
-            raise UsageError(f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes.")
+            raise UsageError(
+                f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
+            )
         resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors once, here
-        launch(gpus, invoked_argv(), nodes=nodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-               rdzv_endpoint=rdzv_endpoint)
+        launch(
+            gpus,
+            invoked_argv(),
+            nodes=nodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            rdzv_endpoint=rdzv_endpoint,
+        )
         info(f"trained on {gpus * nodes} processes")
         return
 
@@ -74,7 +96,7 @@ def train(
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a training output folder")],
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="'latest' or a checkpoint folder")] = "latest",
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="where to write the LoRA .safetensors")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="where to write the LoRA .safetensors")] = None,
 ) -> None:
     """Export the LoRA of a checkpoint as pytorch_lora_weights.safetensors (diffusers layout)."""
     from ..trainers.checkpoint import resolve_resume

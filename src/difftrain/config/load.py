@@ -26,8 +26,10 @@ def read_yaml(path: Path, what: str = "config file") -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"The {what} {path} must be a mapping of sections (model:, data:, train: ...).",
-                          hint="`difftrain recipes show NAME` shows one.")
+        raise ConfigError(
+            f"The {what} {path} must be a mapping of sections (model:, data:, train: ...).",
+            hint="`difftrain recipes show NAME` shows one.",
+        )
     return data
 
 
@@ -37,7 +39,9 @@ _YAML11_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n"}
 def parse_set(item: str) -> tuple[list[str], Any]:
     """``a.b=c`` -> (["a", "b"], parsed c). Values are parsed as YAML scalars/lists."""
     if "=" not in item:
-        raise UsageError(f"--set {item!r} has no '='.", hint="Write --set section.key=value, e.g. --set train.max_steps=100")
+        raise UsageError(
+            f"--set {item!r} has no '='.", hint="Write --set section.key=value, e.g. --set train.max_steps=100"
+        )
     key, _, raw = item.partition("=")
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
@@ -59,7 +63,9 @@ def _merge(base: dict, over: dict, source: str, sources: dict[str, str], prefix:
         old = out.get(k)
         # a tagged union whose kind changes is replaced, not merged: the old
         # option's fields do not belong to the new one
-        same_kind = not (isinstance(v, dict) and isinstance(old, dict) and "kind" in v and v.get("kind") != old.get("kind"))
+        same_kind = not (
+            isinstance(v, dict) and isinstance(old, dict) and "kind" in v and v.get("kind") != old.get("kind")
+        )
         if isinstance(v, dict) and isinstance(old, dict) and same_kind:
             out[k] = _merge(old, v, source, sources, path + ".")
         else:
@@ -99,7 +105,21 @@ def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
     return problems
 
 
-_KINDS = {"bf16", "fp16", "fp32", "fp8", "nf4", "int8", "adamw", "adamw8bit", "adamw4bit", "cpu_offload", "none", "checkpoint", "single"}
+_KINDS = {
+    "bf16",
+    "fp16",
+    "fp32",
+    "fp8",
+    "nf4",
+    "int8",
+    "adamw",
+    "adamw8bit",
+    "adamw4bit",
+    "cpu_offload",
+    "none",
+    "checkpoint",
+    "single",
+}
 
 
 class Resolved:

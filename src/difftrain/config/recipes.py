@@ -29,9 +29,13 @@ def read_text(path: Path, what: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"The {what} {path} is not UTF-8 text (byte {e.start}).", hint="Save it as UTF-8 YAML.") from None
+        raise ConfigError(
+            f"The {what} {path} is not UTF-8 text (byte {e.start}).", hint="Save it as UTF-8 YAML."
+        ) from None
     except OSError as e:
-        raise ConfigError(f"The {what} {path} cannot be read: {e.strerror or e}.", hint="Check the path and its permissions.") from None
+        raise ConfigError(
+            f"The {what} {path} cannot be read: {e.strerror or e}.", hint="Check the path and its permissions."
+        ) from None
 
 
 #: what a configuration may hold: deeper nesting or more values is not a configuration (e.g. a YAML alias bomb)
@@ -47,9 +51,11 @@ def check_shape(data, what: str) -> None:
         nonlocal count
         count += 1
         if depth > MAX_DEPTH or count > MAX_VALUES:
-            raise ConfigError(f"The {what} nests deeper than {MAX_DEPTH} levels or holds more than {MAX_VALUES:,} values "
-                              "(a self-referencing YAML alias?).", hint="A difftrain config is a few sections of plain keys: "
-                              "`difftrain recipes show NAME` shows one.")
+            raise ConfigError(
+                f"The {what} nests deeper than {MAX_DEPTH} levels or holds more than {MAX_VALUES:,} values "
+                "(a self-referencing YAML alias?).",
+                hint="A difftrain config is a few sections of plain keys: `difftrain recipes show NAME` shows one.",
+            )
         for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else ():
             walk(v, depth + 1)
 
@@ -62,10 +68,13 @@ def parse_yaml(text: str, what: str):
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"The {what} is not valid YAML: {e}",
-                          hint="Python tags (!!python/...) are never read; fix the line shown.") from None
+        raise ConfigError(
+            f"The {what} is not valid YAML: {e}", hint="Python tags (!!python/...) are never read; fix the line shown."
+        ) from None
     except RecursionError:
-        raise ConfigError(f"The {what} nests too deeply to read.", hint="A difftrain config is a few sections of plain keys.") from None
+        raise ConfigError(
+            f"The {what} nests too deeply to read.", hint="A difftrain config is a few sections of plain keys."
+        ) from None
     check_shape(data, what)
     return data
 
@@ -96,6 +105,8 @@ def recipe_header(name: str) -> str:
 def load_recipe(name: str) -> dict:
     data = parse_yaml(recipe_text(name), f"recipe {name!r}")
     if not isinstance(data, dict):
-        raise ConfigError(f"The recipe {name!r} must be a mapping of sections (model:, data:, train: ...).",
-                          hint="`difftrain recipes show NAME` shows one.")
+        raise ConfigError(
+            f"The recipe {name!r} must be a mapping of sections (model:, data:, train: ...).",
+            hint="`difftrain recipes show NAME` shows one.",
+        )
     return data

@@ -9,7 +9,7 @@ change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,35 +21,38 @@ class Strict(BaseModel):
     @field_validator("*", mode="after")
     @classmethod
     def _int64(cls, v):
-        if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+        if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
             raise ValueError(f"{v} is too large (at most 2^63 - 1)")
         return v
 
 
 # ----------------------------------------------------------------- model
 class ModelConfig(Strict):
-    path: Optional[Path] = Field(None, description="diffusers folder or single-file checkpoint")
-    config: Optional[str] = Field(
+    path: Path | None = Field(None, description="diffusers folder or single-file checkpoint")
+    config: str | None = Field(
         None,
         description="bundled architecture config used for single-file checkpoints (offline); "
         "default: the family's base model (sdxl-base-1.0, sd3-medium)",
     )
-    tokenizer_path: Optional[Path] = Field(
+    tokenizer_path: Path | None = Field(
         None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
     )
     allow_pickle: bool = Field(False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
-    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="override the scheduler's prediction type"
     )
 
 
 # ----------------------------------------------------------------- data
 class DataConfig(Strict):
-    dir: Optional[Path] = Field(None, description="folder of images with caption/tag files")
-    metadata: Optional[Path] = Field(None, description="merge-tags JSON (optional)")
-    allow_outside_paths: bool = Field(False, description="let dataset files lead outside data.dir: links to files "
-                                      "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
-                                      "other folders (off: refused, so a dataset from elsewhere cannot read your files)")
+    dir: Path | None = Field(None, description="folder of images with caption/tag files")
+    metadata: Path | None = Field(None, description="merge-tags JSON (optional)")
+    allow_outside_paths: bool = Field(
+        False,
+        description="let dataset files lead outside data.dir: links to files "
+        "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
+        "other folders (off: refused, so a dataset from elsewhere cannot read your files)",
+    )
     caption_ext: str = ".caption"
     tag_ext: str = ".txt"
     caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
@@ -58,26 +61,42 @@ class DataConfig(Strict):
     min_side: int = Field(512, ge=8, le=16384)
     max_side: int = Field(2048, ge=8, le=16384)
     no_upscale: bool = False
-    max_upscale: Optional[float] = Field(4.0, ge=1, description="skip (and report) an image that would have to be "
-                                         "enlarged more than this to fill its bucket; null: any")
+    max_upscale: float | None = Field(
+        4.0,
+        ge=1,
+        description="skip (and report) an image that would have to be "
+        "enlarged more than this to fill its bucket; null: any",
+    )
     random_crop: bool = False
-    cache_dir: Optional[Path] = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
-    frames: int = Field(49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)")
+    cache_dir: Path | None = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
+    frames: int = Field(
+        49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)"
+    )
     frame_sampling: Literal["uniform", "first"] = Field(
-        "uniform", description="video families: frames spread evenly over the clip, or the first N")
+        "uniform", description="video families: frames spread evenly over the clip, or the first N"
+    )
     caption_fallback: Literal["empty", "filename"] = Field(
-        "empty", description="an image with neither caption nor tags: the empty caption, or its file name "
-        "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags")
+        "empty",
+        description="an image with neither caption nor tags: the empty caption, or its file name "
+        "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags",
+    )
     # caption augmentation (sd-scripts' names); works with cached text embeddings (see data/captions.py)
     shuffle_caption: bool = Field(False, description="shuffle the comma-separated tags of each caption")
     keep_tokens: int = Field(0, ge=0, description="the first N tags stay first and are never shuffled or dropped")
-    keep_tokens_separator: str = Field("", description="if set and present in a caption, what precedes it is kept "
-                                       "instead of the first keep_tokens tags")
+    keep_tokens_separator: str = Field(
+        "",
+        description="if set and present in a caption, what precedes it is kept instead of the first keep_tokens tags",
+    )
     caption_separator: str = Field(",", min_length=1, description="what separates tags in a caption")
     caption_tag_dropout_rate: float = Field(0.0, ge=0, lt=1, description="chance of dropping each (not kept) tag")
     caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="chance of training on the empty caption")
-    caption_variants: int = Field(8, ge=1, le=256, description="with shuffle or tag dropout and cached text "
-                                  "embeddings: augmented versions of each caption precompute encodes")
+    caption_variants: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="with shuffle or tag dropout and cached text "
+        "embeddings: augmented versions of each caption precompute encodes",
+    )
 
     @model_validator(mode="after")
     def _sides(self):
@@ -87,8 +106,10 @@ class DataConfig(Strict):
                 "lower data.min_side or raise data.resolution"
             )
         if self.frames % 4 != 1:
-            raise ValueError(f"data.frames ({self.frames}) must be 4k+1 (1, 5, ..., 49): the video VAE compresses time 4x "
-                             "after the first frame")
+            raise ValueError(
+                f"data.frames ({self.frames}) must be 4k+1 (1, 5, ..., 49): the video VAE compresses time 4x "
+                "after the first frame"
+            )
         if self.resolution % self.bucket_step:
             raise ValueError(f"resolution ({self.resolution}) must be a multiple of bucket_step ({self.bucket_step})")
         return self
@@ -101,9 +122,15 @@ class PrecomputeConfig(Strict):
     text_encoder_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     batch_size: int = Field(4, ge=1)
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    shard_max_mb: float = Field(512, gt=0, description="cache shard size: entries are written in files of about this size")
-    num_workers: Optional[int] = Field(None, ge=0, description="processes that decode and resize images while the "
-                                       "encoder runs; null: half the CPU cores (at most 8); 0: in the main process")
+    shard_max_mb: float = Field(
+        512, gt=0, description="cache shard size: entries are written in files of about this size"
+    )
+    num_workers: int | None = Field(
+        None,
+        ge=0,
+        description="processes that decode and resize images while the "
+        "encoder runs; null: half the CPU cores (at most 8); 0: in the main process",
+    )
 
 
 class T5Options(Strict):
@@ -128,17 +155,23 @@ class FlowConfig(Strict):
     logit_std: float = Field(1.0, gt=0)
     mode_scale: float = Field(1.29, description="for timestep_sampling: mode")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
-    shift: Optional[float] = Field(None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)")
+    shift: float | None = Field(None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)")
 
 
 class DreamBoothConfig(Strict):
     """DreamBooth (the diffusers scripts' names): one instance prompt, optional prior preservation."""
 
-    instance_prompt: Optional[str] = Field(None, description='e.g. "a photo of sks dog": the caption of every training image')
-    use_captions: bool = Field(False, description="per-image captions where an image has one, the instance prompt for the rest")
+    instance_prompt: str | None = Field(
+        None, description='e.g. "a photo of sks dog": the caption of every training image'
+    )
+    use_captions: bool = Field(
+        False, description="per-image captions where an image has one, the instance prompt for the rest"
+    )
     with_prior_preservation: bool = False
-    class_prompt: Optional[str] = Field(None, description='e.g. "a photo of a dog"')
-    class_data_dir: Optional[Path] = Field(None, description="class images: supplied, or generated here up to num_class_images")
+    class_prompt: str | None = Field(None, description='e.g. "a photo of a dog"')
+    class_data_dir: Path | None = Field(
+        None, description="class images: supplied, or generated here up to num_class_images"
+    )
     num_class_images: int = Field(100, ge=1)
     prior_loss_weight: float = Field(1.0, ge=0)
     class_sample_steps: int = Field(25, ge=1, description="denoising steps when generating class images")
@@ -146,8 +179,10 @@ class DreamBoothConfig(Strict):
     @model_validator(mode="after")
     def _prior(self):
         if self.with_prior_preservation and not (self.class_prompt and self.class_data_dir):
-            raise ValueError("dreambooth.with_prior_preservation needs dreambooth.class_prompt and dreambooth.class_data_dir "
-                             "(class images are generated there when it holds fewer than num_class_images)")
+            raise ValueError(
+                "dreambooth.with_prior_preservation needs dreambooth.class_prompt and dreambooth.class_data_dir "
+                "(class images are generated there when it holds fewer than num_class_images)"
+            )
         return self
 
 
@@ -157,23 +192,36 @@ class ValidationConfig(Strict):
     @model_validator(mode="after")
     def _images(self):
         if self.images and len(self.images) != len(self.prompts):
-            raise ValueError(f"validation.images has {len(self.images)} entries for {len(self.prompts)} prompts: "
-                             "give one start image per prompt (image-to-video), or none")
+            raise ValueError(
+                f"validation.images has {len(self.images)} entries for {len(self.prompts)} prompts: "
+                "give one start image per prompt (image-to-video), or none"
+            )
         return self
 
     prompts: list[str] = Field(default_factory=list, description="empty: no validation samples")
-    images: list[Path] = Field(default_factory=list, description="image-to-video: the start image of each prompt, in order")
-    every_n_steps: Optional[int] = Field(None, ge=1, description="samples and validation loss; also once at the end of training")
-    loss_items: int = Field(0, ge=0, description="cached items held out of training (chosen by validation.seed) for a "
-                            "validation loss on fixed (item, noise level, noise) triples; 0: none")
+    images: list[Path] = Field(
+        default_factory=list, description="image-to-video: the start image of each prompt, in order"
+    )
+    every_n_steps: int | None = Field(
+        None, ge=1, description="samples and validation loss; also once at the end of training"
+    )
+    loss_items: int = Field(
+        0,
+        ge=0,
+        description="cached items held out of training (chosen by validation.seed) for a "
+        "validation loss on fixed (item, noise level, noise) triples; 0: none",
+    )
     loss_timesteps: int = Field(4, ge=1, description="noise levels per held-out item: the quantiles (k + 1/2) / K")
     num_inference_steps: int = Field(25, ge=1)
     guidance_scale: float = Field(5.0, ge=0)
     seed: int = 0
-    resolution: Optional[int] = Field(None, ge=64, description="square side; default data.resolution")
+    resolution: int | None = Field(None, ge=64, description="square side; default data.resolution")
     fps: int = Field(8, ge=1, description="video families: frames per second of the mp4 (CogVideoX: 8; 1.5: 16)")
-    cpu_offload: bool = Field(False, description="VAE and text encoders wait on the CPU and visit the GPU one at a time "
-                              "(T5 in bf16); the denoiser stays where training keeps it")
+    cpu_offload: bool = Field(
+        False,
+        description="VAE and text encoders wait on the CPU and visit the GPU one at a time "
+        "(T5 in bf16); the denoiser stays where training keeps it",
+    )
 
 
 # ----------------------------------------------------------------- reports
@@ -181,22 +229,29 @@ class ReportConfig(Strict):
     """Where a run's metrics go besides metrics.jsonl (diffusers' scripts call it --report_to), and its report page."""
 
     to: list[Literal["tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard"], description="tensorboard: event files in RUN/tensorboard; "
-        "wandb: Weights & Biases (pip install wandb), offline unless report.wandb_mode is online")
+        default_factory=lambda: ["tensorboard"],
+        description="tensorboard: event files in RUN/tensorboard; "
+        "wandb: Weights & Biases (pip install wandb), offline unless report.wandb_mode is online",
+    )
     wandb_project: str = "difftrain"
     wandb_mode: Literal["offline", "online"] = "offline"
-    html: bool = Field(True, description="RUN/report.html (loss plots, validation samples, memory, config) and RUN/plots/*.png")
+    html: bool = Field(
+        True, description="RUN/report.html (loss plots, validation samples, memory, config) and RUN/plots/*.png"
+    )
 
 
 # ----------------------------------------------------------------- LoRA
 class LoraConfig(Strict):
     rank: int = Field(16, ge=1)
-    alpha: Optional[float] = Field(None, gt=0, description="default: rank")
+    alpha: float | None = Field(None, gt=0, description="default: rank")
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init: Literal["gaussian", "default"] = "gaussian"
-    init_weights: Optional[Path] = Field(None, description="a LoRA file (diffusers or kohya layout) to continue training "
-                                         "from; its rank, alpha and layers must match this config")
+    init_weights: Path | None = Field(
+        None,
+        description="a LoRA file (diffusers or kohya layout) to continue training "
+        "from; its rank, alpha and layers must match this config",
+    )
 
 
 # ----------------------------------------------------------------- memory
@@ -273,7 +328,9 @@ class OffloadBlockSwap(Strict):
     """Keep the largest ``blocks_to_swap`` denoiser blocks in pinned host RAM, streamed in as each is needed."""
 
     kind: Literal["block_swap"] = "block_swap"
-    blocks_to_swap: int = Field(ge=1, description="how many blocks live in host RAM (more: less GPU memory, more copying)")
+    blocks_to_swap: int = Field(
+        ge=1, description="how many blocks live in host RAM (more: less GPU memory, more copying)"
+    )
     prefetch: int = Field(1, ge=1, description="blocks copied ahead of the one computing")
 
 
@@ -286,7 +343,9 @@ class EngineDDP(Strict):
     A plain ``single`` config launched on several processes runs as ``ddp`` with these defaults."""
 
     kind: Literal["ddp"] = "ddp"
-    bucket_cap_mb: float = Field(25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements")
+    bucket_cap_mb: float = Field(
+        25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements"
+    )
     find_unused_parameters: bool = False
 
 
@@ -296,8 +355,10 @@ class EngineDeepSpeed(Strict):
     kind: Literal["deepspeed"] = "deepspeed"
     stage: Literal[2, 3] = 2
     offload_optimizer_device: Literal["none", "cpu"] = Field("cpu", description="AdamW state and step in host RAM")
-    offload_param_device: Literal["none", "cpu"] = Field("none", description="ZeRO-3: weights in host RAM, fetched per layer")
-    config_file: Optional[Path] = Field(None, description="a DeepSpeed JSON whose keys override the generated config")
+    offload_param_device: Literal["none", "cpu"] = Field(
+        "none", description="ZeRO-3: weights in host RAM, fetched per layer"
+    )
+    config_file: Path | None = Field(None, description="a DeepSpeed JSON whose keys override the generated config")
 
 
 class WeightsNF4(Strict):
@@ -313,15 +374,19 @@ class WeightsInt8(Strict):
     kind: Literal["int8"] = "int8"
     compute: Literal["bf16", "fp16", "fp32"] = "bf16"
     outlier_threshold: float = Field(
-        0.0, ge=0, description="LLM.int8 outlier decomposition (6.0 in bitsandbytes' papers); 0 = plain vector-wise int8"
+        0.0,
+        ge=0,
+        description="LLM.int8 outlier decomposition (6.0 in bitsandbytes' papers); 0 = plain vector-wise int8",
     )
 
 
-Weights = Annotated[Union[WeightsBF16, WeightsFP16, WeightsFP32, WeightsFP8, WeightsNF4, WeightsInt8], Field(discriminator="kind")]
-Optimizer = Annotated[Union[OptAdamW, OptAdamW8bit, OptAdamW4bit, OptCPUOffload], Field(discriminator="kind")]
-Activations = Annotated[Union[ActNone, ActCheckpoint], Field(discriminator="kind")]
-Offload = Annotated[Union[OffloadNone, OffloadBlockSwap], Field(discriminator="kind")]
-Engine = Annotated[Union[EngineSingle, EngineDDP, EngineDeepSpeed], Field(discriminator="kind")]
+Weights = Annotated[
+    WeightsBF16 | WeightsFP16 | WeightsFP32 | WeightsFP8 | WeightsNF4 | WeightsInt8, Field(discriminator="kind")
+]
+Optimizer = Annotated[OptAdamW | OptAdamW8bit | OptAdamW4bit | OptCPUOffload, Field(discriminator="kind")]
+Activations = Annotated[ActNone | ActCheckpoint, Field(discriminator="kind")]
+Offload = Annotated[OffloadNone | OffloadBlockSwap, Field(discriminator="kind")]
+Engine = Annotated[EngineSingle | EngineDDP | EngineDeepSpeed, Field(discriminator="kind")]
 
 
 class MemoryConfig(Strict):
@@ -331,7 +396,8 @@ class MemoryConfig(Strict):
     offload: Offload = Field(default_factory=OffloadNone)
     engine: Engine = Field(default_factory=EngineSingle)
     fused_backward: bool = Field(
-        False, description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)"
+        False,
+        description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)",
     )
 
 
@@ -342,8 +408,8 @@ class FullConfig(Strict):
     train_unet: bool = True
     train_text_encoder_1: bool = False
     train_text_encoder_2: bool = False
-    learning_rate_te1: Optional[float] = Field(None, gt=0, description="default: train.learning_rate")
-    learning_rate_te2: Optional[float] = Field(None, gt=0, description="default: train.learning_rate")
+    learning_rate_te1: float | None = Field(None, gt=0, description="default: train.learning_rate")
+    learning_rate_te2: float | None = Field(None, gt=0, description="default: train.learning_rate")
 
 
 class EMAConfig(Strict):
@@ -359,15 +425,18 @@ class EMAConfig(Strict):
 class SaveConfig(Strict):
     """Exported models of a full fine-tune (the training state is train.checkpoint_every)."""
 
-    every_n_steps: Optional[int] = Field(None, ge=1)
-    every_n_epochs: Optional[int] = Field(None, ge=1)
+    every_n_steps: int | None = Field(None, ge=1)
+    every_n_epochs: int | None = Field(None, ge=1)
     formats: list[Literal["single_file", "diffusers"]] = Field(default_factory=lambda: ["single_file"])
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
-    lora_formats: Optional[list[Literal["diffusers", "kohya"]]] = Field(
-        None, description="LoRA files written: diffusers (pytorch_lora_weights.safetensors) and/or kohya "
-        "(lora_kohya.safetensors, for ComfyUI / A1111); default both where the family has a kohya layout")
-    trigger_phrase: Optional[str] = Field(None, description="recorded in the LoRA's metadata; default "
-                                          "dreambooth.instance_prompt")
+    lora_formats: list[Literal["diffusers", "kohya"]] | None = Field(
+        None,
+        description="LoRA files written: diffusers (pytorch_lora_weights.safetensors) and/or kohya "
+        "(lora_kohya.safetensors, for ComfyUI / A1111); default both where the family has a kohya layout",
+    )
+    trigger_phrase: str | None = Field(
+        None, description="recorded in the LoRA's metadata; default dreambooth.instance_prompt"
+    )
 
 
 # ----------------------------------------------------------------- speed
@@ -375,33 +444,57 @@ class SpeedConfig(Strict):
     """How fast a step runs, not what it computes: compilation, attention and optimizer kernels, host syncs.
     Each option is measured in docs/benchmarks.md ("Speed"); `difftrain bench speed` measures a config."""
 
-    compile: bool = Field(False, description="torch.compile each repeated block of the denoiser (regional compilation: "
-                          "one compiled block serves every repeat, so compiling takes seconds to a minute, not many)")
+    compile: bool = Field(
+        False,
+        description="torch.compile each repeated block of the denoiser (regional compilation: "
+        "one compiled block serves every repeat, so compiling takes seconds to a minute, not many)",
+    )
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="max-autotune: inductor benchmarks more kernels (Triton matmul and convolution "
+        "default",
+        description="max-autotune: inductor benchmarks more kernels (Triton matmul and convolution "
         "templates) for each block: a much longer first step (CogVideoX-2b 300 s, SDXL over 9 minutes on an H100) "
         "and measured no faster, since cuBLAS/cuDNN win the large shapes; CUDA graphs still follow "
-        "speed.cuda_graphs (max-autotune-no-cudagraphs is the same choice, kept for torch's name)")
-    cuda_graphs: bool = Field(False, description="replay each compiled block as a CUDA graph (torch.compile's "
-                              "reduce-overhead): fewer launches when shapes repeat; needs compile and one bucket shape")
-    dynamic: Optional[bool] = Field(None, description="null: a dimension becomes dynamic once a second size is seen "
-                                    "(a second bucket), so buckets do not each recompile; false: compile every shape")
-    compile_cache_dir: Optional[Path] = Field(None, description="where compiled kernels are kept between runs (torch "
-                                              "inductor's cache); default ~/.cache/difftrain/torch-compile")
+        "speed.cuda_graphs (max-autotune-no-cudagraphs is the same choice, kept for torch's name)",
+    )
+    cuda_graphs: bool = Field(
+        False,
+        description="replay each compiled block as a CUDA graph (torch.compile's "
+        "reduce-overhead): fewer launches when shapes repeat; needs compile and one bucket shape",
+    )
+    dynamic: bool | None = Field(
+        None,
+        description="null: a dimension becomes dynamic once a second size is seen "
+        "(a second bucket), so buckets do not each recompile; false: compile every shape",
+    )
+    compile_cache_dir: Path | None = Field(
+        None,
+        description="where compiled kernels are kept between runs (torch "
+        "inductor's cache); default ~/.cache/difftrain/torch-compile",
+    )
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
-        "auto", description="scaled-dot-product attention kernel; auto: torch's choice for the device (cuDNN or flash "
-        "on Hopper)")
+        "auto",
+        description="scaled-dot-product attention kernel; auto: torch's choice for the device (cuDNN or flash "
+        "on Hopper)",
+    )
     optimizer_kernels: Literal["auto", "fused", "foreach", "for_loop"] = Field(
-        "auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere")
+        "auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere"
+    )
     channels_last: bool = Field(False, description="UNet convolutions in channels-last memory format (SDXL)")
     pin_memory: bool = Field(True, description="batches copied to the GPU from pinned host memory without waiting")
-    sync_seconds: float = Field(2.0, ge=0, description="the host reads losses back from the GPU at most this often "
-                                "(and before every checkpoint, validation and export), so it never waits on the GPU "
-                                "inside a step; 0: every step")
-    float8: bool = Field(False, description="full fine-tuning: the denoiser's Linear layers compute in fp8 through "
-                         "torchao's float8 training (CUDA, compute capability 8.9+: Ada, Hopper); with compile and "
-                         "cuda_graphs. Measured on an H100: SD3-medium 1.05x and 27 % less memory, SDXL 0.52x "
-                         "(its matmuls are too small for the scaling kernels to pay)")
+    sync_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="the host reads losses back from the GPU at most this often "
+        "(and before every checkpoint, validation and export), so it never waits on the GPU "
+        "inside a step; 0: every step",
+    )
+    float8: bool = Field(
+        False,
+        description="full fine-tuning: the denoiser's Linear layers compute in fp8 through "
+        "torchao's float8 training (CUDA, compute capability 8.9+: Ada, Hopper); with compile and "
+        "cuda_graphs. Measured on an H100: SD3-medium 1.05x and 27 % less memory, SDXL 0.52x "
+        "(its matmuls are too small for the scaling kernels to pay)",
+    )
 
 
 # ----------------------------------------------------------------- training
@@ -411,27 +504,33 @@ class TrainConfig(Strict):
     seed: int = 42
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    gpu_memory_limit_gib: Optional[float] = Field(
-        None, gt=0, description="cap this process's GPU memory (torch's per-process fraction): try a smaller card's "
-        "tier on a bigger one; going over is an out-of-memory error")
+    gpu_memory_limit_gib: float | None = Field(
+        None,
+        gt=0,
+        description="cap this process's GPU memory (torch's per-process fraction): try a smaller card's "
+        "tier on a bigger one; going over is an out-of-memory error",
+    )
     batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
-    max_steps: Optional[int] = Field(None, ge=1, description="optimizer steps; default from epochs")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps; default from epochs")
     epochs: int = Field(1, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
     noise_offset: float = Field(0.0, ge=0)
-    min_snr_gamma: Optional[float] = Field(None, gt=0)
-    checkpoint_every: Optional[int] = Field(None, ge=1, description="save training state every N steps")
-    keep_checkpoints: Optional[int] = Field(None, ge=1, description="keep only the newest N checkpoints")
-    log_every: int = Field(1, ge=1, description="a metrics record every N steps (losses are read from the GPU "
-                           "as speed.sync_seconds says)")
+    min_snr_gamma: float | None = Field(None, gt=0)
+    checkpoint_every: int | None = Field(None, ge=1, description="save training state every N steps")
+    keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N checkpoints")
+    log_every: int = Field(
+        1, ge=1, description="a metrics record every N steps (losses are read from the GPU as speed.sync_seconds says)"
+    )
     nonfinite: Literal["stop", "skip"] = Field(
-        "stop", description="a NaN/inf loss or gradient: stop with the step, the likely cause and the last good "
+        "stop",
+        description="a NaN/inf loss or gradient: stop with the step, the likely cause and the last good "
         "checkpoint named; skip: leave the weights unchanged for that step (checked every step: a host sync) and "
-        "stop after 5 in a row")
+        "stop after 5 in a row",
+    )
     train_text_encoders: bool = Field(False, description="LoRA on the text encoders too (not cached)")
 
     @field_validator("mixed_precision", mode="before")
@@ -440,8 +539,12 @@ class TrainConfig(Strict):
         return "no" if v is False else v  # YAML reads a bare `no` as false
 
 
-DEFAULT_ARCHITECTURE = {"sdxl": "sdxl-base-1.0", "sd3": "sd3-medium", "cogvideox": "cogvideox-5b",
-                        "cogvideox-i2v": "cogvideox-5b-i2v"}
+DEFAULT_ARCHITECTURE = {
+    "sdxl": "sdxl-base-1.0",
+    "sd3": "sd3-medium",
+    "cogvideox": "cogvideox-5b",
+    "cogvideox-i2v": "cogvideox-5b-i2v",
+}
 
 
 class Config(Strict):
@@ -484,68 +587,109 @@ class Config(Strict):
             )
         if m.fused_backward:
             if t.method != "full":
-                raise ValueError("memory.fused_backward is for train.method full (a LoRA's gradients are small): set it to false")
+                raise ValueError(
+                    "memory.fused_backward is for train.method full (a LoRA's gradients are small): set it to false"
+                )
             if t.grad_accum > 1:
-                raise ValueError("memory.fused_backward steps inside backward, so gradients cannot accumulate: set train.grad_accum: 1")
+                raise ValueError(
+                    "memory.fused_backward steps inside backward, so gradients cannot accumulate: set train.grad_accum: 1"
+                )
             if t.max_grad_norm:
-                raise ValueError("memory.fused_backward frees each gradient at once, so the global norm is never known: "
-                                 "set train.max_grad_norm: null")
+                raise ValueError(
+                    "memory.fused_backward frees each gradient at once, so the global norm is never known: "
+                    "set train.max_grad_norm: null"
+                )
             if t.mixed_precision == "fp16":
-                raise ValueError("memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16")
+                raise ValueError(
+                    "memory.fused_backward cannot skip a step on fp16 overflow: use train.mixed_precision bf16"
+                )
             if m.optimizer.kind == "cpu_offload":
-                raise ValueError("memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)")
+                raise ValueError(
+                    "memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)"
+                )
         if m.engine.kind == "ddp":
             if m.fused_backward:
-                raise ValueError("memory.engine ddp with memory.fused_backward: the step would run before the gradients are "
-                                 "averaged across processes; set fused_backward: false")
+                raise ValueError(
+                    "memory.engine ddp with memory.fused_backward: the step would run before the gradients are "
+                    "averaged across processes; set fused_backward: false"
+                )
             if m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients:
-                raise ValueError("memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
-                                 "before they are averaged; set offload_gradients: false or use memory.engine deepspeed")
+                raise ValueError(
+                    "memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
+                    "before they are averaged; set offload_gradients: false or use memory.engine deepspeed"
+                )
         if m.engine.kind == "deepspeed":
             e = m.engine
             if e.offload_param_device != "none" and e.stage != 3:
-                raise ValueError("memory.engine.offload_param_device needs ZeRO stage 3 (stage 2 keeps the weights whole on "
-                                 "the GPU): set memory.engine.stage: 3")
+                raise ValueError(
+                    "memory.engine.offload_param_device needs ZeRO stage 3 (stage 2 keeps the weights whole on "
+                    "the GPU): set memory.engine.stage: 3"
+                )
             if m.optimizer.kind != "adamw":
-                raise ValueError(f"memory.engine deepspeed with memory.optimizer {m.optimizer.kind}: DeepSpeed brings its own "
-                                 "AdamW (on the CPU with offload_optimizer_device: cpu); set memory.optimizer.kind: adamw")
+                raise ValueError(
+                    f"memory.engine deepspeed with memory.optimizer {m.optimizer.kind}: DeepSpeed brings its own "
+                    "AdamW (on the CPU with offload_optimizer_device: cpu); set memory.optimizer.kind: adamw"
+                )
             if m.fused_backward:
-                raise ValueError("memory.engine deepspeed with memory.fused_backward: DeepSpeed steps the optimizer itself; "
-                                 "set fused_backward: false")
+                raise ValueError(
+                    "memory.engine deepspeed with memory.fused_backward: DeepSpeed steps the optimizer itself; "
+                    "set fused_backward: false"
+                )
             if m.offload.kind != "none":
-                raise ValueError("memory.engine deepspeed with memory.offload block_swap: ZeRO-3's offload_param_device "
-                                 "is DeepSpeed's own way to keep weights in host RAM; pick one")
+                raise ValueError(
+                    "memory.engine deepspeed with memory.offload block_swap: ZeRO-3's offload_param_device "
+                    "is DeepSpeed's own way to keep weights in host RAM; pick one"
+                )
             if m.weights.kind in ("fp8", "nf4", "int8", "fp16"):
-                raise ValueError(f"memory.engine deepspeed with memory.weights {m.weights.kind}: DeepSpeed casts every "
-                                 "parameter to its bf16 compute type; use memory.weights bf16")
+                raise ValueError(
+                    f"memory.engine deepspeed with memory.weights {m.weights.kind}: DeepSpeed casts every "
+                    "parameter to its bf16 compute type; use memory.weights bf16"
+                )
             if t.mixed_precision != "bf16":
-                raise ValueError("memory.engine deepspeed needs train.mixed_precision bf16 (its bf16 mode keeps fp32 master "
-                                 "weights in the optimizer)")
+                raise ValueError(
+                    "memory.engine deepspeed needs train.mixed_precision bf16 (its bf16 mode keeps fp32 master "
+                    "weights in the optimizer)"
+                )
             if (t.method == "lora" and t.train_text_encoders) or (
-                    t.method == "full" and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2)):
-                raise ValueError("memory.engine deepspeed trains the denoiser only for now: set train.train_text_encoders "
-                                 "false (full.train_text_encoder_*: false) or memory.engine.kind: single")
+                t.method == "full" and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2)
+            ):
+                raise ValueError(
+                    "memory.engine deepspeed trains the denoiser only for now: set train.train_text_encoders "
+                    "false (full.train_text_encoder_*: false) or memory.engine.kind: single"
+                )
             if self.validation.prompts and e.stage == 3:
-                raise ValueError("validation.prompts with ZeRO stage 3: the pipeline cannot run on partitioned weights; "
-                                 "use stage 2 or leave validation.prompts empty")
+                raise ValueError(
+                    "validation.prompts with ZeRO stage 3: the pipeline cannot run on partitioned weights; "
+                    "use stage 2 or leave validation.prompts empty"
+                )
             if self.ema.enabled and e.stage == 3:
-                raise ValueError("ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
-                                 "use stage 2 or ema.enabled: false")
+                raise ValueError(
+                    "ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
+                    "use stage 2 or ema.enabled: false"
+                )
         if m.offload.kind == "block_swap":
             if m.activations.kind != "checkpoint":
-                raise ValueError("memory.offload block_swap with memory.activations none: without checkpointing autograd keeps "
-                                 "every layer's weight for backward, so the swapped blocks never leave the GPU (measured: "
-                                 "0.6 of 5 GiB saved); set memory.activations.kind: checkpoint")
+                raise ValueError(
+                    "memory.offload block_swap with memory.activations none: without checkpointing autograd keeps "
+                    "every layer's weight for backward, so the swapped blocks never leave the GPU (measured: "
+                    "0.6 of 5 GiB saved); set memory.activations.kind: checkpoint"
+                )
             if m.weights.kind in ("nf4", "int8"):
-                raise ValueError(f"memory.offload block_swap with memory.weights {m.weights.kind}: bitsandbytes' quantized "
-                                 "weights cannot be moved between devices layer by layer; use memory.weights fp8 or bf16")
+                raise ValueError(
+                    f"memory.offload block_swap with memory.weights {m.weights.kind}: bitsandbytes' quantized "
+                    "weights cannot be moved between devices layer by layer; use memory.weights fp8 or bf16"
+                )
             if t.method == "full" and not (m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients):
-                raise ValueError("memory.offload block_swap with train.method full: the swapped blocks' weights live in host "
-                                 "RAM, so their optimizer must step there: set memory.optimizer "
-                                 "{kind: cpu_offload, offload_gradients: true} (and train.max_grad_norm: null)")
+                raise ValueError(
+                    "memory.offload block_swap with train.method full: the swapped blocks' weights live in host "
+                    "RAM, so their optimizer must step there: set memory.optimizer "
+                    "{kind: cpu_offload, offload_gradients: true} (and train.max_grad_norm: null)"
+                )
             if t.method == "full" and self.ema.enabled and self.ema.device != "cpu":
-                raise ValueError("memory.offload block_swap with ema on the GPU: the swapped weights live in host RAM; "
-                                 "set ema.device: cpu")
+                raise ValueError(
+                    "memory.offload block_swap with ema on the GPU: the swapped weights live in host RAM; "
+                    "set ema.device: cpu"
+                )
         if m.optimizer.kind == "cpu_offload":
             if t.max_grad_norm:
                 raise ValueError(
@@ -553,20 +697,28 @@ class Config(Strict):
                     "produced, before any norm is known): set train.max_grad_norm: null or pick adamw8bit"
                 )
             if m.optimizer.offload_gradients and t.grad_accum > 1:
-                raise ValueError("memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
-                                 "set offload_gradients: false or train.grad_accum: 1")
+                raise ValueError(
+                    "memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
+                    "set offload_gradients: false or train.grad_accum: 1"
+                )
         self._speed()
         if self.train.method == "full":
             f = self.full
             if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):
-                raise ValueError("train.method is full but full.train_unet and both full.train_text_encoder_* are false: nothing to train")
+                raise ValueError(
+                    "train.method is full but full.train_unet and both full.train_text_encoder_* are false: nothing to train"
+                )
             if self.memory.weights.kind == "fp16":
                 raise ValueError(
                     "train.method full with memory.weights fp16: fp16 weights cannot take small updates and overflow; "
                     "use memory.weights bf16 (stochastic rounding) or fp32 with mixed_precision fp16"
                 )
-        elif self.train.train_text_encoders is False and (self.full.train_text_encoder_1 or self.full.train_text_encoder_2):
-            raise ValueError("full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true")
+        elif self.train.train_text_encoders is False and (
+            self.full.train_text_encoder_1 or self.full.train_text_encoder_2
+        ):
+            raise ValueError(
+                "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
+            )
         return self
 
     def _speed(self) -> None:
@@ -575,22 +727,32 @@ class Config(Strict):
             raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true")
         if sp.compile:
             if m.offload.kind == "block_swap":
-                raise ValueError("speed.compile with memory.offload block_swap: block swap moves weights in hooks around "
-                                 "each block, which compiled blocks cannot trace; set speed.compile: false")
+                raise ValueError(
+                    "speed.compile with memory.offload block_swap: block swap moves weights in hooks around "
+                    "each block, which compiled blocks cannot trace; set speed.compile: false"
+                )
             if m.engine.kind == "deepspeed" and m.engine.stage == 3:
-                raise ValueError("speed.compile with ZeRO stage 3: DeepSpeed gathers each weight in hooks around every "
-                                 "layer, which compiled blocks cannot trace; use stage 2 or speed.compile: false")
+                raise ValueError(
+                    "speed.compile with ZeRO stage 3: DeepSpeed gathers each weight in hooks around every "
+                    "layer, which compiled blocks cannot trace; use stage 2 or speed.compile: false"
+                )
             if m.weights.kind in ("nf4", "int8"):
-                raise ValueError(f"speed.compile with memory.weights {m.weights.kind}: bitsandbytes' quantized layers do "
-                                 "not compile; use memory.weights fp8 or bf16, or speed.compile: false")
+                raise ValueError(
+                    f"speed.compile with memory.weights {m.weights.kind}: bitsandbytes' quantized layers do "
+                    "not compile; use memory.weights fp8 or bf16, or speed.compile: false"
+                )
         if sp.float8:
             if t.method != "full":
-                raise ValueError("speed.float8 trains Linear weights in fp8 compute (full fine-tuning); a LoRA's frozen "
-                                 "base gains nothing from it: set speed.float8: false or train.method: full")
+                raise ValueError(
+                    "speed.float8 trains Linear weights in fp8 compute (full fine-tuning); a LoRA's frozen "
+                    "base gains nothing from it: set speed.float8: false or train.method: full"
+                )
             if t.mixed_precision != "bf16" or m.weights.kind != "bf16":
                 raise ValueError("speed.float8 needs train.mixed_precision bf16 and memory.weights bf16")
             if m.engine.kind == "deepspeed":
                 raise ValueError("speed.float8 with memory.engine deepspeed is not supported: use single or ddp")
         if sp.channels_last and self.family != "sdxl":
-            raise ValueError(f"speed.channels_last is for the SDXL UNet's convolutions; {self.family}'s transformer has "
-                             "none to speed up: set speed.channels_last: false")
+            raise ValueError(
+                f"speed.channels_last is for the SDXL UNet's convolutions; {self.family}'s transformer has "
+                "none to speed up: set speed.channels_last: false"
+            )

@@ -88,7 +88,10 @@ def parse_tokens(tokens: list[str]) -> tuple[str | None, dict[str, Any]]:
             i += 1
             continue
         if not tok.startswith("--"):
-            raise UsageError(f"Unexpected argument {tok!r} in the sd-scripts command line.", hint="Options look like --name=value or --name value.")
+            raise UsageError(
+                f"Unexpected argument {tok!r} in the sd-scripts command line.",
+                hint="Options look like --name=value or --name value.",
+            )
         name, eq, value = tok[2:].partition("=")
         if not eq:
             if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
@@ -116,8 +119,10 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise UsageError(f"{path} is not valid TOML: {type(e).__name__}: {e}",
-                         hint="Give the TOML file sd-scripts reads (--config_file).") from None
+        raise UsageError(
+            f"{path} is not valid TOML: {type(e).__name__}: {e}",
+            hint="Give the TOML file sd-scripts reads (--config_file).",
+        ) from None
     flat: dict[str, Any] = {}
 
     def walk(d: dict) -> None:  # sd-scripts' config files group options in arbitrary tables
@@ -168,7 +173,7 @@ SIMPLE = {
 def convert(tokens: list[str]) -> Conversion:
     script, args = parse_tokens(tokens)
     c = Conversion(script=script)
-    lora = script is not None and "network" in script or "network_module" in args or "network_dim" in args
+    lora = (script is not None and "network" in script) or "network_module" in args or "network_dim" in args
     if script and not script.startswith("sdxl_"):
         c.unmapped.append((script, "only SDXL scripts map to difftrain today (sdxl_train.py, sdxl_train_network.py)"))
     c.set("family", "sdxl")
@@ -216,14 +221,16 @@ def convert(tokens: list[str]) -> Conversion:
                 c.set("save.precision", {"float": "fp32"}.get(v, v))
             elif name == "save_every_n_epochs":
                 if lora:
-                    c.unmapped.append((f"--{name}={v}", "for LoRA, checkpoints are counted in steps: set train.checkpoint_every"))
+                    c.unmapped.append(
+                        (f"--{name}={v}", "for LoRA, checkpoints are counted in steps: set train.checkpoint_every")
+                    )
                 else:
                     c.set("save.every_n_epochs", int(v))
             elif name == "save_every_n_steps":
                 c.set("train.checkpoint_every" if lora else "save.every_n_steps", int(v))
             elif name == "resolution":
                 w, _, h = str(v).partition(",")
-                side = int(math.isqrt(int(w) * int(h or w)))
+                side = math.isqrt(int(w) * int(h or w))
                 c.set("data.resolution", side - side % 64 or 64)
             elif name == "shuffle_caption":
                 c.set("data.shuffle_caption", v is True or str(v).lower() in ("true", "1"))
@@ -244,7 +251,9 @@ def convert(tokens: list[str]) -> Conversion:
             elif name in ("network_train_unet_only", "cache_text_encoder_outputs"):
                 c.set("train.train_text_encoders", False)
                 if name == "cache_text_encoder_outputs":
-                    c.unmapped.append((f"--{name}", IMPLIED["cache_text_encoder_outputs_to_disk"] + " (mapped: text encoders frozen)"))
+                    c.unmapped.append(
+                        (f"--{name}", IMPLIED["cache_text_encoder_outputs_to_disk"] + " (mapped: text encoders frozen)")
+                    )
             elif name == "no_half_vae":
                 c.set("precompute.vae_dtype", "fp32")
             elif name == "v_parameterization":

@@ -25,8 +25,8 @@ import os
 import re
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -49,20 +49,33 @@ def _damaged(path: Path, what: str) -> CacheMismatch:
 
 def check_manifest(m, path: Path) -> dict:
     """``m`` if it is a manifest whose every shard name is one :meth:`DataCache.flush` writes; else CacheMismatch."""
-    if not isinstance(m, dict) or not isinstance(m.get("entries", {}), dict) or not isinstance(m.get("shards", {}), dict):
+    if (
+        not isinstance(m, dict)
+        or not isinstance(m.get("entries", {}), dict)
+        or not isinstance(m.get("shards", {}), dict)
+    ):
         raise _damaged(path, "not a manifest (an object with 'entries' and 'shards')")
     for rel, size in m.get("shards", {}).items():
         if not SHARD_NAME.fullmatch(rel) or not isinstance(size, int) or isinstance(size, bool):
             raise _damaged(path, f"the shard {rel!r}: {size!r} is not a shards/xx/<id>.safetensors name with its size")
     for key, e in m.get("entries", {}).items():
-        if not (isinstance(e, dict) and isinstance(e.get("shard"), str) and SHARD_NAME.fullmatch(e["shard"])
-                and isinstance(e.get("names"), list) and all(isinstance(n, str) for n in e["names"])):
+        if not (
+            isinstance(e, dict)
+            and isinstance(e.get("shard"), str)
+            and SHARD_NAME.fullmatch(e["shard"])
+            and isinstance(e.get("names"), list)
+            and all(isinstance(n, str) for n in e["names"])
+        ):
             raise _damaged(path, f"the entry {key[:40]!r} is not {{shard: shards/xx/<id>.safetensors, names: [...]}}")
     return m
 
 
 def _ints(v, n: int) -> bool:
-    return isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 2**20 for x in v)
+    return (
+        isinstance(v, list)
+        and len(v) == n
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 2**20 for x in v)
+    )
 
 
 def _text_keys(t) -> bool:
@@ -77,12 +90,22 @@ def check_index(index, path: Path) -> dict:
     if not (index.get("empty_text") is None or _text_keys(index["empty_text"])):
         raise _damaged(path, "'empty_text' is not an object of stage -> entry key")
     for i, it in enumerate(index.get("items", [])):
-        ok = (isinstance(it, dict) and isinstance(it.get("key"), str) and isinstance(it.get("caption", ""), str)
-              and isinstance(it.get("latent"), str) and _ints(it.get("bucket"), 2) and _ints(it.get("original_size", [1, 1]), 2)
-              and _ints([it.get("frames", 1)], 1) and _text_keys(it.get("texts"))
-              and isinstance(it.get("text_variants", []), list) and all(_text_keys(t) for t in it.get("text_variants", [])))
+        ok = (
+            isinstance(it, dict)
+            and isinstance(it.get("key"), str)
+            and isinstance(it.get("caption", ""), str)
+            and isinstance(it.get("latent"), str)
+            and _ints(it.get("bucket"), 2)
+            and _ints(it.get("original_size", [1, 1]), 2)
+            and _ints([it.get("frames", 1)], 1)
+            and _text_keys(it.get("texts"))
+            and isinstance(it.get("text_variants", []), list)
+            and all(_text_keys(t) for t in it.get("text_variants", []))
+        )
         if not ok:
-            raise _damaged(path, f"item {i} lacks a field or has one of the wrong type (key, latent, bucket, texts ...)")
+            raise _damaged(
+                path, f"item {i} lacks a field or has one of the wrong type (key, latent, bucket, texts ...)"
+            )
     return index
 
 
@@ -102,8 +125,10 @@ class DataCache:
         self.root = Path(root)
         self.shard_max_bytes = shard_max_bytes
         self.manifest_name = "manifest.json" if writer == 0 else f"manifest.rank{writer}.json"
-        self.manifest = check_manifest(self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}}),
-                                       self.root / "manifest.json")
+        self.manifest = check_manifest(
+            self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}}),
+            self.root / "manifest.json",
+        )
         self._own = {"version": CACHE_VERSION, "entries": {}, "shards": {}}  # what this writer added
         if self.manifest.get("version") != CACHE_VERSION:
             raise CacheMismatch(
@@ -181,13 +206,16 @@ class DataCache:
             entry = self.manifest["entries"][key]
         except KeyError:
             raise CacheMismatch(
-                f"The cache at {self.root} has no entry {key[:12]}...", hint="Run `difftrain precompute` with the same config first."
+                f"The cache at {self.root} has no entry {key[:12]}...",
+                hint="Run `difftrain precompute` with the same config first.",
             ) from None
         handle = self._handle(entry["shard"])
         try:
             return {name: handle.get_tensor(f"{key}/{name}") for name in entry["names"]}
         except Exception as e:  # noqa: BLE001 - safetensors' own error types: a tensor missing or cut short
-            raise CacheMismatch(f"The cache shard {self.root / entry['shard']} cannot be read: {e}.", hint=_REBUILD) from None
+            raise CacheMismatch(
+                f"The cache shard {self.root / entry['shard']} cannot be read: {e}.", hint=_REBUILD
+            ) from None
 
     def _handle(self, rel: str):
         if rel in self._handles:
@@ -195,12 +223,16 @@ class DataCache:
             return self._handles[rel]
         path = self.root / rel
         if not path.exists():
-            raise CacheMismatch(f"The cache shard {path} is missing.", hint="Run `difftrain precompute` again to rebuild it.")
+            raise CacheMismatch(
+                f"The cache shard {path} is missing.", hint="Run `difftrain precompute` again to rebuild it."
+            )
         try:
             read_safetensors_header(path)  # an absurd header length is refused before anything is allocated
             h = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:  # noqa: BLE001 - ValueError from the check, safetensors' own errors
-            raise CacheMismatch(f"The cache shard {path} cannot be read: {str(e).replace(str(path), 'it')}.", hint=_REBUILD) from None
+            raise CacheMismatch(
+                f"The cache shard {path} cannot be read: {str(e).replace(str(path), 'it')}.", hint=_REBUILD
+            ) from None
         self._handles[rel] = h
         if len(self._handles) > 8:  # a few open shards at a time: memory stays flat
             self._handles.popitem(last=False)
@@ -246,18 +278,27 @@ def cache_info(root: Path) -> dict:
     index = check_index(cache.read_json("index.json", {}) or {}, cache.root / "index.json")
     used = _referenced(cache)
     shards = cache.manifest["shards"]
-    return {"root": str(cache.root), "entries": len(cache.manifest["entries"]), "shards": len(shards),
-            "bytes": sum(shards.values()), "items": len(index.get("items", [])), "family": index.get("family"),
-            "unused_entries": sum(k not in used for k in cache.manifest["entries"]),
-            "stray_files": [str(p.relative_to(cache.root)) for p in _stray(cache)]}
+    return {
+        "root": str(cache.root),
+        "entries": len(cache.manifest["entries"]),
+        "shards": len(shards),
+        "bytes": sum(shards.values()),
+        "items": len(index.get("items", [])),
+        "family": index.get("family"),
+        "unused_entries": sum(k not in used for k in cache.manifest["entries"]),
+        "stray_files": [str(p.relative_to(cache.root)) for p in _stray(cache)],
+    }
 
 
 def _stray(cache: DataCache) -> list[Path]:
     """Files under shards/ that the manifest does not name (a write killed before its rename, a pruned shard)."""
     known = set(cache.manifest["shards"])
     folder = cache.root / "shards"
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(cache.root).as_posix() not in known) \
-        if folder.is_dir() else []
+    return (
+        sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(cache.root).as_posix() not in known)
+        if folder.is_dir()
+        else []
+    )
 
 
 def verify_cache(root: Path) -> list[str]:
@@ -303,8 +344,10 @@ def prune_cache(root: Path, dry_run: bool = False) -> dict:
     cache = DataCache(root)
     used = _referenced(cache)
     if not cache.read_json("index.json"):
-        raise CacheMismatch(f"The cache at {cache.root} has no index.json: nothing says which entries are in use.",
-                            hint="Run `difftrain precompute` first (prune keeps what its index uses).")
+        raise CacheMismatch(
+            f"The cache at {cache.root} has no index.json: nothing says which entries are in use.",
+            hint="Run `difftrain precompute` first (prune keeps what its index uses).",
+        )
     entries = cache.manifest["entries"]
     drop = [k for k in entries if k not in used]
     live_shards = {entries[k]["shard"] for k in entries if k in used}
@@ -323,5 +366,10 @@ def prune_cache(root: Path, dry_run: bool = False) -> dict:
             (cache.root / rel).unlink(missing_ok=True)
         for p in stray:
             p.unlink(missing_ok=True)
-    return {"entries_dropped": len(drop), "shards_deleted": len(dead_shards), "stray_deleted": len(stray),
-            "bytes_freed": freed, "unused_entries_kept_in_live_shards": kept_unused}
+    return {
+        "entries_dropped": len(drop),
+        "shards_deleted": len(dead_shards),
+        "stray_deleted": len(stray),
+        "bytes_freed": freed,
+        "unused_entries_kept_in_live_shards": kept_unused,
+    }

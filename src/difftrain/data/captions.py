@@ -39,11 +39,17 @@ class CaptionAugment:
     """How many augmented versions of each caption precompute caches (when the augmentation varies)."""
 
     @classmethod
-    def from_config(cls, data) -> "CaptionAugment":
+    def from_config(cls, data) -> CaptionAugment:
         """From a :class:`~difftrain.config.schema.DataConfig`."""
-        return cls(shuffle=data.shuffle_caption, keep_tokens=data.keep_tokens, keep_tokens_separator=data.keep_tokens_separator,
-                   separator=data.caption_separator, tag_dropout_rate=data.caption_tag_dropout_rate,
-                   dropout_rate=data.caption_dropout_rate, variants=data.caption_variants)
+        return cls(
+            shuffle=data.shuffle_caption,
+            keep_tokens=data.keep_tokens,
+            keep_tokens_separator=data.keep_tokens_separator,
+            separator=data.caption_separator,
+            tag_dropout_rate=data.caption_tag_dropout_rate,
+            dropout_rate=data.caption_dropout_rate,
+            variants=data.caption_variants,
+        )
 
     @property
     def varies(self) -> bool:
@@ -54,9 +60,15 @@ class CaptionAugment:
         """What decides the cached variants: stored in the cache's index, compared by training."""
         if not self.varies:
             return {"variants": 0, "dropout": self.dropout_rate > 0}
-        return {"variants": self.variants, "shuffle": self.shuffle, "keep_tokens": self.keep_tokens,
-                "keep_tokens_separator": self.keep_tokens_separator, "separator": self.separator,
-                "tag_dropout_rate": self.tag_dropout_rate, "dropout": self.dropout_rate > 0}
+        return {
+            "variants": self.variants,
+            "shuffle": self.shuffle,
+            "keep_tokens": self.keep_tokens,
+            "keep_tokens_separator": self.keep_tokens_separator,
+            "separator": self.separator,
+            "tag_dropout_rate": self.tag_dropout_rate,
+            "dropout": self.dropout_rate > 0,
+        }
 
 
 def augment_caption(caption: str, aug: CaptionAugment, rng: random.Random) -> str:

@@ -98,8 +98,9 @@ def fallback_caption(path: Path, fallback: str) -> str:
     return "" if fallback == "empty" else " ".join(Path(path).stem.replace("_", " ").split())
 
 
-def sidecar_texts(image_path: Path, caption_ext: str = ".caption", tag_ext: str = ".txt",
-                  root: Path | None = None) -> tuple[str | None, str | None]:
+def sidecar_texts(
+    image_path: Path, caption_ext: str = ".caption", tag_ext: str = ".txt", root: Path | None = None
+) -> tuple[str | None, str | None]:
     """``(caption, tags)`` from the files beside an image (``None`` where a file is missing); with ``root``, a file
     that is a link to a file outside ``root`` is a :class:`DataError`."""
     image_path = Path(image_path)
@@ -140,12 +141,14 @@ class MetadataIndex:
         self._by_abs = {_abs_key(k): k for k in metadata if Path(k).suffix.lower() in IMAGE_EXTS}
         for key in metadata if root is not None else ():
             if _escapes(key, root):
-                raise DataError(f"metadata file {source}: the entry {key!r} names a path outside the data folder {root}",
-                                hint="fix or remove that entry (merge-tags keys images inside the folder), or set "
-                                "data.allow_outside_paths: true if the file is yours")
+                raise DataError(
+                    f"metadata file {source}: the entry {key!r} names a path outside the data folder {root}",
+                    hint="fix or remove that entry (merge-tags keys images inside the folder), or set "
+                    "data.allow_outside_paths: true if the file is yours",
+                )
 
     @classmethod
-    def load(cls, path: Path, root: Path | None = None) -> "MetadataIndex":
+    def load(cls, path: Path, root: Path | None = None) -> MetadataIndex:
         """Read ``path`` (:class:`DataError` if it is missing or not a JSON object, or a key leads outside ``root``)."""
         return cls(load_metadata(Path(path)), Path(path), root)
 
@@ -351,7 +354,7 @@ def load_rgb(path: Path) -> Image.Image:
             if orientation in _TRANSPOSE:
                 image = image.transpose(_TRANSPOSE[orientation])
             return to_rgb(image)
-    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
+    except Exception as exc:
         raise DataError(
             f"cannot decode image {path}: {exc}",
             hint="re-export the file, or remove it from the data folder",

@@ -44,8 +44,27 @@ _SPACES = re.compile(r"\s+")
 
 
 #: WD14 tagger's kaomoji (sd-scripts' tag_images_by_wd14_tagger.py keeps their underscores)
-KAOMOJI = {"0_0", "(o)_(o)", "+_+", "+_-", "._.", "<o>_<o>", "<|>_<|>", "=_=", ">_<", "3_3", "6_9", ">_o", "@_@",
-           "^_^", "o_o", "u_u", "x_x", "|_|", "||_||"}
+KAOMOJI = {
+    "0_0",
+    "(o)_(o)",
+    "+_+",
+    "+_-",
+    "._.",
+    "<o>_<o>",
+    "<|>_<|>",
+    "=_=",
+    ">_<",
+    "3_3",
+    "6_9",
+    ">_o",
+    "@_@",
+    "^_^",
+    "o_o",
+    "u_u",
+    "x_x",
+    "|_|",
+    "||_||",
+}
 #: WD14's rating tags, and the prefixes other taggers give them
 RATINGS = {"general", "sensitive", "questionable", "explicit", "safe", "nsfw"}
 _SCORE = re.compile(r"^(?P<tag>.*?):(?P<score>[01](?:\.\d+)?|\.\d+)$")
@@ -213,8 +232,10 @@ def list_images(data_dir: Path, recursive: bool = False, allow_outside: bool = F
     return images
 
 
-OUTSIDE_HINT = "move the file into the data folder, or set data.allow_outside_paths: true (merge-tags: --allow-outside-paths) " \
+OUTSIDE_HINT = (
+    "move the file into the data folder, or set data.allow_outside_paths: true (merge-tags: --allow-outside-paths) "
     "if you trust this dataset"
+)
 
 
 def is_inside(path: Path, root: Path) -> bool:
@@ -251,7 +272,9 @@ def read_text_file(path: Path, root: Path | None = None) -> str | None:
         if stat.S_ISDIR(mode):
             return None
         if not stat.S_ISREG(mode):
-            raise DataError(f"{path} is not a regular file (a device, pipe or socket?)", hint="remove it from the data folder")
+            raise DataError(
+                f"{path} is not a regular file (a device, pipe or socket?)", hint="remove it from the data folder"
+            )
         if root is not None:
             check_inside(path, root)
         return path.read_text(encoding="utf-8-sig").strip()
@@ -276,7 +299,9 @@ def load_metadata(path: Path) -> dict[str, Any]:
     except (FileNotFoundError, IsADirectoryError) as exc:
         raise DataError(f"metadata file {path} does not exist", hint="check the path, or leave it out") from exc
     except OSError as exc:
-        raise DataError(f"cannot read metadata file {path}: {exc.strerror or exc}", hint="check its permissions") from exc
+        raise DataError(
+            f"cannot read metadata file {path}: {exc.strerror or exc}", hint="check its permissions"
+        ) from exc
     except UnicodeDecodeError as exc:
         raise DataError(f"metadata file {path} is not UTF-8 text", hint="re-save it as UTF-8") from exc
     try:
@@ -287,8 +312,10 @@ def load_metadata(path: Path) -> dict[str, Any]:
             hint="fix the file, or delete it to start a fresh one",
         ) from exc
     except RecursionError:
-        raise DataError(f"metadata file {path} nests too deeply to read",
-                        hint='expected {"image key": {"caption": ..., "tags": ...}, ...}') from None
+        raise DataError(
+            f"metadata file {path} nests too deeply to read",
+            hint='expected {"image key": {"caption": ..., "tags": ...}, ...}',
+        ) from None
     if not isinstance(data, dict):
         raise DataError(
             f"metadata file {path} holds a JSON {type(data).__name__}, not an object of image keys",

@@ -251,7 +251,9 @@ def video_size_buckets(resolution: int, step: int = 16, min_side: int = 256, max
     multiple of 16). The default ``max_side`` 1360 is CogVideoX1.5's long side (768x1360);
     ``resolution=592`` (about sqrt(480 * 720)) puts CogVideoX's 720x480 in the list."""
     if not isinstance(step, int) or step <= 0 or step % SIZE_MULTIPLE:
-        raise ValueError(f"video bucket step must be a positive multiple of {SIZE_MULTIPLE} (VAE 8x, patch 2x2), got {step!r}")
+        raise ValueError(
+            f"video bucket step must be a positive multiple of {SIZE_MULTIPLE} (VAE 8x, patch 2x2), got {step!r}"
+        )
     return make_buckets(resolution, step, min_side, max_side)
 
 
@@ -408,7 +410,9 @@ def scan_videos(
     """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"data folder {data_dir} does not exist or is not a folder", hint="pass the folder that holds your videos")
+        raise DataError(
+            f"data folder {data_dir} does not exist or is not a folder", hint="pass the folder that holds your videos"
+        )
     buckets = list(frame_buckets(49) if buckets is None else buckets)
     for b in buckets:
         _check_frame_bucket(b)
@@ -472,11 +476,15 @@ def _factory_entries(data_dir: Path, prompt_file: str, videos_file: str, allow_o
     entries: list[_Entry] = []
     for line_no, (prompt, video) in enumerate(zip(prompts, videos), start=1):
         if not video or "\0" in video:
-            entries.append((videos_path, "", "", f"line {line_no} of {videos_file} is " + ("blank" if not video else "not a path")))
+            entries.append(
+                (videos_path, "", "", f"line {line_no} of {videos_file} is " + ("blank" if not video else "not a path"))
+            )
             continue
         path = data_dir / video
         if not allow_outside and not is_inside(path, data_dir):
-            raise DataError(f"{videos_path} line {line_no}: {video!r} leads outside the data folder {data_dir}", hint=OUTSIDE_HINT)
+            raise DataError(
+                f"{videos_path} line {line_no}: {video!r} leads outside the data folder {data_dir}", hint=OUTSIDE_HINT
+            )
         if not path.is_file():
             entries.append((path, "", prompt, f"listed on line {line_no} of {videos_file}, but there is no such file"))
             continue
@@ -518,7 +526,7 @@ def _decode_frames(record: VideoRecord, indices: list[int]) -> list[np.ndarray]:
                         break
             finally:
                 decoding.close()  # before the container closes
-    except Exception as exc:  # noqa: BLE001 - PyAV/FFmpeg raise many types for bad files
+    except Exception as exc:
         raise DataError(
             f"cannot decode video {record.path} (stopped after {decoded} frames): {exc}",
             hint="re-encode the file (e.g. ffmpeg -i in.mp4 -c:v libx264 out.mp4), or remove it",
@@ -581,7 +589,7 @@ def write_mp4(path: Path, frames, fps: int) -> Path:
     arr = np.asarray(frames)
     if arr.dtype != np.uint8:
         arr = (np.clip(arr, 0, 1) * 255).round().astype(np.uint8)
-    f, h, w, _ = arr.shape
+    _f, h, w, _ = arr.shape
     arr = np.pad(arr, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")

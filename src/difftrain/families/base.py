@@ -10,8 +10,9 @@ hints (``high_precision_modules``, ``memory_hints``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -37,8 +38,15 @@ class ModelFamily(Protocol):
     repeated_blocks: tuple[str, ...]  # class names of the denoiser blocks speed.compile compiles one by one
 
     # loading
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype, device: torch.device | str,
-             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
         """Load the named parts (and what they need: tokenizers, unless ``tokenizers`` is False) on ``device``.
 
         ``precision`` may name a storage precision per part that differs from
@@ -63,8 +71,9 @@ class ModelFamily(Protocol):
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], [B, 3, H, W] -> scaled latents [B, C, h, w]."""
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str,
-                       options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         """captions -> named per-item tensors (batch first) of one text stage (its encoders loaded in ``comps``)."""
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
@@ -79,34 +88,56 @@ class ModelFamily(Protocol):
     def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One sample's non-text denoiser inputs (SDXL: time ids) from its index item and latent cache entry."""
 
-    def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         """Batched outputs of each enabled text stage (cached, or encoded on the fly when one of its encoders
         trains) -> the text conditioning the denoiser takes ("prompt_embeds", "pooled_prompt_embeds")."""
 
     # training
-    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def denoise(
+        self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Run the denoiser on a batch of conditioning (``timesteps``: integer steps for ddpm,
         sigma * 1000 as floats for flow)."""
 
     def swap_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The denoiser's repeated blocks, in forward order: what block swap may keep in host memory."""
 
-    def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
-                     loaded: list[str], trained: list[str], method: str) -> dict:
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
         """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data."""
 
     # saving
-    def save_lora(self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None) -> None:
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
         """Write the LoRA file the family's diffusers pipeline loads."""
 
     def module_configs(self, comps: dict[str, Any]) -> dict[str, dict]:
         """Each loaded part's architecture config, as saved beside its weights."""
 
-    def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
         """Write a full model as one file in the layout the family's checkpoints are distributed in."""
 
-    def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
-                       dtype: torch.dtype | None = None) -> Path:
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
         """Write a full model as a diffusers folder."""
 
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig) -> Any:
@@ -116,8 +147,9 @@ class ModelFamily(Protocol):
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """Write a tiny seeded model in diffusers layout to ``folder``."""
 
-    def build_random(self, config_name: str, path: Path, device: str = "cpu", seed: int = 0,
-                     parts: Sequence[str] = ...) -> Path:
+    def build_random(
+        self, config_name: str, path: Path, device: str = "cpu", seed: int = 0, parts: Sequence[str] = ...
+    ) -> Path:
         """Random weights of a bundled architecture's ``parts`` (default: all), saved loadable by ``load``
         (the memory and speed of a real one)."""
 

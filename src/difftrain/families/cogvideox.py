@@ -85,7 +85,11 @@ OFS = 2.0
 #: single-file header keys
 META_FAMILY, META_CONFIG, META_TRANSFORMER = "difftrain.family", "difftrain.config", "difftrain.transformer_config"
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {"transformer": "CogVideoXTransformer3DModel", "vae": "AutoencoderKLCogVideoX", "text_encoder": ("T5EncoderModel", "t5")}
+SAVE_AS = {
+    "transformer": "CogVideoXTransformer3DModel",
+    "vae": "AutoencoderKLCogVideoX",
+    "text_encoder": ("T5EncoderModel", "t5"),
+}
 
 
 # ------------------------------------------------------------------ bundled configs
@@ -147,7 +151,9 @@ def latent_frames(frames: int) -> int:
     return (frames - 1) // 4 + 1
 
 
-def _resize_crop_region(src: tuple[int, int], tgt_width: int, tgt_height: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def _resize_crop_region(
+    src: tuple[int, int], tgt_width: int, tgt_height: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """The grid's crop box inside the base grid, as CogVideoX's pipelines place RoPE positions (1.0 models)."""
     h, w = src
     if h / w > tgt_height / tgt_width:
@@ -241,8 +247,16 @@ class CogVideoX:
     single_file_parts = ("transformer",)
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8 (the patch and text
     #: embeddings, the timestep and ofs embeddings, the final norms and the projection out)
-    high_precision_modules = {"transformer": ("patch_embed*", "time_embedding*", "ofs_embedding*", "norm_final*",  # noqa: RUF012
-                                              "norm_out*", "proj_out")}
+    high_precision_modules = {
+        "transformer": (
+            "patch_embed*",
+            "time_embedding*",
+            "ofs_embedding*",
+            "norm_final*",
+            "norm_out*",
+            "proj_out",
+        )
+    }
 
     def __init__(self) -> None:
         self._rotary: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -288,21 +302,28 @@ class CogVideoX:
 
     def _check_folder(self, p: Path) -> None:
         if not (p / "transformer").is_dir() and not (p / "vae").is_dir():
-            hint = "Give the folder that holds model_index.json (a CogVideoX download: THUDM/CogVideoX-5b and the like)."
+            hint = (
+                "Give the folder that holds model_index.json (a CogVideoX download: THUDM/CogVideoX-5b and the like)."
+            )
             if (p / "unet").is_dir():
                 hint = common.SDXL_FOLDER_HINT
             elif (p / "config.json").exists() and any(p.glob("diffusion_pytorch_model*.safetensors")):
                 hint = "It looks like a transformer/ subfolder: give its parent, the folder with model_index.json."
-            raise ModelLoadError(f"{p} is a folder but not a diffusers CogVideoX folder (it has no transformer/ or vae/).",
-                                 hint=hint)
+            raise ModelLoadError(
+                f"{p} is a folder but not a diffusers CogVideoX folder (it has no transformer/ or vae/).", hint=hint
+            )
         if (p / "text_encoder_3").is_dir():
-            raise ModelLoadError(f"{p} is an SD3 folder (it has text_encoder_3/), not CogVideoX.", hint="Set family: sd3.")
+            raise ModelLoadError(
+                f"{p} is an SD3 folder (it has text_encoder_3/), not CogVideoX.", hint="Set family: sd3."
+            )
         cfg_file = p / "transformer" / "config.json"
         if cfg_file.exists():
             cfg = _read_json(cfg_file)
             if cfg.get("_class_name", "CogVideoXTransformer3DModel") != "CogVideoXTransformer3DModel":
-                raise ModelLoadError(f"{p}'s transformer is a {cfg.get('_class_name')}, not a CogVideoX transformer.",
-                                     hint="Pick the family of that model, or give a CogVideoX folder.")
+                raise ModelLoadError(
+                    f"{p}'s transformer is a {cfg.get('_class_name')}, not a CogVideoX transformer.",
+                    hint="Pick the family of that model, or give a CogVideoX folder.",
+                )
             self._check_variant(cfg, str(p))
 
     def _single_file_missing(self, p: Path, missing: list[str]) -> ModelLoadError:
@@ -348,8 +369,10 @@ class CogVideoX:
                 hint="Set model.tokenizer_path to a CogVideoX diffusers folder (or its tokenizer/ folder).",
             )
         if not folder.is_dir():
-            raise ModelLoadError(f"No T5 tokenizer folder at {folder}.",
-                                 hint="A CogVideoX diffusers folder holds tokenizer/ (T5's spiece.model or tokenizer.json).")
+            raise ModelLoadError(
+                f"No T5 tokenizer folder at {folder}.",
+                hint="A CogVideoX diffusers folder holds tokenizer/ (T5's spiece.model or tokenizer.json).",
+            )
         try:
             return T5TokenizerFast.from_pretrained(folder)
         except Exception as e:  # noqa: BLE001 (tokenizers and the sentencepiece converter raise their own types)
@@ -360,8 +383,15 @@ class CogVideoX:
             ) from None
 
     # ------------------------------------------------------------ loading
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
         """Load the named parts on ``device`` (plus T5's tokenizer with the text encoder).
 
         ``precision`` maps a part to a storage precision other than ``dtype``: for
@@ -373,8 +403,15 @@ class CogVideoX:
         parts = list(parts)
         common.check_parts("CogVideoX", parts, PARTS)
         # quantization is checked to be possible before reading a byte
-        dtypes, quant = common.t5_precisions(parts, dtype, precision, device, t5="text_encoder", label="CogVideoX",
-                                             loaded_before="the VAE and the transformer")
+        dtypes, quant = common.t5_precisions(
+            parts,
+            dtype,
+            precision,
+            device,
+            t5="text_encoder",
+            label="CogVideoX",
+            loaded_before="the VAE and the transformer",
+        )
         if kind == "diffusers":
             comps = self._load_diffusers(p, parts, dtypes, quant, device)
         else:
@@ -393,21 +430,40 @@ class CogVideoX:
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
         folder = p / part / "config.json" if kind == "diffusers" else None
-        cfg_file = folder if folder is not None and folder.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
+        cfg_file = (
+            folder
+            if folder is not None and folder.exists()
+            else self.config_dir(self._arch(mcfg)) / part / "config.json"
+        )
         return _new_module(part, _read_json(cfg_file))
 
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
-        raise ConfigError("CogVideoX LoRAs have no kohya layout (sd-scripts does not train CogVideoX; its tools "
-                          "load the diffusers layout).", hint="Set save.lora_formats: [diffusers].")
+        raise ConfigError(
+            "CogVideoX LoRAs have no kohya layout (sd-scripts does not train CogVideoX; its tools "
+            "load the diffusers layout).",
+            hint="Set save.lora_formats: [diffusers].",
+        )
 
     def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
         from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
         from transformers import T5EncoderModel
 
-        classes = {"transformer": CogVideoXTransformer3DModel, "vae": AutoencoderKLCogVideoX, "text_encoder": T5EncoderModel}
+        classes = {
+            "transformer": CogVideoXTransformer3DModel,
+            "vae": AutoencoderKLCogVideoX,
+            "text_encoder": T5EncoderModel,
+        }
         # every missing part is named before gigabytes are read
-        return common.load_diffusers_parts(p, parts, classes, dtypes, device, lambda part: "Is it a complete CogVideoX folder?",
-                                           quant, check_first=True)
+        return common.load_diffusers_parts(
+            p,
+            parts,
+            classes,
+            dtypes,
+            device,
+            lambda part: "Is it a complete CogVideoX folder?",
+            quant,
+            check_first=True,
+        )
 
     @staticmethod
     def _guess_config(keys: list[str], shape) -> str | None:
@@ -422,11 +478,18 @@ class CogVideoX:
             cfg = _architecture(_read_json(common.configs_root() / name / "transformer" / "config.json"))
             p, pt = cfg["patch_size"], cfg["patch_size_t"]
             # 1.0: a Conv2d patch [inner, C, p, p]; 1.5: a Linear over p x p x p_t patches [inner, C p p p_t]
-            patch_in = (len(proj) == 4 and proj[1] == cfg["in_channels"]) if pt is None else (
-                len(proj) == 2 and proj[1] == cfg["in_channels"] * p * p * pt)
-            if (patch_in and cfg["num_layers"] == layers and cfg["num_attention_heads"] * cfg["attention_head_dim"] == inner
-                    and ("patch_embed.pos_embedding" in keys) == bool(cfg["use_learned_positional_embeddings"])
-                    and ("ofs_embedding.linear_1.weight" in keys) == bool(cfg["ofs_embed_dim"])):
+            patch_in = (
+                (len(proj) == 4 and proj[1] == cfg["in_channels"])
+                if pt is None
+                else (len(proj) == 2 and proj[1] == cfg["in_channels"] * p * p * pt)
+            )
+            if (
+                patch_in
+                and cfg["num_layers"] == layers
+                and cfg["num_attention_heads"] * cfg["attention_head_dim"] == inner
+                and ("patch_embed.pos_embedding" in keys) == bool(cfg["use_learned_positional_embeddings"])
+                and ("ofs_embedding.linear_1.weight" in keys) == bool(cfg["ofs_embed_dim"])
+            ):
                 return name
         return None
 
@@ -438,14 +501,18 @@ class CogVideoX:
         if not ("patch_embed.proj.weight" in keys and "transformer_blocks.0.attn1.to_q.weight" in keys):
             hint = "Give a diffusers CogVideoX folder, or the transformer file a difftrain full fine-tune exported."
             if any(k.startswith("model.diffusion_model.mixins.") or ".mixins." in k for k in keys):
-                hint = ("It looks like an original (SAT) CogVideoX checkpoint: convert it with diffusers' "
-                        "scripts/convert_cogvideox_to_diffusers.py and give the folder it writes.")
+                hint = (
+                    "It looks like an original (SAT) CogVideoX checkpoint: convert it with diffusers' "
+                    "scripts/convert_cogvideox_to_diffusers.py and give the folder it writes."
+                )
             elif any(k.startswith("model.diffusion_model.input_blocks.") for k in keys):
                 hint = "It looks like an SDXL checkpoint: set family: sdxl."
             elif any(".joint_blocks." in k for k in keys):
                 hint = "It looks like an SD3 checkpoint: set family: sd3."
-            raise ModelLoadError(f"{p.name} does not look like a CogVideoX transformer (no patch_embed / transformer_blocks keys).",
-                                 hint=hint)
+            raise ModelLoadError(
+                f"{p.name} does not look like a CogVideoX transformer (no patch_embed / transformer_blocks keys).",
+                hint=hint,
+            )
         arch = self._arch(mcfg)
         cfgdir = self.config_dir(arch)
         config = _read_json(cfgdir / "transformer" / "config.json")
@@ -484,7 +551,9 @@ class CogVideoX:
     def _clean_diffusers_config(cfg: dict) -> dict:
         return {k: v for k, v in cfg.items() if not k.startswith("_") or k == "_class_name"}
 
-    def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
         """Write the transformer as one .safetensors in diffusers key layout (loadable by ``load``).
 
         The header names the architecture (``difftrain.config``: the bundled config
@@ -499,9 +568,13 @@ class CogVideoX:
         cfg = self._clean_diffusers_config(dict(configs["transformer"]))
         cfg.setdefault("_class_name", "CogVideoXTransformer3DModel")
         name = config_name_of(cfg) or ""
-        meta = {"format": "pt", META_FAMILY: self.name, META_CONFIG: name,
-                META_TRANSFORMER: json.dumps(cfg, sort_keys=True, default=str),
-                "modelspec.architecture": name or "cogvideox-custom"}
+        meta = {
+            "format": "pt",
+            META_FAMILY: self.name,
+            META_CONFIG: name,
+            META_TRANSFORMER: json.dumps(cfg, sort_keys=True, default=str),
+            "modelspec.architecture": name or "cogvideox-custom",
+        }
         return stream_save_safetensors(path, dict(sds["transformer"]), metadata=meta, dtype=dtype)
 
     @staticmethod
@@ -510,8 +583,14 @@ class CogVideoX:
             cfg = CogVideoX._clean_diffusers_config(cfg)
         common.write_part(tmp, part, sd, cfg, dtype, SAVE_AS[part])
 
-    def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
-                       dtype: torch.dtype | None = None) -> Path:
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
         """Write a diffusers folder (model_index, configs, weights, tokenizer, scheduler), atomically.
 
         The VAE and T5 may be absent from ``sds`` (they never train): they are then
@@ -530,19 +609,26 @@ class CogVideoX:
             if src_kind == "diffusers" and (src / part).is_dir():
                 copies[part] = src / part
             else:
-                raise CheckpointError(f"save_diffusers needs the {LABELS[part]}: it was not given and {src.name} has none.",
-                                      hint="Export from a run whose model.path is a diffusers CogVideoX folder.")
+                raise CheckpointError(
+                    f"save_diffusers needs the {LABELS[part]}: it was not given and {src.name} has none.",
+                    hint="Export from a run whose model.path is a diffusers CogVideoX folder.",
+                )
         if src_kind == "diffusers":
             tok = src / "tokenizer"
         else:
             tok = Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None
             tok = tok / "tokenizer" if tok is not None and (tok / "tokenizer").is_dir() else tok
         if tok is None or not tok.is_dir():
-            raise CheckpointError("save_diffusers needs T5's tokenizer folder, and none was found.",
-                                  hint="Set model.tokenizer_path to the base model's diffusers folder.")
+            raise CheckpointError(
+                "save_diffusers needs T5's tokenizer folder, and none was found.",
+                hint="Set model.tokenizer_path to the base model's diffusers folder.",
+            )
         sched = src if src_kind == "diffusers" and (src / "scheduler").is_dir() else self.config_dir(self._arch(mcfg))
-        index_src = src / "model_index.json" if src_kind == "diffusers" and (src / "model_index.json").exists() else (
-            self.config_dir(self._arch(mcfg)) / "model_index.json")
+        index_src = (
+            src / "model_index.json"
+            if src_kind == "diffusers" and (src / "model_index.json").exists()
+            else (self.config_dir(self._arch(mcfg)) / "model_index.json")
+        )
         with atomic_dir(folder) as tmp:
             for part in PARTS:
                 if part in sds:
@@ -555,8 +641,17 @@ class CogVideoX:
         return folder
 
     # ------------------------------------------------------------ memory hints (plain numbers)
-    def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
-                     loaded: list[str], trained: list[str], method: str, frames: int = DEFAULT_FRAMES) -> dict:
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+        frames: int = DEFAULT_FRAMES,
+    ) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data.
 
         ``latent_pixels`` is latent frames x latent area: ``latent_frames(frames) *
@@ -576,15 +671,18 @@ class CogVideoX:
 
         # text_encoder_lora_targets is empty: LoRA parameters are the transformer's alone
         return {
-            **common.parameter_hints(self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank),
+            **common.parameter_hints(
+                self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank
+            ),
             "latent_pixels": latent_frames(frames) * (resolution // 8) ** 2,
             **common.measured_hints(bundled / "memory.json"),
             "encode_captions": False,  # T5 never trains: its embeddings always come from the cache
         }
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
-    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0,
-                     parts: Sequence[str] = PARTS) -> Path:
+    def build_random(
+        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+    ) -> Path:
         """Random weights of a bundled architecture (bf16): the memory and speed of a real one.
 
         ``parts == ["transformer"]`` writes a transformer-only single file at
@@ -613,8 +711,9 @@ class CogVideoX:
             (tmp / "model_index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
         return Path(path)
 
-    def cache_shapes(self, config_name: str, resolution: int | tuple[int, int] = DEFAULT_SIZE,
-                     frames: int = DEFAULT_FRAMES) -> dict[str, dict[str, tuple[int, ...]]]:
+    def cache_shapes(
+        self, config_name: str, resolution: int | tuple[int, int] = DEFAULT_SIZE, frames: int = DEFAULT_FRAMES
+    ) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item: ``resolution`` a square side or (height, width); 49x480x720 by default."""
         cfgdir = self.config_dir(config_name)
         te = _read_json(cfgdir / "text_encoder" / "config.json")
@@ -646,14 +745,20 @@ class CogVideoX:
         if pixels.ndim == 4:
             pixels = pixels.unsqueeze(2)
         if pixels.ndim != 5 or pixels.shape[1] != 3:
-            raise DataError(f"CogVideoX encodes videos [B, 3, F, H, W] (or images [B, 3, H, W]); got {tuple(pixels.shape)}.")
+            raise DataError(
+                f"CogVideoX encodes videos [B, 3, F, H, W] (or images [B, 3, H, W]); got {tuple(pixels.shape)}."
+            )
         f, h, w = pixels.shape[2:]
         if (f - 1) % 4:
-            raise DataError(f"A CogVideoX clip needs 4k + 1 frames (1, 5, ..., 49), got {f}.",
-                            hint="Sample clips of 49 frames (CogVideoX's default), or 4k + 1 for another k.")
+            raise DataError(
+                f"A CogVideoX clip needs 4k + 1 frames (1, 5, ..., 49), got {f}.",
+                hint="Sample clips of 49 frames (CogVideoX's default), or 4k + 1 for another k.",
+            )
         if h % 16 or w % 16:
-            raise DataError(f"CogVideoX needs frame sides that are multiples of 16 (VAE 8x, patch 2), got {h}x{w}.",
-                            hint="Use a data.bucket_step that is a multiple of 16.")
+            raise DataError(
+                f"CogVideoX needs frame sides that are multiples of 16 (VAE 8x, patch 2), got {h}x{w}.",
+                hint="Use a data.bucket_step that is a multiple of 16.",
+            )
         return pixels
 
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
@@ -667,8 +772,9 @@ class CogVideoX:
         latents = vae.encode(video).latent_dist.mean
         return (latents * vae.config.scaling_factor).float()
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str,
-                       options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         """t5 -> prompt_embeds [B, 226, 4096] (float32): T5's last hidden state, as CogVideoXPipeline.encode_prompt.
 
         Always 226 tokens, whatever text_encoders.t5.max_length says (SD3's knob):
@@ -683,10 +789,18 @@ class CogVideoX:
         if long:
             from ..console import warn
 
-            warn(f"{len(long)} caption(s) longer than CogVideoX's {T5_TOKENS} T5 tokens are cut to it, "
-                 f"e.g. {long[0][:60]!r}...; shorten them to keep them whole")
-        ids = tok(captions, padding="max_length", max_length=T5_TOKENS, truncation=True, add_special_tokens=True,
-                  return_tensors="pt").input_ids
+            warn(
+                f"{len(long)} caption(s) longer than CogVideoX's {T5_TOKENS} T5 tokens are cut to it, "
+                f"e.g. {long[0][:60]!r}...; shorten them to keep them whole"
+            )
+        ids = tok(
+            captions,
+            padding="max_length",
+            max_length=T5_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
         return {"prompt_embeds": te(ids.to(te.device))[0].float()}
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
@@ -698,20 +812,25 @@ class CogVideoX:
     def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
         """T5, always: it is CogVideoX's only text conditioning."""
         if not options.t5.enabled:
-            raise ConfigError("CogVideoX is conditioned on T5 alone: text_encoders.t5.enabled: false leaves it no text.",
-                              hint="Remove text_encoders.t5.enabled: false (to save memory, keep T5 in int8 or nf4).")
+            raise ConfigError(
+                "CogVideoX is conditioned on T5 alone: text_encoders.t5.enabled: false leaves it no text.",
+                hint="Remove text_encoders.t5.enabled: false (to save memory, keep T5 in int8 or nf4).",
+            )
         return ["t5"]
 
     def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Text-to-video CogVideoX has no per-sample conditioning besides the text: {}."""
         return {}
 
-    def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         return {"prompt_embeds": stages["t5"]["prompt_embeds"]}
 
     # ------------------------------------------------------------ training
-    def rotary_embeddings(self, transformer, frames: int, height: int, width: int,
-                          device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rotary_embeddings(
+        self, transformer, frames: int, height: int, width: int, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """3D RoPE (cos, sin) for ``frames`` latent frames of ``height`` x ``width`` latents, or None (2b: sincos).
 
         What CogVideoXPipeline._prepare_rotary_positional_embeddings computes: 1.0
@@ -731,12 +850,22 @@ class CogVideoX:
             base_h, base_w = cfg.sample_height // p, cfg.sample_width // p
             if p_t is None:
                 self._rotary[key] = get_3d_rotary_pos_embed(
-                    embed_dim=cfg.attention_head_dim, crops_coords=_resize_crop_region((gh, gw), base_w, base_h),
-                    grid_size=(gh, gw), temporal_size=frames, device=device)
+                    embed_dim=cfg.attention_head_dim,
+                    crops_coords=_resize_crop_region((gh, gw), base_w, base_h),
+                    grid_size=(gh, gw),
+                    temporal_size=frames,
+                    device=device,
+                )
             else:
                 self._rotary[key] = get_3d_rotary_pos_embed(
-                    embed_dim=cfg.attention_head_dim, crops_coords=None, grid_size=(gh, gw),
-                    temporal_size=(frames + p_t - 1) // p_t, grid_type="slice", max_size=(base_h, base_w), device=device)
+                    embed_dim=cfg.attention_head_dim,
+                    crops_coords=None,
+                    grid_size=(gh, gw),
+                    temporal_size=(frames + p_t - 1) // p_t,
+                    grid_type="slice",
+                    max_size=(base_h, base_w),
+                    device=device,
+                )
         return self._rotary[key]
 
     @staticmethod
@@ -758,18 +887,26 @@ class CogVideoX:
         (training, difftrain's validation) other sizes run too.
         """
         pe = getattr(transformer, "patch_embed", None)
-        if pe is None or not getattr(pe, "use_learned_positional_embeddings", False) or hasattr(pe, "_difftrain_native"):
+        if (
+            pe is None
+            or not getattr(pe, "use_learned_positional_embeddings", False)
+            or hasattr(pe, "_difftrain_native")
+        ):
             return
         if pe.patch_size_t is not None:  # no released model has both; refuse rather than guess the layout
-            raise ModelLoadError("This CogVideoX transformer has a learned positional table and a temporal patch size; "
-                                 "difftrain cannot resample that table.",
-                                 hint="Set use_learned_positional_embeddings to false in its config, or use patch_size_t null.")
+            raise ModelLoadError(
+                "This CogVideoX transformer has a learned positional table and a temporal patch size; "
+                "difftrain cannot resample that table.",
+                hint="Set use_learned_positional_embeddings to false in its config, or use patch_size_t null.",
+            )
         pe._difftrain_native = (pe.sample_frames, pe.sample_height, pe.sample_width)
         pe._difftrain_table = None
         pe.register_forward_pre_hook(_fit_table)
         pe.register_forward_hook(_restore_table, always_call=True)  # also when the forward raises
 
-    def denoise(self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def denoise(
+        self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """The transformer's v-prediction for noisy latents [B, C, F, h, w]; the output has the same layout.
 
         Inside: permute to the transformer's [B, F, C, h, w]; for image-to-video,
@@ -792,17 +929,23 @@ class CogVideoX:
         extra = cfg.in_channels - lat.shape[2]
         if extra:
             if image is None:
-                raise CacheMismatch("This CogVideoX transformer takes image latents (image-to-video), but the batch has none.",
-                                    hint="Use family: cogvideox-i2v and run `difftrain precompute` for it.")
+                raise CacheMismatch(
+                    "This CogVideoX transformer takes image latents (image-to-video), but the batch has none.",
+                    hint="Use family: cogvideox-i2v and run `difftrain precompute` for it.",
+                )
             img = image.permute(0, 2, 1, 3, 4).to(lat.dtype)
             if img.shape[2] != extra or img.shape[1] != frames:
-                raise CacheMismatch(f"Image latents of shape {tuple(image.shape)} do not fit noisy latents {tuple(noisy.shape)}.")
+                raise CacheMismatch(
+                    f"Image latents of shape {tuple(image.shape)} do not fit noisy latents {tuple(noisy.shape)}."
+                )
             if pad:
                 img = torch.cat([img, img.new_zeros(b, pad, *img.shape[2:])], dim=1)
             lat = torch.cat([lat, img], dim=2)
         elif image is not None:
-            raise CacheMismatch("The batch has image latents, but this CogVideoX transformer is text-to-video.",
-                                hint="Load an image-to-video model (CogVideoX-5b-I2V), or use family: cogvideox.")
+            raise CacheMismatch(
+                "The batch has image latents, but this CogVideoX transformer is text-to-video.",
+                hint="Load an image-to-video model (CogVideoX-5b-I2V), or use family: cogvideox.",
+            )
         ofs = lat.new_full((1,), OFS) if cfg.ofs_embed_dim else None
         out = transformer(
             hidden_states=lat,
@@ -841,7 +984,9 @@ class CogVideoX:
             scheduler=cls.from_config(cfg),
         )
 
-    def save_lora(self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None) -> None:
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
         """Write pytorch_lora_weights.safetensors as the CogVideoX pipelines' load_lora_weights expects.
 
         ``metadata`` (the peft LoRA config) goes into the file header, so the loader
@@ -856,8 +1001,10 @@ class CogVideoX:
         """
         extra = [part for part, sd in layers.items() if sd and part != "transformer"]
         if extra:
-            raise CheckpointError(f"diffusers' CogVideoX LoRA format has no place for {', '.join(extra)} LoRA layers.",
-                                  hint="Train LoRA on the transformer only (T5 is never trained).")
+            raise CheckpointError(
+                f"diffusers' CogVideoX LoRA format has no place for {', '.join(extra)} LoRA layers.",
+                hint="Train LoRA on the transformer only (T5 is never trained).",
+            )
         self._pipeline_class().save_lora_weights(
             save_directory=str(folder),
             transformer_lora_layers=layers.get("transformer"),
@@ -898,8 +1045,9 @@ class CogVideoXI2V(CogVideoX):
     default_config = DEFAULT_I2V_CONFIG
     tiny_config = "cogvideox-tiny-i2v"
 
-    def encode_first_frame(self, comps: dict[str, Any], pixels: torch.Tensor,
-                           generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_first_frame(
+        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """The image conditioning of videos [B, 3, F, H, W]: [B, 16, (F - 1) / 4 + 1, H / 8, W / 8] (float32).
 
         As diffusers' CogVideoX image-to-video training does: the first frame is
@@ -929,16 +1077,19 @@ class CogVideoXI2V(CogVideoX):
         """{"image_latents": [16, F, h, w]} from the latent entry (a one-frame entry is zero-padded to the video's frames)."""
         img = latent_entry.get("image_latents")
         if img is None:
-            raise CacheMismatch("The cached latents have no image latents, which image-to-video CogVideoX needs.",
-                                hint="Run `difftrain precompute` with family: cogvideox-i2v (the cache is per family).")
+            raise CacheMismatch(
+                "The cached latents have no image latents, which image-to-video CogVideoX needs.",
+                hint="Run `difftrain precompute` with family: cogvideox-i2v (the cache is per family).",
+            )
         frames = latent_entry["latents"].shape[1]
         if img.shape[1] < frames:
             img = torch.cat([img, img.new_zeros(img.shape[0], frames - img.shape[1], *img.shape[2:])], dim=1)
         return {"image_latents": img}
 
     @staticmethod
-    def drop_image_conditioning(batch: dict[str, torch.Tensor], generator: torch.Generator,
-                                p: float = IMAGE_DROPOUT) -> dict[str, torch.Tensor]:
+    def drop_image_conditioning(
+        batch: dict[str, torch.Tensor], generator: torch.Generator, p: float = IMAGE_DROPOUT
+    ) -> dict[str, torch.Tensor]:
         """A copy of ``batch`` whose image latents are zeroed per sample with probability ``p``.
 
         diffusers' I2V script zeroes the whole batch's with probability 0.05

@@ -45,7 +45,9 @@ def bundled_dir(name: str, label: str, known: Callable[[], list[str]], prefix: s
     """The bundled config folder ``name`` (which must start with ``prefix``); ``label`` and ``known()`` word the error."""
     d = configs_root() / name
     if not name.startswith(prefix) or not d.is_dir():
-        raise ModelLoadError(f"No bundled {label} config named {name!r}.", hint=f"Use model.config: one of {', '.join(known())}.")
+        raise ModelLoadError(
+            f"No bundled {label} config named {name!r}.", hint=f"Use model.config: one of {', '.join(known())}."
+        )
     return d
 
 
@@ -55,7 +57,11 @@ def read_json(path: Path) -> dict:
 
 def hf_config(cfg: dict) -> dict:
     """A transformers config dict without its bookkeeping keys (what the config class's constructor takes)."""
-    return {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "_name_or_path", "transformers_version")}
+    return {
+        k: v
+        for k, v in cfg.items()
+        if k not in ("architectures", "model_type", "_name_or_path", "transformers_version")
+    }
 
 
 def module_config(module) -> dict:
@@ -68,8 +74,14 @@ def module_configs(comps: Mapping[str, Any], parts: Sequence[str]) -> dict[str, 
 
 
 # ------------------------------------------------------------------ model sources
-def resolve_source(mcfg: ModelConfig, *, no_model_hint: str, missing_hint: str, check_folder: Callable[[Path], None],
-                   unrecognised_hint: str = "Use a .safetensors checkpoint or a diffusers folder.") -> tuple[str, Path]:
+def resolve_source(
+    mcfg: ModelConfig,
+    *,
+    no_model_hint: str,
+    missing_hint: str,
+    check_folder: Callable[[Path], None],
+    unrecognised_hint: str = "Use a .safetensors checkpoint or a diffusers folder.",
+) -> tuple[str, Path]:
     """model.path -> ("diffusers" | "single" | "pickle", path).
 
     ``check_folder`` raises if a folder is not one of the family's; pickle
@@ -87,8 +99,10 @@ def resolve_source(mcfg: ModelConfig, *, no_model_hint: str, missing_hint: str, 
             if pickled and not any(sub.glob("*.safetensors")):  # with both, the loaders read the .safetensors
                 raise UnsafeCheckpoint(
                     f"{sub} holds its weights as pickle ({pickled[0]}); loading one can run arbitrary code, so difftrain "
-                    "refuses it by default.", hint="Convert it to .safetensors, or pass --allow-pickle (it is then read "
-                    "with torch.load(weights_only=True)).")
+                    "refuses it by default.",
+                    hint="Convert it to .safetensors, or pass --allow-pickle (it is then read "
+                    "with torch.load(weights_only=True)).",
+                )
         return "diffusers", p
     if p.suffix.lower() == ".safetensors":
         return "single", p
@@ -106,7 +120,9 @@ def require_subfolder(p: Path, sub: str, label: str) -> None:
     """A diffusers folder of family ``label`` has ``sub``/ (its denoiser); else say what the folder looks like."""
     if not (p / sub).is_dir():
         hint = SDXL_FOLDER_HINT if (p / "unet").is_dir() else FOLDER_HINT
-        raise ModelLoadError(f"{p} is a folder but not a diffusers {label} folder (it has no {sub}/ subfolder).", hint=hint)
+        raise ModelLoadError(
+            f"{p} is a folder but not a diffusers {label} folder (it has no {sub}/ subfolder).", hint=hint
+        )
 
 
 def open_safetensors(p: Path):
@@ -118,8 +134,10 @@ def open_safetensors(p: Path):
         read_safetensors_header(p)
         return safe_open(str(p), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 (the check's ValueError, OSError, safetensors' own error types)
-        raise ModelLoadError(f"{p} is not a readable safetensors file: {str(e).replace(str(p), 'it')}",
-                             hint="Is the download complete? Download it again, or give another checkpoint.") from None
+        raise ModelLoadError(
+            f"{p} is not a readable safetensors file: {str(e).replace(str(p), 'it')}",
+            hint="Is the download complete? Download it again, or give another checkpoint.",
+        ) from None
 
 
 def open_checkpoint(kind: str, p: Path):
@@ -127,12 +145,19 @@ def open_checkpoint(kind: str, p: Path):
     "pickle": torch.load with weights_only=True)."""
     if kind == "single":
         handle = open_safetensors(p)
-        return list(handle.keys()), handle.get_tensor, lambda k: tuple(handle.get_slice(k).get_shape()), handle.metadata() or {}
+        return (
+            list(handle.keys()),
+            handle.get_tensor,
+            lambda k: tuple(handle.get_slice(k).get_shape()),
+            handle.metadata() or {},
+        )
     try:  # weights_only: tensors and plain containers only, no code (a file that needs more is refused)
         state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 (UnpicklingError, RuntimeError for a file that is not a torch zip ...)
-        raise ModelLoadError(f"{p} cannot be read as a torch checkpoint with weights_only=True: {str(e).splitlines()[0]}",
-                             hint="Convert it to .safetensors with the tool that made it.") from None
+        raise ModelLoadError(
+            f"{p} cannot be read as a torch checkpoint with weights_only=True: {str(e).splitlines()[0]}",
+            hint="Convert it to .safetensors with the tool that made it.",
+        ) from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
         raise ModelLoadError(f"{p} holds no state dict of tensors.", hint="Give the model's weights file.")
@@ -147,9 +172,16 @@ def check_parts(label: str, parts: Sequence[str], known: Sequence[str]) -> None:
         raise ModelLoadError(f"{label} has no part named {unknown[0]!r}.", hint=f"Parts: {', '.join(known)}.")
 
 
-def load_diffusers_parts(p: Path, parts: Sequence[str], classes: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], device,
-                         missing_hint: Callable[[str], str], quant: Mapping[str, str] | None = None,
-                         check_first: bool = False) -> dict[str, Any]:
+def load_diffusers_parts(
+    p: Path,
+    parts: Sequence[str],
+    classes: Mapping[str, Any],
+    dtypes: Mapping[str, torch.dtype],
+    device,
+    missing_hint: Callable[[str], str],
+    quant: Mapping[str, str] | None = None,
+    check_first: bool = False,
+) -> dict[str, Any]:
     """Each part from its subfolder of a diffusers folder, straight to ``device`` (T5 parts in ``quant`` through bitsandbytes).
 
     A missing subfolder is named as its turn comes, or before anything is read with ``check_first``.
@@ -175,7 +207,9 @@ def load_diffusers_parts(p: Path, parts: Sequence[str], classes: Mapping[str, An
         if part in quant:
             extra["quantization_config"] = bnb_config(quant[part], dtypes[part])
         try:
-            out[part] = classes[part].from_pretrained(p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra)
+            out[part] = classes[part].from_pretrained(
+                p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra
+            )
         except OSError as e:
             raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
     return out
@@ -189,7 +223,9 @@ def freeze(comps: Mapping[str, Any], parts: Iterable[str], device, quant: Mappin
             comps[part].to(device)
 
 
-def assign_state_dict(module: torch.nn.Module, sd: Mapping[str, torch.Tensor], mismatch: Callable[[str], Exception]) -> None:
+def assign_state_dict(
+    module: torch.nn.Module, sd: Mapping[str, torch.Tensor], mismatch: Callable[[str], Exception]
+) -> None:
     """Load ``sd`` into a module built on the meta device; ``mismatch(what)`` is raised if it does not fit exactly."""
     try:
         missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
@@ -231,11 +267,19 @@ def clip_kohya_path(path: str) -> str:
 
 
 # ------------------------------------------------------------------ T5 storage precision
-def t5_precisions(parts: Sequence[str], dtype: torch.dtype, precision: Mapping[str, str] | None, device, *, t5: str,
-                  label: str, loaded_before: str) -> tuple[dict, dict]:
+def t5_precisions(
+    parts: Sequence[str],
+    dtype: torch.dtype,
+    precision: Mapping[str, str] | None,
+    device,
+    *,
+    t5: str,
+    label: str,
+    loaded_before: str,
+) -> tuple[dict, dict]:
     """Per part: the float dtype, and (for the T5 part ``t5`` only) the bitsandbytes quantization, checked to be
     possible on ``device`` before a byte is read. ``label`` names the family, ``loaded_before`` what T5 precedes."""
-    dtypes, quant = {part: dtype for part in parts}, {}
+    dtypes, quant = dict.fromkeys(parts, dtype), {}
     for part, prec in (precision or {}).items():
         if part not in parts:
             continue
@@ -277,8 +321,14 @@ def bnb_config(prec: str, dtype: torch.dtype):
 
 
 # ------------------------------------------------------------------ saving
-def write_part(folder: Path, part: str, sd: Mapping[str, torch.Tensor], cfg: dict, dtype: torch.dtype | None,
-               model: str | tuple[str, str]) -> None:
+def write_part(
+    folder: Path,
+    part: str,
+    sd: Mapping[str, torch.Tensor],
+    cfg: dict,
+    dtype: torch.dtype | None,
+    model: str | tuple[str, str],
+) -> None:
     """One part of a diffusers folder: ``part``/config.json and its weights, atomically per file.
 
     ``model``: a diffusers model's class name, or (architecture, model_type) of
@@ -301,8 +351,9 @@ def write_part(folder: Path, part: str, sd: Mapping[str, torch.Tensor], cfg: dic
     stream_save_safetensors(folder / part / name, sd, metadata={"format": "pt"}, dtype=dtype)
 
 
-def random_parts(new_module: Callable[[str, dict], torch.nn.Module], cfgdir: Path, parts: Iterable[str], device,
-                 seed: int) -> dict[str, torch.nn.Module]:
+def random_parts(
+    new_module: Callable[[str, dict], torch.nn.Module], cfgdir: Path, parts: Iterable[str], device, seed: int
+) -> dict[str, torch.nn.Module]:
     """Seeded random bf16 modules of a bundled architecture's ``parts``, built on ``device``."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -315,8 +366,14 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
 
 
-def hash_files(name: str, part: str, files: Iterable[Path], memo: dict[str, str],
-               hash_file: Callable[[Path], str] = sha256_file, key_suffix: str = "") -> str:
+def hash_files(
+    name: str,
+    part: str,
+    files: Iterable[Path],
+    memo: dict[str, str],
+    hash_file: Callable[[Path], str] = sha256_file,
+    key_suffix: str = "",
+) -> str:
     """A hash of ``files``' hashes; ``memo`` keeps each file's by path, size and mtime (plus ``key_suffix``)."""
     h = hashlib.sha256(f"{name}:{part}".encode())
     for f in files:
@@ -328,8 +385,9 @@ def hash_files(name: str, part: str, files: Iterable[Path], memo: dict[str, str]
     return h.hexdigest()
 
 
-def split_fingerprint(name: str, part: str, kind: str, files: Iterable[Path], memo: dict[str, str],
-                      prefixes: Mapping[str, str]) -> str:
+def split_fingerprint(
+    name: str, part: str, kind: str, files: Iterable[Path], memo: dict[str, str], prefixes: Mapping[str, str]
+) -> str:
     """A part's fingerprint where a single file holds every part: only its tensors (keys under ``prefixes[part]``)
     are hashed, so a changed denoiser keeps the encoders' caches valid (a diffusers folder's files are hashed whole)."""
     if kind == "diffusers":
@@ -344,8 +402,11 @@ def cache_fingerprints(family, cfg, memo: dict[str, str]) -> tuple[str, dict[str
     is a :class:`~difftrain.config.schema.Config`."""
     vae = family.fingerprint(cfg.model, family.image_encoder, memo)
     stages = {
-        s: sha256_text(*(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]),
-                       cfg.precompute.text_encoder_dtype, family.text_stage_tag(s, cfg.text_encoders))
+        s: sha256_text(
+            *(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]),
+            cfg.precompute.text_encoder_dtype,
+            family.text_stage_tag(s, cfg.text_encoders),
+        )
         for s in family.enabled_stages(cfg.text_encoders)
     }
     return vae, stages
@@ -365,9 +426,17 @@ def part_hash(kind: str, f: Path, prefix: str) -> str:
 
 
 # ------------------------------------------------------------------ memory hints
-def parameter_hints(family, new_module: Callable[[str, dict], torch.nn.Module], config_file: Callable[[str], Path],
-                    parts: Sequence[str], loaded: Sequence[str], trained: Sequence[str], method: str,
-                    lora_targets: Sequence[str], lora_rank: int) -> dict:
+def parameter_hints(
+    family,
+    new_module: Callable[[str, dict], torch.nn.Module],
+    config_file: Callable[[str], Path],
+    parts: Sequence[str],
+    loaded: Sequence[str],
+    trained: Sequence[str],
+    method: str,
+    lora_targets: Sequence[str],
+    lora_rank: int,
+) -> dict:
     """Parameter counts of each loaded part, built on the meta device from ``config_file(part)``.
 
     Per part: the total, what fp8 may store (Linear and Conv2d weights outside

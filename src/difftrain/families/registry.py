@@ -37,4 +37,6 @@ def get_family(name: str) -> ModelFamily:
     try:
         return FAMILIES[name]()
     except KeyError:
-        raise UsageError(f"Unknown model family {name!r}.", hint=f"Known families: {', '.join(sorted(FAMILIES))}.") from None
+        raise UsageError(
+            f"Unknown model family {name!r}.", hint=f"Known families: {', '.join(sorted(FAMILIES))}."
+        ) from None

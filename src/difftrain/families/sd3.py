@@ -52,9 +52,13 @@ DEFAULT_T5_TOKENS = 256
 #: the width of SD3's joint text sequence (T5-XXL's d_model) in every released SD3/SD3.5 model
 DEFAULT_JOINT_DIM = 4096
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {"transformer": "SD3Transformer2DModel", "vae": "AutoencoderKL",
-           "text_encoder": ("CLIPTextModelWithProjection", "clip_text_model"),
-           "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model"), "text_encoder_3": ("T5EncoderModel", "t5")}
+SAVE_AS = {
+    "transformer": "SD3Transformer2DModel",
+    "vae": "AutoencoderKL",
+    "text_encoder": ("CLIPTextModelWithProjection", "clip_text_model"),
+    "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model"),
+    "text_encoder_3": ("T5EncoderModel", "t5"),
+}
 
 
 def known_configs() -> list[str]:
@@ -110,9 +114,12 @@ def tiny_t5_tokenizer(folder: Path) -> Path:
     tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-    fast = T5TokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0,
-                           model_max_length=512)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    fast = T5TokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0, model_max_length=512
+    )
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(folder)
     return folder
@@ -136,7 +143,9 @@ class SD3:
     joint_attention_dim = DEFAULT_JOINT_DIM
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8
     #: (patch embedding, timestep/pooled-text embeddings, the text projection in, the final norm and projection out)
-    high_precision_modules = {"transformer": ("pos_embed*", "time_text_embed*", "context_embedder", "norm_out*", "proj_out")}  # noqa: RUF012 (read-only; the protocol's attributes)
+    high_precision_modules = {
+        "transformer": ("pos_embed*", "time_text_embed*", "context_embedder", "norm_out*", "proj_out")
+    }
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
@@ -194,12 +203,21 @@ class SD3:
                 # derive CLIP's real vocabulary offline (cached, shared with SDXL: the same two tokenizers)
                 folder = common.offline_clip_tokenizers() / name
             if not folder.is_dir():
-                raise ModelLoadError(f"No {name}/ folder in {folder.parent}.", hint="Is it a complete diffusers SD3 folder?")
+                raise ModelLoadError(
+                    f"No {name}/ folder in {folder.parent}.", hint="Is it a complete diffusers SD3 folder?"
+                )
             out[name] = CLIPTokenizer.from_pretrained(folder)
         return out
 
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
         """Load the named parts on ``device`` (plus the tokenizers their text encoders need).
 
         ``precision`` maps a part to a storage precision other than ``dtype``:
@@ -210,8 +228,9 @@ class SD3:
         parts = list(parts)
         common.check_parts("SD3", parts, PARTS)
         # quantization is checked to be possible before reading a byte
-        dtypes, quant = common.t5_precisions(parts, dtype, precision, device, t5="text_encoder_3", label="SD3",
-                                             loaded_before="the other encoders")
+        dtypes, quant = common.t5_precisions(
+            parts, dtype, precision, device, t5="text_encoder_3", label="SD3", loaded_before="the other encoders"
+        )
         # what can be wrong is reported before gigabytes are read: the file's parts, then the tokenizers
         opened = self._open_checked(kind, p, parts) if kind != "diffusers" else None
         tok_names = [TOKENIZER_OF[part] for part in parts if part in TOKENIZER_OF] if tokenizers else []
@@ -267,22 +286,27 @@ class SD3:
             sdxl = any(k.startswith("model.diffusion_model.input_blocks.") for k in keys)
             raise ModelLoadError(
                 f"{p.name} does not look like an SD3 checkpoint (no model.diffusion_model.joint_blocks / text_encoders keys).",
-                hint="It looks like an SDXL or SD 1.x/2.x file: set family: sdxl." if sdxl else "Give an SD3 file or a diffusers SD3 folder.",
+                hint="It looks like an SDXL or SD 1.x/2.x file: set family: sdxl."
+                if sdxl
+                else "Give an SD3 file or a diffusers SD3 folder.",
             )
         present = single_file.parts_in_file(keys)
         missing = [part for part in parts if part not in present]
         if missing:
             names = ", ".join(single_file.LABELS[m] for m in missing)
             has = ", ".join(single_file.LABELS[m] for m in PARTS if m in present) or "nothing SD3 knows"
-            hint = ("Set model.path to a diffusers SD3 folder (it has every part), or use a checkpoint that includes the "
-                    "text encoders (e.g. sd3_medium_incl_clips_t5xxlfp8.safetensors).")
+            hint = (
+                "Set model.path to a diffusers SD3 folder (it has every part), or use a checkpoint that includes the "
+                "text encoders (e.g. sd3_medium_incl_clips_t5xxlfp8.safetensors)."
+            )
             if "text_encoder_3" in missing:
                 hint += " To train without T5, set text_encoders.t5.enabled: false."
             raise ModelLoadError(f"{p.name} has no {names} weights (it holds {has}).", hint=hint)
         return keys, get
 
-    def _load_single(self, keys: list[str], get, p: Path, mcfg: ModelConfig, parts: list[str], dtypes: dict, quant: dict,
-                     device) -> dict[str, Any]:
+    def _load_single(
+        self, keys: list[str], get, p: Path, mcfg: ModelConfig, parts: list[str], dtypes: dict, quant: dict, device
+    ) -> dict[str, Any]:
         from accelerate import init_empty_weights
 
         arch = mcfg.config or DEFAULT_CONFIG
@@ -293,7 +317,9 @@ class SD3:
             hint = f"Set model.config to this checkpoint's architecture (bundled: {', '.join(known_configs())})."
             if guess and guess != arch:
                 hint = f"The file's MMDiT looks like {guess}: set model.config: {guess}."
-            return ModelLoadError(f"{p.name} does not fit the bundled architecture {arch!r} for {part}: {what}", hint=hint)
+            return ModelLoadError(
+                f"{p.name} does not fit the bundled architecture {arch!r} for {part}: {what}", hint=hint
+            )
 
         out = {}
         for part in parts:
@@ -344,8 +370,12 @@ class SD3:
         from transformers import T5Config, T5EncoderModel
 
         return T5EncoderModel.from_pretrained(
-            None, config=T5Config(**_hf_config(config)), state_dict=sd, torch_dtype=dtype,
-            quantization_config=common.bnb_config(prec, dtype), device_map={"": str(device)},
+            None,
+            config=T5Config(**_hf_config(config)),
+            state_dict=sd,
+            torch_dtype=dtype,
+            quantization_config=common.bnb_config(prec, dtype),
+            device_map={"": str(device)},
         )
 
     @staticmethod
@@ -361,7 +391,9 @@ class SD3:
             return "stable-diffusion-v3.5-medium"
         return "stable-diffusion-v3-medium"
 
-    def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
         """Write the given parts as one .safetensors in the distributed SD3 layout (loadable by ``load``).
 
         Parts absent from ``sds`` are left out (a file without T5 is what
@@ -373,8 +405,14 @@ class SD3:
         meta = {"format": "pt", "modelspec.architecture": self._modelspec(configs)}
         return stream_save_safetensors(path, original, metadata=meta, dtype=dtype)
 
-    def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
-                       dtype: torch.dtype | None = None) -> Path:
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
         """Write a diffusers folder (model_index, configs, weights, tokenizers, scheduler), atomically.
 
         T5 may be absent from ``sds`` (it never trains): it is then copied from a
@@ -394,9 +432,14 @@ class SD3:
         copy_t5 = "text_encoder_3" not in sds and src_kind == "diffusers" and (src / "text_encoder_3").is_dir()
         with_t5 = "text_encoder_3" in sds or copy_t5
         # tokenizers before writing anything: a missing one fails fast
-        toks = self._tokenizers(src_kind, src, mcfg, ["tokenizer", "tokenizer_2"] + (["tokenizer_3"] if with_t5 else []))
-        index_src = src / "model_index.json" if src_kind == "diffusers" and (src / "model_index.json").exists() else (
-            bundled_config_dir(mcfg.config) / "model_index.json")
+        toks = self._tokenizers(
+            src_kind, src, mcfg, ["tokenizer", "tokenizer_2"] + (["tokenizer_3"] if with_t5 else [])
+        )
+        index_src = (
+            src / "model_index.json"
+            if src_kind == "diffusers" and (src / "model_index.json").exists()
+            else (bundled_config_dir(mcfg.config) / "model_index.json")
+        )
         index = _read_json(index_src)
         with atomic_dir(folder) as tmp:
             for part in PARTS:
@@ -415,16 +458,33 @@ class SD3:
         return folder
 
     # ------------------------------------------------------------ memory hints (plain numbers)
-    def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
-                     loaded: list[str], trained: list[str], method: str) -> dict:
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
         if mcfg.path is not None and Path(mcfg.path).is_dir() and (Path(mcfg.path) / "transformer").is_dir():
             base = Path(mcfg.path)
         else:
             base = bundled_config_dir(mcfg.config)
         return {
-            **common.parameter_hints(self, _new_module, lambda part: base / part / "config.json", PARTS, loaded, trained,
-                                     method, lora_targets, lora_rank),
+            **common.parameter_hints(
+                self,
+                _new_module,
+                lambda part: base / part / "config.json",
+                PARTS,
+                loaded,
+                trained,
+                method,
+                lora_targets,
+                lora_rank,
+            ),
             # the largest bucket's latent area (SD3's VAE downsamples 8x). The MMDiT then patchifies 2x2, so it
             # attends over latent_pixels / 4 image tokens plus 77 + 256 text tokens; activation data per latent
             # pixel (memory.json) is measured on that real shape, so the planner's arithmetic stays the same.
@@ -434,8 +494,9 @@ class SD3:
         }
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
-    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0,
-                     parts: Sequence[str] = PARTS) -> Path:
+    def build_random(
+        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+    ) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's.
 
         ``parts`` may leave out T5 (4.7B parameters) for a file like sd3_medium_incl_clips.safetensors.
@@ -443,13 +504,18 @@ class SD3:
         comps = common.random_parts(_new_module, bundled_config_dir(config_name), parts, device, seed)
         if "text_encoder" in comps:
             _identity_projection(comps["text_encoder"])
-        return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
-                                     dtype=torch.float16)
+        return self.save_single_file(
+            {p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path, dtype=torch.float16
+        )
 
-    def cache_shapes(self, config_name: str, resolution: int, t5_max_length: int = DEFAULT_T5_TOKENS) -> dict[str, dict[str, tuple[int, ...]]]:
+    def cache_shapes(
+        self, config_name: str, resolution: int, t5_max_length: int = DEFAULT_T5_TOKENS
+    ) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest (square) bucket: what precompute would store per stage."""
         cfgdir = bundled_config_dir(config_name)
-        te1, te2, te3 = (_read_json(cfgdir / p / "config.json") for p in ("text_encoder", "text_encoder_2", "text_encoder_3"))
+        te1, te2, te3 = (
+            _read_json(cfgdir / p / "config.json") for p in ("text_encoder", "text_encoder_2", "text_encoder_3")
+        )
         latent_channels = _read_json(cfgdir / "vae" / "config.json")["latent_channels"]
         side = resolution // 8
         return {
@@ -490,15 +556,24 @@ class SD3:
 
     @staticmethod
     def _clip_ids(tok, captions: list[str]) -> torch.Tensor:
-        return tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt").input_ids
+        return tok(
+            captions, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
 
     @staticmethod
     def _t5_ids(tok, captions: list[str], max_length: int) -> torch.Tensor:
-        return tok(captions, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
-                   return_tensors="pt").input_ids
+        return tok(
+            captions,
+            padding="max_length",
+            max_length=max_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        ).input_ids
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str,
-                       options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         """One stage's per-caption tensors (float32, batch first).
 
         clip_l -> clip_l_embeds [B, 77, 768], clip_l_pooled [B, 768];
@@ -522,8 +597,10 @@ class SD3:
             if long:
                 from ..console import warn
 
-                warn(f"{len(long)} caption(s) longer than text_encoders.t5.max_length ({n} tokens) are cut to it, "
-                     f"e.g. {long[0][:60]!r}...; raise max_length (up to 512) to keep them whole")
+                warn(
+                    f"{len(long)} caption(s) longer than text_encoders.t5.max_length ({n} tokens) are cut to it, "
+                    f"e.g. {long[0][:60]!r}...; raise max_length (up to 512) to keep them whole"
+                )
             ids = self._t5_ids(comps["tokenizer_3"], captions, n)
             return {"t5_embeds": te(ids.to(te.device))[0].float()}
         raise ConfigError(f"SD3 has no text stage {stage!r}.", hint=f"Stages: {', '.join(self.text_stages)}.")
@@ -544,7 +621,9 @@ class SD3:
         """SD3 has no per-sample conditioning besides the text (no size/crop micro-conditioning): {}."""
         return {}
 
-    def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig) -> dict[str, torch.Tensor]:
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
         """Batched stage outputs -> prompt_embeds [B, 77 + T5 tokens, width], pooled_prompt_embeds [B, 2048].
 
         Exactly StableDiffusion3Pipeline.encode_prompt's joining: the CLIP-L and
@@ -556,15 +635,15 @@ class SD3:
         return self._combine(stages, options.t5.max_length)
 
     def _combine(self, stages: dict[str, dict[str, torch.Tensor]], t5_tokens: int) -> dict[str, torch.Tensor]:
-        l, g = stages["clip_l"], stages["clip_g"]
-        clip = torch.cat([l["clip_l_embeds"], g["clip_g_embeds"]], dim=-1)
+        cl, cg = stages["clip_l"], stages["clip_g"]
+        clip = torch.cat([cl["clip_l_embeds"], cg["clip_g_embeds"]], dim=-1)
         t5 = (stages.get("t5") or {}).get("t5_embeds")
         if t5 is None:
             t5 = clip.new_zeros(clip.shape[0], t5_tokens, self.joint_attention_dim)
         clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return {
             "prompt_embeds": torch.cat([clip, t5.to(clip.device, clip.dtype)], dim=-2),
-            "pooled_prompt_embeds": torch.cat([l["clip_l_pooled"], g["clip_g_pooled"]], dim=-1),
+            "pooled_prompt_embeds": torch.cat([cl["clip_l_pooled"], cg["clip_g_pooled"]], dim=-1),
         }
 
     def tokenize(self, comps: dict[str, Any], captions: list[str], t5_max_length: int = DEFAULT_T5_TOKENS) -> tuple:
@@ -572,8 +651,15 @@ class SD3:
         ids_t5 = self._t5_ids(comps["tokenizer_3"], captions, t5_max_length) if "tokenizer_3" in comps else None
         return self._clip_ids(comps["tokenizer"], captions), self._clip_ids(comps["tokenizer_2"], captions), ids_t5
 
-    def encode_tokens(self, comps: dict[str, Any], ids_l: torch.Tensor, ids_g: torch.Tensor, ids_t5: torch.Tensor | None = None,
-                      t5_embeds: torch.Tensor | None = None, t5_max_length: int = DEFAULT_T5_TOKENS) -> dict[str, torch.Tensor]:
+    def encode_tokens(
+        self,
+        comps: dict[str, Any],
+        ids_l: torch.Tensor,
+        ids_g: torch.Tensor,
+        ids_t5: torch.Tensor | None = None,
+        t5_embeds: torch.Tensor | None = None,
+        t5_max_length: int = DEFAULT_T5_TOKENS,
+    ) -> dict[str, torch.Tensor]:
         """Token ids -> {"prompt_embeds", "pooled_prompt_embeds"}, batched and differentiable through the CLIPs.
 
         The T5 part is ``t5_embeds`` (cached) if given, else T5 run on ``ids_t5``
@@ -584,12 +670,17 @@ class SD3:
         if t5_embeds is None and ids_t5 is not None and "text_encoder_3" in comps:
             te = comps["text_encoder_3"]
             t5_embeds = te(ids_t5.to(te.device))[0]
-        stages = {"clip_l": {"clip_l_embeds": e_l, "clip_l_pooled": p_l}, "clip_g": {"clip_g_embeds": e_g, "clip_g_pooled": p_g}}
+        stages = {
+            "clip_l": {"clip_l_embeds": e_l, "clip_l_pooled": p_l},
+            "clip_g": {"clip_g_embeds": e_g, "clip_g_pooled": p_g},
+        }
         if t5_embeds is not None:
             stages["t5"] = {"t5_embeds": t5_embeds}
         return self._combine(stages, ids_t5.shape[1] if ids_t5 is not None else t5_max_length)
 
-    def denoise(self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def denoise(
+        self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """The MMDiT's velocity prediction; ``timesteps`` are sigma * 1000 as floats."""
         return transformer(
             hidden_states=noisy,
@@ -623,7 +714,9 @@ class SD3:
             tokenizer_3=comps.get("tokenizer_3"),
         )
 
-    def save_lora(self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None) -> None:
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
         """Write pytorch_lora_weights.safetensors as StableDiffusion3Pipeline.load_lora_weights expects.
 
         ``metadata`` (per part: the peft LoRA config) goes into the file header, so
@@ -633,8 +726,10 @@ class SD3:
         from diffusers import StableDiffusion3Pipeline
 
         if layers.get("text_encoder_3"):
-            raise CheckpointError("diffusers' SD3 LoRA format has no place for T5 LoRA layers.",
-                                  hint="Train LoRA on the transformer and the CLIP encoders only.")
+            raise CheckpointError(
+                "diffusers' SD3 LoRA format has no place for T5 LoRA layers.",
+                hint="Train LoRA on the transformer and the CLIP encoders only.",
+            )
         metadata = metadata or {}
         StableDiffusion3Pipeline.save_lora_weights(
             save_directory=str(folder),
@@ -665,7 +760,9 @@ class SD3:
             comps["tokenizer"] = CLIPTokenizer.from_pretrained(tiny_clip_vocab(tokdir / "tokenizer"))
             comps["tokenizer_2"] = CLIPTokenizer.from_pretrained(tiny_clip_vocab(tokdir / "tokenizer_2", pad_token="!"))
             comps["tokenizer_3"] = T5TokenizerFast.from_pretrained(tiny_t5_tokenizer(tokdir / "tokenizer_3"))
-            sched = FlowMatchEulerDiscreteScheduler.from_config(_read_json(cfgdir / "scheduler" / "scheduler_config.json"))
+            sched = FlowMatchEulerDiscreteScheduler.from_config(
+                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
+            )
             StableDiffusion3Pipeline(scheduler=sched, **comps).save_pretrained(folder, safe_serialization=True)
         finally:
             shutil.rmtree(tokdir, ignore_errors=True)

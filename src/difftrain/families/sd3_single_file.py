@@ -127,7 +127,9 @@ def original_to_diffusers(part: str, checkpoint: dict[str, torch.Tensor], config
         like = sd.get("text_model.final_layer_norm.weight")
         width = config["hidden_size"]
         sd["text_projection.weight"] = torch.eye(
-            width, dtype=like.dtype if like is not None else torch.float32, device=like.device if like is not None else None
+            width,
+            dtype=like.dtype if like is not None else torch.float32,
+            device=like.device if like is not None else None,
         )
     return sd
 
@@ -235,14 +237,18 @@ def _transformer_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> di
             ctx = b + f"norm1_context.linear.{kind}"
             if ctx in sd:
                 # the last block's context stream is "pre only": its adaLN is a continuous norm (scale/shift swapped)
-                direct(ctx, f"joint_blocks.{i}.context_block.adaLN_modulation.1.{kind}", _swap_halves if i == last else None)
+                direct(
+                    ctx,
+                    f"joint_blocks.{i}.context_block.adaLN_modulation.1.{kind}",
+                    _swap_halves if i == last else None,
+                )
             for dst, srcs in _BLOCK_QKV.items():
                 names = [b + f"{s}.{kind}" for s in srcs]
                 present = [n in sd for n in names]
                 if all(present):
                     used.update(names)
-                    makers[prefix + f"joint_blocks.{i}.{dst}.{kind}"] = (
-                        lambda names=names: torch.cat([sd[n] for n in names], dim=0)
+                    makers[prefix + f"joint_blocks.{i}.{dst}.{kind}"] = lambda names=names: torch.cat(
+                        [sd[n] for n in names], dim=0
                     )
                 elif any(present):
                     raise CheckpointError(
@@ -257,7 +263,9 @@ def _transformer_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> di
     return makers
 
 
-def diffusers_to_original(state_dicts: Mapping[str, Mapping[str, torch.Tensor]], configs: Mapping[str, dict]) -> LazyTensors:
+def diffusers_to_original(
+    state_dicts: Mapping[str, Mapping[str, torch.Tensor]], configs: Mapping[str, dict]
+) -> LazyTensors:
     """Component state dicts (diffusers/transformers naming) -> one SD3 single-file mapping (lazy).
 
     Components absent from ``state_dicts`` are skipped. The transformer and VAE

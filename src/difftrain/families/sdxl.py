@@ -7,8 +7,9 @@ using the architecture configs bundled in ``configs/``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -22,8 +23,12 @@ from .tokenizers import tiny_clip_vocab
 
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": ("CLIPTextModel", "clip_text_model"),
-           "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model")}
+SAVE_AS = {
+    "unet": "UNet2DConditionModel",
+    "vae": "AutoencoderKL",
+    "text_encoder": ("CLIPTextModel", "clip_text_model"),
+    "text_encoder_2": ("CLIPTextModelWithProjection", "clip_text_model"),
+}
 
 
 def known_configs() -> list[str]:
@@ -102,12 +107,21 @@ class SDXL:
         out = {}
         for name in ("tokenizer", "tokenizer_2"):
             if not (base / name).is_dir():
-                raise ModelLoadError(f"No {name}/ folder in {base}.", hint="model.tokenizer_path must hold tokenizer/ and tokenizer_2/.")
+                raise ModelLoadError(
+                    f"No {name}/ folder in {base}.", hint="model.tokenizer_path must hold tokenizer/ and tokenizer_2/."
+                )
             out[name] = CLIPTokenizer.from_pretrained(base / name)
         return out
 
-    def load(self, mcfg: ModelConfig, parts: Sequence[str], dtype: torch.dtype = torch.float32, device="cpu",
-             precision: dict[str, str] | None = None, tokenizers: bool = True) -> dict[str, Any]:
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
         kind, p = self._source(mcfg)
         parts = list(parts)
         comps: dict[str, Any] = {}
@@ -149,8 +163,14 @@ class SDXL:
             "text_encoder": CLIPTextModel,
             "text_encoder_2": CLIPTextModelWithProjection,
         }
-        return common.load_diffusers_parts(p, parts, classes, {part: dtype for part in parts}, device,
-                                           missing_hint=lambda part: "Is it an SDXL model folder?")
+        return common.load_diffusers_parts(
+            p,
+            parts,
+            classes,
+            dict.fromkeys(parts, dtype),
+            device,
+            missing_hint=lambda part: "Is it an SDXL model folder?",
+        )
 
     def _load_single(self, kind: str, p: Path, mcfg: ModelConfig, parts: list[str], dtype, device) -> dict[str, Any]:
         from accelerate import init_empty_weights
@@ -165,7 +185,9 @@ class SDXL:
         try:
             # each tensor goes from the memory-mapped file to the device on its own, so host
             # RAM never holds more than one tensor beyond the OS page cache of the file
-            sds = single_file.original_to_diffusers(lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts)
+            sds = single_file.original_to_diffusers(
+                lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts
+            )
         except ModelLoadError as e:
             known = ", ".join(known_configs())
             raise ModelLoadError(
@@ -191,7 +213,9 @@ class SDXL:
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
         return common.module_configs(comps, PARTS)
 
-    def save_single_file(self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None) -> Path:
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
         """Write UNet, VAE and both text encoders as one .safetensors in the distributed SDXL layout.
 
         ``sds`` holds a state dict per part (tensors may be on the GPU); they are
@@ -201,8 +225,14 @@ class SDXL:
         meta = {"format": "pt", "modelspec.architecture": "stable-diffusion-xl-v1-base"}
         return stream_save_safetensors(path, original, metadata=meta, dtype=dtype)
 
-    def save_diffusers(self, sds: dict[str, Any], configs: dict[str, dict], folder: Path, mcfg: ModelConfig,
-                       dtype: torch.dtype | None = None) -> Path:
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
         """Write a diffusers folder (model_index, configs, weights, tokenizers, scheduler), atomically."""
         import shutil
 
@@ -220,27 +250,47 @@ class SDXL:
         return folder
 
     # ------------------------------------------------------------ memory hints (plain numbers)
-    def memory_hints(self, mcfg: ModelConfig, lora_targets: list[str], lora_rank: int, resolution: int,
-                     loaded: list[str], trained: list[str], method: str) -> dict:
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
         if mcfg.path is not None and Path(mcfg.path).is_dir():
             base = Path(mcfg.path)
         else:
             base = bundled_config_dir(_arch(mcfg))
         return {
-            **common.parameter_hints(self, _new_module, lambda part: base / part / "config.json", PARTS, loaded, trained,
-                                     method, lora_targets, lora_rank),
+            **common.parameter_hints(
+                self,
+                _new_module,
+                lambda part: base / part / "config.json",
+                PARTS,
+                loaded,
+                trained,
+                method,
+                lora_targets,
+                lora_rank,
+            ),
             "latent_pixels": (resolution // 8) ** 2,  # the largest bucket's latent area, SDXL's VAE downsamples 8x
             **common.measured_hints(bundled_config_dir(_arch(mcfg)) / "memory.json"),
             "encode_captions": any(p.startswith("text_encoder") for p in trained),
         }
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
-    def build_random(self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS) -> Path:
+    def build_random(
+        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+    ) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's."""
         comps = common.random_parts(_new_module, bundled_config_dir(config_name), parts, device, seed)
-        return self.save_single_file({p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path,
-                                     dtype=torch.float16)
+        return self.save_single_file(
+            {p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps), path, dtype=torch.float16
+        )
 
     def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest (square) bucket: what precompute would store."""
@@ -248,9 +298,13 @@ class SDXL:
         te1, te2 = (_read_json(cfgdir / p / "config.json") for p in ("text_encoder", "text_encoder_2"))
         latent_channels = _read_json(cfgdir / "vae" / "config.json")["latent_channels"]
         side = resolution // 8
-        return {"latent": {"latents": (latent_channels, side, side), "crop": (2,)},
-                "clip": {"prompt_embeds": (77, te1["hidden_size"] + te2["hidden_size"]),
-                         "pooled_prompt_embeds": (te2["projection_dim"],)}}
+        return {
+            "latent": {"latents": (latent_channels, side, side), "crop": (2,)},
+            "clip": {
+                "prompt_embeds": (77, te1["hidden_size"] + te2["hidden_size"]),
+                "pooled_prompt_embeds": (te2["projection_dim"],),
+            },
+        }
 
     # ------------------------------------------------------------ fingerprints
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
@@ -275,7 +329,13 @@ class SDXL:
         for name in ("tokenizer", "tokenizer_2"):
             tok = comps[name]
             ids.append(
-                tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt").input_ids
+                tok(
+                    captions,
+                    padding="max_length",
+                    max_length=tok.model_max_length,
+                    truncation=True,
+                    return_tensors="pt",
+                ).input_ids
             )
         return ids[0], ids[1]
 
@@ -287,7 +347,9 @@ class SDXL:
         hidden = torch.cat([out1.hidden_states[-2], out2.hidden_states[-2]], dim=-1)
         return {"prompt_embeds": hidden, "pooled_prompt_embeds": out2.text_embeds}
 
-    def encode_prompts(self, comps: dict[str, Any], captions: list[str], stage: str = "clip", options=None) -> dict[str, torch.Tensor]:
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str = "clip", options=None
+    ) -> dict[str, torch.Tensor]:
         ids1, ids2 = self.tokenize(comps, captions)
         return {k: v.float() for k, v in self.encode_tokens(comps, ids1, ids2).items()}
 
@@ -337,9 +399,13 @@ class SDXL:
                         units += stacks[i]
         return units
 
-    def denoise(self, unet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def denoise(
+        self, unet, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         added = {"text_embeds": batch["pooled_prompt_embeds"], "time_ids": batch["time_ids"]}
-        return unet(noisy, timesteps, encoder_hidden_states=batch["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
+        return unet(
+            noisy, timesteps, encoder_hidden_states=batch["prompt_embeds"], added_cond_kwargs=added, return_dict=False
+        )[0]
 
     def checkpointing_hint(self, unet) -> None:
         unet.enable_gradient_checkpointing()
@@ -359,7 +425,9 @@ class SDXL:
             scheduler=sched,
         )
 
-    def save_lora(self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None) -> None:
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
         """Write pytorch_lora_weights.safetensors as StableDiffusionXLPipeline.load_lora_weights expects.
 
         ``metadata`` (per part: the peft LoRA config) goes into the file header, so

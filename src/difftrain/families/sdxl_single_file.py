@@ -320,13 +320,13 @@ def _openclip_name(key: str) -> str | None:
         rest = mm[2]
         for src, dst in _OPENCLIP_LAYER.items():
             if rest.startswith(src + "."):
-                return f"transformer.resblocks.{mm[1]}.{dst}{rest[len(src):]}"
+                return f"transformer.resblocks.{mm[1]}.{dst}{rest[len(src) :]}"
     return None
 
 
 def _openclip_plan(okey: str) -> tuple[tuple[str, ...], Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None:
     """open_clip key -> (flat transformers keys, transform of the tensor into those)."""
-    ident = lambda t: (t,)  # noqa: E731
+    ident = lambda t: (t,)
     fixed = {
         "token_embedding.weight": "embeddings.token_embedding.weight",
         "positional_embedding": "embeddings.position_embedding.weight",
@@ -350,7 +350,7 @@ def _openclip_plan(okey: str) -> tuple[tuple[str, ...], Callable[[torch.Tensor],
         return keys, lambda t: tuple(p.clone() for p in t.chunk(3, dim=0))
     for dst, src in _OPENCLIP_LAYER.items():
         if rest.startswith(src + "."):
-            return (f"encoder.layers.{i}.{dst}{rest[len(src):]}",), ident
+            return (f"encoder.layers.{i}.{dst}{rest[len(src) :]}",), ident
     return None
 
 
@@ -389,7 +389,7 @@ def _reference_shapes(component: str, config_json: str) -> dict[str, tuple[int, 
 
 
 def _tower_prefix(reference: Mapping[str, object]) -> str:
-    """"text_model." if the installed transformers class nests the text tower, else ""."""
+    """ "text_model." if the installed transformers class nests the text tower, else ""."""
     return _TEXT_MODEL if any(k.startswith(_TEXT_MODEL) for k in reference) else ""
 
 
@@ -686,6 +686,6 @@ def detect_sdxl_single_file(keys: Iterable[str]) -> bool:
     has_unet = has_bigg = refiner = False
     for key in keys:
         has_unet = has_unet or key.startswith(PREFIXES["unet"])
-        has_bigg = has_bigg or key.startswith(PREFIXES["text_encoder_2"]) or key.startswith(PREFIXES["unet"] + "label_emb.")
+        has_bigg = has_bigg or key.startswith((PREFIXES["text_encoder_2"], PREFIXES["unet"] + "label_emb."))
         refiner = refiner or key.startswith("conditioner.embedders.0.model.")  # bigG as embedder 0
     return has_unet and has_bigg and not refiner

@@ -70,8 +70,9 @@ def clip_vocab_from_open_clip(folder: Path, pad_token: str = EOS) -> Path:
             hint="Pass model.tokenizer_path=<folder with tokenizer/ and tokenizer_2/> "
             "or `pip install --no-deps open_clip_torch` so difftrain can build CLIP's tokenizer offline.",
         )
-    bpe = Path(list(spec.submodule_search_locations)[0]) / "bpe_simple_vocab_16e6.txt.gz"
-    lines = gzip.open(bpe, "rt", encoding="utf-8").read().split("\n")
+    bpe = Path(next(iter(spec.submodule_search_locations))) / "bpe_simple_vocab_16e6.txt.gz"
+    with gzip.open(bpe, "rt", encoding="utf-8") as fh:
+        lines = fh.read().split("\n")
     merges = lines[1 : 49152 - 256 - 2 + 1]
     symbols = list(bytes_to_unicode().values())
     vocab_list = symbols + [s + "</w>" for s in symbols]

@@ -18,8 +18,13 @@ from collections.abc import Iterable, Mapping
 import torch
 
 #: the name prefix of each part
-PREFIXES = {"unet": "lora_unet", "transformer": "lora_transformer", "text_encoder": "lora_te1",
-            "text_encoder_2": "lora_te2", "text_encoder_3": "lora_te3"}
+PREFIXES = {
+    "unet": "lora_unet",
+    "transformer": "lora_transformer",
+    "text_encoder": "lora_te1",
+    "text_encoder_2": "lora_te2",
+    "text_encoder_3": "lora_te3",
+}
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _DOWN, _UP, _ALPHA = ".lora_down.weight", ".lora_up.weight", ".alpha"
 
@@ -41,8 +46,11 @@ class UnmappedKeys(ValueError):
         super().__init__(f"{len(keys)} {what}: {shown}")
 
 
-def to_kohya(layers: Mapping[str, Mapping[str, torch.Tensor]], names: Mapping[str, Mapping[str, str]],
-             alphas: Mapping[str, Mapping[str, float]]) -> dict[str, torch.Tensor]:
+def to_kohya(
+    layers: Mapping[str, Mapping[str, torch.Tensor]],
+    names: Mapping[str, Mapping[str, str]],
+    alphas: Mapping[str, Mapping[str, float]],
+) -> dict[str, torch.Tensor]:
     """peft-named LoRA weights per part -> one kohya state dict.
 
     ``names[part]`` maps each module path of the part to the path its kohya name is made of (a module
@@ -75,8 +83,9 @@ def to_kohya(layers: Mapping[str, Mapping[str, torch.Tensor]], names: Mapping[st
     return out
 
 
-def from_kohya(sd: Mapping[str, torch.Tensor], names: Mapping[str, Mapping[str, str]]
-               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
+def from_kohya(
+    sd: Mapping[str, torch.Tensor], names: Mapping[str, Mapping[str, str]]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
     """A kohya state dict -> (peft-named layers per part, alpha per part and module). Keys that name no
     module of ``names`` (the model's) are all listed in the error; a module without its alpha gets
     alpha = rank (sd-scripts' convention)."""

@@ -31,8 +31,16 @@ import torch
 
 
 class BlockSwap:
-    def __init__(self, root: torch.nn.Module, units: list[torch.nn.Module], blocks_to_swap: int, device: torch.device,
-                 prefetch: int = 1, swap_trainable: bool = False, poison: bool = False):
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        units: list[torch.nn.Module],
+        blocks_to_swap: int,
+        device: torch.device,
+        prefetch: int = 1,
+        swap_trainable: bool = False,
+        poison: bool = False,
+    ):
         """Place ``root`` (which may sit on the CPU) on ``device`` except the swapped units' weights.
 
         ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
@@ -42,8 +50,10 @@ class BlockSwap:
         self.prefetch = prefetch
         self.poison = poison
         self.cuda = self.device.type == "cuda"
-        sizes = [sum(p.numel() * p.element_size() for p in u.parameters() if swap_trainable or not p.requires_grad)
-                 for u in units]
+        sizes = [
+            sum(p.numel() * p.element_size() for p in u.parameters() if swap_trainable or not p.requires_grad)
+            for u in units
+        ]
         order = sorted(range(len(units)), key=lambda i: (-sizes[i], -i))
         self.swapped = sorted(order[: min(blocks_to_swap, len(units))])
         self.index = {i: k for k, i in enumerate(self.swapped)}  # unit index -> position among swapped

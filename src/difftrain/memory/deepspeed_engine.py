@@ -33,8 +33,13 @@ def ds_config(cfg: Config) -> dict:
     if e.offload_optimizer_device != "none":
         zero["offload_optimizer"] = {"device": e.offload_optimizer_device, "pin_memory": True}
     if e.stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
-                     "stage3_gather_16bit_weights_on_model_save": False})
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": 5e7,
+                "stage3_param_persistence_threshold": 1e5,
+                "stage3_gather_16bit_weights_on_model_save": False,
+            }
+        )
         if e.offload_param_device != "none":
             zero["offload_param"] = {"device": e.offload_param_device, "pin_memory": True}
     out = {
@@ -50,8 +55,10 @@ def ds_config(cfg: Config) -> dict:
     if e.offload_optimizer_device != "none":
         # ZeRO-Offload steps with DeepSpeedCPUAdam, which DeepSpeed builds from this block (a C++ op it
         # compiles once, ~30 s); on the GPU a plain torch AdamW is handed in (no CUDA compiler needed)
-        out["optimizer"] = {"type": "AdamW", "params": {"lr": t.learning_rate, "betas": list(o.betas), "eps": o.eps,
-                                                        "weight_decay": o.weight_decay}}
+        out["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": t.learning_rate, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay},
+        }
     if e.config_file is not None:
         out = _merge(out, _read(Path(e.config_file)))
     return out
@@ -61,10 +68,14 @@ def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"memory.engine.config_file {path} does not exist.", hint="Give the path of a DeepSpeed JSON file.") from None
+        raise ConfigError(
+            f"memory.engine.config_file {path} does not exist.", hint="Give the path of a DeepSpeed JSON file."
+        ) from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"memory.engine.config_file {path} is not valid JSON: {err}.",
-                          hint="Fix the file, or drop config_file: difftrain writes the DeepSpeed config itself.") from None
+        raise ConfigError(
+            f"memory.engine.config_file {path} is not valid JSON: {err}.",
+            hint="Fix the file, or drop config_file: difftrain writes the DeepSpeed config itself.",
+        ) from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -76,7 +87,13 @@ def _merge(base: dict, over: dict) -> dict:
 
 def _single_process_env() -> None:
     """What a launcher (deepspeed / torchrun) would set, for a run started as a plain process."""
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}.items():
+    for k, v in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29517",
+    }.items():
         os.environ.setdefault(k, v)
 
 
@@ -85,11 +102,15 @@ def _deepspeed():
     try:
         import deepspeed
     except ImportError:
-        raise BackendUnavailable("memory.engine deepspeed needs DeepSpeed, which is not installed.",
-                                 hint="pip install 'difftrain[deepspeed]' (it builds from source: install torch first, "
-                                 "then `pip install --no-build-isolation deepspeed`), or set memory.engine.kind: single") from None
+        raise BackendUnavailable(
+            "memory.engine deepspeed needs DeepSpeed, which is not installed.",
+            hint="pip install 'difftrain[deepspeed]' (it builds from source: install torch first, "
+            "then `pip install --no-build-isolation deepspeed`), or set memory.engine.kind: single",
+        ) from None
     if not torch.cuda.is_available():
-        raise BackendUnavailable("memory.engine deepspeed runs on CUDA GPUs only.", hint="Set memory.engine.kind: single here.")
+        raise BackendUnavailable(
+            "memory.engine deepspeed runs on CUDA GPUs only.", hint="Set memory.engine.kind: single here."
+        )
     _single_process_env()
     return deepspeed
 
@@ -101,8 +122,9 @@ def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Param
     client = None
     if "optimizer" not in conf:
         o = cfg.memory.optimizer
-        client = torch.optim.AdamW(params, lr=cfg.train.learning_rate, betas=tuple(o.betas), eps=o.eps,
-                                   weight_decay=o.weight_decay)
+        client = torch.optim.AdamW(
+            params, lr=cfg.train.learning_rate, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+        )
     engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=conf)
     # DeepSpeed's ZeRO optimizer wraps a torch optimizer whose param groups carry the learning rate
     return engine, getattr(optimizer, "optimizer", optimizer)
@@ -124,8 +146,9 @@ def gathered(engine, params):
 FILL_CHUNK_BYTES = 256 * 2**20
 
 
-def fill_weights(target: torch.nn.Module, source: torch.nn.Module | None, gather, broadcast,
-                 chunk_bytes: int = FILL_CHUNK_BYTES) -> int:
+def fill_weights(
+    target: torch.nn.Module, source: torch.nn.Module | None, gather, broadcast, chunk_bytes: int = FILL_CHUNK_BYTES
+) -> int:
     """Copy ``source``'s weights into ``target``, a few hundred MB at a time; returns the bytes copied.
 
     ``source`` is given on one process only (the reader; None on the others).
@@ -142,12 +165,18 @@ def fill_weights(target: torch.nn.Module, source: torch.nn.Module | None, gather
     """
     src: dict[str, torch.Tensor] = {}
     if source is not None:
-        src = {**dict(source.named_parameters(remove_duplicate=False)), **dict(source.named_buffers(remove_duplicate=False))}
-        want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {n for n, _ in target.named_buffers(remove_duplicate=False)}
+        src = {
+            **dict(source.named_parameters(remove_duplicate=False)),
+            **dict(source.named_buffers(remove_duplicate=False)),
+        }
+        want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {
+            n for n, _ in target.named_buffers(remove_duplicate=False)
+        }
         missing, extra = sorted(want - set(src)), sorted(set(src) - want)
         if missing or extra:
-            raise ValueError(f"the weights do not fit the model built from its config: missing {missing[:3]}, "
-                             f"unexpected {extra[:3]}")
+            raise ValueError(
+                f"the weights do not fit the model built from its config: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
     copied = 0
     seen: set[int] = set()
     chunk: list[tuple[str, torch.nn.Parameter]] = []
@@ -163,7 +192,9 @@ def fill_weights(target: torch.nn.Module, source: torch.nn.Module | None, gather
                     for name, p in chunk:
                         s = src[name]
                         if tuple(s.shape) != tuple(p.shape):
-                            raise ValueError(f"{name} has shape {tuple(s.shape)} in the weights, {tuple(p.shape)} in the model")
+                            raise ValueError(
+                                f"{name} has shape {tuple(s.shape)} in the weights, {tuple(p.shape)} in the model"
+                            )
                         p.data.copy_(s)
                         copied += s.numel() * s.element_size()
         chunk.clear()
@@ -204,6 +235,10 @@ def build_partitioned(cfg: Config, build, read, main: bool) -> torch.nn.Module:
     # mem_efficient_linear off: it swaps torch.nn.functional.linear for DeepSpeed's own autograd function
     with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype, mem_efficient_linear=False):
         module = build()
-    fill_weights(module, read() if main else None, lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0),
-                 lambda t: dist.broadcast(t, src=0) if dist.is_initialized() and dist.get_world_size() > 1 else None)
+    fill_weights(
+        module,
+        read() if main else None,
+        lambda ps: deepspeed.zero.GatheredParameters(ps, modifier_rank=0),
+        lambda t: dist.broadcast(t, src=0) if dist.is_initialized() and dist.get_world_size() > 1 else None,
+    )
     return module.requires_grad_(False).eval()

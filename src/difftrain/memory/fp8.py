@@ -16,7 +16,6 @@ channel: better where a few rows have large values).
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +91,7 @@ class _Fp8Conv2d(torch.autograd.Function):
 # but on an H100 the 4 GiB tier peaked at 6.46 GiB instead of 3.29 (S1g, benchmarks/speed.py), and inductor's
 # layout optimisation kept an fp8 channels-last copy of each conv weight.
 @torch.library.custom_op("difftrain::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(x, dequantize(w8, scale, x.dtype), bias)
 
@@ -125,8 +124,16 @@ fp8_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 @torch.library.custom_op("difftrain::fp8_conv2d", mutates_args=())
-def fp8_conv2d(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
-               padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+def fp8_conv2d(
+    x: torch.Tensor,
+    w8: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
         return F.conv2d(x, dequantize(w8, scale, x.dtype), bias, stride, padding, dilation, groups)
 
@@ -134,13 +141,23 @@ def fp8_conv2d(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: Opt
 @fp8_conv2d.register_fake
 def _(x, w8, scale, bias, stride, padding, dilation, groups):
     w = torch.empty(w8.shape, dtype=x.dtype, device="meta")
-    shape = F.conv2d(torch.empty(x.shape, dtype=x.dtype, device="meta"), w, None, stride, padding, dilation, groups).shape
+    shape = F.conv2d(
+        torch.empty(x.shape, dtype=x.dtype, device="meta"), w, None, stride, padding, dilation, groups
+    ).shape
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("difftrain::fp8_conv2d_grad_input", mutates_args=())
-def fp8_conv2d_grad_input(gy: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, input_shape: list[int],
-                          stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+def fp8_conv2d_grad_input(
+    gy: torch.Tensor,
+    w8: torch.Tensor,
+    scale: torch.Tensor,
+    input_shape: list[int],
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
     w = dequantize(w8, scale, gy.dtype)
     return torch.nn.grad.conv2d_input(input_shape, w, gy, stride, padding, dilation, groups)
 
@@ -168,7 +185,9 @@ class Fp8Linear(torch.nn.Linear):
     def forward(self, x):
         if torch.compiler.is_compiling():
             dtype = _compute_dtype(x)
-            return fp8_linear(x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype))
+            return fp8_linear(
+                x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype)
+            )
         return _Fp8Linear.apply(x, self.weight, self.fp8_scale, self.bias)
 
 
@@ -178,9 +197,19 @@ class Fp8Conv2d(torch.nn.Conv2d):
             raise NotImplementedError("fp8 Conv2d supports zero padding only")
         if torch.compiler.is_compiling():
             dtype = _compute_dtype(x)
-            return fp8_conv2d(x.to(dtype), self.weight, self.fp8_scale, None if self.bias is None else self.bias.to(dtype),
-                              list(self.stride), list(self.padding), list(self.dilation), self.groups)
-        return _Fp8Conv2d.apply(x, self.weight, self.fp8_scale, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            return fp8_conv2d(
+                x.to(dtype),
+                self.weight,
+                self.fp8_scale,
+                None if self.bias is None else self.bias.to(dtype),
+                list(self.stride),
+                list(self.padding),
+                list(self.dilation),
+                self.groups,
+            )
+        return _Fp8Conv2d.apply(
+            x, self.weight, self.fp8_scale, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
 
 
 def convert(module: torch.nn.Module, device, per_channel: bool = False, skip: tuple[str, ...] = ()) -> dict[str, int]:

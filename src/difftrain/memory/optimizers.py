@@ -32,16 +32,27 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.
 class AdamWBF16(torch.optim.Optimizer):
     """AdamW whose moments and update are fp32 while the weights stay bf16 (stochastically rounded)."""
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, seed: int = 0,
-                 stochastic_rounding: bool = True):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+    def __init__(
+        self,
+        params,
+        lr=1e-4,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        seed: int = 0,
+        stochastic_rounding: bool = True,
+    ):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
         self.stochastic_rounding = stochastic_rounding
 
     def load_state_dict(self, state_dict):
         # torch casts floating optimizer state to the parameter's dtype (bf16 here),
         # which would round the fp32 moments and break exact resume: restore them
-        moments = {int(i): {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")} for i, st in state_dict["state"].items()}
+        moments = {
+            int(i): {k: v for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")}
+            for i, st in state_dict["state"].items()
+        }
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for i, ms in moments.items():
@@ -83,8 +94,9 @@ class AdamWBF16(torch.optim.Optimizer):
 def _cuda_only(kind: str, params) -> None:
     # block swap keeps some weights in pinned host memory: those count as on the GPU's side
     if not all(p.is_cuda or p.is_pinned() for p in params) or not any(p.is_cuda for p in params):
-        raise BackendUnavailable(f"memory.optimizer {kind} runs on a CUDA GPU only.",
-                                 hint="Use memory.optimizer.kind: adamw on this device.")
+        raise BackendUnavailable(
+            f"memory.optimizer {kind} runs on a CUDA GPU only.", hint="Use memory.optimizer.kind: adamw on this device."
+        )
 
 
 def _import(module: str, kind: str, extra: str):
@@ -99,13 +111,14 @@ def _import(module: str, kind: str, extra: str):
         ) from None
 
 
-def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0,
-                   kernels: dict | None = None) -> torch.optim.Optimizer:
+def make_optimizer(
+    mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0, kernels: dict | None = None
+) -> torch.optim.Optimizer:
     """Build the configured optimizer over parameter groups ([{"params": [...], "lr": ...}]). ``kernels``: torch
     AdamW's implementation switches (``{"fused": True}``, ``{"foreach": True}``), from the speed section."""
     o = mem.optimizer
     params = [p for g in groups for p in g["params"]]
-    common = dict(lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    common = {"lr": lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if mem.fused_backward:
         return FusedBackward(mem, groups, lr, seed, kernels)
     if o.kind == "adamw8bit" and o.backend == "bnb":
@@ -125,8 +138,9 @@ def make_optimizer(mem: MemoryConfig, groups: list[dict], lr: float, seed: int =
         # with block swap some weights live on the host: every parameter must step there (torchao keeps the
         # ones under minimal_size on the device by default, which would mix devices in one optimizer)
         extra = {"minimal_size": 0} if mem.offload.kind == "block_swap" else {}
-        return ao.CPUOffloadOptimizer(groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True,
-                                      **common, **extra)
+        return ao.CPUOffloadOptimizer(
+            groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True, **common, **extra
+        )
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common, **(kernels or {}))
@@ -151,8 +165,13 @@ class FusedBackward(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 # a distinct seed per parameter: stochastic rounding noise must not repeat across tensors
-                self.inner[p] = make_optimizer(inner_mem, [{"params": [p], "lr": group["lr"]}], group["lr"],
-                                             seed=seed * 100_003 + index, kernels=kernels)
+                self.inner[p] = make_optimizer(
+                    inner_mem,
+                    [{"params": [p], "lr": group["lr"]}],
+                    group["lr"],
+                    seed=seed * 100_003 + index,
+                    kernels=kernels,
+                )
                 p.register_post_accumulate_grad_hook(self._hook(group))
                 index += 1
 
@@ -172,8 +191,10 @@ class FusedBackward(torch.optim.Optimizer):
         pass
 
     def state_dict(self):
-        return {"inner": [self.inner[p].state_dict() for g in self.param_groups for p in g["params"]],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+        return {
+            "inner": [self.inner[p].state_dict() for g in self.param_groups for p in g["params"]],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
 
     def load_state_dict(self, state_dict) -> None:
         params = [p for g in self.param_groups for p in g["params"]]

@@ -31,18 +31,26 @@ def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
     return torch.device("cpu") if mem.weights.kind in QUANTIZED or mem.offload.kind == "block_swap" else device
 
 
-def apply_weights_before_adapters(mem: MemoryConfig, module: torch.nn.Module, device: torch.device,
-                                  keep: tuple[str, ...] = ()) -> None:
+def apply_weights_before_adapters(
+    mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = ()
+) -> None:
     """bitsandbytes layers must exist before peft adds LoRA (peft picks its bnb LoRA layer for them)."""
     if mem.weights.kind in ("nf4", "int8"):
         from .bnb_weights import convert
 
-        convert(module, device, mem.weights.kind, weights_dtype(mem), skip=keep,
-                threshold=getattr(mem.weights, "outlier_threshold", 0.0))
+        convert(
+            module,
+            device,
+            mem.weights.kind,
+            weights_dtype(mem),
+            skip=keep,
+            threshold=getattr(mem.weights, "outlier_threshold", 0.0),
+        )
 
 
-def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = (),
-                  swapped: bool = False) -> None:
+def apply_weights(
+    mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = (), swapped: bool = False
+) -> None:
     """Store the frozen weights as the plan says (fp8: quantize layer by layer), after the adapters.
 
     ``swapped``: the module's blocks will be placed by block swap, so it stays
@@ -59,8 +67,9 @@ def apply_weights(mem: MemoryConfig, module: torch.nn.Module, device: torch.devi
         module.to(target)
 
 
-def apply_offload(mem: MemoryConfig, module: torch.nn.Module, units: list[torch.nn.Module], device: torch.device,
-                  full: bool):
+def apply_offload(
+    mem: MemoryConfig, module: torch.nn.Module, units: list[torch.nn.Module], device: torch.device, full: bool
+):
     """Block swap over the family's units (returns the BlockSwap, or None when the plan has none)."""
     if mem.offload.kind != "block_swap":
         return None

@@ -22,8 +22,16 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # optimizer state bytes per trained parameter, on the GPU and on the host
 OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "cpu_offload": (0, 16)}
 # relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
-SPEED = {"checkpoint": 1.6, "checkpoint_every_2": 1.35, "fp8": 1.2, "cpu_offload": 1.6, "fused_backward": 1.0,
-         "adamw8bit": 1.01, "adamw4bit": 1.05, "block_swap": 1.05}  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
+SPEED = {
+    "checkpoint": 1.6,
+    "checkpoint_every_2": 1.35,
+    "fp8": 1.2,
+    "cpu_offload": 1.6,
+    "fused_backward": 1.0,
+    "adamw8bit": 1.01,
+    "adamw4bit": 1.05,
+    "block_swap": 1.05,
+}  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 
 
@@ -111,8 +119,10 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         e.notes.append("DeepSpeed's terms are a first estimate (ZeRO buckets not modelled)")
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
     if wk == "int8":
-        e.notes.append("bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
-                       "dequantized weights, docs/benchmarks.md): prefer memory.weights nf4 or fp8")
+        e.notes.append(
+            "bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
+            "dequantized weights, docs/benchmarks.md): prefer memory.weights nf4 or fp8"
+        )
     act = hints["activations"]
     mode = "none" if m.activations.kind == "none" else "checkpoint"
     if mode not in act:
@@ -172,8 +182,10 @@ def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
         extra.append({"fused_backward": True})
     offloads = [{"kind": "none"}]
     if swap_units:  # half or all of the blocks in host RAM
-        offloads += [{"kind": "block_swap", "blocks_to_swap": max(1, swap_units // 2)},
-                     {"kind": "block_swap", "blocks_to_swap": swap_units}]
+        offloads += [
+            {"kind": "block_swap", "blocks_to_swap": max(1, swap_units // 2)},
+            {"kind": "block_swap", "blocks_to_swap": swap_units},
+        ]
     out = []
     for w, a, o, x, off in itertools.product(weights, acts, opts, extra, offloads):
         if x and o["kind"] == "cpu_offload":

@@ -77,13 +77,27 @@ def shape_batches(shapes: list, batch_size: int) -> list[list[int]]:
     return out
 
 
-def decoded_batches(jobs: list[tuple], shapes: list, batch_size: int, *, video: bool, random_crop: bool,
-                    workers: int, pin: bool, prefetch: int = 4) -> Iterator[dict]:
+def decoded_batches(
+    jobs: list[tuple],
+    shapes: list,
+    batch_size: int,
+    *,
+    video: bool,
+    random_crop: bool,
+    workers: int,
+    pin: bool,
+    prefetch: int = 4,
+) -> Iterator[dict]:
     """Batches of :func:`collate` in the order of ``jobs`` (sorted by ``shapes``), decoded by ``workers``
     processes (0: here), pinned for an asynchronous copy when ``pin``."""
-    loader = DataLoader(DecodeSet(jobs, video, random_crop), batch_sampler=shape_batches(shapes, batch_size),
-                        num_workers=workers, collate_fn=collate, pin_memory=pin,
-                        prefetch_factor=prefetch if workers else None)
+    loader = DataLoader(
+        DecodeSet(jobs, video, random_crop),
+        batch_sampler=shape_batches(shapes, batch_size),
+        num_workers=workers,
+        collate_fn=collate,
+        pin_memory=pin,
+        prefetch_factor=prefetch if workers else None,
+    )
     yield from loader
 
 

@@ -41,8 +41,9 @@ def ensure_class_images(cfg: Config, family, device: torch.device) -> Path:
         for k in range(missing):
             i = present + k
             g = torch.Generator(device=device).manual_seed(cfg.train.seed + i)
-            image = pipe(prompt=db.class_prompt, num_inference_steps=db.class_sample_steps, height=side, width=side,
-                         generator=g).images[0]
+            image = pipe(
+                prompt=db.class_prompt, num_inference_steps=db.class_sample_steps, height=side, width=side, generator=g
+            ).images[0]
             path = folder / f"class-{i:05d}.png"
             tmp = folder / f".class-{i:05d}.png.tmp"
             image.save(tmp, format="PNG")

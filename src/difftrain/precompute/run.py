@@ -19,16 +19,16 @@ from ..console import progress, warn
 from ..data.buckets import choose_bucket, make_buckets
 from ..data.cache import DataCache, cache_dir_for, merge_manifests
 from ..data.captions import CaptionAugment, caption_variants
+from ..data.sources import scan_dataset
 from ..distributed import barrier as dist_barrier
 from ..distributed import init as dist_init
 from ..distributed import world_from_env
-from ..data.sources import scan_dataset
 from ..errors import DataError, UsageError
 from ..families.common import cache_fingerprints
 from ..families.registry import get_family
+from ..utils import fix_malloc_mmap_threshold, pick_device, sha256_file, sha256_text, to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .prior import ensure_class_images
-from ..utils import fix_malloc_mmap_threshold, pick_device, sha256_file, sha256_text, to_dtype
 
 
 @dataclass
@@ -75,8 +75,12 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         from ..data.video import frame_buckets, scan_videos
 
         fbuckets = frame_buckets(cfg.data.frames)
-        records, skipped = scan_videos(Path(cfg.data.dir), caption_ext=cfg.data.caption_ext, buckets=fbuckets,
-                                       allow_outside=cfg.data.allow_outside_paths)
+        records, skipped = scan_videos(
+            Path(cfg.data.dir),
+            caption_ext=cfg.data.caption_ext,
+            buckets=fbuckets,
+            allow_outside=cfg.data.allow_outside_paths,
+        )
     else:
         records, skipped = scan_dataset(
             Path(cfg.data.dir),
@@ -90,10 +94,15 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     report.skipped += [(str(p), why) for p, why in skipped]
     db = cfg.dreambooth
     if video and db.with_prior_preservation:
-        raise UsageError("dreambooth.with_prior_preservation is not available for video families yet "
-                         "(class clips would have to be generated).", hint="Set dreambooth.with_prior_preservation: false.")
+        raise UsageError(
+            "dreambooth.with_prior_preservation is not available for video families yet "
+            "(class clips would have to be generated).",
+            hint="Set dreambooth.with_prior_preservation: false.",
+        )
     if db.instance_prompt:
-        records = [replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records]
+        records = [
+            replace(r, caption=r.caption if (db.use_captions and r.caption) else db.instance_prompt) for r in records
+        ]
     records = [(r, False) for r in records]
     if db.with_prior_preservation and not plan_only:  # (a plan does not generate class images)
         if not world.main:  # the first process generates missing class images; the others then find them
@@ -124,7 +133,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             cache.write_json("fingerprints.json", memo)
     crop_mode = "random" if d.random_crop else "center"
     aug = CaptionAugment.from_config(d)
-    text_key = lambda s, caption: sha256_text("text", family.name, s, stage_fp[s], caption)  # noqa: E731
+    text_key = lambda s, caption: sha256_text("text", family.name, s, stage_fp[s], caption)
     caption_of: dict[str, str] = {}  # text entry key -> the caption it encodes
     empty_text = None
     if aug.dropout_rate > 0 and not plan_only:  # the empty caption, once, for the caption dropout
@@ -152,22 +161,30 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
                     raise ValueError(f"{r.frames} frames: shorter than the smallest frame bucket ({fbuckets[1]})")
                 indices = sample_frame_indices(r.frames, frames, mode=d.frame_sampling)
             else:
-                bucket = choose_bucket(r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step,
-                                       no_upscale=d.no_upscale)
+                bucket = choose_bucket(
+                    r.width, r.height, buckets, resolution=d.resolution, step=d.bucket_step, no_upscale=d.no_upscale
+                )
         except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
             report.skipped.append((str(r.path), str(e)))
             continue
         enlarge = max(bucket[0] / r.width, bucket[1] / r.height)
         if d.max_upscale is not None and enlarge > d.max_upscale:
-            report.skipped.append((str(r.path), f"too small: {r.width}x{r.height} would be enlarged {enlarge:.1f}x to fill "
-                                   f"its bucket {bucket[0]}x{bucket[1]} (data.max_upscale is {d.max_upscale:g})"))
+            report.skipped.append(
+                (
+                    str(r.path),
+                    f"too small: {r.width}x{r.height} would be enlarged {enlarge:.1f}x to fill "
+                    f"its bucket {bucket[0]}x{bucket[1]} (data.max_upscale is {d.max_upscale:g})",
+                )
+            )
             continue
         if plan_only:
             plan.append({"record": r, "bucket": bucket, "frames": frames, "prior": is_prior})
             continue
         img_hash = hashes[r.path]
         clip = f"{frames}:{d.frame_sampling}" if video else ""  # the frames taken are part of what is encoded
-        lkey = sha256_text("latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip)
+        lkey = sha256_text(
+            "latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip
+        )
         tkeys = {s: text_key(s, r.caption) for s in stages}
         caption_of.update((k, r.caption) for k in tkeys.values())
         variants = None
@@ -176,8 +193,19 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             for v in caption_variants(r.caption, aug):
                 variants.append({s: text_key(s, v) for s in stages})
                 caption_of.update((k, v) for k in variants[-1].values())
-        plan.append({"record": r, "bucket": bucket, "latent": lkey, "texts": tkeys, "image_sha256": img_hash,
-                     "prior": is_prior, "frames": frames, "indices": indices if video else None, "variants": variants})
+        plan.append(
+            {
+                "record": r,
+                "bucket": bucket,
+                "latent": lkey,
+                "texts": tkeys,
+                "image_sha256": img_hash,
+                "prior": is_prior,
+                "frames": frames,
+                "indices": indices if video else None,
+                "variants": variants,
+            }
+        )
 
     if plan_only:
         for p in plan:
@@ -199,8 +227,15 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             jobs = [(p["latent"], p["record"], p["bucket"], p["indices"], p["image_sha256"]) for p in todo]
             task = bar.add_task("encoding latents", total=len(jobs))
             workers = pc.num_workers if pc.num_workers is not None else default_workers()
-            batches = decoded_batches(jobs, [(p["bucket"], p["frames"] or 1) for p in todo], pc.batch_size, video=video,
-                                      random_crop=d.random_crop, workers=workers, pin=device.type == "cuda")
+            batches = decoded_batches(
+                jobs,
+                [(p["bucket"], p["frames"] or 1) for p in todo],
+                pc.batch_size,
+                video=video,
+                random_crop=d.random_crop,
+                workers=workers,
+                pin=device.type == "cuda",
+            )
             unreadable: set[str] = set()
             t_lat = time.perf_counter()
             for b in batches:
@@ -240,7 +275,9 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             torch.cuda.empty_cache()
     if world.distributed:  # every process learns which items the others could not read
         bad_keys = set(_gather([p["latent"] for p in plan if p.get("bad")], world))
-        report.skipped = report.skipped[:n_skipped_before] + [tuple(x) for x in _gather(report.skipped[n_skipped_before:], world)]
+        report.skipped = report.skipped[:n_skipped_before] + [
+            tuple(x) for x in _gather(report.skipped[n_skipped_before:], world)
+        ]
         for p in plan:
             if p["latent"] in bad_keys:
                 p["bad"] = True
@@ -262,8 +299,13 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         if not missing_txt:
             _merge(cache, world)
             continue
-        comps = family.load(cfg.model, list(family.text_stages[stage]), dtype=to_dtype(pc.text_encoder_dtype), device=device,
-                            precision=family.stage_precision(stage, opts))
+        comps = family.load(
+            cfg.model,
+            list(family.text_stages[stage]),
+            dtype=to_dtype(pc.text_encoder_dtype),
+            device=device,
+            precision=family.stage_precision(stage, opts),
+        )
         with progress() as bar, torch.no_grad():
             task = bar.add_task(f"encoding captions ({stage})", total=len(missing_txt))
             for i in range(0, len(missing_txt), pc.batch_size):
@@ -296,11 +338,15 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         warn(f"... and {len(report.skipped) - 20} more skipped (all of them: {cache.root / 'precompute-report.json'})")
     if not plan:
         raise DataError(
-            f"No usable images in {cfg.data.dir}" + (f" ({len(report.skipped)} skipped)" if report.skipped else "") + ".",
+            f"No usable images in {cfg.data.dir}"
+            + (f" ({len(report.skipped)} skipped)" if report.skipped else "")
+            + ".",
             hint="Add .png/.jpg/.webp images with caption files, or check the skipped list above.",
         )
     if strict and report.skipped:
-        raise DataError(f"{len(report.skipped)} image(s) could not be used and --strict is set.", hint="Fix or remove them.")
+        raise DataError(
+            f"{len(report.skipped)} image(s) could not be used and --strict is set.", hint="Fix or remove them."
+        )
 
     for p in plan:
         bucket = f"{p['bucket'][0]}x{p['bucket'][1]}"
@@ -351,16 +397,19 @@ def _write_report(cache: DataCache, cfg: Config, report: PrecomputeReport, usabl
     import datetime
 
     path = cache.root / "precompute-report.json"
-    cache.write_json(path.name, {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "data_dir": str(cfg.data.dir),
-        "usable": usable,
-        "skipped": [{"path": p, "reason": why} for p, why in report.skipped],
-        "converted": report.converted,
-        "captions": report.captions,
-        "latents_encoded": report.latents_encoded,
-        "latents_reused": report.latents_reused,
-    })
+    cache.write_json(
+        path.name,
+        {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "data_dir": str(cfg.data.dir),
+            "usable": usable,
+            "skipped": [{"path": p, "reason": why} for p, why in report.skipped],
+            "converted": report.converted,
+            "captions": report.captions,
+            "latents_encoded": report.latents_encoded,
+            "latents_reused": report.latents_reused,
+        },
+    )
     return path
 
 

@@ -23,30 +23,44 @@ def cache_differences(cfg: Config, family, cache: DataCache, index: dict, live_s
     pc = cfg.precompute
     for name, now in (("vae_dtype", pc.vae_dtype), ("text_encoder_dtype", pc.text_encoder_dtype)):
         then = index.get(name)
-        if then is not None and then != now and not (name == "text_encoder_dtype" and _all_live(family, cfg, live_stages)):
+        if (
+            then is not None
+            and then != now
+            and not (name == "text_encoder_dtype" and _all_live(family, cfg, live_stages))
+        ):
             diffs.append(f"precompute.{name}: the cache was made with {then}, this config has {now}")
     cached_stages = index.get("text_stages")
     if index.get("vae") is not None or cached_stages is not None:
-        memo = cache.read_json("fingerprints.json", {}) or {}  # weight hashes by file stat: no re-hashing when unchanged
+        memo = (
+            cache.read_json("fingerprints.json", {}) or {}
+        )  # weight hashes by file stat: no re-hashing when unchanged
         vae, stages = cache_fingerprints(family, cfg, memo)
         if index.get("vae") not in (None, vae):
-            diffs.append(f"the {family.image_encoder} weights: the cache holds latents of {index['vae'][:12]}, "
-                         f"this model's are {vae[:12]} (model.path {cfg.model.path})")
+            diffs.append(
+                f"the {family.image_encoder} weights: the cache holds latents of {index['vae'][:12]}, "
+                f"this model's are {vae[:12]} (model.path {cfg.model.path})"
+            )
         for s, fp in stages.items():
             if s in live_stages or cached_stages is None:
                 continue  # a trained encoder's captions are encoded on the fly: its cached embeddings are not read
             if s not in cached_stages:
-                diffs.append(f"text stage {s!r}: the cache has no embeddings for it (it was disabled when the cache was made)")
+                diffs.append(
+                    f"text stage {s!r}: the cache has no embeddings for it (it was disabled when the cache was made)"
+                )
             elif cached_stages[s] != fp and index.get("text_encoder_dtype") in (None, pc.text_encoder_dtype):
-                diffs.append(f"text stage {s!r} ({', '.join(family.text_stages[s])}): other weights or options "
-                             f"(text_encoders settings) than the cache was made with")
+                diffs.append(
+                    f"text stage {s!r} ({', '.join(family.text_stages[s])}): other weights or options "
+                    f"(text_encoders settings) than the cache was made with"
+                )
     want = CaptionAugment.from_config(cfg.data)
     had = index.get("captions")
     if had is not None and not _all_live(family, cfg, live_stages):
         now = want.record()
         changed = [f"{k} {had.get(k)!r} -> {now[k]!r}" for k in now if k != "dropout" and had.get(k) != now[k]]
         if want.varies and had.get("variants", 0) == 0:
-            diffs.append("data.shuffle_caption / caption_tag_dropout_rate: set, but the cache holds one version of each caption")
+            diffs.append(
+                "data.shuffle_caption / caption_tag_dropout_rate: set, but the cache holds one version of each caption"
+            )
         elif want.varies and changed:
             diffs.append("caption augmentation changed since the cache was made: " + ", ".join(changed))
         if want.dropout_rate > 0 and not index.get("empty_text"):
@@ -62,4 +76,6 @@ def check_cache(cfg: Config, family, cache: DataCache, index: dict, live_stages:
     """:class:`CacheMismatch` naming every difference (see :func:`cache_differences`)."""
     diffs = cache_differences(cfg, family, cache, index, live_stages)
     if diffs:
-        raise CacheMismatch(f"The cache at {cache.root} does not match this config:\n  - " + "\n  - ".join(diffs), hint=_RERUN)
+        raise CacheMismatch(
+            f"The cache at {cache.root} does not match this config:\n  - " + "\n  - ".join(diffs), hint=_RERUN
+        )

@@ -25,8 +25,10 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "trainer_state.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    done = [
+        p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "trainer_state.json").exists()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def resolve_resume(output_dir: Path, resume: str) -> Path:
@@ -40,8 +42,10 @@ def resolve_resume(output_dir: Path, resume: str) -> Path:
         return found[-1]
     p = Path(resume)
     if not (p / "trainer_state.json").exists():
-        raise CheckpointError(f"{p} is not a difftrain checkpoint (no trainer_state.json).",
-                              hint="Give a folder like <output_dir>/checkpoints/step-00000100, or --resume latest.")
+        raise CheckpointError(
+            f"{p} is not a difftrain checkpoint (no trainer_state.json).",
+            hint="Give a folder like <output_dir>/checkpoints/step-00000100, or --resume latest.",
+        )
     return p
 
 

@@ -12,13 +12,16 @@ import torch
 
 
 class EMA:
-    def __init__(self, named_params: dict[str, torch.nn.Parameter], decay: float, update_every: int = 1, device: str = "same"):
+    def __init__(
+        self, named_params: dict[str, torch.nn.Parameter], decay: float, update_every: int = 1, device: str = "same"
+    ):
         self.decay = decay
         self.update_every = update_every
         self.params = named_params
         self.device = None if device == "same" else torch.device(device)
         self.shadow = {
-            n: p.detach().to(device=self.device or p.device, dtype=torch.float32, copy=True) for n, p in named_params.items()
+            n: p.detach().to(device=self.device or p.device, dtype=torch.float32, copy=True)
+            for n, p in named_params.items()
         }
         if self.device is not None and self.device.type == "cpu" and torch.cuda.is_available():
             self.shadow = {n: t.pin_memory() for n, t in self.shadow.items()}
@@ -30,7 +33,9 @@ class EMA:
             return False
         for n, p in self.params.items():
             s = self.shadow[n]
-            s.lerp_(p.detach().to(s.device, torch.float32), 1 - self.decay)  # blocking: a GPU->host copy must land first
+            s.lerp_(
+                p.detach().to(s.device, torch.float32), 1 - self.decay
+            )  # blocking: a GPU->host copy must land first
         return True
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -11,39 +11,52 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import resource
-import os
 import tempfile
-from contextlib import contextmanager
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from rich.progress import ProgressColumn, TextColumn
 from rich.text import Text
+from torch.nn.parallel import DistributedDataParallel
 
+from .. import distributed as dist_
+from .. import speed as speed_
 from ..config.schema import Config
 from ..console import info, progress, warn
 from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for, check_index
-from ..errors import (CacheMismatch, CheckpointError, ConfigError, DifftrainError, Interrupted, LossNotFinite,
-                      ModelLoadError)
+from ..data.captions import CaptionAugment, live_caption, pick_text
+from ..errors import (
+    CacheMismatch,
+    CheckpointError,
+    ConfigError,
+    DifftrainError,
+    Interrupted,
+    LossNotFinite,
+    ModelLoadError,
+)
 from ..families.base import stage_precisions
 from ..families.registry import get_family
-from ..memory.plan import (apply_activations, apply_offload, apply_weights, apply_weights_before_adapters, load_device,
-                           make_optimizer,
-                           weights_dtype)
-from .cache_check import check_cache
-from ..data.captions import CaptionAugment, live_caption, pick_text
-from .ema import EMA
+from ..memory.plan import (
+    apply_activations,
+    apply_offload,
+    apply_weights,
+    apply_weights_before_adapters,
+    load_device,
+    make_optimizer,
+    weights_dtype,
+)
 from ..utils import atomic_dir, atomic_write_text, pick_device, read_json_object, stored_float_dtype, to_dtype
 from . import checkpoint as ckpt
-from .. import distributed as dist_
-from .. import speed as speed_
+from .cache_check import check_cache
+from .ema import EMA
 from .lora import adapter_metadata, add_lora, export_layers, trainable_state
 from .state import load_tree, save_tree
 
@@ -102,7 +115,7 @@ def plan_parts(cfg: Config, family) -> tuple[list[str], dict[str, float]]:
     if t.method == "lora":
         lrs[family.denoiser] = t.learning_rate
         if t.train_text_encoders:
-            lrs.update({p: t.learning_rate for p in te})
+            lrs.update(dict.fromkeys(te, t.learning_rate))
     else:
         f = cfg.full
         if f.train_unet:
@@ -150,8 +163,9 @@ def memory_hints(cfg: Config) -> dict:
     family = get_family(cfg.family)
     parts, lrs = plan_parts(cfg, family)
     video = {"frames": cfg.data.frames} if getattr(family, "video", False) else {}
-    return family.memory_hints(cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs),
-                               cfg.train.method, **video)
+    return family.memory_hints(
+        cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method, **video
+    )
 
 
 def plan_memory(cfg: Config):
@@ -214,10 +228,14 @@ class Trainer:
         self.items = [it for it in items if not it.get("prior")]
         self.prior_items = [it for it in items if it.get("prior")]
         if cfg.dreambooth.with_prior_preservation and not self.prior_items:
-            raise CacheMismatch("dreambooth.with_prior_preservation is set but the cache has no class images.",
-                                hint="Run `difftrain precompute` with the same config (it generates and caches them).")
+            raise CacheMismatch(
+                "dreambooth.with_prior_preservation is set but the cache has no class images.",
+                hint="Run `difftrain precompute` with the same config (it generates and caches them).",
+            )
         if not self.items:
-            raise CacheMismatch(f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set.")
+            raise CacheMismatch(
+                f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set."
+            )
         self.val_items = self._hold_out()
         speed_.check_attention(cfg.speed, self.device)  # an attention kernel the device lacks, named before loading
         parts, lrs = plan_parts(cfg, self.family)
@@ -227,25 +245,42 @@ class Trainer:
 
             lora_files.formats(cfg, self.family)  # a layout the family lacks is refused before anything loads
             if cfg.lora.init_weights is not None:  # read (and checked against the model's names) before loading it
-                init = lora_files.read_lora(Path(cfg.lora.init_weights), cfg, self.family, [p for p in parts if p in lrs])
+                init = lora_files.read_lora(
+                    Path(cfg.lora.init_weights), cfg, self.family, [p for p in parts if p in lrs]
+                )
         self.live_stages = live_stages(cfg, self.family, lrs)
         check_cache(cfg, self.family, self.cache, self.index, self.live_stages)
         self.caption_aug = CaptionAugment.from_config(cfg.data)
         if self.live_stages:
-            info(f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
-                 "those cached embeddings are not used")
+            info(
+                f"text encoders are trained: captions are encoded on the fly each step ({', '.join(self.live_stages)}); "
+                "those cached embeddings are not used"
+            )
         den = self.family.denoiser
         e = cfg.memory.engine
         # a full fine-tune under ZeRO-3 builds the denoiser partitioned. Not with LoRA: peft reads the whole shape
         # of each adapted weight, which a partitioned one no longer has (its frozen base is then loaded by every
         # process from the same memory-mapped pages, one copy in host RAM, before DeepSpeed partitions it).
         # DIFFTRAIN_ZERO3_INIT=0 takes that path for full fine-tunes too (for comparison in benchmarks/multi_gpu.py)
-        zero3 = (e.kind == "deepspeed" and e.stage == 3 and den in parts and t.method == "full"
-                 and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0")
+        zero3 = (
+            e.kind == "deepspeed"
+            and e.stage == 3
+            and den in parts
+            and t.method == "full"
+            and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0"
+        )
         loaded = [part for part in parts if not (zero3 and part == den)]
-        self.comps = self.family.load(cfg.model, loaded, dtype=weights_dtype(cfg.memory),
-                                      device=load_device(cfg.memory, self.device),
-                                      precision=stage_precisions(self.family, cfg.text_encoders, self.live_stages)) if loaded else {}
+        self.comps = (
+            self.family.load(
+                cfg.model,
+                loaded,
+                dtype=weights_dtype(cfg.memory),
+                device=load_device(cfg.memory, self.device),
+                precision=stage_precisions(self.family, cfg.text_encoders, self.live_stages),
+            )
+            if loaded
+            else {}
+        )
         if zero3:
             self.comps[den] = self._partitioned_denoiser()
         self.trained: dict[str, torch.nn.Module] = {}
@@ -260,11 +295,15 @@ class Trainer:
                 info(f"speed.float8: {n} Linear layers of {part} compute in fp8 (torchao float8 training)")
             if part in lrs:
                 if t.method == "lora":
-                    targets = cfg.lora.targets if part == self.family.denoiser else self.family.text_encoder_lora_targets
+                    targets = (
+                        cfg.lora.targets if part == self.family.denoiser else self.family.text_encoder_lora_targets
+                    )
                     try:
                         params = add_lora(module, cfg.lora, targets)
                     except ValueError as e:
-                        raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
+                        raise DifftrainError(
+                            f"LoRA: {e}.", hint="Check lora.targets against the model's module names."
+                        ) from None
                     if init is not None:
                         self._init_lora(part, module, init)
                 else:
@@ -282,10 +321,17 @@ class Trainer:
             if swapped:
                 if self.device.type != "cuda":
                     warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
-                self.block_swap = apply_offload(cfg.memory, module, self.family.swap_blocks(module), self.device,
-                                                full=part in lrs and t.method == "full")
-                info(f"block swap: {len(self.block_swap.swapped)} of {len(self.block_swap.units)} blocks of {part} "
-                     f"({self.block_swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM")
+                self.block_swap = apply_offload(
+                    cfg.memory,
+                    module,
+                    self.family.swap_blocks(module),
+                    self.device,
+                    full=part in lrs and t.method == "full",
+                )
+                info(
+                    f"block swap: {len(self.block_swap.swapped)} of {len(self.block_swap.units)} blocks of {part} "
+                    f"({self.block_swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM"
+                )
             if part == den:
                 self._speed_up(module)
         self.params = [p for g in groups for p in g["params"]]
@@ -296,21 +342,37 @@ class Trainer:
             # the validator allows the denoiser as the only trained part
             self.engine, self.optimizer = initialize(cfg, self.trained[self.family.denoiser], self.params)
         else:
-            self.optimizer = make_optimizer(cfg.memory, groups, t.learning_rate, seed=t.seed,
-                                            kernels=speed_.optimizer_kernels(cfg.speed, self.params))
+            self.optimizer = make_optimizer(
+                cfg.memory,
+                groups,
+                t.learning_rate,
+                seed=t.seed,
+                kernels=speed_.optimizer_kernels(cfg.speed, self.params),
+            )
         if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in self.params):
-            warn("adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
-                 "very small updates are lost; memory.optimizer.kind adamw rounds stochastically")
+            warn(
+                "adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
+                "very small updates are lost; memory.optimizer.kind adamw rounds stochastically"
+            )
         if self.world.distributed and cfg.memory.engine.kind in ("single", "ddp"):
             self._wrap_ddp()
         e = cfg.memory.engine
-        if self.world.distributed and e.kind == "deepspeed" and e.stage == 3 and (cfg.validation.prompts or cfg.validation.loss_items):
-            raise ConfigError("validation with DeepSpeed ZeRO-3 on several processes is not supported yet (the first "
-                              "process alone cannot run a model whose weights are spread over all of them).",
-                              hint="Drop validation.prompts / validation.loss_items for this run, or use ZeRO-2.")
+        if (
+            self.world.distributed
+            and e.kind == "deepspeed"
+            and e.stage == 3
+            and (cfg.validation.prompts or cfg.validation.loss_items)
+        ):
+            raise ConfigError(
+                "validation with DeepSpeed ZeRO-3 on several processes is not supported yet (the first "
+                "process alone cannot run a model whose weights are spread over all of them).",
+                hint="Drop validation.prompts / validation.loss_items for this run, or use ZeRO-2.",
+            )
         self.ema = None
         if cfg.ema.enabled:
-            named = {f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad}
+            named = {
+                f"{part}.{n}": p for part, m in self.trained.items() for n, p in m.named_parameters() if p.requires_grad
+            }
             self.ema = EMA(named, cfg.ema.decay, cfg.ema.update_every, cfg.ema.device)
         # a batch never mixes sizes, nor (video) frame counts
         # the global batch: batch_size per process (as the diffusers scripts and sd-scripts count it)
@@ -348,8 +410,10 @@ class Trainer:
             act = self.cfg.memory.activations
             every = act.every if act.kind == "checkpoint" else 0
             n = speed_.compile_blocks(module, self.family.repeated_blocks, sp, checkpoint_every=every)
-            info(f"speed.compile: {n} blocks of {self.family.denoiser} compile on their first step"
-                 f"{', checkpointed inside the compiled region' if every else ''} (cache: {speed_.compile_cache_dir(sp)})")
+            info(
+                f"speed.compile: {n} blocks of {self.family.denoiser} compile on their first step"
+                f"{', checkpointed inside the compiled region' if every else ''} (cache: {speed_.compile_cache_dir(sp)})"
+            )
 
     def _init_lora(self, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
         """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
@@ -358,8 +422,10 @@ class Trainer:
         src = Path(self.cfg.lora.init_weights)
         layers, file_alphas = init
         if part not in layers:
-            raise ConfigError(f"lora.init_weights {src.name} has no {part} layers.",
-                              hint="Train only the parts the file adapts, or give the LoRA that has them.")
+            raise ConfigError(
+                f"lora.init_weights {src.name} has no {part} layers.",
+                hint="Train only the parts the file adapts, or give the LoRA that has them.",
+            )
         lora_files.load_into(module, part, layers[part], file_alphas.get(part, {}), adapter_metadata(module), src)
         info(f"{part}: LoRA weights taken from {src}")
 
@@ -381,8 +447,10 @@ class Trainer:
         try:
             return build_partitioned(cfg, lambda: self.family.empty_part(cfg.model, den), read, self.world.main)
         except ValueError as err:
-            raise ModelLoadError(f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
-                                 hint="Check model.config (single files) or the folder's config.json.") from None
+            raise ModelLoadError(
+                f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
+                hint="Check model.config (single files) or the folder's config.json.",
+            ) from None
 
     def _wrap_ddp(self) -> None:
         """DistributedDataParallel around each trained part (its gradients averaged in buckets during backward).
@@ -426,9 +494,11 @@ class Trainer:
         every = [torch.zeros_like(mine) for _ in range(self.world.size)]
         dist.all_gather(every, mine)
         if any(not torch.equal(every[0], e) for e in every[1:]):
-            raise DifftrainError(f"The {self.world.size} processes ended with different weights (checksums "
-                                 f"{[tuple(round(x, 6) for x in e.tolist()) for e in every]}).",
-                                 hint="Report it with the config; a run on one process is unaffected.")
+            raise DifftrainError(
+                f"The {self.world.size} processes ended with different weights (checksums "
+                f"{[tuple(round(x, 6) for x in e.tolist()) for e in every]}).",
+                hint="Report it with the config; a run on one process is unaffected.",
+            )
         info(f"the {self.world.size} processes' trained weights agree (checksum {every[0][0].item():.6f})")
 
     def _bucket_keys(self) -> list:
@@ -457,8 +527,10 @@ class Trainer:
         if not n:
             return []
         if n >= len(self.items):
-            raise ConfigError(f"validation.loss_items is {n}, but the cache has {len(self.items)} training items.",
-                              hint="Hold out fewer items, so that some are left to train on.")
+            raise ConfigError(
+                f"validation.loss_items is {n}, but the cache has {len(self.items)} training items.",
+                hint="Hold out fewer items, so that some are left to train on.",
+            )
         order = sorted(range(len(self.items)), key=lambda i: self.items[i]["latent"])
         pick = set(random.Random(f"difftrain-val:{self.cfg.validation.seed}").sample(order, n))
         held = [it for i, it in enumerate(self.items) if i in pick]
@@ -469,7 +541,7 @@ class Trainer:
         """n class items for the instance batch at the current position: a function of (seed, epoch, batch),
         so a resumed run draws the same ones. One bucket per batch (the instance batch's when it has one)."""
         rng = random.Random(f"difftrain-prior:{self.cfg.train.seed}:{self.epoch}:{self.batch_pos}")
-        key = lambda it: (*it["bucket"], it.get("frames", 1))  # noqa: E731
+        key = lambda it: (*it["bucket"], it.get("frames", 1))
         buckets = sorted({key(it) for it in self.prior_items})
         bucket = rng.choice(buckets)
         pool = [it for it in self.prior_items if key(it) == bucket]
@@ -481,7 +553,10 @@ class Trainer:
         fam = self.family
         items = items if items is not None else [self.items[i] for i in idx]
         seed, aug = self.cfg.train.seed, self.caption_aug
-        texts = [pick_text(it, aug, seed, self.epoch, self.index.get("empty_text")) if augment else it["texts"] for it in items]
+        texts = [
+            pick_text(it, aug, seed, self.epoch, self.index.get("empty_text")) if augment else it["texts"]
+            for it in items
+        ]
         lat_entries = [self.cache.get(it["latent"]) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
         to = self._to_device
@@ -491,8 +566,10 @@ class Trainer:
         for stage in fam.enabled_stages(self.cfg.text_encoders):
             if stage in self.live_stages:
                 comps = {**self.comps, **self.wrapped}
-                captions = [live_caption(it["caption"], aug, seed, self.epoch, it["key"]) if augment else it["caption"]
-                            for it in items]
+                captions = [
+                    live_caption(it["caption"], aug, seed, self.epoch, it["key"]) if augment else it["caption"]
+                    for it in items
+                ]
                 stages[stage] = fam.encode_prompts(comps, captions, stage, self.cfg.text_encoders)
             else:
                 entries = [self.cache.get(tx[stage]) for tx in texts]
@@ -508,8 +585,12 @@ class Trainer:
         return x.to(self.device)
 
     # ---------------------------------------------------------------- one micro-batch
-    def _loss(self, batch: dict[str, torch.Tensor], fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
-              per_sample: bool = False) -> torch.Tensor:
+    def _loss(
+        self,
+        batch: dict[str, torch.Tensor],
+        fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        per_sample: bool = False,
+    ) -> torch.Tensor:
         """The training loss of a micro-batch. ``fixed = (noise, q)`` gives the noise and the noise level as
         a quantile q in (0, 1) instead of drawing them, and drops what only training adds (noise offset,
         image dropout, loss weighting): the validation loss, comparable across trials."""
@@ -524,7 +605,8 @@ class Trainer:
             if t.noise_offset:
                 shape = (latents.shape[1],) + (1,) * (latents.ndim - 2)
                 noise = noise + t.noise_offset * self._draw(
-                    lambda n: torch.randn((n, *shape), generator=self.gen, device=self.device), b)
+                    lambda n: torch.randn((n, *shape), generator=self.gen, device=self.device), b
+                )
             if hasattr(self.family, "drop_image_conditioning"):  # image-to-video: sometimes train without the image
                 batch = self.family.drop_image_conditioning(batch, self.gen)
         q = fixed[1] if fixed is not None else None
@@ -534,10 +616,18 @@ class Trainer:
             noisy, timesteps, target, weight = self._ddpm_inputs(latents, noise, q)
         if fixed is not None:
             weight = None
-        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None):
-            cond = {k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v) for k, v in batch.items()}
-            denoiser = (_EngineView(self.engine, self.comps[self.family.denoiser]) if self.engine is not None
-                        else self._fwd(self.family.denoiser))
+        with torch.autocast(
+            self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+        ):
+            cond = {
+                k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v)
+                for k, v in batch.items()
+            }
+            denoiser = (
+                _EngineView(self.engine, self.comps[self.family.denoiser])
+                if self.engine is not None
+                else self._fwd(self.family.denoiser)
+            )
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
         if weight is not None:
@@ -549,7 +639,9 @@ class Trainer:
         t, sched = self.cfg.train, self.noise_scheduler
         n = sched.config.num_train_timesteps
         if q is None:
-            timesteps = self._draw(lambda k: torch.randint(0, n, (k,), generator=self.gen, device=self.device), latents.shape[0])
+            timesteps = self._draw(
+                lambda k: torch.randint(0, n, (k,), generator=self.gen, device=self.device), latents.shape[0]
+            )
         else:
             timesteps = (q * n).long().clamp(0, n - 1)
         noisy = sched.add_noise(latents, noise, timesteps)
@@ -566,7 +658,9 @@ class Trainer:
         """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3). A given quantile q is shifted
         as the scheduler shifts its sigmas."""
         if q is None:
-            sigmas = self._draw(lambda k: sample_sigmas(self.cfg.flow, k, self.flow_shift, self.gen, self.device), latents.shape[0])
+            sigmas = self._draw(
+                lambda k: sample_sigmas(self.cfg.flow, k, self.flow_shift, self.gen, self.device), latents.shape[0]
+            )
         else:
             sigmas = self.flow_shift * q / (1 + (self.flow_shift - 1) * q)
         s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
@@ -619,8 +713,11 @@ class Trainer:
         result = TrainResult(self.out, end)
         from .sinks import MetricSinks
 
-        metrics = (MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
-                   if self.world.main else _NoSinks())
+        metrics = (
+            MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
+            if self.world.main
+            else _NoSinks()
+        )
         self._val_seconds, start_step, t_loop = 0.0, self.step, time.time()
         try:
             with self._ctrl_c():
@@ -683,20 +780,38 @@ class Trainer:
                     grad_norm = self._optimizer_step(accum)
                     if self.ema is not None:
                         self.ema.update(self.step)
-                    self._pending.append({"step": self.step, "epoch": self.epoch, "loss": accum, "grad_norm": grad_norm,
-                                          "prior_loss": prior_sum if self.prior_items else None, "inputs_finite": bad_input,
-                                          "lr": self.lr_scheduler.get_last_lr()[0]})
+                    self._pending.append(
+                        {
+                            "step": self.step,
+                            "epoch": self.epoch,
+                            "loss": accum,
+                            "grad_norm": grad_norm,
+                            "prior_loss": prior_sum if self.prior_items else None,
+                            "inputs_finite": bad_input,
+                            "lr": self.lr_scheduler.get_last_lr()[0],
+                        }
+                    )
                     accum, micro, prior_sum, bad_input = 0.0, 0, 0.0, None
                     if self.step_hook is not None:
                         self.step_hook()
                     v, every = self.cfg.validation, self.cfg.save.every_n_steps
                     save_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0)
-                    validate_now = bool(v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps)
-                    export_now = bool(t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps)
+                    validate_now = bool(
+                        v.every_n_steps and self.step % v.every_n_steps == 0 and self.step < self.total_steps
+                    )
+                    export_now = bool(
+                        t.method == "full" and every and self.step % every == 0 and self.step < self.total_steps
+                    )
                     stop = False
-                    if (save_now or validate_now or export_now or self.step >= end or self.step >= self._flush_at
-                            or self.step in self.flush_steps
-                            or (self._interrupt and not self.world.distributed)):
+                    if (
+                        save_now
+                        or validate_now
+                        or export_now
+                        or self.step >= end
+                        or self.step >= self._flush_at
+                        or self.step in self.flush_steps
+                        or (self._interrupt and not self.world.distributed)
+                    ):
                         stop = self._flush()  # the losses are checked before anything is saved from these weights
                     if save_now:
                         result.checkpoints.append(self.save_checkpoint())
@@ -716,8 +831,10 @@ class Trainer:
             self._validate("final", stats, metrics, result)
         if self.fp16_skipped:
             stats["fp16_skipped_steps"] = self.fp16_skipped
-            warn(f"the fp16 grad scaler skipped {self.fp16_skipped} of {self.step} steps (gradients overflowed; it lowers "
-                 "its scale each time): many skips mean mixed_precision bf16 would train better")
+            warn(
+                f"the fp16 grad scaler skipped {self.fp16_skipped} of {self.step} steps (gradients overflowed; it lowers "
+                "its scale each time): many skips mean mixed_precision bf16 would train better"
+            )
         if self.nonfinite_skipped:
             stats["nonfinite_skipped_steps"] = self.nonfinite_skipped
 
@@ -738,12 +855,19 @@ class Trainer:
         now = time.time()
         t_last, step_last = self._last_flush
         per_step = (now - t_last) / max(1, self.step - step_last)
-        every = max(1, min(1000, int(self.cfg.speed.sync_seconds / max(per_step, 1e-6)))) if self.cfg.speed.sync_seconds else 1
+        every = (
+            max(1, min(1000, int(self.cfg.speed.sync_seconds / max(per_step, 1e-6))))
+            if self.cfg.speed.sync_seconds
+            else 1
+        )
         keys = ("loss", "grad_norm", "prior_loss", "inputs_finite")
         row = [(1.0 if k == "inputs_finite" else float("nan")) if pe[k] is None else pe[k] for pe in pend for k in keys]
         dev = self.device if self.device.type == "cuda" else torch.device("cpu")
-        flat = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in row]) if row else \
-            torch.zeros(0, dtype=torch.float64, device=dev)
+        flat = (
+            torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in row])
+            if row
+            else torch.zeros(0, dtype=torch.float64, device=dev)
+        )
         stop_local = 1.0 if self._interrupt else 0.0
         extra = torch.tensor([stop_local, every if self.world.main else 0], dtype=torch.float64, device=dev)
         flat = torch.cat([flat, extra])
@@ -757,7 +881,7 @@ class Trainer:
         self._flush_at, self._last_flush = self.step + every, (time.time(), self.step)
         self.flush_times[self.step] = self._last_flush[0]
         for i, pe in enumerate(pend):
-            loss, gnorm, prior, inputs_ok = values[i * 4:(i + 1) * 4]
+            loss, gnorm, prior, inputs_ok = values[i * 4 : (i + 1) * 4]
             # the processes' scaled shares sum to the global batch's mean; the gradient norm is the same on each
             loss, prior, gnorm = loss / n, prior / n, gnorm / n
             # a step skip mode dropped is not checked; one the fp16 scaler skipped has an overflowing norm by design
@@ -766,8 +890,13 @@ class Trainer:
                 self._diverged(pe["step"], loss, gnorm, inputs_ok >= n)
             result.losses.append(loss)
             if pe["step"] % self.cfg.train.log_every == 0 or pe["step"] == self.total_steps:
-                rec = {"step": pe["step"], "epoch": pe["epoch"], "loss": loss, "lr": float(pe["lr"]),  # torchao keeps lr as a tensor
-                       "time": round(now - t0, 4)}
+                rec = {
+                    "step": pe["step"],
+                    "epoch": pe["epoch"],
+                    "loss": loss,
+                    "lr": float(pe["lr"]),  # torchao keeps lr as a tensor
+                    "time": round(now - t0, 4),
+                }
                 if pe["grad_norm"] is not None:
                     rec["grad_norm"] = gnorm
                 if pe["prior_loss"] is not None:
@@ -786,18 +915,25 @@ class Trainer:
         t = self.cfg.train
         what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {gnorm}"
         if not inputs_ok:
-            cause = ("that step's batch holds NaN/inf in its cached latents or text embeddings: a damaged or stale cache, "
-                     "or latents encoded by a VAE in fp16 (SDXL's overflows)")
+            cause = (
+                "that step's batch holds NaN/inf in its cached latents or text embeddings: a damaged or stale cache, "
+                "or latents encoded by a VAE in fp16 (SDXL's overflows)"
+            )
             fix = "Run `difftrain precompute` again (precompute.vae_dtype fp32 or bf16) into a fresh data.cache_dir."
         elif t.mixed_precision == "fp16" or self.cfg.memory.weights.kind == "fp16":
             cause = "fp16 overflowed (its largest number is 65504)"
             fix = "Use train.mixed_precision bf16 with memory.weights bf16."
         else:
             cause = f"the learning rate ({t.learning_rate:g}) may be too high for this run"
-            fix = "Lower train.learning_rate" + ("" if t.max_grad_norm else " or set train.max_grad_norm (e.g. 1.0)") + \
-                  "; train.nonfinite: skip drops such steps instead of stopping."
+            fix = (
+                "Lower train.learning_rate"
+                + ("" if t.max_grad_norm else " or set train.max_grad_norm (e.g. 1.0)")
+                + "; train.nonfinite: skip drops such steps instead of stopping."
+            )
         good = [c for c in ckpt.list_checkpoints(self.out) if int(c.name.rsplit("-", 1)[-1]) < step]
-        where = f"The last good checkpoint is {good[-1]} (--resume it)." if good else "No checkpoint was saved before it."
+        where = (
+            f"The last good checkpoint is {good[-1]} (--resume it)." if good else "No checkpoint was saved before it."
+        )
         raise LossNotFinite(f"{prefix}At step {step} {what}: {cause}. {where}", hint=fix)
 
     @contextmanager
@@ -816,8 +952,10 @@ class Trainer:
             self._interrupt = True
             signal.signal(signal.SIGINT, signal.default_int_handler)
             if self.world.main:
-                warn("Ctrl+C: stopping after this step with a checkpoint (press it again to stop at once, "
-                     "without saving)")
+                warn(
+                    "Ctrl+C: stopping after this step with a checkpoint (press it again to stop at once, "
+                    "without saving)"
+                )
 
         previous = signal.signal(signal.SIGINT, handler)
         try:
@@ -829,8 +967,10 @@ class Trainer:
         saved = ckpt.checkpoint_dir(self.out, self.step)
         if not saved.exists():
             saved = self.save_checkpoint()
-        raise Interrupted(f"Interrupted at step {self.step} of {self.total_steps}: the training state is saved in {saved}.",
-                          hint="Continue with the same command plus --resume latest.")
+        raise Interrupted(
+            f"Interrupted at step {self.step} of {self.total_steps}: the training state is saved in {saved}.",
+            hint="Continue with the same command plus --resume latest.",
+        )
 
     def _finish(self, result: TrainResult, stats: dict, t0: float) -> TrainResult:
         t = self.cfg.train
@@ -870,7 +1010,9 @@ class Trainer:
             return
         t_val = time.time()
         if self.device.type == "cuda":
-            stats.setdefault("gpu_peak_alloc_gib_before_validation", round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3))
+            stats.setdefault(
+                "gpu_peak_alloc_gib_before_validation", round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+            )
         if self.val_items:
             val = self.validation_loss()
             result.val_losses.append((self.step, val))
@@ -882,11 +1024,14 @@ class Trainer:
             self.samples = getattr(self, "samples", []) + validate(self, tag)
         if self.device.type == "cuda":
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
-            stats["gpu_alloc_gib_after_validation"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)  # freed again?
+            stats["gpu_alloc_gib_after_validation"] = round(
+                torch.cuda.memory_allocated(self.device) / 2**30, 3
+            )  # freed again?
         self._val_seconds += time.time() - t_val
 
-    def _micro_step(self, batch: dict[str, torch.Tensor], prior: list[dict] | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor | float]:
+    def _micro_step(
+        self, batch: dict[str, torch.Tensor], prior: list[dict] | None, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor | float]:
         """Loss and backward of one micro-batch; (its loss, its prior loss) as device tensors, read at the flush."""
         t = self.cfg.train
         prior_value = 0.0
@@ -939,8 +1084,11 @@ class Trainer:
         if t.max_grad_norm or skip_mode:
             self.scaler.unscale_(self.optimizer)
             grads = [p.grad for p in self.params if p.grad is not None]
-            norm = (torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm) if t.max_grad_norm
-                    else torch.nn.utils.get_total_norm(grads))
+            norm = (
+                torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm)
+                if t.max_grad_norm
+                else torch.nn.utils.get_total_norm(grads)
+            )
         if skip_mode and not bool(torch.isfinite(norm + loss)):  # the one host sync skip mode costs a step
             self._skip_step(float(loss), float(norm))
         else:
@@ -961,18 +1109,24 @@ class Trainer:
         self.nonfinite_skipped += 1
         self._skipped_run = getattr(self, "_skipped_run", 0) + 1
         self._skipped.add(self.step + 1)
-        warn(f"step {self.step + 1}: loss {loss}, gradient norm {norm}: the update is skipped "
-             f"({self.nonfinite_skipped} so far)")
+        warn(
+            f"step {self.step + 1}: loss {loss}, gradient norm {norm}: the update is skipped "
+            f"({self.nonfinite_skipped} so far)"
+        )
         if self._skipped_run >= 5:
             self._flush()  # the steps before it into the log
-            self._diverged(self.step + 1, loss, norm, bool(self._inputs_finite), f"{self._skipped_run} steps in a row: ")
+            self._diverged(
+                self.step + 1, loss, norm, bool(self._inputs_finite), f"{self._skipped_run} steps in a row: "
+            )
 
     # ---------------------------------------------------------------- state
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
         from ..memory.deepspeed_engine import gathered
 
         with gathered(self.engine, self.params):  # ZeRO-3 partitions the LoRA weights too
-            return {part: {n: t.detach().clone() for n, t in export_layers(m).items()} for part, m in self.trained.items()}
+            return {
+                part: {n: t.detach().clone() for n, t in export_layers(m).items()} for part, m in self.trained.items()
+            }
 
     def _lora_layers(self, use_ema: bool) -> dict[str, dict[str, torch.Tensor]]:
         """The LoRA weights to write: the trained ones, or the EMA's (copied out while swapped in)."""
@@ -983,7 +1137,9 @@ class Trainer:
 
     def _save_lora(self, folder: Path, use_ema: bool = False, layers: dict | None = None) -> None:
         meta = {part: adapter_metadata(m) for part, m in self.trained.items()}
-        self.family.save_lora(folder, layers if layers is not None and not use_ema else self._lora_layers(use_ema), meta)
+        self.family.save_lora(
+            folder, layers if layers is not None and not use_ema else self._lora_layers(use_ema), meta
+        )
 
     @contextmanager
     def _ema_swapped(self):
@@ -1014,7 +1170,7 @@ class Trainer:
         if not self.world.main:
             from ..memory.deepspeed_engine import gathered
 
-            for part, m in self.trained.items():  # ZeRO-3's gathers are collective: take part, write nothing
+            for m in self.trained.values():  # ZeRO-3's gathers are collective: take part, write nothing
                 if self.engine is not None:
                     with gathered(self.engine, list(m.parameters())):
                         pass
@@ -1116,15 +1272,19 @@ class Trainer:
         from ..memory.deepspeed_engine import gathered
 
         with gathered(self.engine, self.params):
-            weights = {f"{part}.{n}": p.detach().clone() for part, m in self.trained.items()
-                       for n, p in trainable_state(m).items()}
+            weights = {
+                f"{part}.{n}": p.detach().clone()
+                for part, m in self.trained.items()
+                for n, p in trainable_state(m).items()
+            }
         if write:
             save_tree(weights, tmp, "trainable")
         if self.engine is not None:
             # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
             # from them needs --allow-pickle, as any pickle does); every process writes its own partition
-            self.engine.save_checkpoint(str(tmp / "deepspeed"), tag="state", save_latest=False,
-                                        exclude_frozen_parameters=True)
+            self.engine.save_checkpoint(
+                str(tmp / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
+            )
         elif write:
             save_tree(self.optimizer.state_dict(), tmp, "optimizer")
         layers = self._layers() if self.cfg.train.method == "lora" and self.engine is not None else None
@@ -1144,8 +1304,14 @@ class Trainer:
             save_tree(self.ema.state_dict(), tmp, "ema")
         # scheduler state may hold tensors (torchao keeps lr as one): a tree, not JSON
         save_tree({"lr_scheduler": self.lr_scheduler.state_dict(), "scaler": self.scaler.state_dict()}, tmp, "schedule")
-        state = {"step": self.step, "epoch": self.epoch, "batch_pos": self.batch_pos, "total_steps": self.total_steps,
-                 "global_batch": self.global_batch, "world_size": self.world.size}
+        state = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_pos": self.batch_pos,
+            "total_steps": self.total_steps,
+            "global_batch": self.global_batch,
+            "world_size": self.world.size,
+        }
         if self._plan is not None and self._plan[0] == self.epoch:
             state["epoch_plan"] = self._plan[1]  # an epoch re-cut for another process count: its batches
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
@@ -1167,11 +1333,21 @@ class Trainer:
 
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            info(f"the checkpoint's ZeRO state was cut for another number of GPUs: converting it to DeepSpeed's "
-                 f"universal format ({out})")
-            ds_to_universal.main(argparse.Namespace(input_folder=str(folder / "deepspeed" / "state"), output_folder=str(tmp),
-                                                    num_extract_workers=4, num_merge_workers=2, keep_temp_folder=False,
-                                                    strict=True, inject_missing_state=True))
+            info(
+                f"the checkpoint's ZeRO state was cut for another number of GPUs: converting it to DeepSpeed's "
+                f"universal format ({out})"
+            )
+            ds_to_universal.main(
+                argparse.Namespace(
+                    input_folder=str(folder / "deepspeed" / "state"),
+                    output_folder=str(tmp),
+                    num_extract_workers=4,
+                    num_merge_workers=2,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
             os.replace(tmp, out)
         dist_.barrier(self.world)
         self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint; DeepSpeed has no setter
@@ -1187,14 +1363,19 @@ class Trainer:
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
                 raise
-            raise CheckpointError(f"The checkpoint {folder} is damaged or does not fit this run "
-                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).",
-                                  hint="Resume with the config saved in the checkpoint folder (config.yaml), or from an "
-                                  "earlier checkpoint.") from None
+            raise CheckpointError(
+                f"The checkpoint {folder} is damaged or does not fit this run "
+                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).",
+                hint="Resume with the config saved in the checkpoint folder (config.yaml), or from an "
+                "earlier checkpoint.",
+            ) from None
 
     def _load_state(self, folder: Path) -> None:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
-        if not (isinstance(state, dict) and all(type(state.get(k)) is int and state[k] >= 0 for k in ("step", "epoch", "batch_pos"))):
+        if not (
+            isinstance(state, dict)
+            and all(type(state.get(k)) is int and state[k] >= 0 for k in ("step", "epoch", "batch_pos"))
+        ):
             raise ValueError("trainer_state.json lacks step, epoch or batch_pos as non-negative integers")
         weights = load_tree(folder, "trainable")
         for part, m in self.trained.items():
@@ -1215,12 +1396,18 @@ class Trainer:
                 raise CheckpointError(
                     f"{folder} holds DeepSpeed's optimizer state, which DeepSpeed stores as torch pickles; "
                     "difftrain does not unpickle files unless told to.",
-                    hint="If you trust this folder (difftrain wrote it), resume with --allow-pickle.")
+                    hint="If you trust this folder (difftrain wrote it), resume with --allow-pickle.",
+                )
             tag = "state"
             if state.get("world_size", 1) != self.world.size:  # ZeRO's partitions were cut for another count
                 tag = self._universal(folder)
-            self.engine.load_checkpoint(str(folder / "deepspeed"), tag=tag, load_module_strict=False,
-                                        load_optimizer_states=True, load_lr_scheduler_states=False)
+            self.engine.load_checkpoint(
+                str(folder / "deepspeed"),
+                tag=tag,
+                load_module_strict=False,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
         else:
             self.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
         if self.ema is not None:
@@ -1239,11 +1426,17 @@ class Trainer:
         plan = state.get("epoch_plan")
         if old_global != self.global_batch or plan is not None:
             # another process count (or batch size): the rest of this epoch's items, re-cut to the new global batch
-            old = plan if plan is not None else BucketBatchSampler(self._bucket_keys(), old_global, self.cfg.train.seed).epoch(self.epoch)
-            self._plan = (self.epoch, recut(old[self.batch_pos:], self._bucket_keys(), self.global_batch))
+            old = (
+                plan
+                if plan is not None
+                else BucketBatchSampler(self._bucket_keys(), old_global, self.cfg.train.seed).epoch(self.epoch)
+            )
+            self._plan = (self.epoch, recut(old[self.batch_pos :], self._bucket_keys(), self.global_batch))
             self.batch_pos = 0
-            info(f"the global batch changed from {old_global} to {self.global_batch}: the rest of epoch {self.epoch} "
-                 f"({sum(map(len, self._plan[1]))} items) is re-cut into {len(self._plan[1])} batches")
+            info(
+                f"the global batch changed from {old_global} to {self.global_batch}: the rest of epoch {self.epoch} "
+                f"({sum(map(len, self._plan[1]))} items) is re-cut into {len(self._plan[1])} batches"
+            )
         info(f"resumed from {folder} at step {self.step} (epoch {self.epoch}, batch {self.batch_pos})")
 
 
@@ -1291,5 +1484,7 @@ class _DDP(DistributedDataParallel):
             return getattr(self.module, name)
 
 
-def train(cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None) -> TrainResult:
+def train(
+    cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None
+) -> TrainResult:
     return Trainer(cfg, config_yaml).run(resume, stop_at=stop_at)

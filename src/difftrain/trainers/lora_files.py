@@ -25,8 +25,11 @@ def formats(cfg, family) -> list[str]:
     if chosen is None:
         return ["diffusers", "kohya"] if getattr(family, "kohya_layout", False) else ["diffusers"]
     if "kohya" in chosen and not getattr(family, "kohya_layout", False):
-        raise ConfigError(f"save.lora_formats kohya: {family.name} LoRAs have no kohya layout (sd-scripts does not "
-                          "train this family; its tools load the diffusers layout).", hint="Set save.lora_formats: [diffusers].")
+        raise ConfigError(
+            f"save.lora_formats kohya: {family.name} LoRAs have no kohya layout (sd-scripts does not "
+            "train this family; its tools load the diffusers layout).",
+            hint="Set save.lora_formats: [diffusers].",
+        )
     return list(chosen)
 
 
@@ -71,7 +74,9 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
     return out
 
 
-def write_kohya(path: Path, cfg, family, layers: dict[str, dict[str, torch.Tensor]], peft_meta: dict[str, dict]) -> Path:
+def write_kohya(
+    path: Path, cfg, family, layers: dict[str, dict[str, torch.Tensor]], peft_meta: dict[str, dict]
+) -> Path:
     """The kohya file, atomically; every layer is checked to name a module of the base model first."""
     from safetensors.torch import save
 
@@ -79,8 +84,10 @@ def write_kohya(path: Path, cfg, family, layers: dict[str, dict[str, torch.Tenso
     try:
         sd = kohya.to_kohya(layers, names, {p: alphas(peft_meta[p], layers[p]) for p in layers})
     except kohya.UnmappedKeys as e:
-        raise CheckpointError(f"The kohya LoRA was not written: {e}.",
-                              hint="Those layers cannot be named as sd-scripts names them; the diffusers file has them all.") from None
+        raise CheckpointError(
+            f"The kohya LoRA was not written: {e}.",
+            hint="Those layers cannot be named as sd-scripts names them; the diffusers file has them all.",
+        ) from None
     with atomic_file(path) as f:
         f.write(save(sd, metadata=metadata(cfg, family, peft_meta)))
     return path
@@ -98,36 +105,51 @@ def add_metadata(path: Path, extra: dict[str, str]) -> None:
         f.write(save(sd, metadata=meta))
 
 
-def read_lora(path: Path, cfg, family, parts: list[str]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
+def read_lora(
+    path: Path, cfg, family, parts: list[str]
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
     """A LoRA file of either layout -> (peft-named layers per part, alphas per part and module).
     Only safetensors is read (no pickle); every key that names no module of the model is listed."""
     return read_lora_file(path, cfg.model, family, parts)
 
 
-def read_lora_file(path: Path, mcfg, family, parts: list[str], label: str = "lora.init_weights",
-                   ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
+def read_lora_file(
+    path: Path,
+    mcfg,
+    family,
+    parts: list[str],
+    label: str = "lora.init_weights",
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
     """:func:`read_lora` for the model ``mcfg``; ``label`` is what the messages call the file."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if path.suffix.lower() != ".safetensors":
-        raise UnsafeCheckpoint(f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
-                               hint="Convert it to .safetensors.")
+        raise UnsafeCheckpoint(
+            f"{label} {path} is not a .safetensors file; difftrain does not unpickle LoRA files.",
+            hint="Convert it to .safetensors.",
+        )
     try:
         header = read_safetensors_header(path)  # an absurd header length is refused before anything is allocated
         sd = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - OSError, the check's ValueError, safetensors' own error types
-        raise CheckpointError(f"{label} {path} cannot be read: {str(e).replace(str(path), 'it')}.",
-                              hint="Give a LoRA .safetensors file (is the download complete?).") from None
+        raise CheckpointError(
+            f"{label} {path} cannot be read: {str(e).replace(str(path), 'it')}.",
+            hint="Give a LoRA .safetensors file (is the download complete?).",
+        ) from None
     odd = [k for k, t in sd.items() if not t.is_floating_point() or t.dtype.itemsize < 2]
     if odd:
-        raise CheckpointError(f"{label} {path}: {odd[0]} is {sd[odd[0]].dtype}, not a LoRA weight (fp32/bf16/fp16).",
-                              hint="Give a LoRA .safetensors file.")
+        raise CheckpointError(
+            f"{label} {path}: {odd[0]} is {sd[odd[0]].dtype}, not a LoRA weight (fp32/bf16/fp16).",
+            hint="Give a LoRA .safetensors file.",
+        )
     try:
         return _parse_lora(sd, header.get("__metadata__") or {}, path, mcfg, family, parts, label)
     except (ValueError, TypeError, AttributeError, RuntimeError) as e:  # metadata or alphas of the wrong type or shape
-        raise CheckpointError(f"{label} {path} has a malformed alpha or lora_adapter_metadata: {e}.",
-                              hint="Give a LoRA file that diffusers, difftrain or sd-scripts wrote.") from None
+        raise CheckpointError(
+            f"{label} {path} has a malformed alpha or lora_adapter_metadata: {e}.",
+            hint="Give a LoRA file that diffusers, difftrain or sd-scripts wrote.",
+        ) from None
 
 
 def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str], label: str):
@@ -136,8 +158,10 @@ def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str]
         try:
             return kohya.from_kohya(sd, names)
         except kohya.UnmappedKeys as e:
-            raise CheckpointError(f"{label} {path.name} does not fit this model: {e}.",
-                                  hint="Is it a LoRA of this model family and architecture?") from None
+            raise CheckpointError(
+                f"{label} {path.name} does not fit this model: {e}.",
+                hint="Is it a LoRA of this model family and architecture?",
+            ) from None
     layers: dict[str, dict[str, torch.Tensor]] = {}
     stray = []
     for key, t in sd.items():
@@ -147,9 +171,11 @@ def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str]
         else:
             stray.append(key)
     if stray:
-        raise CheckpointError(f"{label} {path.name}: {len(stray)} keys belong to no trained part "
-                              f"({', '.join(parts)}): {', '.join(sorted(stray)[:5])}.",
-                              hint="Train the parts the file has (train_text_encoders), or give a LoRA of this family.")
+        raise CheckpointError(
+            f"{label} {path.name}: {len(stray)} keys belong to no trained part "
+            f"({', '.join(parts)}): {', '.join(sorted(stray)[:5])}.",
+            hint="Train the parts the file has (train_text_encoders), or give a LoRA of this family.",
+        )
     return layers, diffusers_alphas(meta, layers)
 
 
@@ -163,36 +189,58 @@ def diffusers_alphas(meta: dict[str, str], layers: dict[str, dict[str, torch.Ten
     flat = flat if isinstance(flat, dict) else {}
     found = {}
     for part, sd_part in layers.items():
-        pm = {k[len(part) + 1:]: v for k, v in flat.items() if k.startswith(part + ".")}
-        found[part] = alphas(pm, sd_part) if "lora_alpha" in pm else {
-            k[: -len(".lora_A.weight")]: float(t.shape[0]) for k, t in sd_part.items() if k.endswith(".lora_A.weight")}
+        pm = {k[len(part) + 1 :]: v for k, v in flat.items() if k.startswith(part + ".")}
+        found[part] = (
+            alphas(pm, sd_part)
+            if "lora_alpha" in pm
+            else {
+                k[: -len(".lora_A.weight")]: float(t.shape[0])
+                for k, t in sd_part.items()
+                if k.endswith(".lora_A.weight")
+            }
+        )
     return found
 
 
-def load_into(module: torch.nn.Module, part: str, layers: dict[str, torch.Tensor], file_alphas: dict[str, float],
-              peft_meta: dict, source: Path) -> None:
+def load_into(
+    module: torch.nn.Module,
+    part: str,
+    layers: dict[str, torch.Tensor],
+    file_alphas: dict[str, float],
+    peft_meta: dict,
+    source: Path,
+) -> None:
     """Copy a file's LoRA weights into ``module``'s adapter; rank, alpha and the adapted layers must match."""
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
     mine = get_peft_model_state_dict(module, save_embedding_layers=False)
     missing, extra = sorted(set(mine) - set(layers)), sorted(set(layers) - set(mine))
     if missing or extra:
-        raise ConfigError(f"lora.init_weights {source.name} does not adapt the same {part} layers as this config: "
-                          f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} not adapted here (e.g. {extra[:2]}).",
-                          hint="Set lora.targets to the layers the file adapts.")
+        raise ConfigError(
+            f"lora.init_weights {source.name} does not adapt the same {part} layers as this config: "
+            f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} not adapted here (e.g. {extra[:2]}).",
+            hint="Set lora.targets to the layers the file adapts.",
+        )
     wrong = [k for k in mine if tuple(mine[k].shape) != tuple(layers[k].shape)]
     if wrong:
         k = wrong[0]
-        raise ConfigError(f"lora.init_weights {source.name}: {k} is {tuple(layers[k].shape)} in the file, "
-                          f"{tuple(mine[k].shape)} here.", hint="Set lora.rank to the file's rank.")
+        raise ConfigError(
+            f"lora.init_weights {source.name}: {k} is {tuple(layers[k].shape)} in the file, "
+            f"{tuple(mine[k].shape)} here.",
+            hint="Set lora.rank to the file's rank.",
+        )
     want = alphas(peft_meta, mine)
     off = [m for m, a in want.items() if abs(file_alphas.get(m, a) - a) > 1e-6 * max(1.0, a)]
     if off:
         m = off[0]
-        raise ConfigError(f"lora.init_weights {source.name}: alpha {file_alphas[m]:g} in the file, {want[m]:g} here ({m}).",
-                          hint=f"Set lora.alpha: {file_alphas[m]:g}.")
+        raise ConfigError(
+            f"lora.init_weights {source.name}: alpha {file_alphas[m]:g} in the file, {want[m]:g} here ({m}).",
+            hint=f"Set lora.alpha: {file_alphas[m]:g}.",
+        )
     dtype = next(iter(mine.values())).dtype
     result = set_peft_model_state_dict(module, {k: v.to(dtype) for k, v in layers.items()})
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:
-        raise ConfigError(f"lora.init_weights {source.name}: {len(unexpected)} keys were not loaded ({unexpected[:2]}).")
+        raise ConfigError(
+            f"lora.init_weights {source.name}: {len(unexpected)} keys were not loaded ({unexpected[:2]})."
+        )

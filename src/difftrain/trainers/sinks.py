@@ -22,25 +22,35 @@ _AXES = ("step", "epoch", "time")
 
 class MetricSinks:
     def __init__(self, out: Path, report: ReportConfig, config: dict | None = None, name: str | None = None) -> None:
-        self.jsonl = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        self.jsonl = open(out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self.tb = self.wandb = None
         try:
             if "tensorboard" in report.to:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
                 except ImportError as e:  # the default sink: its absence costs the event files, not the run
-                    warn(f"no TensorBoard event files: tensorboard does not import ({e}); pip install tensorboard, "
-                         "or set report.to: [] (metrics.jsonl is written either way)")
+                    warn(
+                        f"no TensorBoard event files: tensorboard does not import ({e}); pip install tensorboard, "
+                        "or set report.to: [] (metrics.jsonl is written either way)"
+                    )
                 else:
                     self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
             if "wandb" in report.to:
                 try:
                     import wandb
                 except ImportError:
-                    raise BackendUnavailable("report.to has wandb, but Weights & Biases is not installed.",
-                                             hint="pip install wandb, or drop wandb from report.to.") from None
-                self.wandb = wandb.init(project=report.wandb_project, name=name, dir=str(out), config=config,
-                                        mode=report.wandb_mode, resume="allow")
+                    raise BackendUnavailable(
+                        "report.to has wandb, but Weights & Biases is not installed.",
+                        hint="pip install wandb, or drop wandb from report.to.",
+                    ) from None
+                self.wandb = wandb.init(
+                    project=report.wandb_project,
+                    name=name,
+                    dir=str(out),
+                    config=config,
+                    mode=report.wandb_mode,
+                    resume="allow",
+                )
         except BaseException:
             self.close()
             raise
@@ -50,7 +60,12 @@ class MetricSinks:
         self.jsonl.flush()
         step = rec.get("step", 0)
         for key, value in rec.items():
-            if key in _AXES or not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if (
+                key in _AXES
+                or not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+            ):
                 continue
             if self.tb is not None:
                 self.tb.add_scalar(("val/" + key[4:]) if key.startswith("val_") else f"train/{key}", value, step)

@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from ..errors import CheckpointError
 from ..utils import read_safetensors_header, stream_save_safetensors
 
-
 # tensor subclasses that optimizer states are made of (torchao's quantized moments), stored as their
 # flattened parts and rebuilt on load; only these classes are ever imported from a checkpoint
 SUBCLASSES = {
@@ -42,8 +41,12 @@ def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         if cls not in SUBCLASSES:
             raise TypeError(f"cannot store tensor subclass {cls} at {path}")
         names, ctx = obj.__tensor_flatten__()
-        return {"__subclass__": cls, "tensors": {n: _encode(getattr(obj, n), f"{path}.{n}", tensors) for n in names},
-                "ctx": [_encode_attr(c) for c in ctx], "shape": list(obj.shape)}
+        return {
+            "__subclass__": cls,
+            "tensors": {n: _encode(getattr(obj, n), f"{path}.{n}", tensors) for n in names},
+            "ctx": [_encode_attr(c) for c in ctx],
+            "shape": list(obj.shape),
+        }
     if isinstance(obj, torch.Tensor):
         tensors[path] = obj.detach()  # stays on its device: written one at a time
         return {"__tensor__": path}
@@ -72,11 +75,15 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
             import importlib
 
             if obj["__subclass__"] not in SUBCLASSES:
-                raise CheckpointError(f"The checkpoint names an unknown tensor class {obj['__subclass__']!r}; it is not loaded.")
+                raise CheckpointError(
+                    f"The checkpoint names an unknown tensor class {obj['__subclass__']!r}; it is not loaded."
+                )
             module, _, name = obj["__subclass__"].rpartition(".")
             cls = getattr(importlib.import_module(module), name)
             inner = {n: _decode(v, tensors) for n, v in obj["tensors"].items()}
-            return cls.__tensor_unflatten__(inner, [_decode_attr(c) for c in obj["ctx"]], torch.Size(obj["shape"]), None)
+            return cls.__tensor_unflatten__(
+                inner, [_decode_attr(c) for c in obj["ctx"]], torch.Size(obj["shape"]), None
+            )
         if "__dict__" in obj:
             return {k: _decode(v, tensors) for k, v in obj["__dict__"].items()}
         if "__intdict__" in obj:
@@ -97,11 +104,15 @@ def load_tree(folder: Path, name: str, device: str | torch.device = "cpu") -> An
     folder = Path(folder)
     try:
         tree = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
-        read_safetensors_header(folder / f"{name}.safetensors")  # an absurd header length is refused before anything is allocated
+        read_safetensors_header(
+            folder / f"{name}.safetensors"
+        )  # an absurd header length is refused before anything is allocated
         tensors = load_file(str(folder / f"{name}.safetensors"), device=str(device))
         return _decode(tree, tensors)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - OSError, bad JSON or header, safetensors' errors, a tree naming what is not there
-        raise CheckpointError(f"The checkpoint {folder} is incomplete or damaged ({name}: {type(e).__name__}: {e}).",
-                              hint="Resume from an earlier checkpoint (--resume PATH).") from None
+        raise CheckpointError(
+            f"The checkpoint {folder} is incomplete or damaged ({name}: {type(e).__name__}: {e}).",
+            hint="Resume from an earlier checkpoint (--resume PATH).",
+        ) from None

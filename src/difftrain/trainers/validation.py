@@ -31,14 +31,20 @@ def validate(trainer, tag: str) -> list[Path]:
     v = cfg.validation
     i2v = getattr(fam, "image_conditioned", False)
     if i2v and not v.images:
-        raise UsageError("validation samples for image-to-video need a start image per prompt.",
-                         hint="Set validation.images to one image file per validation prompt.")
+        raise UsageError(
+            "validation samples for image-to-video need a start image per prompt.",
+            hint="Set validation.images to one image file per validation prompt.",
+        )
     parts = [fam.image_encoder] + [p for s in fam.enabled_stages(cfg.text_encoders) for p in fam.text_stages[s]]
     missing = [p for p in dict.fromkeys(parts) if p not in trainer.comps]
     precision = stage_precisions(fam, cfg.text_encoders, fam.enabled_stages(cfg.text_encoders))
     dev = trainer.device
     load_on = "cpu" if v.cpu_offload else dev
-    extra = fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=load_on, precision=precision) if missing else {}
+    extra = (
+        fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=load_on, precision=precision)
+        if missing
+        else {}
+    )
     comps = {**trainer.comps, **extra}
     pipe = fam.pipeline(comps, cfg.model)
     offload = _offload_extras(pipe, extra, comps[fam.denoiser], dev) if v.cpu_offload else None
@@ -55,8 +61,14 @@ def validate(trainer, tag: str) -> list[Path]:
         with torch.no_grad(), torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
             for i, prompt in enumerate(v.prompts):
                 g = torch.Generator(device=dev).manual_seed(v.seed + i)
-                kw = dict(prompt=prompt, num_inference_steps=v.num_inference_steps, guidance_scale=v.guidance_scale,
-                          height=side, width=side, generator=g)
+                kw = {
+                    "prompt": prompt,
+                    "num_inference_steps": v.num_inference_steps,
+                    "guidance_scale": v.guidance_scale,
+                    "height": side,
+                    "width": side,
+                    "generator": g,
+                }
                 if i2v:
                     from ..data.sources import load_rgb
 
