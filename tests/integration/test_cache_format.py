@@ -64,3 +64,16 @@ def test_precompute_finds_every_entry_under_the_same_keys(old_cache):
     assert r.latents_reused == 4 and r.texts_reused > 4  # captions, their shuffled variants and the empty caption
     assert (old_cache["cache"] / "index.json").read_text(encoding="utf-8") == old_cache["index"]
     assert (old_cache["cache"] / "manifest.json").read_bytes() == manifest
+
+
+def test_the_typed_index_round_trips_the_fixture_exactly():
+    from difftrain.data.index import CacheIndex
+
+    raw = json.loads((FIXTURE / "index.json").read_text(encoding="utf-8"))
+    index = CacheIndex.from_json(raw, FIXTURE / "index.json")
+    assert index.to_json() == raw
+    assert [it.bucket_key for it in index.items] == [(*it["bucket"], 1) for it in raw["items"]]
+    assert all(len(it.text_variants) == 2 for it in index.items) and index.empty_text
+    # every entry the index names is in the fixture's manifest, and nothing else of it is used
+    manifest = json.loads((FIXTURE / "manifest.json").read_text(encoding="utf-8"))
+    assert index.entry_keys() == set(manifest["entries"])
