@@ -79,7 +79,7 @@ def prepare(sets: list[str], work: Path, gpus: int) -> tuple[Path, Path, Path]:
     from difftrain.bench import synthetic_cache, synthetic_tokenizers
     from difftrain.config.load import resolve
     from difftrain.families.registry import get_family
-    from difftrain.trainers.loop import plan_parts
+    from difftrain.planning import plan_parts
 
     cfg = resolve(sets=sets).config
     fam = get_family(cfg.family)

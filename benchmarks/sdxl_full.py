@@ -129,7 +129,8 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     import torch
 
     from difftrain.config.load import resolve
-    from difftrain.trainers.loop import Trainer, plan_memory
+    from difftrain.planning import plan_memory
+    from difftrain.trainers.loop import Trainer
 
     sets = sets + [
         f"model.path={work / 'sdxl_random.safetensors'}",
@@ -153,14 +154,14 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     sampler = MemSampler()
     sampler.start()
     trainer = Trainer(cfg)
-    orig_setup = trainer._setup
+    orig_setup = trainer.setup
 
     def setup_and_mark():
         orig_setup()
         torch.cuda.synchronize()
         phases["load"] = sampler.gib()
 
-    trainer._setup = setup_and_mark
+    trainer.setup = setup_and_mark
     orig_export = trainer.export_model
 
     def export_and_mark(tag):

@@ -17,10 +17,12 @@ import torch
 
 from .config.schema import Config, SpeedConfig
 from .data.cache import DataCache
+from .data.index import CacheIndex, IndexItem
 from .families.registry import get_family
 from .families.tokenizers import tiny_clip_vocab
+from .planning import plan_memory, plan_parts
 from .speed import peak_matmul_tflops
-from .trainers.loop import Trainer, plan_memory
+from .trainers.loop import Hooks, Trainer
 from .utils import pick_device
 
 
@@ -46,7 +48,7 @@ def synthetic_tokenizers(folder: Path) -> Path:
 def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] | None = None) -> Path:
     """``size`` (height, width): a non-square shape (CogVideoX's 480x720); default the square resolution."""
     family = get_family(cfg.family)
-    video = {"frames": cfg.data.frames} if getattr(family, "video", False) else {}
+    video = {"frames": cfg.data.frames} if family.video else {}
     shapes = family.cache_shapes(cfg.model.config, size or cfg.data.resolution, **video)
     cache = DataCache(root)
     g = torch.Generator().manual_seed(0)
@@ -63,18 +65,18 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] |
             cache.put(f"{stage}{i}", {k: torch.randn(v, generator=g) for k, v in shapes[stage].items()})
             texts[stage] = f"{stage}{i}"
         items.append(
-            {
-                "key": f"img{i}",
-                "image": f"img{i}.png",
-                "caption": f"a photo of a cat, number {i}",
-                "bucket": [side, side],
-                "original_size": [side, side],
-                "latent": f"lat{i}",
-                "texts": texts,
-            }
+            IndexItem(
+                key=f"img{i}",
+                image=f"img{i}.png",
+                caption=f"a photo of a cat, number {i}",
+                bucket=(side, side),
+                original_size=(side, side),
+                latent=f"lat{i}",
+                texts=texts,
+            )
         )
     cache.flush()
-    cache.write_json("index.json", {"family": family.name, "items": items})
+    cache.write_json("index.json", CacheIndex(items, family=family.name).to_json())
     return root
 
 
@@ -84,8 +86,6 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
     device = pick_device(cfg.train.device)
     update: dict = {}
     if cfg.model.path is None:
-        from .trainers.loop import plan_parts
-
         parts = plan_parts(cfg, family)[0]  # only what training loads (SD3's T5 alone is 4.7 B parameters)
         path = work / f"random-{cfg.model.config}-{'-'.join(parts)}.safetensors"
         if not path.exists():
@@ -110,9 +110,8 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] 
     plan = plan_memory(run_cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer = Trainer(run_cfg)
     warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
-    trainer.flush_steps = {warm} if warm > 0 else set()
+    trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set()))
     result = trainer.run()
     times = trainer.flush_times
     per_step = [(times[steps] - times[warm]) / (steps - warm)] if warm > 0 else [result.seconds / max(1, steps)]
@@ -171,9 +170,9 @@ class SpeedRow:
 def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[Trainer, dict[int, float], dict]:
     """Train; with ``profile``, two steps run after the timed ones (the profiler's warm-up and the profiled step, the
     GPU synchronised at their edges so the profiled step holds its own kernels only) and its summary comes back."""
-    trainer = Trainer(cfg)
+    hooks = Hooks(flush_steps={1, warmup})  # read back (and so wait for the GPU) exactly here
+    trainer = Trainer(cfg, hooks=hooks)
     end = cfg.train.max_steps
-    trainer.flush_steps = {1, warmup}  # read back (and so wait for the GPU) exactly here
     if profile is None:
         trainer.run()
         return trainer, trainer.flush_times, {}
@@ -181,16 +180,16 @@ def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[T
     from torch.profiler import profile as torch_profile
 
     timed = end - 2
-    trainer.flush_steps |= {timed, end - 1}
+    hooks.flush_steps |= {timed, end - 1}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1)) as prof:
 
         def hook() -> None:
-            if trainer.step >= timed and torch.cuda.is_available():
+            if trainer.pos.step >= timed and torch.cuda.is_available():
                 torch.cuda.synchronize()
             prof.step()
 
-        trainer.step_hook = hook
+        hooks.after_step = hook
         trainer.run()
     times = trainer.flush_times
     return trainer, times, {**_profile_summary(prof, profile), "step_ms": round((times[end] - times[end - 1]) * 1e3, 1)}
@@ -313,18 +312,18 @@ def step_flops(trainer: Trainer) -> tuple[float, bool]:
 def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     from torch.utils.flop_counter import FlopCounterMode
 
-    den = trainer.comps[trainer.family.denoiser]
+    den = trainer.parts.comps[trainer.family.denoiser]
     flags = {
         m: m.gradient_checkpointing
         for m in den.modules()
         if isinstance(getattr(m, "gradient_checkpointing", None), bool)
     }
-    batch = trainer._batch(list(range(min(trainer.cfg.train.batch_size, len(trainer.items)))))
+    batch = trainer.feed.batch(trainer.feed.items[: trainer.cfg.train.batch_size])
 
     def count() -> float:
         with FlopCounterMode(display=False) as fc:
-            trainer._loss(batch).backward()
-        trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.loss(batch).backward()
+        trainer.parts.optimizer.zero_grad(set_to_none=True)
         return fc.get_total_flops() * trainer.cfg.train.grad_accum
 
     try:
@@ -332,7 +331,7 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
             m.gradient_checkpointing = False
         return count(), True
     except torch.OutOfMemoryError:
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.parts.optimizer.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
     finally:
         for m, f in flags.items():

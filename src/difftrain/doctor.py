@@ -351,7 +351,7 @@ def recipe_fit(cfg) -> Check:
     """The planner's peak for a config against this machine's free GPU memory (and available host RAM)."""
     import torch
 
-    from .trainers.loop import plan_memory
+    from .planning import plan_memory
 
     plan = plan_memory(cfg)
     need, host = plan.gpu_reserved, plan.host_total

@@ -18,7 +18,8 @@ from .console import info
 from .data.tags import merge_tags
 from .families.registry import get_family
 from .precompute.run import precompute
-from .trainers.loop import LORA_FILE, train
+from .trainers.export import LORA_FILE
+from .trainers.loop import train
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}

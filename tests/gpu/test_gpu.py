@@ -41,13 +41,13 @@ def test_full_finetune_with_bitsandbytes_adamw8bit(tiny_model, dataset, tmp_path
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
-    assert isinstance(t.optimizer, bnb.optim.AdamW8bit)
+    assert isinstance(t.parts.optimizer, bnb.optim.AdamW8bit)
     assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
     # 8-bit state: a quarter of AdamW's fp32 moments, roughly
     state_bytes = sum(
-        v.numel() * v.element_size() for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.numel() * v.element_size() for s in t.parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
     )
-    param_count = sum(p.numel() for p in t.params)
+    param_count = sum(p.numel() for p in t.parts.params)
     assert state_bytes < 3 * param_count  # AdamW fp32 would be 8 bytes per parameter
 
 
@@ -146,7 +146,9 @@ def test_fp8_lora_on_cuda_saves_memory_and_tracks_bf16(tiny_model, dataset, tmp_
     tb = Trainer(b)
     rb = tb.run()
     assert rb.losses == pytest.approx(ra.losses, rel=0.05)
-    bytes_of = lambda t: sum(p.numel() * p.element_size() for p in t.comps["unet"].parameters() if not p.requires_grad)
+    bytes_of = lambda t: sum(
+        p.numel() * p.element_size() for p in t.parts.comps["unet"].parameters() if not p.requires_grad
+    )
     assert bytes_of(tb) < 0.6 * bytes_of(ta)
     assert all(p.is_cuda for p in tb.comps["unet"].parameters())
 
@@ -175,7 +177,7 @@ def test_bitsandbytes_base_weights_lora_tracks_bf16(tiny_model, dataset, tmp_pat
     t = Trainer(b)
     rb = t.run()
     cls = bnb.nn.Linear4bit if kind == "nf4" else bnb.nn.Linear8bitLt
-    assert any(isinstance(m, cls) for m in t.comps["unet"].modules())
+    assert any(isinstance(m, cls) for m in t.parts.comps["unet"].modules())
     assert rb.losses == pytest.approx(ra.losses, rel=tol)
     from safetensors.torch import load_file
 
@@ -252,7 +254,7 @@ def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_pat
     t = Trainer(cfg)
     r = t.run()
     assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5  # the swapped weights do learn
-    assert all(p.device.type == "cpu" for i in t.block_swap.swapped for p in t.block_swap.params[i])
+    assert all(p.device.type == "cpu" for i in t.parts.block_swap.swapped for p in t.parts.block_swap.params[i])
 
 
 def _ds(tiny_model, dataset, out, engine: str, **extra):
@@ -281,8 +283,8 @@ def test_deepspeed_zero2_lora_learns_and_exports(tiny_model, dataset, tmp_path):
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
-    assert t.engine is not None and t.engine.zero_optimization_stage() == 2
-    assert type(t.optimizer).__name__ == "DeepSpeedCPUAdam"
+    assert t.parts.engine is not None and t.parts.engine.zero_optimization_stage() == 2
+    assert type(t.parts.optimizer).__name__ == "DeepSpeedCPUAdam"
     assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
     from safetensors.torch import load_file
 
@@ -323,7 +325,7 @@ def test_deepspeed_zero3_param_offload_full_finetune(tiny_model, dataset, tmp_pa
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
-    assert t.engine.zero_optimization_stage() == 3
+    assert t.parts.engine.zero_optimization_stage() == 3
     assert sum(r.losses[-5:]) / 5 < 0.9 * sum(r.losses[:5]) / 5
     assert r.saved and r.saved[0].stat().st_size > 1000
 
@@ -357,7 +359,7 @@ def test_sd3_lora_with_8bit_adam_and_int8_t5_precompute(dataset, tmp_path):
     assert r.texts_encoded == 24
     t = Trainer(cfg)
     res = t.run()
-    assert isinstance(t.optimizer, bnb.optim.AdamW8bit)
+    assert isinstance(t.parts.optimizer, bnb.optim.AdamW8bit)
     assert all(torch.isfinite(torch.tensor(res.losses)))
     assert sum(res.losses[-5:]) / 5 < sum(res.losses[:5]) / 5
 
@@ -412,7 +414,7 @@ def test_cogvideox_lora_with_block_swap_on_cuda(dataset, tmp_path):
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
-    assert len(t.block_swap.swapped) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+    assert len(t.parts.block_swap.swapped) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
 
 
 def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_path):
@@ -452,7 +454,7 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
     t.run()
     plain = validate(t, "plain")
     seen = []
-    tr = t.comps["transformer"]
+    tr = t.parts.comps["transformer"]
     loaded = {}
     real_load = t.family.load
 

@@ -46,7 +46,7 @@ def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, ext
     t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **extra))
     out = t.run()
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)  # bf16 kernels differ in rounding
-    assert t.optimizer.defaults.get("fused") is True  # speed.optimizer_kernels auto on CUDA
+    assert t.parts.optimizer.defaults.get("fused") is True  # speed.optimizer_kernels auto on CUDA
 
 
 def test_fp8_weights_compiled_with_cuda_graphs_train_as_eager(tiny_model, dataset, tmp_path):
@@ -82,5 +82,5 @@ def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
     out = t.run()
     from torchao.float8.float8_linear import Float8Linear
 
-    n = sum(isinstance(m, Float8Linear) for m in t.comps["unet"].modules())
+    n = sum(isinstance(m, Float8Linear) for m in t.parts.comps["unet"].modules())
     assert n > 10 and all(x == x for x in out.losses)

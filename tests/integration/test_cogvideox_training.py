@@ -207,7 +207,7 @@ def test_full_finetune_saves_a_diffusers_folder_and_the_lora_changes_the_pipelin
     r = t.run()
     folder = next(p for p in r.saved if p.is_dir())
     pipe = CogVideoXPipeline.from_pretrained(folder)
-    trained = t.comps["transformer"].state_dict()
+    trained = t.parts.comps["transformer"].state_dict()
     for k, v in pipe.transformer.state_dict().items():
         torch.testing.assert_close(v, trained[k], rtol=0, atol=0)
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from conftest import tiny_sets
 from difftrain.config.load import resolve
 from difftrain.precompute.run import precompute
-from difftrain.trainers.loop import Trainer, recut
+from difftrain.trainers.feed import recut
+from difftrain.trainers.loop import Trainer
 
 pytestmark = pytest.mark.slow
 LORA = "pytorch_lora_weights.safetensors"

@@ -137,8 +137,8 @@ def test_training_continues_from_either_file(trained, tiny_model, _dataset_maste
         },
     )
     t = Trainer(cfg)
-    t._setup()
-    now = t._layers()
+    t.setup()
+    now = t.exporter.layers()
     want = {k.partition(".")[0]: {} for k in load_file(diffusers_file)}
     for k, v in load_file(diffusers_file).items():
         part, _, rest = k.partition(".")

@@ -63,7 +63,7 @@ def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
     t, r = runs(name, *sets)
     assert r.losses == pytest.approx(ref.losses, rel=tol)
     if name.startswith("fp8"):
-        unet = t.comps["unet"]
+        unet = t.parts.comps["unet"]
         n8 = sum(p.numel() for p in unet.parameters() if p.dtype == torch.float8_e4m3fn)
         frozen = sum(p.numel() for p in unet.parameters() if not p.requires_grad)
         assert n8 > 0.9 * frozen  # nearly all frozen weights are fp8
@@ -84,10 +84,10 @@ def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_s
     _, ref = runs(ref_name, *ref_sets)
     t, r = runs(ref_name + "-swap", *ref_sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
     assert r.losses == ref.losses  # the same arithmetic, only copies in between
-    swap = t.block_swap
+    swap = t.parts.block_swap
     assert len(swap.swapped) == 6 and not swap.resident  # all swapped blocks back home after the run
     assert all(p.device.type == "cpu" for i in swap.swapped for p in swap.params[i])
-    lora = [p for p in t.comps["unet"].parameters() if p.requires_grad]
+    lora = [p for p in t.parts.comps["unet"].parameters() if p.requires_grad]
     assert lora and all(p.dtype == torch.float32 for p in lora)
 
 
@@ -96,8 +96,8 @@ def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
     t_two, _ = runs("checkpoint-every-2", *LORA_BF16, "memory.activations={kind: checkpoint, every: 2}")
     flags = lambda t: [
         m.gradient_checkpointing
-        for m in t.comps["unet"].modules()
-        if m is not t.comps["unet"] and hasattr(m, "gradient_checkpointing")
+        for m in t.parts.comps["unet"].modules()
+        if m is not t.parts.comps["unet"] and hasattr(m, "gradient_checkpointing")
     ]
     assert all(flags(t_all)) and 0 < sum(flags(t_two)) < len(flags(t_two))
 
@@ -105,9 +105,9 @@ def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
 def test_fused_backward_equals_plain_full_finetune(runs):
     _, plain = runs("full-plain", *FULL)
     t, fused = runs("full-fused", *FULL, "memory.fused_backward=true")
-    assert type(t.optimizer).__name__ == "FusedBackward"
+    assert type(t.parts.optimizer).__name__ == "FusedBackward"
     assert fused.losses == pytest.approx(plain.losses, rel=1e-5)
-    assert all(p.grad is None for p in t.params)  # gradients were freed inside backward
+    assert all(p.grad is None for p in t.parts.params)  # gradients were freed inside backward
 
 
 def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):

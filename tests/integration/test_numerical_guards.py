@@ -23,16 +23,23 @@ def _cfg(model, data, out, **extra):
 
 def _poison(monkeypatch, steps):
     """The cached latents of the batches of these (1-based) steps hold a NaN, as a damaged cache would."""
-    real = Trainer._batch
+    from difftrain.trainers.feed import Feed
 
-    def batch(self, idx, items=None, augment=False):
-        b = real(self, idx, items, augment)
-        if augment and self.step + 1 in steps:
+    real, real_setup, runs = Feed.batch, Trainer.setup, []
+
+    def setup(self):
+        runs.append(self)  # the run whose position says which step a batch is for
+        real_setup(self)
+
+    def batch(self, items, epoch=0, augment=False):
+        b = real(self, items, epoch, augment)
+        if augment and runs[-1].pos.step + 1 in steps:
             b["latents"] = b["latents"].clone()
             b["latents"][0, 0, 0, 0] = float("nan")
         return b
 
-    monkeypatch.setattr(Trainer, "_batch", batch)
+    monkeypatch.setattr(Trainer, "setup", setup)
+    monkeypatch.setattr(Feed, "batch", batch)
 
 
 def test_a_nan_from_the_cache_stops_with_the_step_the_cause_and_the_last_checkpoint(

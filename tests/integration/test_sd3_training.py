@@ -86,7 +86,7 @@ def test_clip_lora_trains_on_the_fly_over_cached_t5(tiny_sd3, dataset, tmp_path)
 @pytest.mark.parametrize("sampling", ["logit_normal", "mode", "uniform"])
 def test_flow_timestep_sampling_draws_in_the_unit_interval(sampling):
     from difftrain.config.schema import FlowConfig
-    from difftrain.trainers.loop import flow_loss_weight, sample_sigmas
+    from difftrain.trainers.objectives import flow_loss_weight, sample_sigmas
 
     flow = FlowConfig(timestep_sampling=sampling)
     s = sample_sigmas(flow, 4096, 3.0, torch.Generator().manual_seed(0), "cpu")
@@ -136,7 +136,7 @@ def test_dreambooth_prior_preservation_generates_caches_and_adds_the_class_loss(
     t = Trainer(cfg)
     res = t.run()
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(t.items) == 8 and len(t.prior_items) == 3
+    assert len(t.feed.items) == 8 and len(t.feed.prior_items) == 3
     assert all(rec["prior_loss"] > 0 for rec in recs)
     # the logged loss is the instance loss plus the weighted class loss: with weight 0.5 it differs from
     # a run with weight 0 (same draws) by exactly half the class loss
@@ -202,7 +202,7 @@ def test_sd3_full_finetune_exports_a_single_file_and_a_diffusers_folder(tiny_sd3
     precompute(cfg)
     t = Trainer(cfg)
     r = t.run()
-    trained = {k: v.detach().clone() for k, v in t.comps["transformer"].state_dict().items()}
+    trained = {k: v.detach().clone() for k, v in t.parts.comps["transformer"].state_dict().items()}
     single = next(p for p in r.saved if p.suffix == ".safetensors")
     back = SD3().load(ModelConfig(path=single, config="sd3-tiny", tokenizer_path=tiny_sd3), ["transformer"])[
         "transformer"

@@ -54,10 +54,10 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
     torch._dynamo.reset()
     trainer = Trainer(compiled_cfg)
     out = trainer.run()
-    blocks = list(trainer.comps["transformer"].transformer_blocks)
+    blocks = list(trainer.parts.comps["transformer"].transformer_blocks)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)  # Module.compile() in place
     # checkpointed inside each compiled block, diffusers' own checkpointing (around the blocks) switched off
-    assert all("forward" in vars(b) for b in blocks) and not trainer.comps["transformer"].gradient_checkpointing
+    assert all("forward" in vars(b) for b in blocks) and not trainer.parts.comps["transformer"].gradient_checkpointing
     from torch._dynamo.utils import counters
 
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo captured graphs (it did not fall back to eager)
@@ -84,7 +84,7 @@ def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, t
     real = Trainer._flush
 
     def counting(self):
-        flushes.append(self.step)
+        flushes.append(self.pos.step)
         return real(self)
 
     monkeypatch.setattr(Trainer, "_flush", counting)
@@ -171,9 +171,9 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     )
     out = t.run()
     conv = (
-        t.comps["unet"].conv_in.base_layer
-        if hasattr(t.comps["unet"].conv_in, "base_layer")
-        else t.comps["unet"].conv_in
+        t.parts.comps["unet"].conv_in.base_layer
+        if hasattr(t.parts.comps["unet"].conv_in, "base_layer")
+        else t.parts.comps["unet"].conv_in
     )
     assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
     assert out.losses == pytest.approx(ref.losses, rel=1e-4)
@@ -224,7 +224,7 @@ def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_mode
         "compiled-ckpt": {"speed.compile": "true", "memory.activations.kind": "checkpoint"},
     }.items():
         trainer = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / name, **{**common, **extra}))
-        trainer._setup()
+        trainer.setup()
         counts[name] = step_flops(trainer)
     assert counts["eager"][0] > 1e8 and counts["eager"][1] is True
     assert counts["compiled"] == counts["eager"]

@@ -34,8 +34,8 @@ def test_sdxl_validation_loss_is_held_out_logged_and_repeatable(tiny_model, data
     )
     r = t.run()
     assert [s for s, _ in r.val_losses] == [2, 4]
-    held = {it["latent"] for it in t.val_items}
-    assert len(held) == 2 and not held & {it["latent"] for it in t.items} and len(t.items) == 6
+    held = {it.latent for it in t.feed.val_items}
+    assert len(held) == 2 and not held & {it.latent for it in t.feed.items} and len(t.feed.items) == 6
     # same weights, same triples: the same number, twice, and the one logged at the end
     a, b = t.validation_loss(), t.validation_loss()
     assert a == b == r.val_losses[-1][1]
@@ -50,8 +50,8 @@ def test_sdxl_validation_loss_is_held_out_logged_and_repeatable(tiny_model, data
         tmp_path / "b",
         **{"train.seed": 7, "validation.loss_items": 2, "data.cache_dir": tmp_path / "cache"},
     )
-    other._setup()
-    assert {it["latent"] for it in other.val_items} == held
+    other.setup()
+    assert {it.latent for it in other.feed.val_items} == held
 
 
 def test_sd3_flow_validation_loss_is_repeatable(dataset, tmp_path):

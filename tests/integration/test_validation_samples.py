@@ -35,7 +35,7 @@ def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path
     assert [p.name for p in step2] == ["00.png", "01.png"] and [p.name for p in final] == ["00.png", "01.png"]
     assert Image.open(final[0]).size == (64, 64)
     # the text encoders and VAE were freed again: training holds the UNet only
-    assert set(t.comps) == {"unet"}
+    assert set(t.parts.comps) == {"unet"}
     # same weights, same prompt, same seed: the same sample
     from difftrain.trainers.validation import validate
 
@@ -44,12 +44,12 @@ def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path
     # and training changed what the model draws between step 2 and the end
     assert not np.array_equal(np.asarray(Image.open(step2[0])), np.asarray(Image.open(final[0])))
     # CPU offload of the VAE and text encoders draws the same sample and leaves no hook on the UNet
-    unet = t.comps["unet"]
+    unet = t.parts.comps["unet"]
     hooks = len(unet._forward_pre_hooks)
     t.cfg.validation.cpu_offload = True
     offloaded = validate(t, "offloaded")
     assert np.array_equal(np.asarray(Image.open(offloaded[0])), np.asarray(Image.open(final[0])))
-    assert len(unet._forward_pre_hooks) == hooks and not hasattr(unet, "_hf_hook") and set(t.comps) == {"unet"}
+    assert len(unet._forward_pre_hooks) == hooks and not hasattr(unet, "_hf_hook") and set(t.parts.comps) == {"unet"}
 
 
 def test_cogvideox_validation_writes_an_mp4(tmp_path, dataset):

@@ -66,7 +66,10 @@ def test_variants_are_distinct_deterministic_and_capped_by_what_exists():
 
 
 def test_pick_text_draws_per_epoch_and_item_and_honours_dropout():
-    item = {"key": "img/1", "texts": {"s": "orig"}, "text_variants": [{"s": f"v{i}"} for i in range(4)]}
+    from difftrain.data.index import IndexItem
+
+    variants = tuple({"s": f"v{i}"} for i in range(4))
+    item = IndexItem(key="img/1", latent="l", texts={"s": "orig"}, bucket=(64, 64), text_variants=variants)
     empty = {"s": "empty"}
     aug = CaptionAugment(shuffle=True, variants=4)
     picks = [pick_text(item, aug, 42, e, empty)["s"] for e in range(40)]

@@ -9,7 +9,7 @@ import pytest
 from difftrain.config.load import resolve
 from difftrain.config.recipes import recipe_header, recipe_names
 from difftrain.memory.planner import GIB, estimate
-from difftrain.trainers.loop import plan_memory
+from difftrain.planning import plan_memory
 
 
 def _hints(**over):

@@ -49,7 +49,7 @@ def plan(
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..trainers.loop import memory_hints, plan_memory
+    from ..planning import memory_hints, plan_memory
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config

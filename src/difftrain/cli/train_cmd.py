@@ -100,7 +100,7 @@ def export(
 ) -> None:
     """Export the LoRA of a checkpoint as pytorch_lora_weights.safetensors (diffusers layout)."""
     from ..trainers.checkpoint import resolve_resume
-    from ..trainers.loop import LORA_FILE
+    from ..trainers.export import LORA_FILE
     from ..utils import atomic_write_bytes
 
     folder = resolve_resume(run_dir, checkpoint)
@@ -117,7 +117,7 @@ def check_memory(cfg, strict: bool) -> None:
 
     from ..console import warn
     from ..errors import DifftrainError
-    from ..trainers.loop import plan_memory
+    from ..planning import plan_memory
     from ..utils import pick_device
 
     device = pick_device(cfg.train.device)

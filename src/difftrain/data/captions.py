@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..utils import sha256_text
+
+if TYPE_CHECKING:
+    from .index import IndexItem
 
 
 @dataclass(frozen=True)
@@ -107,18 +111,18 @@ def caption_variants(caption: str, aug: CaptionAugment) -> list[str]:
     return out
 
 
-def pick_text(item: dict, aug: CaptionAugment, seed: int, epoch: int, empty: dict | None) -> dict:
+def pick_text(item: IndexItem, aug: CaptionAugment, seed: int, epoch: int, empty: dict | None) -> dict:
     """The cached text-entry keys (``{stage: key}``) one index item uses in ``epoch``: the empty caption
     with probability ``aug.dropout_rate`` (``empty``: its keys), else one of its cached variants. The draw
     depends on the seed, the epoch and the item only, so a resumed run, or one on another number of GPUs,
     draws the same."""
-    rng = random.Random(f"difftrain-caption:{seed}:{epoch}:{item['key']}")
+    rng = random.Random(f"difftrain-caption:{seed}:{epoch}:{item.key}")
     if aug.dropout_rate > 0 and empty is not None and rng.random() < aug.dropout_rate:
         return empty
-    variants = item.get("text_variants")
+    variants = item.text_variants
     if aug.varies and variants:
         return variants[rng.randrange(len(variants))]
-    return item["texts"]
+    return item.texts
 
 
 def live_caption(caption: str, aug: CaptionAugment, seed: int, epoch: int, key: str) -> str:

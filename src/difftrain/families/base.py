@@ -1,4 +1,4 @@
-"""The ModelFamily protocol: everything the pipeline stages need from a model family.
+"""The model family base class: everything the pipeline stages need from a model family.
 
 A family loads its components (offline, from a diffusers folder or a single
 file, using bundled configs), encodes pixels and prompts for the cache, draws
@@ -6,38 +6,76 @@ the training conditioning, runs the denoiser on a cached batch, names its LoRA
 target modules, saves what training produced, and builds a tiny seeded copy of
 itself for tests. Families never import memory techniques: they hand out plain
 hints (``high_precision_modules``, ``memory_hints``).
+
+Every family subclasses :class:`ModelFamily`: the abstract methods are what each must implement, the class
+attributes without a default are the facts each must state, and the optional capabilities (video, image
+conditioning, kohya LoRA names ...) have defaults here, so the rest of difftrain reads them directly instead
+of probing with getattr. tests/unit/test_families.py checks every registered family against this class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
 
 
-class ModelFamily(Protocol):
-    name: str
-    image_encoder: str  # the part precompute encodes pixels with
-    text_encoders: tuple[str, ...]  # the parts precompute encodes captions with
+class CachedItem(Protocol):
+    """What a family reads of a cached item (``difftrain.data.index.IndexItem``, which families do not import:
+    data/ and families/ are independent layers)."""
+
+    @property
+    def bucket(self) -> tuple[int, int]: ...  # (width, height) in pixels
+
+    @property
+    def original_size(self) -> tuple[int, int]: ...  # (height, width) of the source
+
+
+class ModelFamily(ABC):
+    name: ClassVar[str]  # the config's ``family`` value
+    image_encoder: ClassVar[str]  # the part precompute encodes pixels with
+    text_encoders: ClassVar[tuple[str, ...]]  # the parts precompute encodes captions with
     #: precompute loads each group of text encoders on its own, encodes every caption, frees it:
     #: peak memory is that of the largest group. Each stage is cached under its own key.
-    text_stages: dict[str, tuple[str, ...]]
-    denoiser: str  # the part training always runs
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]]
+    denoiser: ClassVar[str]  # the part training always runs
     #: the training objective: "ddpm" (epsilon / v-prediction, from the scheduler config)
     #: or "flow" (rectified flow: x_t = (1 - s) x0 + s noise, target noise - x0)
-    objective: str
-    default_lora_targets: list[str]
-    text_encoder_lora_targets: list[str]
-    trainable_text_encoders: tuple[str, ...]  # what train_text_encoders / full.train_text_encoder_N may train
-    high_precision_modules: dict[str, tuple[str, ...]]  # per part: layers that stay out of fp8/nf4/int8
-    kohya_layout: bool  # whether its LoRAs can be written as sd-scripts names them
-    repeated_blocks: tuple[str, ...]  # class names of the denoiser blocks speed.compile compiles one by one
+    objective: ClassVar[str]
+    default_lora_targets: ClassVar[Sequence[str]]
+    text_encoder_lora_targets: ClassVar[Sequence[str]]
+    trainable_text_encoders: ClassVar[tuple[str, ...]]  # what train_text_encoders / full.train_text_encoder_N train
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]]  # per part: layers kept out of fp8/nf4/int8
+    repeated_blocks: ClassVar[tuple[str, ...]]  # class names of the denoiser blocks speed.compile compiles one by one
+
+    # ------------------------------------------------------------ optional capabilities (defaults: none)
+    #: a video family: cached latents have a frame axis, ``memory_hints`` and ``cache_shapes`` take a frame count
+    video: ClassVar[bool] = False
+    #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)
+    image_conditioned: ClassVar[bool] = False
+    #: its LoRAs can also be written as sd-scripts names them (lora_formats.kohya, ``kohya_names``)
+    kohya_layout: ClassVar[bool] = False
+
+    def encode_first_frame(
+        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Image-to-video families: the image conditioning of a batch of clips (cached beside their latents)."""
+        raise NotImplementedError(f"{self.name} is not image-conditioned")
+
+    def drop_image_conditioning(
+        self, batch: dict[str, torch.Tensor], generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        """Image-to-video families: ``batch`` with its image conditioning sometimes dropped (drawn from
+        ``generator``). Other families: ``batch`` as it is, and nothing drawn."""
+        return batch
 
     # loading
+    @abstractmethod
     def load(
         self,
         mcfg: ModelConfig,
@@ -53,41 +91,52 @@ class ModelFamily(Protocol):
         ``dtype`` (SD3's T5: "int8" | "nf4" through bitsandbytes, or a float type).
         """
 
+    @abstractmethod
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         """``part`` built from the model's config (the folder's, else the bundled architecture's) without reading a
         weight: what DeepSpeed's ``zero.Init`` partitions as it is built, to be filled from the weights after."""
 
+    @abstractmethod
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """For each Linear/Conv module of ``part`` (diffusers path), the path its kohya LoRA name is made of
         (SDXL's UNet: the original LDM path); raises ConfigError for a family without that layout."""
 
+    @abstractmethod
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights for cache keys; ``memo`` (file stat -> hash) makes reruns cheap."""
 
+    @abstractmethod
     def training_scheduler(self, mcfg: ModelConfig) -> Any:
         """The noise scheduler training draws noisy latents and targets from."""
 
     # precompute
+    @abstractmethod
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """pixels in [-1, 1], [B, 3, H, W] -> scaled latents [B, C, h, w]."""
 
+    @abstractmethod
     def encode_prompts(
         self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
     ) -> dict[str, torch.Tensor]:
         """captions -> named per-item tensors (batch first) of one text stage (its encoders loaded in ``comps``)."""
 
+    @abstractmethod
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         """What besides weights and dtype decides a stage's output (T5 precision, length): part of its cache key."""
 
+    @abstractmethod
     def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
         """The ``precision`` argument ``load`` gets for one text stage (None: the precompute dtype)."""
 
+    @abstractmethod
     def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
         """The text stages that run (SD3 without T5: its embeddings are zeros, the encoder never loads)."""
 
-    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @abstractmethod
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One sample's non-text denoiser inputs (SDXL: time ids) from its index item and latent cache entry."""
 
+    @abstractmethod
     def combine_texts(
         self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
     ) -> dict[str, torch.Tensor]:
@@ -95,15 +144,18 @@ class ModelFamily(Protocol):
         trains) -> the text conditioning the denoiser takes ("prompt_embeds", "pooled_prompt_embeds")."""
 
     # training
+    @abstractmethod
     def denoise(
         self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """Run the denoiser on a batch of conditioning (``timesteps``: integer steps for ddpm,
         sigma * 1000 as floats for flow)."""
 
+    @abstractmethod
     def swap_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The denoiser's repeated blocks, in forward order: what block swap may keep in host memory."""
 
+    @abstractmethod
     def memory_hints(
         self,
         mcfg: ModelConfig,
@@ -117,19 +169,23 @@ class ModelFamily(Protocol):
         """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data."""
 
     # saving
+    @abstractmethod
     def save_lora(
         self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
     ) -> None:
         """Write the LoRA file the family's diffusers pipeline loads."""
 
+    @abstractmethod
     def module_configs(self, comps: dict[str, Any]) -> dict[str, dict]:
         """Each loaded part's architecture config, as saved beside its weights."""
 
+    @abstractmethod
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
         """Write a full model as one file in the layout the family's checkpoints are distributed in."""
 
+    @abstractmethod
     def save_diffusers(
         self,
         sds: dict[str, Any],
@@ -140,19 +196,23 @@ class ModelFamily(Protocol):
     ) -> Path:
         """Write a full model as a diffusers folder."""
 
+    @abstractmethod
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig) -> Any:
         """The family's diffusers inference pipeline over loaded components."""
 
     # tests and benchmarks
+    @abstractmethod
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """Write a tiny seeded model in diffusers layout to ``folder``."""
 
+    @abstractmethod
     def build_random(
         self, config_name: str, path: Path, device: str = "cpu", seed: int = 0, parts: Sequence[str] = ...
     ) -> Path:
         """Random weights of a bundled architecture's ``parts`` (default: all), saved loadable by ``load``
         (the memory and speed of a real one)."""
 
+    @abstractmethod
     def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest square bucket: {"latent": {...}, <text stage>: {...}}."""
 

@@ -46,9 +46,9 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -62,6 +62,7 @@ from ..errors import (
 )
 from ..utils import atomic_dir, stream_save_safetensors
 from . import common
+from .base import CachedItem, ModelFamily
 from .common import hf_config as _hf_config
 from .common import read_json as _read_json
 from .sd3 import tiny_t5_tokenizer
@@ -223,7 +224,7 @@ def _restore_table(pe, args, output) -> None:
         pe.sample_frames, pe.sample_height, pe.sample_width = pe._difftrain_native
 
 
-class CogVideoX:
+class CogVideoX(ModelFamily):
     """Text-to-video CogVideoX (2b, 5b, 1.5-5b)."""
 
     name = "cogvideox"
@@ -234,20 +235,20 @@ class CogVideoX:
     tiny_config = "cogvideox-tiny"
     image_encoder = "vae"
     text_encoders = ("text_encoder",)
-    text_stages = {"t5": ("text_encoder",)}  # noqa: RUF012 (read-only; the protocol's attributes)
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"t5": ("text_encoder",)}
     denoiser = "transformer"
     kohya_layout = False  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"  # v-prediction (the scheduler config's prediction_type)
     repeated_blocks = ("CogVideoXBlock",)  # speed.compile: the blocks compiled one by one
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out
-    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]  # noqa: RUF012 (read-only; the protocol's attributes)
-    text_encoder_lora_targets = []  # noqa: RUF012 (T5 is never trained)
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    text_encoder_lora_targets = ()
     trainable_text_encoders = ()
     #: what a single-file export holds: the transformer (the VAE and T5 never change in fine-tuning)
     single_file_parts = ("transformer",)
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8 (the patch and text
     #: embeddings, the timestep and ofs embeddings, the final norms and the projection out)
-    high_precision_modules = {
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": (
             "patch_embed*",
             "time_embedding*",
@@ -818,7 +819,7 @@ class CogVideoX:
             )
         return ["t5"]
 
-    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Text-to-video CogVideoX has no per-sample conditioning besides the text: {}."""
         return {}
 
@@ -960,9 +961,6 @@ class CogVideoX:
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
-    def checkpointing_hint(self, transformer) -> None:
-        transformer.enable_gradient_checkpointing()
-
     # ------------------------------------------------------------ pipelines and export
     def _pipeline_class(self):
         from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
@@ -1073,7 +1071,7 @@ class CogVideoXI2V(CogVideoX):
         pad = latent_frames(video.shape[2]) - 1
         return torch.cat([latents, latents.new_zeros(b, latents.shape[1], pad, *latents.shape[3:])], dim=2)
 
-    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"image_latents": [16, F, h, w]} from the latent entry (a one-frame entry is zero-padded to the video's frames)."""
         img = latent_entry.get("image_latents")
         if img is None:
@@ -1086,9 +1084,8 @@ class CogVideoXI2V(CogVideoX):
             img = torch.cat([img, img.new_zeros(img.shape[0], frames - img.shape[1], *img.shape[2:])], dim=1)
         return {"image_latents": img}
 
-    @staticmethod
     def drop_image_conditioning(
-        batch: dict[str, torch.Tensor], generator: torch.Generator, p: float = IMAGE_DROPOUT
+        self, batch: dict[str, torch.Tensor], generator: torch.Generator, p: float = IMAGE_DROPOUT
     ) -> dict[str, torch.Tensor]:
         """A copy of ``batch`` whose image latents are zeroed per sample with probability ``p``.
 

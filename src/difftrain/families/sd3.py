@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +38,7 @@ from ..errors import CheckpointError, ConfigError, ModelLoadError
 from ..utils import atomic_dir, stream_save_safetensors
 from . import common
 from . import sd3_single_file as single_file
+from .base import CachedItem, ModelFamily
 from .common import hf_config as _hf_config
 from .common import read_json as _read_json
 from .tokenizers import tiny_clip_vocab
@@ -125,25 +126,29 @@ def tiny_t5_tokenizer(folder: Path) -> Path:
     return folder
 
 
-class SD3:
+class SD3(ModelFamily):
     name = "sd3"
     image_encoder = "vae"
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    text_stages = {"clip_l": ("text_encoder",), "clip_g": ("text_encoder_2",), "t5": ("text_encoder_3",)}  # noqa: RUF012 (read-only; the protocol's attributes)
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "clip_l": ("text_encoder",),
+        "clip_g": ("text_encoder_2",),
+        "t5": ("text_encoder_3",),
+    }
     denoiser = "transformer"
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "flow"
     repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
-    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]  # noqa: RUF012 (read-only; the protocol's attributes)
-    text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]  # noqa: RUF012 (read-only; the protocol's attributes)
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    text_encoder_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj")
     trainable_text_encoders = ("text_encoder", "text_encoder_2")  # CLIP-L, CLIP-G; T5 only ever encodes for the cache
     #: the width of the joint text sequence; T5's zeros take it when T5 is disabled. Every released SD3/SD3.5
     #: has 4096; ``load`` sets it from the transformer it loads (the tiny model's is smaller).
     joint_attention_dim = DEFAULT_JOINT_DIM
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8
     #: (patch embedding, timestep/pooled-text embeddings, the text projection in, the final norm and projection out)
-    high_precision_modules = {
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("pos_embed*", "time_text_embed*", "context_embedder", "norm_out*", "proj_out")
     }
 
@@ -617,7 +622,7 @@ class SD3:
         """CLIP-L and CLIP-G always; T5 unless text_encoders.t5.enabled is false (then it never loads)."""
         return ["clip_l", "clip_g"] + (["t5"] if options.t5.enabled else [])
 
-    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """SD3 has no per-sample conditioning besides the text (no size/crop micro-conditioning): {}."""
         return {}
 
@@ -692,9 +697,6 @@ class SD3:
 
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
-
-    def checkpointing_hint(self, transformer) -> None:
-        transformer.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------ pipelines and export
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):

@@ -7,9 +7,9 @@ using the architecture configs bundled in ``configs/``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -18,6 +18,7 @@ from ..errors import ModelLoadError
 from ..utils import atomic_dir, stream_save_safetensors
 from . import common
 from . import sdxl_single_file as single_file
+from .base import CachedItem, ModelFamily
 from .common import read_json as _read_json
 from .tokenizers import tiny_clip_vocab
 
@@ -55,22 +56,26 @@ def _new_module(part: str, cfg: dict):
     return CLIPTextModel(conf) if part == "text_encoder" else CLIPTextModelWithProjection(conf)
 
 
-class SDXL:
+class SDXL(ModelFamily):
     name = "sdxl"
     image_encoder = "vae"
     text_encoders = ("text_encoder", "text_encoder_2")
-    text_stages = {"clip": ("text_encoder", "text_encoder_2")}  # both CLIPs together (small)
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "clip": ("text_encoder", "text_encoder_2")
+    }  # both CLIPs together (small)
     denoiser = "unet"
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
     objective = "ddpm"
     # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
-    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
-    text_encoder_lora_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    text_encoder_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj")
     trainable_text_encoders = ("text_encoder", "text_encoder_2")
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8
     #: (the UNet's first and last convolutions and the timestep/micro-conditioning embeddings)
-    high_precision_modules = {"unet": ("conv_in", "conv_out", "time_embedding*", "add_embedding*")}
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "unet": ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
+    }
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
@@ -368,9 +373,9 @@ class SDXL:
     def enabled_stages(self, options) -> list[str]:
         return ["clip"]
 
-    def conditioning(self, item: dict, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        w, h = item["bucket"]
-        return {"time_ids": self.time_ids(item["original_size"], latent_entry["crop"].tolist(), (h, w))}
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        w, h = item.bucket
+        return {"time_ids": self.time_ids(item.original_size, latent_entry["crop"].tolist(), (h, w))}
 
     def combine_texts(self, stages: dict[str, dict[str, torch.Tensor]], options=None) -> dict[str, torch.Tensor]:
         return dict(stages["clip"])
@@ -406,9 +411,6 @@ class SDXL:
         return unet(
             noisy, timesteps, encoder_hidden_states=batch["prompt_embeds"], added_cond_kwargs=added, return_dict=False
         )[0]
-
-    def checkpointing_hint(self, unet) -> None:
-        unet.enable_gradient_checkpointing()
 
     # ------------------------------------------------------------ pipelines and export
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):

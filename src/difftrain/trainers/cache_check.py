@@ -10,34 +10,38 @@ from __future__ import annotations
 from ..config.schema import Config
 from ..data.cache import DataCache
 from ..data.captions import CaptionAugment
+from ..data.index import CacheIndex
 from ..errors import CacheMismatch
+from ..families.base import ModelFamily
 from ..families.common import cache_fingerprints
 
 _RERUN = "Run `difftrain precompute` with this config (it encodes only what differs), or point data.cache_dir at the cache made for it."
 
 
-def cache_differences(cfg: Config, family, cache: DataCache, index: dict, live_stages: list[str]) -> list[str]:
+def cache_differences(
+    cfg: Config, family: ModelFamily, cache: DataCache, index: CacheIndex, live_stages: list[str]
+) -> list[str]:
     """What differs between the cache's index and what ``cfg`` would precompute, one line per difference;
     empty when they agree. Fields an older index lacks are not compared."""
     diffs = []
     pc = cfg.precompute
     for name, now in (("vae_dtype", pc.vae_dtype), ("text_encoder_dtype", pc.text_encoder_dtype)):
-        then = index.get(name)
+        then = getattr(index, name)
         if (
             then is not None
             and then != now
             and not (name == "text_encoder_dtype" and _all_live(family, cfg, live_stages))
         ):
             diffs.append(f"precompute.{name}: the cache was made with {then}, this config has {now}")
-    cached_stages = index.get("text_stages")
-    if index.get("vae") is not None or cached_stages is not None:
+    cached_stages = index.text_stages
+    if index.vae is not None or cached_stages is not None:
         memo = (
             cache.read_json("fingerprints.json", {}) or {}
         )  # weight hashes by file stat: no re-hashing when unchanged
         vae, stages = cache_fingerprints(family, cfg, memo)
-        if index.get("vae") not in (None, vae):
+        if index.vae not in (None, vae):
             diffs.append(
-                f"the {family.image_encoder} weights: the cache holds latents of {index['vae'][:12]}, "
+                f"the {family.image_encoder} weights: the cache holds latents of {index.vae[:12]}, "
                 f"this model's are {vae[:12]} (model.path {cfg.model.path})"
             )
         for s, fp in stages.items():
@@ -47,13 +51,13 @@ def cache_differences(cfg: Config, family, cache: DataCache, index: dict, live_s
                 diffs.append(
                     f"text stage {s!r}: the cache has no embeddings for it (it was disabled when the cache was made)"
                 )
-            elif cached_stages[s] != fp and index.get("text_encoder_dtype") in (None, pc.text_encoder_dtype):
+            elif cached_stages[s] != fp and index.text_encoder_dtype in (None, pc.text_encoder_dtype):
                 diffs.append(
                     f"text stage {s!r} ({', '.join(family.text_stages[s])}): other weights or options "
                     f"(text_encoders settings) than the cache was made with"
                 )
     want = CaptionAugment.from_config(cfg.data)
-    had = index.get("captions")
+    had = index.captions
     if had is not None and not _all_live(family, cfg, live_stages):
         now = want.record()
         changed = [f"{k} {had.get(k)!r} -> {now[k]!r}" for k in now if k != "dropout" and had.get(k) != now[k]]
@@ -63,16 +67,16 @@ def cache_differences(cfg: Config, family, cache: DataCache, index: dict, live_s
             )
         elif want.varies and changed:
             diffs.append("caption augmentation changed since the cache was made: " + ", ".join(changed))
-        if want.dropout_rate > 0 and not index.get("empty_text"):
+        if want.dropout_rate > 0 and not index.empty_text:
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
     return diffs
 
 
-def _all_live(family, cfg: Config, live_stages: list[str]) -> bool:
+def _all_live(family: ModelFamily, cfg: Config, live_stages: list[str]) -> bool:
     return set(family.enabled_stages(cfg.text_encoders)) <= set(live_stages)
 
 
-def check_cache(cfg: Config, family, cache: DataCache, index: dict, live_stages: list[str]) -> None:
+def check_cache(cfg: Config, family: ModelFamily, cache: DataCache, index: CacheIndex, live_stages: list[str]) -> None:
     """:class:`CacheMismatch` naming every difference (see :func:`cache_differences`)."""
     diffs = cache_differences(cfg, family, cache, index, live_stages)
     if diffs:

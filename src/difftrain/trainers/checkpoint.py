@@ -9,10 +9,28 @@ checkpoints untouched and no half-written one that looks complete.
 
 from __future__ import annotations
 
+import json
+import os
+import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+import torch
+
+from .. import distributed as dist_
+from ..config.schema import Config
+from ..console import info
+from ..errors import CheckpointError, DifftrainError
+from ..utils import atomic_dir
+from .lora import trainable_state
+from .state import load_tree, save_tree
+
+if TYPE_CHECKING:  # a cycle at import time otherwise
+    from .export import Exporter
+    from .feed import Feed, Position
+    from .setup import Parts
 
 PREFIX = "step-"
 
@@ -64,3 +82,251 @@ def remove_unfinished(output_dir: Path) -> list[Path]:
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
+
+
+# ------------------------------------------------------------------ the training state
+@dataclass
+class Schedule:
+    """What a checkpoint stores besides the parts: the step counts, the learning-rate schedule, the fp16 grad
+    scaler and the training generator."""
+
+    total_steps: int
+    global_batch: int
+    lr_scheduler: Any
+    scaler: torch.amp.GradScaler
+    gen: torch.Generator
+
+
+class Checkpointer:
+    """Saves and loads the training state of one run (every process takes part; the first one writes)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        out: Path,
+        world: dist_.World,
+        device: torch.device,
+        parts: Parts,
+        exporter: Exporter,
+        config_yaml: str | None,
+    ) -> None:
+        self.cfg, self.out, self.world, self.device = cfg, out, world, device
+        self.parts, self.exporter, self.config_yaml = parts, exporter, config_yaml
+
+    # ---------------------------------------------------------------- save
+    def save(self, pos: Position, sched: Schedule) -> Path:
+        """:meth:`_save`, with a full disk said as such: the folder being written is removed (by the atomic
+        write) and the previous checkpoint, untouched, is named."""
+        import errno
+
+        try:
+            return self._save(pos, sched)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            prev = list_checkpoints(self.out)
+            kept = f"the previous checkpoint {prev[-1]} is intact" if prev else "there is no earlier checkpoint"
+            raise CheckpointError(
+                f"The disk is full: the checkpoint of step {pos.step} could not be written in {self.out / 'checkpoints'} "
+                f"(nothing half-written was left); {kept}.",
+                hint="Free some space (or set train.keep_checkpoints lower), then resume with --resume latest.",
+            ) from None
+
+    def _save(self, pos: Position, sched: Schedule) -> Path:
+        """The training state, atomically. Several processes: each takes part in what is collective (ZeRO's
+        gathers and its own checkpoint files), the first one writes the rest and renames the folder."""
+        final = checkpoint_dir(self.out, pos.step)
+        if not self.world.distributed:
+            with atomic_dir(final) as tmp:
+                self._write(tmp, pos, sched, write=True)
+        else:
+            from ..utils import commit_dir
+
+            tmp = final.with_name(f".{final.name}.shared.tmp")  # one name every process can compute
+            if self.world.main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            dist_.barrier(self.world)
+            self._write(tmp, pos, sched, write=self.world.main)
+            dist_.barrier(self.world)
+            if self.world.main:
+                commit_dir(tmp, final)
+        if self.world.main:
+            prune(self.out, self.cfg.train.keep_checkpoints)
+        dist_.barrier(self.world)
+        return final
+
+    def _write(self, tmp: Path, pos: Position, sched: Schedule, write: bool) -> None:
+        from ..memory.deepspeed_engine import gathered
+
+        p = self.parts
+        with gathered(p.engine, p.params):
+            weights = {
+                f"{part}.{n}": w.detach().clone()
+                for part, m in p.trained.items()
+                for n, w in trainable_state(m).items()
+            }
+        if write:
+            save_tree(weights, tmp, "trainable")
+        if p.engine is not None:
+            # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
+            # from them needs --allow-pickle, as any pickle does); every process writes its own partition
+            p.engine.save_checkpoint(
+                str(tmp / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
+            )
+        elif write:
+            save_tree(p.optimizer.state_dict(), tmp, "optimizer")
+        lora = self.cfg.train.method == "lora"
+        layers = self.exporter.layers() if lora and p.engine is not None else None
+        if not write:
+            return
+        self._write_rest(tmp, pos, sched)
+        if lora:
+            self.exporter.save_lora(tmp, use_ema=self.exporter.use_ema, layers=layers)
+
+    def _write_rest(self, tmp: Path, pos: Position, sched: Schedule) -> None:
+        """What the first process alone writes: the RNG states, the EMA, the schedules, the position."""
+        rng = {
+            "python": list(random.getstate()[1]),
+            "python_version": random.getstate()[0],
+            "python_gauss": random.getstate()[2],
+            "torch": torch.get_rng_state(),
+            "generator": sched.gen.get_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        save_tree(rng, tmp, "rng")
+        if self.parts.ema is not None:
+            save_tree(self.parts.ema.state_dict(), tmp, "ema")
+        # scheduler state may hold tensors (torchao keeps lr as one): a tree, not JSON
+        save_tree(
+            {"lr_scheduler": sched.lr_scheduler.state_dict(), "scaler": sched.scaler.state_dict()}, tmp, "schedule"
+        )
+        state = {
+            "step": pos.step,
+            "epoch": pos.epoch,
+            "batch_pos": pos.batch_pos,
+            "total_steps": sched.total_steps,
+            "global_batch": sched.global_batch,
+            "world_size": self.world.size,
+        }
+        if pos.plan is not None and pos.plan[0] == pos.epoch:
+            state["epoch_plan"] = pos.plan[1]  # an epoch re-cut for another process count: its batches
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")
+        if self.config_yaml is not None:
+            (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
+
+    # ---------------------------------------------------------------- load
+    def load(self, folder: Path, pos: Position, sched: Schedule, feed: Feed) -> None:
+        """:meth:`_load`; a checkpoint whose files hold the wrong types or shapes (damaged, or crafted) is a
+        CheckpointError naming it, not whatever the step that trips on it raises."""
+        try:
+            self._load(folder, pos, sched, feed)
+        except DifftrainError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                raise
+            raise CheckpointError(
+                f"The checkpoint {folder} is damaged or does not fit this run "
+                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).",
+                hint="Resume with the config saved in the checkpoint folder (config.yaml), or from an "
+                "earlier checkpoint.",
+            ) from None
+
+    def _load(self, folder: Path, pos: Position, sched: Schedule, feed: Feed) -> None:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+        if not (
+            isinstance(state, dict)
+            and all(type(state.get(k)) is int and state[k] >= 0 for k in ("step", "epoch", "batch_pos"))
+        ):
+            raise ValueError("trainer_state.json lacks step, epoch or batch_pos as non-negative integers")
+        self._load_weights(folder)
+        self._load_optimizer(folder, state)
+        p = self.parts
+        if p.ema is not None:
+            p.ema.load_state_dict(load_tree(folder, "ema"))
+        schedule = load_tree(folder, "schedule")
+        sched.lr_scheduler.load_state_dict(schedule["lr_scheduler"])
+        sched.scaler.load_state_dict(schedule["scaler"])
+        rng = load_tree(folder, "rng")
+        random.setstate((rng["python_version"], tuple(rng["python"]), rng["python_gauss"]))
+        torch.set_rng_state(rng["torch"])
+        sched.gen.set_state(rng["generator"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        pos.step, pos.epoch, pos.batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        feed.resume_epoch(
+            pos, state.get("global_batch", sched.global_batch), sched.global_batch, state.get("epoch_plan")
+        )
+        info(f"resumed from {folder} at step {pos.step} (epoch {pos.epoch}, batch {pos.batch_pos})")
+
+    def _load_weights(self, folder: Path) -> None:
+        weights = load_tree(folder, "trainable")
+        for part, m in self.parts.trained.items():
+            own = trainable_state(m)
+            sub = {n[len(part) + 1 :]: w for n, w in weights.items() if n.startswith(part + ".")}
+            if set(sub) != set(own):
+                raise CheckpointError(
+                    f"The checkpoint {folder} was made with a different LoRA setup for {part} "
+                    f"({len(sub)} tensors saved, {len(own)} expected).",
+                    hint="Resume with the config saved in the checkpoint folder (config.yaml).",
+                )
+            with torch.no_grad():
+                for n, w in m.named_parameters():
+                    if n in sub:
+                        w.copy_(sub[n])
+
+    def _load_optimizer(self, folder: Path, state: dict) -> None:
+        p = self.parts
+        if p.engine is None:
+            p.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
+            return
+        if not self.cfg.model.allow_pickle:
+            raise CheckpointError(
+                f"{folder} holds DeepSpeed's optimizer state, which DeepSpeed stores as torch pickles; "
+                "difftrain does not unpickle files unless told to.",
+                hint="If you trust this folder (difftrain wrote it), resume with --allow-pickle.",
+            )
+        tag = "state"
+        if state.get("world_size", 1) != self.world.size:  # ZeRO's partitions were cut for another count
+            tag = self._universal(folder)
+        p.engine.load_checkpoint(
+            str(folder / "deepspeed"),
+            tag=tag,
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+
+    def _universal(self, folder: Path) -> str:
+        """DeepSpeed's universal checkpoint of ``folder``'s ZeRO state (made once, by the first process, beside
+        the original and renamed into place when complete), and the engine told to load that format: how a
+        ZeRO run resumes on another number of GPUs."""
+        import argparse
+
+        out = folder / "deepspeed" / "state_universal"
+        if self.world.main and not out.exists():
+            from deepspeed.checkpoint import ds_to_universal
+
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            info(
+                f"the checkpoint's ZeRO state was cut for another number of GPUs: converting it to DeepSpeed's "
+                f"universal format ({out})"
+            )
+            ds_to_universal.main(
+                argparse.Namespace(
+                    input_folder=str(folder / "deepspeed" / "state"),
+                    output_folder=str(tmp),
+                    num_extract_workers=4,
+                    num_merge_workers=2,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,
+                )
+            )
+            os.replace(tmp, out)
+        dist_.barrier(self.world)
+        self.parts.engine._config.load_universal_checkpoint = True  # read by load_checkpoint; DeepSpeed has no setter
+        return out.name

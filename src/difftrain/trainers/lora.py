@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from peft import LoraConfig
 
 from ..config.schema import LoraConfig as LoraSettings
 
 
-def add_lora(module: torch.nn.Module, settings: LoraSettings, targets: list[str]) -> list[torch.nn.Parameter]:
+def add_lora(module: torch.nn.Module, settings: LoraSettings, targets: Sequence[str]) -> list[torch.nn.Parameter]:
     """Add a LoRA adapter to ``module``; return its trainable parameters (kept in fp32)."""
     cfg = LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
         lora_dropout=settings.dropout,
         init_lora_weights="gaussian" if settings.init == "gaussian" else True,
-        target_modules=targets,
+        target_modules=list(targets),
     )
     module.add_adapter(cfg)
     params = []

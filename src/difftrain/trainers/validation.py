@@ -17,35 +17,49 @@ in bf16, since bitsandbytes-quantized weights cannot move between devices.
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..config.schema import Config
 from ..console import info
 from ..errors import UsageError
-from ..families.base import stage_precisions
+from ..families.base import ModelFamily, stage_precisions
 
 
-def validate(trainer, tag: str) -> list[Path]:
-    cfg, fam = trainer.cfg, trainer.family
+@dataclass(frozen=True)
+class ValidationInputs:
+    """What a validation round needs from the run: the parts it loaded (the denoiser being trained among
+    them), where they live and the precisions it computes in."""
+
+    cfg: Config
+    family: ModelFamily
+    comps: dict[str, Any]
+    device: torch.device
+    compute_dtype: torch.dtype
+    amp_dtype: torch.dtype | None
+
+
+def validate(run: ValidationInputs, tag: str) -> list[Path]:
+    cfg, fam = run.cfg, run.family
     v = cfg.validation
-    i2v = getattr(fam, "image_conditioned", False)
+    i2v = fam.image_conditioned
     if i2v and not v.images:
         raise UsageError(
             "validation samples for image-to-video need a start image per prompt.",
             hint="Set validation.images to one image file per validation prompt.",
         )
     parts = [fam.image_encoder] + [p for s in fam.enabled_stages(cfg.text_encoders) for p in fam.text_stages[s]]
-    missing = [p for p in dict.fromkeys(parts) if p not in trainer.comps]
+    missing = [p for p in dict.fromkeys(parts) if p not in run.comps]
     precision = stage_precisions(fam, cfg.text_encoders, fam.enabled_stages(cfg.text_encoders))
-    dev = trainer.device
+    dev = run.device
     load_on = "cpu" if v.cpu_offload else dev
     extra = (
-        fam.load(cfg.model, missing, dtype=trainer.compute_dtype, device=load_on, precision=precision)
-        if missing
-        else {}
+        fam.load(cfg.model, missing, dtype=run.compute_dtype, device=load_on, precision=precision) if missing else {}
     )
-    comps = {**trainer.comps, **extra}
+    comps = {**run.comps, **extra}
     pipe = fam.pipeline(comps, cfg.model)
     offload = _offload_extras(pipe, extra, comps[fam.denoiser], dev) if v.cpu_offload else None
     pipe.set_progress_bar_config(disable=True)
@@ -56,7 +70,7 @@ def validate(trainer, tag: str) -> list[Path]:
     denoiser = comps[fam.denoiser]
     was_training = denoiser.training
     denoiser.eval()
-    amp = trainer.amp_dtype
+    amp = run.amp_dtype
     try:
         with torch.no_grad(), torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None):
             for i, prompt in enumerate(v.prompts):
@@ -73,7 +87,7 @@ def validate(trainer, tag: str) -> list[Path]:
                     from ..data.sources import load_rgb
 
                     kw["image"] = load_rgb(v.images[i]).resize((side, side))
-                if getattr(fam, "video", False):
+                if fam.video:
                     frames = pipe(num_frames=cfg.data.frames, output_type="np", **kw).frames[0]
                     from ..data.video import write_mp4
 

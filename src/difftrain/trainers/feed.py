@@ -1,0 +1,187 @@
+"""Batches from the precompute cache: the index's items, held-out and class items, the epoch's batches, and the
+tensors of a micro-batch (cached latents and text embeddings, or captions encoded live when an encoder trains).
+
+Every choice here is a function of (seed, epoch, batch position) and the items, never of a running generator,
+so a resumed run, or one on another number of processes, feeds exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.schema import Config
+from ..console import info
+from ..data.batches import BucketBatchSampler
+from ..data.cache import DataCache, cache_dir_for
+from ..data.captions import CaptionAugment, live_caption, pick_text
+from ..data.index import CacheIndex, IndexItem
+from ..errors import CacheMismatch, ConfigError
+from ..families.base import ModelFamily
+
+#: encodes captions of one text stage on the fly (a trained encoder): (stage, captions) -> its tensors
+LiveEncoder = Callable[[str, list[str]], dict[str, torch.Tensor]]
+
+
+def open_index(cfg: Config, family: ModelFamily) -> tuple[DataCache, CacheIndex]:
+    """The cache and its index, refused when there is nothing to train on or it was made for another family."""
+    cache = DataCache(cache_dir_for(cfg))
+    raw = cache.read_json("index.json")
+    index = CacheIndex.from_json(raw, cache.root / "index.json") if raw else None
+    if index is None or not index.items:
+        raise CacheMismatch(
+            f"No precomputed data in {cache.root}.",
+            hint="Run `difftrain precompute` with the same recipe/config first.",
+        )
+    if index.family != family.name:
+        raise CacheMismatch(
+            f"The cache at {cache.root} was made for {index.family!r}, not {family.name!r}.",
+            hint="Point data.cache_dir at the cache of this model family, or run precompute again.",
+        )
+    return cache, index
+
+
+def recut(batches: list[list[int]], keys: list, size: int) -> list[list[int]]:
+    """The items of ``batches`` (in order) cut into batches of ``size`` within each bucket: every item once,
+    buckets in the order they first appear. How an epoch continues when the global batch changes."""
+    order: dict = {}
+    for b in batches:
+        for i in b:
+            order.setdefault(keys[i], []).append(i)
+    return [items[j : j + size] for items in order.values() for j in range(0, len(items), size)]
+
+
+@dataclass
+class Position:
+    """Where training is: the optimizer step, and the sampler's epoch and batch (what a checkpoint stores)."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_pos: int = 0
+    plan: tuple[int, list[list[int]]] | None = None  # (epoch, batches) of an epoch re-cut on resume
+
+
+class Feed:
+    """The items training reads and the tensors of each micro-batch."""
+
+    def __init__(self, cfg: Config, family: ModelFamily, device: torch.device) -> None:
+        self.cfg, self.family, self.device = cfg, family, device
+        self.cache, self.index = open_index(cfg, family)
+        # DreamBooth prior preservation: class images ride along with each instance batch
+        self.items = [it for it in self.index.items if not it.prior]
+        self.prior_items = [it for it in self.index.items if it.prior]
+        if cfg.dreambooth.with_prior_preservation and not self.prior_items:
+            raise CacheMismatch(
+                "dreambooth.with_prior_preservation is set but the cache has no class images.",
+                hint="Run `difftrain precompute` with the same config (it generates and caches them).",
+            )
+        if not self.items:
+            raise CacheMismatch(
+                f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set."
+            )
+        self.val_items = self._hold_out()
+        self.caption_aug = CaptionAugment.from_config(cfg.data)
+        self.live_stages: list[str] = []
+        self.encode_live: LiveEncoder | None = None  # set by the trainer once the trained encoders are built
+
+    # ---------------------------------------------------------------- which items
+    def _hold_out(self) -> list[IndexItem]:
+        """``validation.loss_items`` items taken out of training for the validation loss: drawn with
+        ``validation.seed`` from the items in content order, so every trial of a sweep over one cache
+        holds out the same ones whatever its training seed."""
+        n = self.cfg.validation.loss_items
+        if not n:
+            return []
+        if n >= len(self.items):
+            raise ConfigError(
+                f"validation.loss_items is {n}, but the cache has {len(self.items)} training items.",
+                hint="Hold out fewer items, so that some are left to train on.",
+            )
+        order = sorted(range(len(self.items)), key=lambda i: self.items[i].latent)
+        pick = set(random.Random(f"difftrain-val:{self.cfg.validation.seed}").sample(order, n))
+        held = [it for i, it in enumerate(self.items) if i in pick]
+        self.items = [it for i, it in enumerate(self.items) if i not in pick]
+        return held
+
+    def bucket_keys(self) -> list[tuple[int, int, int]]:
+        """A batch never mixes sizes, nor (video) frame counts."""
+        return [it.bucket_key for it in self.items]
+
+    def start(self, global_batch: int) -> BucketBatchSampler:
+        """The epochs' batches of ``global_batch`` items (batch_size per process, as the diffusers scripts and
+        sd-scripts count it), within buckets."""
+        self.global_batch = global_batch
+        self.sampler = BucketBatchSampler(self.bucket_keys(), global_batch, self.cfg.train.seed)
+        return self.sampler
+
+    def epoch_batches(self, pos: Position) -> list[list[int]]:
+        """The batches (item indices) of ``pos.epoch``: the sampler's, or the re-cut rest of a resumed epoch."""
+        if pos.plan is not None and pos.plan[0] == pos.epoch:
+            return pos.plan[1]
+        pos.plan = None
+        return self.sampler.epoch(pos.epoch)
+
+    def resume_epoch(self, pos: Position, old_global: int, global_batch: int, plan: list[list[int]] | None) -> None:
+        """A checkpoint's epoch continued: with another process count (or batch size) the rest of its items are
+        re-cut to the new global batch; a checkpoint of a re-cut epoch stored its batches (``plan``)."""
+        if old_global == global_batch and plan is None:
+            return
+        keys = self.bucket_keys()
+        old = plan if plan is not None else BucketBatchSampler(keys, old_global, self.cfg.train.seed).epoch(pos.epoch)
+        pos.plan = (pos.epoch, recut(old[pos.batch_pos :], keys, global_batch))
+        pos.batch_pos = 0
+        info(
+            f"the global batch changed from {old_global} to {global_batch}: the rest of epoch {pos.epoch} "
+            f"({sum(map(len, pos.plan[1]))} items) is re-cut into {len(pos.plan[1])} batches"
+        )
+
+    def prior_batch(self, n: int, epoch: int, batch_pos: int) -> list[IndexItem]:
+        """n class items for the instance batch at a position: a function of (seed, epoch, batch), so a resumed
+        run draws the same ones. One bucket per batch (the instance batch's when it has one)."""
+        rng = random.Random(f"difftrain-prior:{self.cfg.train.seed}:{epoch}:{batch_pos}")
+        buckets = sorted({it.bucket_key for it in self.prior_items})
+        bucket = rng.choice(buckets)
+        pool = [it for it in self.prior_items if it.bucket_key == bucket]
+        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+    # ---------------------------------------------------------------- tensors
+    def batch(self, items: list[IndexItem], epoch: int = 0, augment: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors of a micro-batch. ``augment``: the captions as caption augmentation draws them in ``epoch``
+        (the training batches), else as written (validation, prior images)."""
+        fam, seed, aug = self.family, self.cfg.train.seed, self.caption_aug
+        lat_entries = [self.cache.get(it.latent) for it in items]
+        rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
+        to = self.to_device
+        batch = {"latents": to(torch.stack([le["latents"] for le in lat_entries]))}
+        batch.update({k: to(torch.stack([r[k] for r in rows])) for k in rows[0]})
+        texts = [pick_text(it, aug, seed, epoch, self.index.empty_text) if augment else it.texts for it in items]
+        stages: dict[str, dict[str, Any]] = {}
+        for stage in fam.enabled_stages(self.cfg.text_encoders):
+            if stage in self.live_stages:
+                assert self.encode_live is not None  # set with live_stages
+                captions = [
+                    live_caption(it.caption, aug, seed, epoch, it.key) if augment else it.caption for it in items
+                ]
+                stages[stage] = self.encode_live(stage, captions)
+            else:
+                entries = [self.cache.get(tx[stage]) for tx in texts]
+                stages[stage] = {k: to(torch.stack([e[k] for e in entries])) for k in entries[0]}
+        batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
+        return batch
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its
+        queue; from pinned memory it is queued behind it (speed.pin_memory)."""
+        if self.device.type == "cuda" and self.cfg.speed.pin_memory and x.device.type == "cpu":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
+    @staticmethod
+    def finite(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Whether a batch's cached tensors hold only finite numbers, as a device flag (read at the next flush)."""
+        floats = [v for v in batch.values() if v.is_floating_point()]
+        return torch.stack([torch.isfinite(v).all() for v in floats]).all()

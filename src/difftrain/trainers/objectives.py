@@ -1,0 +1,158 @@
+"""Training objectives: what the denoiser is asked to predict, from which noisy inputs, with which weight.
+
+``ddpm``: epsilon or v-prediction on the family's DDPM scheduler (SDXL, CogVideoX), with optional Min-SNR
+weighting. ``flow``: rectified flow (SD3): x_s = (1 - s) x0 + s noise, target noise - x0, with SD3's sigma
+sampling, shift and loss weightings. Everything random is drawn through :class:`Draws`, from the trainer's
+seeded generator, so a resumed run draws what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config.schema import Config, FlowConfig
+from ..families.base import ModelFamily
+
+
+def snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    a = alphas_cumprod.to(t.device)[t].float()
+    return a / (1 - a)
+
+
+def sample_sigmas(flow: FlowConfig, n: int, shift: float, gen: torch.Generator, device) -> torch.Tensor:
+    """Noise levels in (0, 1) drawn as diffusers' SD3 scripts and sd-scripts do, then shifted.
+
+    logit_normal: sigmoid of N(mean, std); mode: 1 - u - scale (cos^2(pi u / 2) - 1 + u)
+    (Esser et al. 2024, eq. 20); uniform: u. Shift: s' = shift s / (1 + (shift - 1) s).
+    """
+    if flow.timestep_sampling == "logit_normal":
+        u = torch.sigmoid(flow.logit_mean + flow.logit_std * torch.randn(n, generator=gen, device=device))
+    else:
+        u = torch.rand(n, generator=gen, device=device)
+        if flow.timestep_sampling == "mode":
+            u = 1 - u - flow.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    u = u.clamp(1e-5, 1 - 1e-5)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def flow_loss_weight(kind: str, sigmas: torch.Tensor) -> torch.Tensor | None:
+    """SD3's loss weightings (diffusers' compute_loss_weighting_for_sd3)."""
+    if kind == "sigma_sqrt":
+        return sigmas.float() ** -2.0
+    if kind == "cosmap":
+        bot = 1 - 2 * sigmas + 2 * sigmas**2
+        return 2 / (math.pi * bot)
+    return None
+
+
+class Draws:
+    """Random draws of a micro-batch from the training generator. On several processes the whole global batch is
+    drawn on each (same generator, same seed) and this process's slice kept, so N processes see exactly the draws
+    one process would; ``share`` (set by the loop per micro-batch) is that slice and the global batch's size."""
+
+    def __init__(self, gen: torch.Generator, device: torch.device) -> None:
+        self.gen, self.device = gen, device
+        self.share: tuple[slice, int] | None = None
+
+    def __call__(self, draw: Callable[[int], torch.Tensor], n_local: int) -> torch.Tensor:
+        if self.share is None:
+            return draw(n_local)
+        sl, n = self.share
+        return draw(n)[sl]
+
+    def randn(self, shape: tuple[int, ...], n_local: int) -> torch.Tensor:
+        """N(0, 1) of ``(n_local, *shape)``."""
+        return self(lambda n: torch.randn((n, *shape), generator=self.gen, device=self.device), n_local)
+
+
+class Objective:
+    """The loss of a micro-batch for one family's objective: noise, noise level, noisy input, target, weight."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        family: ModelFamily,
+        scheduler: Any,
+        draws: Draws,
+        compute_dtype: torch.dtype,
+        amp_dtype: torch.dtype | None,
+    ) -> None:
+        self.cfg, self.family, self.scheduler, self.draws = cfg, family, scheduler, draws
+        self.compute_dtype, self.amp_dtype = compute_dtype, amp_dtype
+        self.device = draws.device
+        if family.objective == "flow":
+            self.flow_shift = cfg.flow.shift or float(scheduler.config.get("shift", 1.0))
+
+    def loss(
+        self,
+        denoiser: Any,
+        batch: dict[str, torch.Tensor],
+        fixed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        per_sample: bool = False,
+    ) -> torch.Tensor:
+        """The training loss of a micro-batch. ``fixed = (noise, q)`` gives the noise and the noise level as
+        a quantile q in (0, 1) instead of drawing them, and drops what only training adds (noise offset,
+        image dropout, loss weighting): the validation loss, comparable across trials."""
+        latents = batch["latents"]
+        b = latents.shape[0]
+        if fixed is not None:
+            noise = fixed[0]
+        else:
+            noise = self.draws.randn(tuple(latents.shape[1:]), b)
+            if self.cfg.train.noise_offset:
+                shape = (latents.shape[1],) + (1,) * (latents.ndim - 2)
+                noise = noise + self.cfg.train.noise_offset * self.draws.randn(shape, b)
+            batch = self.family.drop_image_conditioning(batch, self.draws.gen)  # image-to-video only
+        q = fixed[1] if fixed is not None else None
+        inputs = self.flow_inputs if self.family.objective == "flow" else self.ddpm_inputs
+        noisy, timesteps, target, weight = inputs(latents, noise, q)
+        if fixed is not None:
+            weight = None
+        amp = self.amp_dtype
+        with torch.autocast(self.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            cond = {
+                k: (v.to(self.compute_dtype) if v.is_floating_point() and k != "time_ids" else v)
+                for k, v in batch.items()
+            }
+            pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+        if weight is not None:
+            loss = loss * weight
+        return loss if per_sample else loss.mean()
+
+    def ddpm_inputs(self, latents: torch.Tensor, noise: torch.Tensor, q: torch.Tensor | None = None):
+        """Epsilon or v-prediction from the scheduler config, with optional Min-SNR weighting."""
+        t, sched = self.cfg.train, self.scheduler
+        n = sched.config.num_train_timesteps
+        if q is None:
+            gen, dev = self.draws.gen, self.device
+            timesteps = self.draws(lambda k: torch.randint(0, n, (k,), generator=gen, device=dev), latents.shape[0])
+        else:
+            timesteps = (q * n).long().clamp(0, n - 1)
+        noisy = sched.add_noise(latents, noise, timesteps)
+        pred_type = sched.config.prediction_type
+        target = noise if pred_type == "epsilon" else sched.get_velocity(latents, noise, timesteps)
+        weight = None
+        if t.min_snr_gamma:
+            # Min-SNR weighting (Hang et al. 2023): min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v
+            s = snr(sched.alphas_cumprod, timesteps)
+            weight = torch.clamp(s, max=t.min_snr_gamma) / (s + 1 if pred_type == "v_prediction" else s)
+        return noisy, timesteps, target, weight
+
+    def flow_inputs(self, latents: torch.Tensor, noise: torch.Tensor, q: torch.Tensor | None = None):
+        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3). A given quantile q is shifted
+        as the scheduler shifts its sigmas."""
+        shift = self.flow_shift
+        if q is None:
+            gen, dev = self.draws.gen, self.device
+            sigmas = self.draws(lambda k: sample_sigmas(self.cfg.flow, k, shift, gen, dev), latents.shape[0])
+        else:
+            sigmas = shift * q / (1 + (shift - 1) * q)
+        s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
+        noisy = (1 - s) * latents + s * noise
+        return noisy, sigmas * 1000, noise - latents, flow_loss_weight(self.cfg.flow.loss_weighting, sigmas)

@@ -1,0 +1,388 @@
+"""Building what training runs: the model parts with every memory technique applied in its fixed order, the
+optimizer (or DeepSpeed's engine), the DDP wrappers and the EMA, returned as one typed :class:`Parts`.
+
+The order of the techniques is :data:`TECHNIQUES`, applied to each loaded part in turn: storage that adapters
+must see first, float8 compute, the adapters (LoRA, or the whole part trainable), activation checkpointing, the
+weights' placement and precision, block swap, and the speed section. A technique that needs another's result
+comes after it in that list and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import distributed as dist_
+from .. import speed as speed_
+from ..config.schema import Config
+from ..console import info, warn
+from ..errors import ConfigError, DifftrainError, ModelLoadError
+from ..families.base import ModelFamily, stage_precisions
+from ..memory.plan import (
+    apply_activations,
+    apply_offload,
+    apply_weights,
+    apply_weights_before_adapters,
+    load_device,
+    make_optimizer,
+    weights_dtype,
+)
+from ..utils import pick_device, stored_float_dtype
+from .ema import EMA
+from .lora import adapter_metadata, add_lora
+
+
+def training_device(cfg: Config, world: dist_.World) -> torch.device:
+    """train.device; on several processes each takes the GPU of its local rank."""
+    device = pick_device(cfg.train.device)
+    if world.distributed and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", world.local_rank)  # one GPU per process
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
+def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> None:
+    """The process group, the GPU memory cap, and the seeds, before anything random happens (the LoRA init
+    draws from the global RNG)."""
+    t = cfg.train
+    dist_.init(world, device)
+    if t.gpu_memory_limit_gib and device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(idx).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib / total), idx)
+    random.seed(t.seed)
+    torch.manual_seed(t.seed)
+
+
+@dataclass
+class Parts:
+    """The loaded components, what trains, and what steps it."""
+
+    comps: dict[str, Any]  # every loaded part (and tokenizers), by name
+    trained: dict[str, torch.nn.Module]  # the parts that train (LoRA-adapted or whole)
+    params: list[torch.nn.Parameter]  # their trainable parameters, in optimizer order
+    groups: list[dict]  # optimizer parameter groups (params, lr) per trained part
+    block_swap: Any = None  # the denoiser's block swap, when memory.offload is block_swap
+    engine: Any = None  # DeepSpeed's engine (it then owns the optimizer step)
+    optimizer: Any = None
+    wrapped: dict[str, torch.nn.Module] = field(default_factory=dict)  # DDP wrappers, for the forward passes only
+    ema: EMA | None = None
+
+    def forward_module(self, part: str) -> torch.nn.Module:
+        """What a forward pass of ``part`` runs: its DDP wrapper on several processes, else the part."""
+        w = self.wrapped.get(part)
+        return w if w is not None else self.comps[part]
+
+    def denoiser(self, name: str) -> Any:
+        """The denoiser as the family runs it: through DeepSpeed's engine, a DDP wrapper, or as it is."""
+        if self.engine is not None:
+            return EngineView(self.engine, self.comps[name])
+        return self.forward_module(name)
+
+    def no_sync(self) -> contextlib.ExitStack:
+        """DDP's no_sync on every wrapper: micro-batches before the last of an accumulation keep their gradients
+        local."""
+        stack = contextlib.ExitStack()
+        for w in self.wrapped.values():
+            stack.enter_context(w.no_sync())  # type: ignore[operator]  # DDP's no_sync, an untyped method
+        return stack
+
+
+@dataclass
+class Build:
+    """What applying the techniques needs and collects, part by part."""
+
+    cfg: Config
+    family: ModelFamily
+    device: torch.device
+    lrs: dict[str, float]  # trained part -> learning rate
+    zero3: bool  # the denoiser was built partitioned by DeepSpeed
+    init: tuple[dict, dict] | None  # lora.init_weights as read: (layers per part, alphas per part)
+    trained: dict[str, torch.nn.Module] = field(default_factory=dict)
+    groups: list[dict] = field(default_factory=list)
+    block_swap: Any = None
+
+    def keep(self, part: str) -> tuple[str, ...]:
+        return self.family.high_precision_modules.get(part, ())
+
+
+#: a technique applied to one loaded part
+Technique = Callable[[Build, str, torch.nn.Module], None]
+
+
+def _weights_before_adapters(b: Build, part: str, module: torch.nn.Module) -> None:
+    """Storage that adapters must be added over (bitsandbytes' quantized layers)."""
+    apply_weights_before_adapters(b.cfg.memory, module, b.device, keep=b.keep(part))
+
+
+def _float8(b: Build, part: str, module: torch.nn.Module) -> None:
+    """speed.float8: torchao float8 training of the trained denoiser's Linear layers (full fine-tunes)."""
+    if b.cfg.speed.float8 and part == b.family.denoiser and part in b.lrs:
+        n = speed_.float8_training(module, b.device)
+        info(f"speed.float8: {n} Linear layers of {part} compute in fp8 (torchao float8 training)")
+
+
+def _adapters(b: Build, part: str, module: torch.nn.Module) -> None:
+    """A trained part gets its LoRA adapter (or is trainable whole) and its optimizer group."""
+    if part not in b.lrs:
+        return
+    cfg = b.cfg
+    if cfg.train.method == "lora":
+        targets = cfg.lora.targets if part == b.family.denoiser else b.family.text_encoder_lora_targets
+        try:
+            params = add_lora(module, cfg.lora, targets)
+        except ValueError as e:
+            raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
+        if b.init is not None:
+            _init_lora(cfg, part, module, b.init)
+    else:
+        module.requires_grad_(True)
+        params = list(module.parameters())
+    module.train()
+    b.trained[part] = module
+    b.groups.append({"params": params, "lr": b.lrs[part]})
+
+
+def _activations(b: Build, part: str, module: torch.nn.Module) -> None:
+    """Checkpointing pays on every module that backward runs through."""
+    if part in b.lrs or part == b.family.denoiser:
+        apply_activations(b.cfg.memory, module)
+
+
+def _swapped(b: Build, part: str) -> bool:
+    return part == b.family.denoiser and b.cfg.memory.offload.kind == "block_swap"
+
+
+def _weights(b: Build, part: str, module: torch.nn.Module) -> None:
+    """Placement and storage precision (fp8, nf4 ...) of the frozen weights."""
+    if not (b.zero3 and part == b.family.denoiser):  # ZeRO-3 placed each share of the weights where it belongs
+        apply_weights(b.cfg.memory, module, b.device, keep=b.keep(part), swapped=_swapped(b, part))
+
+
+def _offload(b: Build, part: str, module: torch.nn.Module) -> None:
+    """Block swap: the denoiser's blocks that do not fit live in host RAM and stream in as they run."""
+    if not _swapped(b, part):
+        return
+    if b.device.type != "cuda":
+        warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
+    full = part in b.lrs and b.cfg.train.method == "full"
+    b.block_swap = apply_offload(b.cfg.memory, module, b.family.swap_blocks(module), b.device, full=full)
+    swap = b.block_swap
+    info(
+        f"block swap: {len(swap.swapped)} of {len(swap.units)} blocks of {part} "
+        f"({swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM"
+    )
+
+
+def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
+    """The speed section's changes to the denoiser, after the memory plan placed it."""
+    if part != b.family.denoiser:
+        return
+    sp = b.cfg.speed
+    if sp.channels_last:
+        speed_.channels_last(module)
+    if sp.compile:
+        act = b.cfg.memory.activations
+        every = act.every if act.kind == "checkpoint" else 0
+        n = speed_.compile_blocks(module, b.family.repeated_blocks, sp, checkpoint_every=every)
+        info(
+            f"speed.compile: {n} blocks of {part} compile on their first step"
+            f"{', checkpointed inside the compiled region' if every else ''} (cache: {speed_.compile_cache_dir(sp)})"
+        )
+
+
+#: the techniques in the order they apply to each part (see the module's docstring)
+TECHNIQUES: tuple[Technique, ...] = (
+    _weights_before_adapters,
+    _float8,
+    _adapters,
+    _activations,
+    _weights,
+    _offload,
+    _speed,
+)
+
+
+def _init_lora(cfg: Config, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
+    """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
+    from . import lora_files
+
+    src = Path(cfg.lora.init_weights)  # type: ignore[arg-type]  # set whenever init is
+    layers, file_alphas = init
+    if part not in layers:
+        raise ConfigError(
+            f"lora.init_weights {src.name} has no {part} layers.",
+            hint="Train only the parts the file adapts, or give the LoRA that has them.",
+        )
+    lora_files.load_into(module, part, layers[part], file_alphas.get(part, {}), adapter_metadata(module), src)
+    info(f"{part}: LoRA weights taken from {src}")
+
+
+def _zero3_builds_denoiser(cfg: Config, family: ModelFamily, parts: list[str]) -> bool:
+    """A full fine-tune under ZeRO-3 builds the denoiser partitioned. Not with LoRA: peft reads the whole shape
+    of each adapted weight, which a partitioned one no longer has (its frozen base is then loaded by every
+    process from the same memory-mapped pages, one copy in host RAM, before DeepSpeed partitions it).
+    DIFFTRAIN_ZERO3_INIT=0 takes that path for full fine-tunes too (for comparison in benchmarks/multi_gpu.py)."""
+    e = cfg.memory.engine
+    return (
+        e.kind == "deepspeed"
+        and e.stage == 3
+        and family.denoiser in parts
+        and cfg.train.method == "full"
+        and os.environ.get("DIFFTRAIN_ZERO3_INIT") != "0"
+    )
+
+
+def _partitioned_denoiser(cfg: Config, family: ModelFamily, world: dist_.World) -> torch.nn.Module:
+    """ZeRO-3: the denoiser built partitioned on every process (none holds it whole, on the GPU or in host
+    RAM) and filled by the main process alone, from its memory-mapped weights, a few hundred MB at a time."""
+    from ..memory.deepspeed_engine import build_partitioned
+
+    den = family.denoiser
+
+    def read() -> torch.nn.Module:
+        # in the dtype the file stores (its pages memory-mapped, no private copy): the copy to each
+        # GPU share converts; a dtype conversion here would hold a second, private copy of the model
+        p = Path(cfg.model.path)  # type: ignore[arg-type]  # the model was loaded from it
+        files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
+        dtype = stored_float_dtype(files) or weights_dtype(cfg.memory)  # None: not safetensors
+        return family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
+
+    try:
+        return build_partitioned(cfg, lambda: family.empty_part(cfg.model, den), read, world.main)
+    except ValueError as err:
+        raise ModelLoadError(
+            f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
+            hint="Check model.config (single files) or the folder's config.json.",
+        ) from None
+
+
+def build_parts(
+    cfg: Config,
+    family: ModelFamily,
+    world: dist_.World,
+    device: torch.device,
+    parts: list[str],
+    lrs: dict[str, float],
+    live: list[str],
+    init: tuple[dict, dict] | None,
+) -> Parts:
+    """Load ``parts`` and apply :data:`TECHNIQUES` to each; then the optimizer, DDP and the EMA."""
+    den = family.denoiser
+    zero3 = _zero3_builds_denoiser(cfg, family, parts)
+    loaded = [part for part in parts if not (zero3 and part == den)]
+    precision = stage_precisions(family, cfg.text_encoders, live)
+    comps = (
+        family.load(
+            cfg.model,
+            loaded,
+            dtype=weights_dtype(cfg.memory),
+            device=load_device(cfg.memory, device),
+            precision=precision,
+        )
+        if loaded
+        else {}
+    )
+    if zero3:
+        comps[den] = _partitioned_denoiser(cfg, family, world)
+    b = Build(cfg, family, device, lrs, zero3, init)
+    for part in parts:
+        for technique in TECHNIQUES:
+            technique(b, part, comps[part])
+    out = Parts(comps, b.trained, [p for g in b.groups for p in g["params"]], b.groups, block_swap=b.block_swap)
+    _optimizer(cfg, family, out)
+    if world.distributed and cfg.memory.engine.kind in ("single", "ddp"):
+        _wrap_ddp(cfg, world, device, out)
+    e = cfg.memory.engine
+    if (
+        world.distributed
+        and e.kind == "deepspeed"
+        and e.stage == 3
+        and (cfg.validation.prompts or cfg.validation.loss_items)
+    ):
+        raise ConfigError(
+            "validation with DeepSpeed ZeRO-3 on several processes is not supported yet (the first "
+            "process alone cannot run a model whose weights are spread over all of them).",
+            hint="Drop validation.prompts / validation.loss_items for this run, or use ZeRO-2.",
+        )
+    if cfg.ema.enabled:
+        named = {
+            f"{part}.{n}": p for part, m in out.trained.items() for n, p in m.named_parameters() if p.requires_grad
+        }
+        out.ema = EMA(named, cfg.ema.decay, cfg.ema.update_every, cfg.ema.device)
+    return out
+
+
+def _optimizer(cfg: Config, family: ModelFamily, parts: Parts) -> None:
+    """The optimizer over the trained parameters (or DeepSpeed's engine, which then owns it)."""
+    if cfg.memory.engine.kind == "deepspeed":
+        from ..memory.deepspeed_engine import initialize
+
+        # the validator allows the denoiser as the only trained part
+        parts.engine, parts.optimizer = initialize(cfg, parts.trained[family.denoiser], parts.params)
+    else:
+        kernels = speed_.optimizer_kernels(cfg.speed, parts.params)
+        parts.optimizer = make_optimizer(
+            cfg.memory, parts.groups, cfg.train.learning_rate, seed=cfg.train.seed, kernels=kernels
+        )
+    if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in parts.params):
+        warn(
+            "adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
+            "very small updates are lost; memory.optimizer.kind adamw rounds stochastically"
+        )
+
+
+def _wrap_ddp(cfg: Config, world: dist_.World, device: torch.device, parts: Parts) -> None:
+    """DistributedDataParallel around each trained part (its gradients averaged in buckets during backward).
+    The wrappers serve the forward passes only: state dicts, exports and validation use the parts
+    themselves. Attribute reads fall through to the part, so family code that reads ``.config`` works."""
+    import inspect
+
+    e = cfg.memory.engine
+    cap = getattr(e, "bucket_cap_mb", 25.0)
+    n = sum(p.numel() for p in parts.params)
+    opts = dist_.ddp_options(n, dist_.backend_for(device), cap)
+    opts["find_unused_parameters"] = getattr(e, "find_unused_parameters", False)
+    params = inspect.signature(DistributedDataParallel).parameters
+    if "init_sync" in params:
+        opts["init_sync"] = False  # every process loaded the same weights and drew the same LoRA init
+    if "forward_sync_buffers" in params:  # torch >= 2.13 names it so (broadcast_buffers is deprecated)
+        opts["forward_sync_buffers"] = opts.pop("broadcast_buffers")
+    ids = [device.index] if device.type == "cuda" else None
+    for part, module in parts.trained.items():
+        parts.wrapped[part] = DDP(module, device_ids=ids, **opts)
+    if cfg.memory.engine.kind == "single":
+        info(f"{world.size} processes: gradients averaged with DDP (memory.engine ddp)")
+
+
+class EngineView:
+    """The DeepSpeed engine as the family sees the denoiser: calls run through the engine, attribute reads
+    go to the model (the engine has a ``config`` of its own: DeepSpeed's, not the transformer's)."""
+
+    def __init__(self, engine: Any, module: torch.nn.Module) -> None:
+        self._engine, self._module = engine, module
+
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class DDP(DistributedDataParallel):
+    """DDP whose attribute reads fall through to the wrapped module (family code reads ``.config``)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
