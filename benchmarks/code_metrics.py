@@ -3,7 +3,7 @@ type-checker findings. The architecture issue's before/after table is made with 
 
 Usage (from the repository root, in the dev environment):
 
-    python benchmarks/code_metrics.py [--limit 80] [--no-tools] [--json out.json]
+    python benchmarks/code_metrics.py [--limit 80] [--no-tools] [--json out.json] [--root CHECKOUT]
 
 Function length counts the lines from the ``def`` to the last line of its body (decorators excluded), as
 ``ast`` reports them. ruff and mypy are run as configured in pyproject.toml (``ruff check src tests
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # --root measures another checkout (an earlier commit's worktree)
 
 
 def functions(path: Path) -> list[tuple[str, int]]:
@@ -43,10 +43,10 @@ def functions(path: Path) -> list[tuple[str, int]]:
     return out
 
 
-def tool_count(cmd: list[str], pattern: str) -> int | str:
+def tool_count(cmd: list[str], pattern: str, root: Path = ROOT) -> int | str:
     """How many findings ``cmd`` reports (by the summary ``pattern``'s first group), or why it could not run."""
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"not run ({type(e).__name__})"
     text = r.stdout + r.stderr
@@ -63,12 +63,14 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80, help="function length (lines) counted as long")
     ap.add_argument("--no-tools", action="store_true", help="skip ruff and mypy")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to measure (default: this one)")
     args = ap.parse_args()
+    root = args.root.resolve()
 
-    src = ROOT / "src" / "difftrain"
+    src = root / "src" / "difftrain"
     files = sorted(src.rglob("*.py"))
-    sizes = {str(f.relative_to(ROOT)): len(f.read_text(encoding="utf-8").splitlines()) for f in files}
-    funcs = [(str(f.relative_to(ROOT)), n, ln) for f in files for n, ln in functions(f)]
+    sizes = {str(f.relative_to(root)): len(f.read_text(encoding="utf-8").splitlines()) for f in files}
+    funcs = [(str(f.relative_to(root)), n, ln) for f in files for n, ln in functions(f)]
     long = sorted((x for x in funcs if x[2] > args.limit), key=lambda x: -x[2])
     biggest_file = max(sizes.items(), key=lambda kv: kv[1])
     biggest_fn = max(funcs, key=lambda x: x[2])
@@ -84,13 +86,16 @@ def main() -> None:
     }
     if not args.no_tools:
         fig["ruff_findings"] = tool_count(
-            [sys.executable, "-m", "ruff", "check", "--statistics", "src", "tests", "benchmarks"], r"Found (\d+) error"
+            [sys.executable, "-m", "ruff", "check", "--statistics", "src", "tests", "benchmarks"],
+            r"Found (\d+) error",
+            root,
         )
         fig["ruff_format_changes"] = tool_count(
             [sys.executable, "-m", "ruff", "format", "--check", "src", "tests", "benchmarks"],
             r"(\d+) files? would be reformatted",
+            root,
         )
-        fig["mypy_errors"] = tool_count([sys.executable, "-m", "mypy"], r"Found (\d+) errors?")
+        fig["mypy_errors"] = tool_count([sys.executable, "-m", "mypy"], r"Found (\d+) errors?", root)
     for k, v in fig.items():
         if isinstance(v, list):
             print(f"{k}:")

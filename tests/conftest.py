@@ -15,6 +15,33 @@ os.environ.setdefault("DIFFTRAIN_PROGRESS", "0")
 torch.set_num_threads(int(os.environ.get("DIFFTRAIN_TEST_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1)))
 
 
+#: the README's fast tier: this mark expression over the whole suite
+FAST_TIER = "not slow"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The fast tier must still reach every module: run as the README names it (``-m "not slow"`` over the whole
+    suite), it fails if a module of the package was never imported in this process (a test that reaches it
+    only through a subprocess does not count; give it a fast in-process test). Lines run are measured with
+    pytest-cov in docs/benchmarks.md; this guard keeps the tier from drifting away from a module unnoticed."""
+    import pkgutil
+    import sys
+
+    import difftrain
+
+    opt = session.config.option
+    whole_suite = not session.config.args or session.config.args == [str(session.config.rootpath / "tests")]
+    if opt.markexpr != FAST_TIER or opt.keyword or not whole_suite or exitstatus != 0:
+        return
+    modules = [m.name for m in pkgutil.walk_packages(difftrain.__path__, "difftrain.") if not m.ispkg]
+    missing = sorted(m for m in modules if m not in sys.modules and not m.endswith("__main__"))
+    if missing:
+        session.config.get_terminal_writer().line(
+            f"the fast tier imported none of {', '.join(missing)}: give each a fast in-process test", red=True
+        )
+        session.exitstatus = 1
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -117,5 +117,5 @@ def test_fp16_scaler_skips_are_counted(tiny_model, dataset, tmp_path, monkeypatc
     )
     t = Trainer(cfg)
     res = t.run()
-    assert 1 <= t.fp16_skipped <= 4
-    assert res.stats["fp16_skipped_steps"] == t.fp16_skipped
+    assert 1 <= t.guards.fp16_skipped <= 4
+    assert res.stats["fp16_skipped_steps"] == t.guards.fp16_skipped

@@ -222,21 +222,16 @@ def test_flow_matching_inputs_follow_the_formulas():
     from types import SimpleNamespace
 
     from difftrain.config.schema import FlowConfig
-    from difftrain.trainers.loop import Trainer
+    from difftrain.trainers.objectives import Draws, Objective
 
     for sampling in ("logit_normal", "mode", "uniform"):
         flow = FlowConfig(
             timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap"
         )
-        fake = SimpleNamespace(
-            cfg=SimpleNamespace(flow=flow),
-            flow_shift=3.0,
-            gen=torch.Generator().manual_seed(1),
-            device="cpu",
-            _draw=lambda draw, n: draw(n),
-        )
+        draws = Draws(torch.Generator().manual_seed(1), torch.device("cpu"))
+        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, draws=draws, device=draws.device)
         x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
-        noisy, t, target, w = Trainer._flow_inputs(fake, x0, noise)
+        noisy, t, target, w = Objective.flow_inputs(fake, x0, noise)
         s = t / 1000
         # the draw, by hand with the same generator
         g = torch.Generator().manual_seed(1)

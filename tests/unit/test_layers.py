@@ -1,4 +1,4 @@
-"""The dependency direction of DESIGN.md, enforced by import-linter's contracts in pyproject.toml."""
+"""The dependency direction of docs/design.md, enforced by import-linter's contracts in pyproject.toml."""
 
 from __future__ import annotations
 
