@@ -452,7 +452,7 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
     precompute(cfg)
     t = Trainer(cfg)
     t.run()
-    plain = validate(t, "plain")
+    plain = validate(t.validation_inputs(), "plain")
     seen = []
     tr = t.parts.comps["transformer"]
     loaded = {}
@@ -469,7 +469,7 @@ def test_validation_cpu_offload_keeps_one_extra_part_on_the_gpu(dataset, tmp_pat
     )
     t.cfg.validation.cpu_offload = True
     try:
-        offloaded = validate(t, "offloaded")
+        offloaded = validate(t.validation_inputs(), "offloaded")
     finally:
         handle.remove()
         del t.family.load

@@ -39,7 +39,7 @@ def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path
     # same weights, same prompt, same seed: the same sample
     from difftrain.trainers.validation import validate
 
-    again = validate(t, "again")
+    again = validate(t.validation_inputs(), "again")
     assert np.array_equal(np.asarray(Image.open(again[0])), np.asarray(Image.open(final[0])))
     # and training changed what the model draws between step 2 and the end
     assert not np.array_equal(np.asarray(Image.open(step2[0])), np.asarray(Image.open(final[0])))
@@ -47,7 +47,7 @@ def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path
     unet = t.parts.comps["unet"]
     hooks = len(unet._forward_pre_hooks)
     t.cfg.validation.cpu_offload = True
-    offloaded = validate(t, "offloaded")
+    offloaded = validate(t.validation_inputs(), "offloaded")
     assert np.array_equal(np.asarray(Image.open(offloaded[0])), np.asarray(Image.open(final[0])))
     assert len(unet._forward_pre_hooks) == hooks and not hasattr(unet, "_hf_hook") and set(t.parts.comps) == {"unet"}
 

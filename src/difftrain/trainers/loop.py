@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.progress import ProgressColumn, TextColumn
@@ -43,6 +43,9 @@ from .guards import Guards, check_replicas
 from .objectives import Draws, Objective
 from .readback import Pending, Readback, Sink, rss_peak_gib
 from .setup import build_parts, prepare_process, training_device
+
+if TYPE_CHECKING:
+    from .validation import ValidationInputs
 
 __all__ = ["LORA_FILE", "Hooks", "TrainResult", "Trainer", "train"]
 
@@ -498,6 +501,13 @@ class Trainer:
         return result
 
     # ---------------------------------------------------------------- validation
+    def validation_inputs(self) -> ValidationInputs:
+        """What a validation round reads of this run (the parts it holds, where, in which precisions)."""
+        from .validation import ValidationInputs
+
+        obj = self.objective
+        return ValidationInputs(self.cfg, self.family, self.parts.comps, self.device, obj.compute_dtype, obj.amp_dtype)
+
     def _validate(self, tag: str, stats: dict, metrics: Any, result: TrainResult) -> None:
         """A validation round: the held-out loss (into metrics.jsonl and the result) and the samples.
         GPU memory before the first round and the peak with them go into stats (the memory report
@@ -517,12 +527,9 @@ class Trainer:
             metrics.log({"step": step, "val_loss": val})
             info(f"validation loss at step {step}: {val:.5f} ({len(val_items)} held-out items)")
         if v.prompts:
-            from .validation import ValidationInputs, validate
+            from .validation import validate
 
-            inputs = ValidationInputs(
-                self.cfg, self.family, self.parts.comps, dev, self.objective.compute_dtype, self.objective.amp_dtype
-            )
-            self.samples += validate(inputs, tag)
+            self.samples += validate(self.validation_inputs(), tag)
         if dev.type == "cuda":
             stats["gpu_peak_alloc_gib_with_validation"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
             stats["gpu_alloc_gib_after_validation"] = round(torch.cuda.memory_allocated(dev) / 2**30, 3)  # freed?
