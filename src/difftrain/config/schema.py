@@ -615,8 +615,20 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _combinations(self):
+        # the cross-field rules, by theme; where a config breaks several, the first in this order is the one reported
         if self.model.config is None:
             self.model.config = DEFAULT_ARCHITECTURE[self.family]
+        self._schedule_and_precision()
+        self._fused_backward()
+        self._ddp()
+        self._deepspeed()
+        self._offload()
+        self._speed()
+        self._method()
+        return self
+
+    def _schedule_and_precision(self) -> None:
+        """The learning-rate schedule, and the dtypes of weights and compute."""
         if self.train.warmup_steps and self.train.lr_scheduler == "constant":
             raise ValueError(
                 "train.warmup_steps is set but train.lr_scheduler is 'constant', which ignores it: "
@@ -633,6 +645,10 @@ class Config(Strict):
                 f"memory.weights {m.weights.kind} with train.method full: {m.weights.kind} rounds a weight once, which suits "
                 "frozen weights (LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
             )
+
+    def _fused_backward(self) -> None:
+        """memory.fused_backward: what stepping inside backward rules out."""
+        m, t = self.memory, self.train
         if m.fused_backward:
             if t.method != "full":
                 raise ValueError(
@@ -655,6 +671,10 @@ class Config(Strict):
                 raise ValueError(
                     "memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)"
                 )
+
+    def _ddp(self) -> None:
+        """memory.engine ddp: what must wait for gradients averaged across processes."""
+        m = self.memory
         if m.engine.kind == "ddp":
             if m.fused_backward:
                 raise ValueError(
@@ -666,6 +686,10 @@ class Config(Strict):
                     "memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
                     "before they are averaged; set offload_gradients: false or use memory.engine deepspeed"
                 )
+
+    def _deepspeed(self) -> None:
+        """memory.engine deepspeed: what DeepSpeed owns, and what ZeRO-3's partitioned weights rule out."""
+        m, t = self.memory, self.train
         if m.engine.kind == "deepspeed":
             e = m.engine
             if e.offload_param_device != "none" and e.stage != 3:
@@ -715,6 +739,10 @@ class Config(Strict):
                     "ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
                     "use stage 2 or ema.enabled: false"
                 )
+
+    def _offload(self) -> None:
+        """Block swap and the cpu_offload optimizer: what weights or gradients in host RAM rule out."""
+        m, t = self.memory, self.train
         if m.offload.kind == "block_swap":
             if m.activations.kind != "checkpoint":
                 raise ValueError(
@@ -749,7 +777,9 @@ class Config(Strict):
                     "memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
                     "set offload_gradients: false or train.grad_accum: 1"
                 )
-        self._speed()
+
+    def _method(self) -> None:
+        """What train.method trains."""
         if self.train.method == "full":
             f = self.full
             if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):
@@ -767,7 +797,6 @@ class Config(Strict):
             raise ValueError(
                 "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
             )
-        return self
 
     def _speed(self) -> None:
         sp, m, t = self.speed, self.memory, self.train
