@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ def init(world: World, device: torch.device) -> None:
     import datetime
 
     backend = backend_for(device)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     # the other processes wait at their next collective while the first one alone samples validation videos or
     # writes a full checkpoint: minutes, past NCCL's default 10-minute watchdog
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=PG_TIMEOUT_MINUTES), **kwargs)

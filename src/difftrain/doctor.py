@@ -67,12 +67,12 @@ def checks(platform_name: str = sys.platform) -> list[Check]:
     out.append(Check("torch", "ok", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})"))
     if cuda:
         for i in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(i)
+            free, gpu_total = torch.cuda.mem_get_info(i)
             out.append(
                 Check(
                     f"gpu {i}",
                     "ok",
-                    f"{torch.cuda.get_device_name(i)}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+                    f"{torch.cuda.get_device_name(i)}: {free / 2**30:.1f} of {gpu_total / 2**30:.1f} GiB free",
                 )
             )
         drv = getattr(torch._C, "_cuda_getDriverVersion", lambda: None)()

@@ -58,7 +58,7 @@ def make_dataset(folder: Path, n: int = 12, seed: int = 0) -> Path:
 @dataclass
 class QuickstartResult:
     out: Path
-    outputs: dict[str, Path] = field(default_factory=dict)
+    outputs: dict[str, Path | None] = field(default_factory=dict)  # None: not written (the trainer's lora_path)
     seconds: dict[str, float] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
 
@@ -131,7 +131,8 @@ def sample(cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int 
     import torch
 
     family = get_family(cfg.family)
-    comps = family.load(cfg.model, ["unet", "vae", "text_encoder", "text_encoder_2"], dtype=torch.float32)
+    # on the CPU, every family's default (named: ModelFamily.load declares none)
+    comps = family.load(cfg.model, ["unet", "vae", "text_encoder", "text_encoder_2"], dtype=torch.float32, device="cpu")
     pipe = family.pipeline(comps, cfg.model)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     pipe.set_progress_bar_config(disable=True)

@@ -84,7 +84,7 @@ def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) ->
 
     for m in module.modules():  # diffusers' own switches off: the blocks checkpoint themselves
         if isinstance(getattr(m, "gradient_checkpointing", None), bool):
-            m.gradient_checkpointing = False
+            m.gradient_checkpointing = False  # type: ignore[assignment]  # diffusers' bool; torch: Tensor | Module
     for block in blocks:
         inner = block.forward
 
@@ -134,7 +134,7 @@ def optimizer_kernels(speed: SpeedConfig, params: list[torch.Tensor]) -> dict:
 
 
 def channels_last(module: torch.nn.Module) -> None:
-    module.to(memory_format=torch.channels_last)
+    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs omit memory_format
 
 
 def float8_training(module: torch.nn.Module, device: torch.device) -> int:

@@ -51,6 +51,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,10 @@ def _path(p: str, where: str) -> str:
 
 def _split_top(text: str) -> list[str]:
     """Split on commas outside brackets and quotes: "1e-4,[a, b],'x,y'" -> three values."""
-    out, depth, quote, cur = [], 0, None, []
+    out: list[str] = []
+    depth = 0
+    quote: str | None = None
+    cur: list[str] = []
     for ch in text:
         if quote:
             quote = None if ch == quote else quote
@@ -368,7 +372,7 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
         + "\n",
     )
 
-    todo = []
+    todo: list[tuple[Trial, Resolved]] = []  # the trials to run, with their configs
     for t in trials:
         done = _read_result(t.folder)
         if done.get("status") in FINISHED:
@@ -379,7 +383,7 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
             t.error = _error_text(e)
             _write_result(t.folder, {"status": "failed", "error": t.error, "values": t.values})
             continue
-        todo.append(t)
+        todo.append((t, t.resolved))
     skipped = len(trials) - len(todo) - sum(t.error is not None for t in trials)
     if skipped:
         info(f"sweep: {skipped} trial(s) already finished in {out} (skipped)")
@@ -388,11 +392,11 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
     from .precompute.run import precompute
 
     built: dict[str, str | None] = {}
-    for t in todo:
-        key = _precompute_key(t.resolved.config)
+    for t, resolved in todo:
+        key = _precompute_key(resolved.config)
         if key not in built:
             try:
-                r = precompute(t.resolved.config)
+                r = precompute(resolved.config)
                 built[key] = None
                 info(
                     f"sweep: cache {r.cache_dir}: {r.latents_encoded} latents and {r.texts_encoded} captions encoded, "
@@ -400,15 +404,16 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
                 )
             except DifftrainError as e:
                 built[key] = _error_text(e)
-        if built[key] is not None:
-            t.error = "precompute: " + built[key]
+        failed = built[key]
+        if failed is not None:
+            t.error = "precompute: " + failed
             _write_result(t.folder, {"status": "failed", "error": t.error, "values": t.values})
-    todo = [t for t in todo if t.error is None]
+    todo = [(t, resolved) for t, resolved in todo if t.error is None]
 
-    for t in todo:
+    for t, resolved in todo:
         t.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(t.folder / "config.yaml", t.resolved.to_yaml())
-    _run_trials(todo, list(gpus or []), len(trials))
+        atomic_write_text(t.folder / "config.yaml", resolved.to_yaml())
+    _run_trials([t for t, _ in todo], list(gpus or []), len(trials))
     return write_results(out, sort=sort)
 
 
@@ -422,7 +427,7 @@ def _short(values: dict) -> str:
 
 def _run_trials(todo: list[Trial], gpus: list[str], total: int) -> None:
     """One child process per trial: in turn, or one per GPU at once."""
-    slots = gpus or [None]
+    slots: Sequence[str | None] = gpus or [None]
     queue = list(todo)
     running: dict[str | None, tuple[Trial, subprocess.Popen, float, Any]] = {}
     n = 0
@@ -661,7 +666,7 @@ def _print_table(rows: list[dict], axes: list[str]) -> None:
             *(_fmt4(r.get(k)) for k in ("final_loss", "best_loss", "val_loss", "s_per_step", "gpu_peak_alloc_gib")),
         )
     # as wide as its content: a narrow or piped terminal would cut the numbers to "0.00…"
-    need = sum(max([len(str(c.header))] + [len(x) for x in c.cells]) + 3 for c in table.columns) + 1
+    need = sum(max([len(str(c.header))] + [len(str(x)) for x in c.cells]) + 3 for c in table.columns) + 1
     saved = console._width  # rich caps print(width=) at the console's width: widen the console for this print
     console.width = max(console.width, need)
     try:

@@ -247,8 +247,8 @@ def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:
         for name, info in header.items():
             if name == "__metadata__" or not name.startswith(prefix) or not isinstance(info, dict):
                 continue
-            dt = _ST_FLOATS.get(info.get("dtype"))
+            dt = _ST_FLOATS.get(info.get("dtype", ""))
             offsets = info.get("data_offsets") or [0, 0]
             if dt is not None:
                 sizes[dt] = sizes.get(dt, 0) + int(offsets[1]) - int(offsets[0])
-    return max(sizes, key=sizes.get) if sizes else None
+    return max(sizes, key=sizes.__getitem__) if sizes else None

@@ -79,7 +79,7 @@ def speed(
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
-    from ..bench import baseline_config, bench_speed, kinds_line
+    from ..bench import baseline_config, bench_speed
     from ..config.load import parse_set
 
     resolved = resolved_config(recipe, config, set_)
@@ -91,17 +91,29 @@ def speed(
         named = {k[1] for k in keys if len(k) == 2 and k[0] == "speed"}
         baseline = baseline_config(resolved_config(recipe, config, base_sets).config, named)
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
-    hw = None
-    if size:
-        try:
-            hw = tuple(int(v) for v in size.lower().split("x"))
-            assert len(hw) == 2 and min(hw) > 0
-        except (ValueError, AssertionError):
-            raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
+    hw = _size(size)
     r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw, profile=profile)
+    _print_speed(r, recipe or config or "config", steps, warmup, folder)
+
+
+def _size(size: str | None) -> tuple[int, int] | None:
+    """--size HxW as (height, width); None when not given."""
+    if not size:
+        return None
+    try:
+        parsed = tuple(int(v) for v in size.lower().split("x"))
+        assert len(parsed) == 2 and min(parsed) > 0
+    except (ValueError, AssertionError):
+        raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
+    return parsed  # two ints: mypy narrows the tuple by the len test
+
+
+def _print_speed(r: dict, what: str | Path, steps: int, warmup: int, folder: Path) -> None:
+    """bench_speed's result ``r`` for the config ``what``: the table of runs, then profiles, compile times, notes."""
+    from ..bench import kinds_line
+
     t = Table(
-        title=f"bench speed: {recipe or config or 'config'} on {r['device']} ({warmup} + {steps} steps; "
-        f"matmul peak {r['peak_tflops']} TFLOP/s)"
+        title=f"bench speed: {what} on {r['device']} ({warmup} + {steps} steps; matmul peak {r['peak_tflops']} TFLOP/s)"
     )
     for col in ("run", "s/step", "samples/s", "TFLOP/s", "MFU", "step 1 s", "warm-up overhead s", "peak GiB"):
         t.add_column(col, justify="left" if col == "run" else "right")

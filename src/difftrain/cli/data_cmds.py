@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -11,6 +11,9 @@ from rich.table import Table
 from ..console import console, info
 from .common import print_config, resolved_config
 from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
+
+if TYPE_CHECKING:  # an annotation only: data.tags loads torch (through utils), which the CLI imports when it runs
+    from ..data.tags import MergeReport
 
 
 def merge_tags(
@@ -52,8 +55,6 @@ def merge_tags(
     ] = False,
 ) -> None:
     """Merge tag files and captions into one metadata JSON."""
-    from rich.markup import escape
-
     from ..data.tags import TagRules, read_drop_list
     from ..data.tags import merge_tags as run
 
@@ -78,6 +79,13 @@ def merge_tags(
         dry_run=dry_run,
         allow_outside=allow_outside_paths,
     )
+    _print_merge(r, dry_run)
+
+
+def _print_merge(r: MergeReport, dry_run: bool) -> None:
+    """What merge-tags did, or with ``dry_run`` would do."""
+    from rich.markup import escape
+
     if dry_run:
         for key, before, after in r.changes[:20]:
             for field_ in ("caption", "tags"):

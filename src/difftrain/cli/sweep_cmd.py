@@ -67,11 +67,14 @@ def sweep(
         spec.trials, spec.seed = random_, seed
     elif spec_file is None or spec.trials is None:
         spec.seed = seed
-    if not spec.recipe and not spec.config:
+    if spec.recipe:
+        name = Path(spec.recipe).stem
+    elif spec.config is not None:
+        name = spec.config.stem
+    else:
         raise UsageError(
             "A sweep needs a base config.", hint="Give --recipe NAME and/or --config FILE (or recipe: in --spec)."
         )
-    name = Path(spec.recipe).stem if spec.recipe else spec.config.stem
     run_sweep(spec, output_dir or Path("sweeps") / name, gpus=parse_gpus(gpus), sort=sort)
 
 

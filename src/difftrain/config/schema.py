@@ -28,27 +28,27 @@ class Strict(BaseModel):
 
 # ----------------------------------------------------------------- model
 class ModelConfig(Strict):
-    path: Path | None = Field(None, description="diffusers folder or single-file checkpoint")
+    path: Path | None = Field(default=None, description="diffusers folder or single-file checkpoint")
     config: str | None = Field(
-        None,
+        default=None,
         description="bundled architecture config used for single-file checkpoints (offline); "
         "default: the family's base model (sdxl-base-1.0, sd3-medium)",
     )
     tokenizer_path: Path | None = Field(
-        None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
+        default=None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
     )
-    allow_pickle: bool = Field(False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
+    allow_pickle: bool = Field(default=False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
-        None, description="override the scheduler's prediction type"
+        default=None, description="override the scheduler's prediction type"
     )
 
 
 # ----------------------------------------------------------------- data
 class DataConfig(Strict):
-    dir: Path | None = Field(None, description="folder of images with caption/tag files")
-    metadata: Path | None = Field(None, description="merge-tags JSON (optional)")
+    dir: Path | None = Field(default=None, description="folder of images with caption/tag files")
+    metadata: Path | None = Field(default=None, description="merge-tags JSON (optional)")
     allow_outside_paths: bool = Field(
-        False,
+        default=False,
         description="let dataset files lead outside data.dir: links to files "
         "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
         "other folders (off: refused, so a dataset from elsewhere cannot read your files)",
@@ -56,42 +56,46 @@ class DataConfig(Strict):
     caption_ext: str = ".caption"
     tag_ext: str = ".txt"
     caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
-    resolution: int = Field(1024, ge=64, le=16384, description="bucket max area = resolution^2")
-    bucket_step: int = Field(64, ge=8)
-    min_side: int = Field(512, ge=8, le=16384)
-    max_side: int = Field(2048, ge=8, le=16384)
+    resolution: int = Field(default=1024, ge=64, le=16384, description="bucket max area = resolution^2")
+    bucket_step: int = Field(default=64, ge=8)
+    min_side: int = Field(default=512, ge=8, le=16384)
+    max_side: int = Field(default=2048, ge=8, le=16384)
     no_upscale: bool = False
     max_upscale: float | None = Field(
-        4.0,
+        default=4.0,
         ge=1,
         description="skip (and report) an image that would have to be "
         "enlarged more than this to fill its bucket; null: any",
     )
     random_crop: bool = False
-    cache_dir: Path | None = Field(None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
+    cache_dir: Path | None = Field(default=None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
     frames: int = Field(
-        49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)"
+        default=49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)"
     )
     frame_sampling: Literal["uniform", "first"] = Field(
-        "uniform", description="video families: frames spread evenly over the clip, or the first N"
+        default="uniform", description="video families: frames spread evenly over the clip, or the first N"
     )
     caption_fallback: Literal["empty", "filename"] = Field(
-        "empty",
+        default="empty",
         description="an image with neither caption nor tags: the empty caption, or its file name "
         "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags",
     )
     # caption augmentation (sd-scripts' names); works with cached text embeddings (see data/captions.py)
-    shuffle_caption: bool = Field(False, description="shuffle the comma-separated tags of each caption")
-    keep_tokens: int = Field(0, ge=0, description="the first N tags stay first and are never shuffled or dropped")
+    shuffle_caption: bool = Field(default=False, description="shuffle the comma-separated tags of each caption")
+    keep_tokens: int = Field(
+        default=0, ge=0, description="the first N tags stay first and are never shuffled or dropped"
+    )
     keep_tokens_separator: str = Field(
-        "",
+        default="",
         description="if set and present in a caption, what precedes it is kept instead of the first keep_tokens tags",
     )
-    caption_separator: str = Field(",", min_length=1, description="what separates tags in a caption")
-    caption_tag_dropout_rate: float = Field(0.0, ge=0, lt=1, description="chance of dropping each (not kept) tag")
-    caption_dropout_rate: float = Field(0.0, ge=0, le=1, description="chance of training on the empty caption")
+    caption_separator: str = Field(default=",", min_length=1, description="what separates tags in a caption")
+    caption_tag_dropout_rate: float = Field(
+        default=0.0, ge=0, lt=1, description="chance of dropping each (not kept) tag"
+    )
+    caption_dropout_rate: float = Field(default=0.0, ge=0, le=1, description="chance of training on the empty caption")
     caption_variants: int = Field(
-        8,
+        default=8,
         ge=1,
         le=256,
         description="with shuffle or tag dropout and cached text "
@@ -117,16 +121,16 @@ class DataConfig(Strict):
 
 class PrecomputeConfig(Strict):
     vae_dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="SDXL's VAE gives NaN in fp16; fp32 or bf16 is safe"
+        default="fp32", description="SDXL's VAE gives NaN in fp16; fp32 or bf16 is safe"
     )
     text_encoder_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    batch_size: int = Field(4, ge=1)
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    batch_size: int = Field(default=4, ge=1)
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     shard_max_mb: float = Field(
-        512, gt=0, description="cache shard size: entries are written in files of about this size"
+        default=512, gt=0, description="cache shard size: entries are written in files of about this size"
     )
     num_workers: int | None = Field(
-        None,
+        default=None,
         ge=0,
         description="processes that decode and resize images while the "
         "encoder runs; null: half the CPU cores (at most 8); 0: in the main process",
@@ -137,10 +141,13 @@ class T5Options(Strict):
     """SD3's T5-XXL: the largest encoder, used only at precompute time (its embeddings are cached)."""
 
     precision: Literal["int8", "nf4", "bf16", "fp16", "fp32"] = Field(
-        "int8", description="int8/nf4 through bitsandbytes (CUDA only): about 5.5 / 3 GB instead of 11 GB in bf16"
+        default="int8",
+        description="int8/nf4 through bitsandbytes (CUDA only): about 5.5 / 3 GB instead of 11 GB in bf16",
     )
-    max_length: int = Field(256, ge=77, le=512, description="T5 tokens per caption (SD3 was trained with 256)")
-    enabled: bool = Field(True, description="false: T5 is never loaded and its embeddings are zeros (SD3 allows it)")
+    max_length: int = Field(default=256, ge=77, le=512, description="T5 tokens per caption (SD3 was trained with 256)")
+    enabled: bool = Field(
+        default=True, description="false: T5 is never loaded and its embeddings are zeros (SD3 allows it)"
+    )
 
 
 class TextEncodersConfig(Strict):
@@ -152,29 +159,31 @@ class FlowConfig(Strict):
 
     timestep_sampling: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
     logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
-    mode_scale: float = Field(1.29, description="for timestep_sampling: mode")
+    logit_std: float = Field(default=1.0, gt=0)
+    mode_scale: float = Field(default=1.29, description="for timestep_sampling: mode")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
-    shift: float | None = Field(None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)")
+    shift: float | None = Field(
+        default=None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)"
+    )
 
 
 class DreamBoothConfig(Strict):
     """DreamBooth (the diffusers scripts' names): one instance prompt, optional prior preservation."""
 
     instance_prompt: str | None = Field(
-        None, description='e.g. "a photo of sks dog": the caption of every training image'
+        default=None, description='e.g. "a photo of sks dog": the caption of every training image'
     )
     use_captions: bool = Field(
-        False, description="per-image captions where an image has one, the instance prompt for the rest"
+        default=False, description="per-image captions where an image has one, the instance prompt for the rest"
     )
     with_prior_preservation: bool = False
-    class_prompt: str | None = Field(None, description='e.g. "a photo of a dog"')
+    class_prompt: str | None = Field(default=None, description='e.g. "a photo of a dog"')
     class_data_dir: Path | None = Field(
-        None, description="class images: supplied, or generated here up to num_class_images"
+        default=None, description="class images: supplied, or generated here up to num_class_images"
     )
-    num_class_images: int = Field(100, ge=1)
-    prior_loss_weight: float = Field(1.0, ge=0)
-    class_sample_steps: int = Field(25, ge=1, description="denoising steps when generating class images")
+    num_class_images: int = Field(default=100, ge=1)
+    prior_loss_weight: float = Field(default=1.0, ge=0)
+    class_sample_steps: int = Field(default=25, ge=1, description="denoising steps when generating class images")
 
     @model_validator(mode="after")
     def _prior(self):
@@ -203,52 +212,64 @@ class ValidationConfig(Strict):
         default_factory=list, description="image-to-video: the start image of each prompt, in order"
     )
     every_n_steps: int | None = Field(
-        None, ge=1, description="samples and validation loss; also once at the end of training"
+        default=None, ge=1, description="samples and validation loss; also once at the end of training"
     )
     loss_items: int = Field(
-        0,
+        default=0,
         ge=0,
         description="cached items held out of training (chosen by validation.seed) for a "
         "validation loss on fixed (item, noise level, noise) triples; 0: none",
     )
-    loss_timesteps: int = Field(4, ge=1, description="noise levels per held-out item: the quantiles (k + 1/2) / K")
-    num_inference_steps: int = Field(25, ge=1)
-    guidance_scale: float = Field(5.0, ge=0)
+    loss_timesteps: int = Field(
+        default=4, ge=1, description="noise levels per held-out item: the quantiles (k + 1/2) / K"
+    )
+    num_inference_steps: int = Field(default=25, ge=1)
+    guidance_scale: float = Field(default=5.0, ge=0)
     seed: int = 0
-    resolution: int | None = Field(None, ge=64, description="square side; default data.resolution")
-    fps: int = Field(8, ge=1, description="video families: frames per second of the mp4 (CogVideoX: 8; 1.5: 16)")
+    resolution: int | None = Field(default=None, ge=64, description="square side; default data.resolution")
+    fps: int = Field(
+        default=8, ge=1, description="video families: frames per second of the mp4 (CogVideoX: 8; 1.5: 16)"
+    )
     cpu_offload: bool = Field(
-        False,
+        default=False,
         description="VAE and text encoders wait on the CPU and visit the GPU one at a time "
         "(T5 in bf16); the denoiser stays where training keeps it",
     )
 
 
 # ----------------------------------------------------------------- reports
+ReportSink = Literal["tensorboard", "wandb"]
+
+
+def _report_to_default() -> list[ReportSink]:
+    # a named factory, not a lambda: mypy types a lambda's ["tensorboard"] as list[str], not the Literal's list
+    return ["tensorboard"]
+
+
 class ReportConfig(Strict):
     """Where a run's metrics go besides metrics.jsonl (diffusers' scripts call it --report_to), and its report page."""
 
-    to: list[Literal["tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["tensorboard"],
+    to: list[ReportSink] = Field(
+        default_factory=_report_to_default,
         description="tensorboard: event files in RUN/tensorboard; "
         "wandb: Weights & Biases (pip install wandb), offline unless report.wandb_mode is online",
     )
     wandb_project: str = "difftrain"
     wandb_mode: Literal["offline", "online"] = "offline"
     html: bool = Field(
-        True, description="RUN/report.html (loss plots, validation samples, memory, config) and RUN/plots/*.png"
+        default=True, description="RUN/report.html (loss plots, validation samples, memory, config) and RUN/plots/*.png"
     )
 
 
 # ----------------------------------------------------------------- LoRA
 class LoraConfig(Strict):
-    rank: int = Field(16, ge=1)
-    alpha: float | None = Field(None, gt=0, description="default: rank")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(default=16, ge=1)
+    alpha: float | None = Field(default=None, gt=0, description="default: rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1)
     targets: list[str] = Field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     init: Literal["gaussian", "default"] = "gaussian"
     init_weights: Path | None = Field(
-        None,
+        default=None,
         description="a LoRA file (diffusers or kohya layout) to continue training "
         "from; its rank, alpha and layers must match this config",
     )
@@ -271,22 +292,27 @@ class WeightsFP8(Strict):
     """Frozen Linear/Conv2d weights stored in float8 e4m3 (1 byte a weight); LoRA only."""
 
     kind: Literal["fp8"] = "fp8"
-    scale: Literal["tensor", "channel"] = Field("tensor", description="one scale per tensor, or per output channel")
-    compute: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="dtype of the upcast and of the other weights")
+    scale: Literal["tensor", "channel"] = Field(
+        default="tensor", description="one scale per tensor, or per output channel"
+    )
+    compute: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16", description="dtype of the upcast and of the other weights"
+    )
 
 
 class _Adam(Strict):
     """AdamW's hyper-parameters, shared by every optimizer kind."""
 
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=1e-2, ge=0)
 
 
 class OptAdamW(_Adam):
     kind: Literal["adamw"] = "adamw"
     bf16_stochastic_rounding: bool = Field(
-        True, description="when trained weights are bf16, round updates stochastically (else small updates vanish)"
+        default=True,
+        description="when trained weights are bf16, round updates stochastically (else small updates vanish)",
     )
 
 
@@ -294,8 +320,10 @@ class OptAdamW8bit(_Adam):
     """8-bit AdamW (CUDA): optimizer state in 8 bits, a quarter of AdamW's."""
 
     kind: Literal["adamw8bit"] = "adamw8bit"
-    backend: Literal["bnb", "torchao"] = Field("bnb", description="bitsandbytes or torchao")
-    paged: bool = Field(False, description="bitsandbytes paged optimizer (state spills to host RAM under pressure)")
+    backend: Literal["bnb", "torchao"] = Field(default="bnb", description="bitsandbytes or torchao")
+    paged: bool = Field(
+        default=False, description="bitsandbytes paged optimizer (state spills to host RAM under pressure)"
+    )
 
 
 class OptAdamW4bit(_Adam):
@@ -308,7 +336,7 @@ class OptCPUOffload(_Adam):
     """torchao's CPUOffloadOptimizer: AdamW state and step on the CPU, weights on the GPU."""
 
     kind: Literal["cpu_offload"] = "cpu_offload"
-    offload_gradients: bool = Field(False, description="move gradients to host RAM as they are produced")
+    offload_gradients: bool = Field(default=False, description="move gradients to host RAM as they are produced")
 
 
 class ActNone(Strict):
@@ -317,7 +345,9 @@ class ActNone(Strict):
 
 class ActCheckpoint(Strict):
     kind: Literal["checkpoint"] = "checkpoint"
-    every: int = Field(1, ge=1, description="checkpoint every k-th block (1 = all: least memory, most recompute)")
+    every: int = Field(
+        default=1, ge=1, description="checkpoint every k-th block (1 = all: least memory, most recompute)"
+    )
 
 
 class OffloadNone(Strict):
@@ -331,7 +361,7 @@ class OffloadBlockSwap(Strict):
     blocks_to_swap: int = Field(
         ge=1, description="how many blocks live in host RAM (more: less GPU memory, more copying)"
     )
-    prefetch: int = Field(1, ge=1, description="blocks copied ahead of the one computing")
+    prefetch: int = Field(default=1, ge=1, description="blocks copied ahead of the one computing")
 
 
 class EngineSingle(Strict):
@@ -344,7 +374,7 @@ class EngineDDP(Strict):
 
     kind: Literal["ddp"] = "ddp"
     bucket_cap_mb: float = Field(
-        25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements"
+        default=25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements"
     )
     find_unused_parameters: bool = False
 
@@ -354,11 +384,15 @@ class EngineDeepSpeed(Strict):
 
     kind: Literal["deepspeed"] = "deepspeed"
     stage: Literal[2, 3] = 2
-    offload_optimizer_device: Literal["none", "cpu"] = Field("cpu", description="AdamW state and step in host RAM")
-    offload_param_device: Literal["none", "cpu"] = Field(
-        "none", description="ZeRO-3: weights in host RAM, fetched per layer"
+    offload_optimizer_device: Literal["none", "cpu"] = Field(
+        default="cpu", description="AdamW state and step in host RAM"
     )
-    config_file: Path | None = Field(None, description="a DeepSpeed JSON whose keys override the generated config")
+    offload_param_device: Literal["none", "cpu"] = Field(
+        default="none", description="ZeRO-3: weights in host RAM, fetched per layer"
+    )
+    config_file: Path | None = Field(
+        default=None, description="a DeepSpeed JSON whose keys override the generated config"
+    )
 
 
 class WeightsNF4(Strict):
@@ -374,7 +408,7 @@ class WeightsInt8(Strict):
     kind: Literal["int8"] = "int8"
     compute: Literal["bf16", "fp16", "fp32"] = "bf16"
     outlier_threshold: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="LLM.int8 outlier decomposition (6.0 in bitsandbytes' papers); 0 = plain vector-wise int8",
     )
@@ -396,7 +430,7 @@ class MemoryConfig(Strict):
     offload: Offload = Field(default_factory=OffloadNone)
     engine: Engine = Field(default_factory=EngineSingle)
     fused_backward: bool = Field(
-        False,
+        default=False,
         description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)",
     )
 
@@ -408,34 +442,44 @@ class FullConfig(Strict):
     train_unet: bool = True
     train_text_encoder_1: bool = False
     train_text_encoder_2: bool = False
-    learning_rate_te1: float | None = Field(None, gt=0, description="default: train.learning_rate")
-    learning_rate_te2: float | None = Field(None, gt=0, description="default: train.learning_rate")
+    learning_rate_te1: float | None = Field(default=None, gt=0, description="default: train.learning_rate")
+    learning_rate_te2: float | None = Field(default=None, gt=0, description="default: train.learning_rate")
 
 
 class EMAConfig(Strict):
     """An exponential moving average of the trained weights: ema = decay * ema + (1 - decay) * w."""
 
     enabled: bool = False
-    decay: float = Field(0.9999, gt=0, lt=1)
-    update_every: int = Field(1, ge=1, description="update every N optimizer steps (decay applied once per update)")
-    device: Literal["same", "cpu"] = Field("same", description="cpu keeps the EMA copy in host RAM")
-    export: bool = Field(True, description="export the EMA weights instead of the raw ones")
+    decay: float = Field(default=0.9999, gt=0, lt=1)
+    update_every: int = Field(
+        default=1, ge=1, description="update every N optimizer steps (decay applied once per update)"
+    )
+    device: Literal["same", "cpu"] = Field(default="same", description="cpu keeps the EMA copy in host RAM")
+    export: bool = Field(default=True, description="export the EMA weights instead of the raw ones")
+
+
+ExportFormat = Literal["single_file", "diffusers"]
+
+
+def _formats_default() -> list[ExportFormat]:
+    # named for mypy, as _report_to_default
+    return ["single_file"]
 
 
 class SaveConfig(Strict):
     """Exported models of a full fine-tune (the training state is train.checkpoint_every)."""
 
-    every_n_steps: int | None = Field(None, ge=1)
-    every_n_epochs: int | None = Field(None, ge=1)
-    formats: list[Literal["single_file", "diffusers"]] = Field(default_factory=lambda: ["single_file"])
+    every_n_steps: int | None = Field(default=None, ge=1)
+    every_n_epochs: int | None = Field(default=None, ge=1)
+    formats: list[ExportFormat] = Field(default_factory=_formats_default)
     precision: Literal["fp16", "bf16", "fp32"] = "fp16"
     lora_formats: list[Literal["diffusers", "kohya"]] | None = Field(
-        None,
+        default=None,
         description="LoRA files written: diffusers (pytorch_lora_weights.safetensors) and/or kohya "
         "(lora_kohya.safetensors, for ComfyUI / A1111); default both where the family has a kohya layout",
     )
     trigger_phrase: str | None = Field(
-        None, description="recorded in the LoRA's metadata; default dreambooth.instance_prompt"
+        default=None, description="recorded in the LoRA's metadata; default dreambooth.instance_prompt"
     )
 
 
@@ -445,51 +489,53 @@ class SpeedConfig(Strict):
     Each option is measured in docs/benchmarks.md ("Speed"); `difftrain bench speed` measures a config."""
 
     compile: bool = Field(
-        False,
+        default=False,
         description="torch.compile each repeated block of the denoiser (regional compilation: "
         "one compiled block serves every repeat, so compiling takes seconds to a minute, not many)",
     )
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
-        "default",
+        default="default",
         description="max-autotune: inductor benchmarks more kernels (Triton matmul and convolution "
         "templates) for each block: a much longer first step (CogVideoX-2b 300 s, SDXL over 9 minutes on an H100) "
         "and measured no faster, since cuBLAS/cuDNN win the large shapes; CUDA graphs still follow "
         "speed.cuda_graphs (max-autotune-no-cudagraphs is the same choice, kept for torch's name)",
     )
     cuda_graphs: bool = Field(
-        False,
+        default=False,
         description="replay each compiled block as a CUDA graph (torch.compile's "
         "reduce-overhead): fewer launches when shapes repeat; needs compile and one bucket shape",
     )
     dynamic: bool | None = Field(
-        None,
+        default=None,
         description="null: a dimension becomes dynamic once a second size is seen "
         "(a second bucket), so buckets do not each recompile; false: compile every shape",
     )
     compile_cache_dir: Path | None = Field(
-        None,
+        default=None,
         description="where compiled kernels are kept between runs (torch "
         "inductor's cache); default ~/.cache/difftrain/torch-compile",
     )
     attention: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
-        "auto",
+        default="auto",
         description="scaled-dot-product attention kernel; auto: torch's choice for the device (cuDNN or flash "
         "on Hopper)",
     )
     optimizer_kernels: Literal["auto", "fused", "foreach", "for_loop"] = Field(
-        "auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere"
+        default="auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere"
     )
-    channels_last: bool = Field(False, description="UNet convolutions in channels-last memory format (SDXL)")
-    pin_memory: bool = Field(True, description="batches copied to the GPU from pinned host memory without waiting")
+    channels_last: bool = Field(default=False, description="UNet convolutions in channels-last memory format (SDXL)")
+    pin_memory: bool = Field(
+        default=True, description="batches copied to the GPU from pinned host memory without waiting"
+    )
     sync_seconds: float = Field(
-        2.0,
+        default=2.0,
         ge=0,
         description="the host reads losses back from the GPU at most this often "
         "(and before every checkpoint, validation and export), so it never waits on the GPU "
         "inside a step; 0: every step",
     )
     float8: bool = Field(
-        False,
+        default=False,
         description="full fine-tuning: the denoiser's Linear layers compute in fp8 through "
         "torchao's float8 training (CUDA, compute capability 8.9+: Ada, Hopper); with compile and "
         "cuda_graphs. Measured on an H100: SD3-medium 1.05x and 27 % less memory, SDXL 0.52x "
@@ -503,35 +549,37 @@ class TrainConfig(Strict):
     output_dir: Path = Path("runs/difftrain")
     seed: int = 42
     mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
     gpu_memory_limit_gib: float | None = Field(
-        None,
+        default=None,
         gt=0,
         description="cap this process's GPU memory (torch's per-process fraction): try a smaller card's "
         "tier on a bigger one; going over is an out-of-memory error",
     )
-    batch_size: int = Field(1, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps; default from epochs")
-    epochs: int = Field(1, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
+    batch_size: int = Field(default=1, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    max_steps: int | None = Field(default=None, ge=1, description="optimizer steps; default from epochs")
+    epochs: int = Field(default=1, ge=1)
+    learning_rate: float = Field(default=1e-4, gt=0)
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    noise_offset: float = Field(0.0, ge=0)
-    min_snr_gamma: float | None = Field(None, gt=0)
-    checkpoint_every: int | None = Field(None, ge=1, description="save training state every N steps")
-    keep_checkpoints: int | None = Field(None, ge=1, description="keep only the newest N checkpoints")
+    warmup_steps: int = Field(default=0, ge=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    noise_offset: float = Field(default=0.0, ge=0)
+    min_snr_gamma: float | None = Field(default=None, gt=0)
+    checkpoint_every: int | None = Field(default=None, ge=1, description="save training state every N steps")
+    keep_checkpoints: int | None = Field(default=None, ge=1, description="keep only the newest N checkpoints")
     log_every: int = Field(
-        1, ge=1, description="a metrics record every N steps (losses are read from the GPU as speed.sync_seconds says)"
+        default=1,
+        ge=1,
+        description="a metrics record every N steps (losses are read from the GPU as speed.sync_seconds says)",
     )
     nonfinite: Literal["stop", "skip"] = Field(
-        "stop",
+        default="stop",
         description="a NaN/inf loss or gradient: stop with the step, the likely cause and the last good "
         "checkpoint named; skip: leave the weights unchanged for that step (checked every step: a host sync) and "
         "stop after 5 in a row",
     )
-    train_text_encoders: bool = Field(False, description="LoRA on the text encoders too (not cached)")
+    train_text_encoders: bool = Field(default=False, description="LoRA on the text encoders too (not cached)")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -567,8 +615,20 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _combinations(self):
+        # the cross-field rules, by theme; where a config breaks several, the first in this order is the one reported
         if self.model.config is None:
             self.model.config = DEFAULT_ARCHITECTURE[self.family]
+        self._schedule_and_precision()
+        self._fused_backward()
+        self._ddp()
+        self._deepspeed()
+        self._offload()
+        self._speed()
+        self._method()
+        return self
+
+    def _schedule_and_precision(self) -> None:
+        """The learning-rate schedule, and the dtypes of weights and compute."""
         if self.train.warmup_steps and self.train.lr_scheduler == "constant":
             raise ValueError(
                 "train.warmup_steps is set but train.lr_scheduler is 'constant', which ignores it: "
@@ -585,6 +645,10 @@ class Config(Strict):
                 f"memory.weights {m.weights.kind} with train.method full: {m.weights.kind} rounds a weight once, which suits "
                 "frozen weights (LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
             )
+
+    def _fused_backward(self) -> None:
+        """memory.fused_backward: what stepping inside backward rules out."""
+        m, t = self.memory, self.train
         if m.fused_backward:
             if t.method != "full":
                 raise ValueError(
@@ -607,6 +671,10 @@ class Config(Strict):
                 raise ValueError(
                     "memory.fused_backward with optimizer cpu_offload: pick one (both free the gradients early)"
                 )
+
+    def _ddp(self) -> None:
+        """memory.engine ddp: what must wait for gradients averaged across processes."""
+        m = self.memory
         if m.engine.kind == "ddp":
             if m.fused_backward:
                 raise ValueError(
@@ -618,6 +686,10 @@ class Config(Strict):
                     "memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
                     "before they are averaged; set offload_gradients: false or use memory.engine deepspeed"
                 )
+
+    def _deepspeed(self) -> None:
+        """memory.engine deepspeed: what DeepSpeed owns, and what ZeRO-3's partitioned weights rule out."""
+        m, t = self.memory, self.train
         if m.engine.kind == "deepspeed":
             e = m.engine
             if e.offload_param_device != "none" and e.stage != 3:
@@ -667,6 +739,10 @@ class Config(Strict):
                     "ema with ZeRO stage 3: the weights are partitioned, the average cannot read them; "
                     "use stage 2 or ema.enabled: false"
                 )
+
+    def _offload(self) -> None:
+        """Block swap and the cpu_offload optimizer: what weights or gradients in host RAM rule out."""
+        m, t = self.memory, self.train
         if m.offload.kind == "block_swap":
             if m.activations.kind != "checkpoint":
                 raise ValueError(
@@ -701,7 +777,9 @@ class Config(Strict):
                     "memory.optimizer cpu_offload with offload_gradients cannot accumulate gradients: "
                     "set offload_gradients: false or train.grad_accum: 1"
                 )
-        self._speed()
+
+    def _method(self) -> None:
+        """What train.method trains."""
         if self.train.method == "full":
             f = self.full
             if not (f.train_unet or f.train_text_encoder_1 or f.train_text_encoder_2):
@@ -719,7 +797,6 @@ class Config(Strict):
             raise ValueError(
                 "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
             )
-        return self
 
     def _speed(self) -> None:
         sp, m, t = self.speed, self.memory, self.train

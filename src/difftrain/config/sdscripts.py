@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ def parse_tokens(tokens: list[str]) -> tuple[str | None, dict[str, Any]]:
     elif tokens[i].endswith(".py"):
         script = Path(tokens[i]).name
         i += 1
+    value: str | bool  # a flag without a value is True
     while i < len(tokens):
         tok = tokens[i]
         if tok.endswith(".toml") and not tok.startswith("--"):
@@ -141,7 +143,7 @@ def _num(v: Any) -> float:
 
 
 # options that map one to one: sd-scripts name -> (difftrain key, converter)
-SIMPLE = {
+SIMPLE: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "pretrained_model_name_or_path": ("model.path", str),
     "in_json": ("data.metadata", str),
     "train_data_dir": ("data.dir", str),
@@ -182,88 +184,9 @@ def convert(tokens: list[str]) -> Conversion:
         c.set("memory.weights.kind", "fp32")  # sd-scripts keeps fp32 weights under mixed precision
     mixed = str(args.get("mixed_precision", "no"))
 
-    for name, value in args.items():
-        v = value
+    for name, v in args.items():
         try:
-            if name in SIMPLE:
-                dotted, conv = SIMPLE[name]
-                c.set(dotted, conv(v))
-            elif name == "caption_extension":
-                c.set("data.caption_ext", v if str(v).startswith(".") else f".{v}")
-            elif name == "save_model_as":
-                if v in ("safetensors",):
-                    c.set("save.formats", ["single_file"])
-                elif v == "diffusers" or v == "diffusers_safetensors":
-                    c.set("save.formats", ["diffusers"])
-                else:
-                    c.unmapped.append((f"--{name}={v}", "difftrain writes safetensors only (never pickle .ckpt)"))
-            elif name == "use_8bit_adam":
-                c.set("memory.optimizer.kind", "adamw8bit")
-            elif name == "optimizer_type":
-                kind = OPTIMIZERS.get(str(v).lower())
-                if kind:
-                    c.set("memory.optimizer.kind", kind)
-                else:
-                    c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW and AdamW8bit today"))
-            elif name == "train_text_encoder":
-                c.set("full.train_text_encoder_1", True)
-                c.set("full.train_text_encoder_2", True)
-            elif name == "gradient_checkpointing":
-                c.set("memory.activations.kind", "checkpoint")
-            elif name == "mixed_precision":
-                if v not in ("no", "fp16", "bf16"):
-                    raise ValueError
-                c.set("train.mixed_precision", v)
-            elif name == "full_bf16":
-                c.set("memory.weights.kind", "bf16")
-                c.set("train.mixed_precision", "bf16")
-            elif name == "save_precision":
-                c.set("save.precision", {"float": "fp32"}.get(v, v))
-            elif name == "save_every_n_epochs":
-                if lora:
-                    c.unmapped.append(
-                        (f"--{name}={v}", "for LoRA, checkpoints are counted in steps: set train.checkpoint_every")
-                    )
-                else:
-                    c.set("save.every_n_epochs", int(v))
-            elif name == "save_every_n_steps":
-                c.set("train.checkpoint_every" if lora else "save.every_n_steps", int(v))
-            elif name == "resolution":
-                w, _, h = str(v).partition(",")
-                side = math.isqrt(int(w) * int(h or w))
-                c.set("data.resolution", side - side % 64 or 64)
-            elif name == "shuffle_caption":
-                c.set("data.shuffle_caption", v is True or str(v).lower() in ("true", "1"))
-            elif name == "bucket_no_upscale":
-                c.set("data.no_upscale", True)
-            elif name == "lr_scheduler":
-                if v in SCHEDULERS:
-                    c.set("train.lr_scheduler", v)
-                else:
-                    c.unmapped.append((f"--{name}={v}", f"difftrain's schedules are {', '.join(sorted(SCHEDULERS))}"))
-            elif name == "lr_warmup_steps":
-                c.set("train.warmup_steps", int(float(v)))
-            elif name == "max_grad_norm":
-                c.set("train.max_grad_norm", _num(v) or None)
-            elif name == "network_module":
-                if v != "networks.lora":
-                    c.unmapped.append((f"--{name}={v}", "difftrain trains plain LoRA (networks.lora) today"))
-            elif name in ("network_train_unet_only", "cache_text_encoder_outputs"):
-                c.set("train.train_text_encoders", False)
-                if name == "cache_text_encoder_outputs":
-                    c.unmapped.append(
-                        (f"--{name}", IMPLIED["cache_text_encoder_outputs_to_disk"] + " (mapped: text encoders frozen)")
-                    )
-            elif name == "no_half_vae":
-                c.set("precompute.vae_dtype", "fp32")
-            elif name == "v_parameterization":
-                c.set("model.prediction_type", "v_prediction")
-            elif name in IMPLIED:
-                c.unmapped.append((f"--{name}", IMPLIED[name] + " (implied)"))
-            elif name in UNSUPPORTED:
-                c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), UNSUPPORTED[name]))
-            else:
-                c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), "no difftrain equivalent known"))
+            _convert_option(c, name, v, lora)
         except (TypeError, ValueError, OverflowError):
             c.unmapped.append((f"--{name}={v}", "value not understood"))
 
@@ -272,3 +195,103 @@ def convert(tokens: list[str]) -> Conversion:
     if not lora and mixed == "fp16" and "full_bf16" not in args:
         c.set("memory.weights.kind", "fp32")  # fp32 master weights with fp16 autocast and a grad scaler
     return c
+
+
+def _convert_option(c: Conversion, name: str, v: Any, lora: bool) -> None:
+    """Set what option ``--name=v`` maps to in ``c``, or add it to ``c.unmapped`` with the reason. A value it
+    cannot read raises TypeError, ValueError or OverflowError."""
+    if name in SIMPLE:
+        dotted, conv = SIMPLE[name]
+        c.set(dotted, conv(v))
+    elif _convert_training(c, name, v) or _convert_data_and_saving(c, name, v, lora):
+        pass  # converted, or reported with its reason, there
+    elif name in IMPLIED:
+        c.unmapped.append((f"--{name}", IMPLIED[name] + " (implied)"))
+    elif name in UNSUPPORTED:
+        c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), UNSUPPORTED[name]))
+    else:
+        c.unmapped.append((f"--{name}" + ("" if v is True else f"={v}"), "no difftrain equivalent known"))
+
+
+def _convert_training(c: Conversion, name: str, v: Any) -> bool:
+    """The options of the training itself: optimizer, precision, schedule, what is trained. False: not one."""
+    if name == "use_8bit_adam":
+        c.set("memory.optimizer.kind", "adamw8bit")
+    elif name == "optimizer_type":
+        kind = OPTIMIZERS.get(str(v).lower())
+        if kind:
+            c.set("memory.optimizer.kind", kind)
+        else:
+            c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW and AdamW8bit today"))
+    elif name == "train_text_encoder":
+        c.set("full.train_text_encoder_1", True)
+        c.set("full.train_text_encoder_2", True)
+    elif name == "gradient_checkpointing":
+        c.set("memory.activations.kind", "checkpoint")
+    elif name == "mixed_precision":
+        if v not in ("no", "fp16", "bf16"):
+            raise ValueError
+        c.set("train.mixed_precision", v)
+    elif name == "full_bf16":
+        c.set("memory.weights.kind", "bf16")
+        c.set("train.mixed_precision", "bf16")
+    elif name == "lr_scheduler":
+        if v in SCHEDULERS:
+            c.set("train.lr_scheduler", v)
+        else:
+            c.unmapped.append((f"--{name}={v}", f"difftrain's schedules are {', '.join(sorted(SCHEDULERS))}"))
+    elif name == "lr_warmup_steps":
+        c.set("train.warmup_steps", int(float(v)))
+    elif name == "max_grad_norm":
+        c.set("train.max_grad_norm", _num(v) or None)
+    elif name == "network_module":
+        if v != "networks.lora":
+            c.unmapped.append((f"--{name}={v}", "difftrain trains plain LoRA (networks.lora) today"))
+    elif name in ("network_train_unet_only", "cache_text_encoder_outputs"):
+        c.set("train.train_text_encoders", False)
+        if name == "cache_text_encoder_outputs":
+            c.unmapped.append(
+                (f"--{name}", IMPLIED["cache_text_encoder_outputs_to_disk"] + " (mapped: text encoders frozen)")
+            )
+    elif name == "v_parameterization":
+        c.set("model.prediction_type", "v_prediction")
+    else:
+        return False
+    return True
+
+
+def _convert_data_and_saving(c: Conversion, name: str, v: Any, lora: bool) -> bool:
+    """The options of the data (captions, buckets, latents) and of what is saved when. False: not one."""
+    if name == "caption_extension":
+        c.set("data.caption_ext", v if str(v).startswith(".") else f".{v}")
+    elif name == "resolution":
+        w, _, h = str(v).partition(",")
+        side = math.isqrt(int(w) * int(h or w))
+        c.set("data.resolution", side - side % 64 or 64)
+    elif name == "shuffle_caption":
+        c.set("data.shuffle_caption", v is True or str(v).lower() in ("true", "1"))
+    elif name == "bucket_no_upscale":
+        c.set("data.no_upscale", True)
+    elif name == "no_half_vae":
+        c.set("precompute.vae_dtype", "fp32")
+    elif name == "save_model_as":
+        if v in ("safetensors",):
+            c.set("save.formats", ["single_file"])
+        elif v == "diffusers" or v == "diffusers_safetensors":
+            c.set("save.formats", ["diffusers"])
+        else:
+            c.unmapped.append((f"--{name}={v}", "difftrain writes safetensors only (never pickle .ckpt)"))
+    elif name == "save_precision":
+        c.set("save.precision", {"float": "fp32"}.get(v, v))
+    elif name == "save_every_n_epochs":
+        if lora:
+            c.unmapped.append(
+                (f"--{name}={v}", "for LoRA, checkpoints are counted in steps: set train.checkpoint_every")
+            )
+        else:
+            c.set("save.every_n_epochs", int(v))
+    elif name == "save_every_n_steps":
+        c.set("train.checkpoint_every" if lora else "save.every_n_steps", int(v))
+    else:
+        return False
+    return True

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 
 class BucketBatchSampler:
-    def __init__(self, buckets: Sequence[Hashable], batch_size: int, seed: int):
+    def __init__(self, buckets: Sequence[tuple[int, ...]], batch_size: int, seed: int):
         self.buckets = list(buckets)
         self.batch_size = batch_size
         self.seed = seed
 
     def epoch(self, epoch: int) -> list[list[int]]:
         rng = random.Random(f"difftrain:{self.seed}:{epoch}")
-        groups: dict[Hashable, list[int]] = defaultdict(list)
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i, b in enumerate(self.buckets):
             groups[b].append(i)
         batches = []
@@ -34,7 +34,7 @@ class BucketBatchSampler:
         return batches
 
     def __len__(self) -> int:
-        counts: dict[Hashable, int] = defaultdict(int)
+        counts: dict[tuple[int, ...], int] = defaultdict(int)
         for b in self.buckets:
             counts[b] += 1
         return sum(-(-n // self.batch_size) for n in counts.values())

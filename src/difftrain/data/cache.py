@@ -27,6 +27,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -129,7 +130,7 @@ class DataCache:
             self._read("manifest.json", {"version": CACHE_VERSION, "entries": {}, "shards": {}}),
             self.root / "manifest.json",
         )
-        self._own = {"version": CACHE_VERSION, "entries": {}, "shards": {}}  # what this writer added
+        self._own: dict[str, Any] = {"version": CACHE_VERSION, "entries": {}, "shards": {}}  # what this writer added
         if self.manifest.get("version") != CACHE_VERSION:
             raise CacheMismatch(
                 f"The cache at {self.root} has format version {self.manifest.get('version')}, this difftrain writes {CACHE_VERSION}.",

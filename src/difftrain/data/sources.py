@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from PIL import Image
 
@@ -139,13 +139,14 @@ class MetadataIndex:
         self.metadata = metadata
         self.source = source
         self._by_abs = {_abs_key(k): k for k in metadata if Path(k).suffix.lower() in IMAGE_EXTS}
-        for key in metadata if root is not None else ():
-            if _escapes(key, root):
-                raise DataError(
-                    f"metadata file {source}: the entry {key!r} names a path outside the data folder {root}",
-                    hint="fix or remove that entry (merge-tags keys images inside the folder), or set "
-                    "data.allow_outside_paths: true if the file is yours",
-                )
+        if root is not None:
+            for key in metadata:
+                if _escapes(key, root):
+                    raise DataError(
+                        f"metadata file {source}: the entry {key!r} names a path outside the data folder {root}",
+                        hint="fix or remove that entry (merge-tags keys images inside the folder), or set "
+                        "data.allow_outside_paths: true if the file is yours",
+                    )
 
     @classmethod
     def load(cls, path: Path, root: Path | None = None) -> MetadataIndex:
@@ -303,7 +304,8 @@ def _int_to_l(image: Image.Image) -> Image.Image:
     """16/32-bit integer greyscale -> 8-bit 'L', scaled (not clipped) to 0..255."""
     is_16bit = image.mode.startswith("I;16")
     image = image.convert("I") if image.mode != "I" else image
-    _, high = image.getextrema()
+    # one band: getextrema gives (min, max), not the pair per band its type also allows
+    _, high = cast("tuple[float, float]", image.getextrema())
     if is_16bit or 255 < high <= 65535:
         scale = 1 / 257  # 65535 -> 255
     elif high > 65535:
@@ -315,7 +317,7 @@ def _int_to_l(image: Image.Image) -> Image.Image:
 
 def _float_to_l(image: Image.Image) -> Image.Image:
     """Float greyscale -> 'L': 0..1 data is scaled by 255, larger ranges are scaled to fit."""
-    _, high = image.getextrema()
+    _, high = cast("tuple[float, float]", image.getextrema())  # one band, as in _int_to_l
     scale = 255.0 if high <= 1.0 else (1.0 if high <= 255 else 255.0 / high)
     return image.point(lambda v: v * scale).convert("L")
 

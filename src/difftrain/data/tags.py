@@ -114,7 +114,7 @@ def parse_tag_file(text: str) -> list[tuple[str, float | None]]:
     if csv:
         rows = [_csv_pair(ln) for ln in lines]
         return [(t, v) for t, v in rows if t]
-    out = []
+    out: list[tuple[str, float | None]] = []
     for raw in _TAG_SEPARATORS.split(text):
         tag = _SPACES.sub(" ", raw).strip()
         if not tag:

@@ -60,12 +60,12 @@ class BlockSwap:
         self.swapped_bytes = sum(sizes[i] for i in self.swapped)
         self.params: dict[int, list[torch.nn.Parameter]] = {}
         self.home: dict[int, list[torch.Tensor]] = {}
-        self.resident: dict[int, tuple[list[torch.Tensor], object]] = {}
+        self.resident: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}  # None: not CUDA
         self.backward = False
         self.peak_resident = 0  # most swapped units on the device at once (tests, benchmarks)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._handles = []
-        swapped_ids = set()
+        swapped_ids: set[int] = set()
         for i in self.swapped:
             ps = [p for p in units[i].parameters() if swap_trainable or not p.requires_grad]
             self.params[i] = ps
@@ -93,7 +93,7 @@ class BlockSwap:
         if i in self.resident:
             return
         home = self.home[i]
-        if not self.cuda:
+        if self.stream is None:  # not CUDA (the side stream exists on CUDA only)
             self.resident[i] = ([h.clone() for h in home], None)
             self.peak_resident = max(self.peak_resident, len(self.resident))
             return

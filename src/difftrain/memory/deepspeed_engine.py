@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from ..config.schema import Config
+from ..config.schema import Config, EngineDeepSpeed
 from ..errors import BackendUnavailable, ConfigError
 
 
 def ds_config(cfg: Config) -> dict:
     """The DeepSpeed configuration for ``cfg`` (memory.engine kind deepspeed), user file merged over it."""
     e, t, o = cfg.memory.engine, cfg.train, cfg.memory.optimizer
+    assert isinstance(e, EngineDeepSpeed), "ds_config is for memory.engine deepspeed"
     zero: dict = {
         "stage": e.stage,
         "overlap_comm": True,
@@ -123,7 +124,7 @@ def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Param
     if "optimizer" not in conf:
         o = cfg.memory.optimizer
         client = torch.optim.AdamW(
-            params, lr=cfg.train.learning_rate, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
+            params, lr=cfg.train.learning_rate, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
     engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=conf)
     # DeepSpeed's ZeRO optimizer wraps a torch optimizer whose param groups carry the learning rate

@@ -19,6 +19,7 @@ import fnmatch
 
 import torch
 import torch.nn.functional as F
+import torch.nn.grad  # a submodule torch.nn loads but does not name for type checkers
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448

@@ -13,6 +13,7 @@ resumed run rounds exactly as an uninterrupted one.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def make_optimizer(
     AdamW's implementation switches (``{"fused": True}``, ``{"foreach": True}``), from the speed section."""
     o = mem.optimizer
     params = [p for g in groups for p in g["params"]]
-    common = {"lr": lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    common: dict[str, Any] = {"lr": lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if mem.fused_backward:
         return FusedBackward(mem, groups, lr, seed, kernels)
     if o.kind == "adamw8bit" and o.backend == "bnb":
@@ -126,7 +127,7 @@ def make_optimizer(
         _cuda_only("adamw8bit", params)
         cls = bnb.optim.PagedAdamW8bit if o.paged else bnb.optim.AdamW8bit
         return cls(groups, **common)
-    if o.kind in ("adamw8bit", "adamw4bit"):
+    if o.kind == "adamw8bit" or o.kind == "adamw4bit":  # not `in`: mypy narrows o on == only
         ao = _import("torchao.optim", o.kind, "torchao")
         _cuda_only(o.kind, params)
         cls = ao.AdamW8bit if o.kind == "adamw8bit" else ao.AdamW4bit
@@ -160,7 +161,7 @@ class FusedBackward(torch.optim.Optimizer):
     def __init__(self, mem: MemoryConfig, groups: list[dict], lr: float, seed: int = 0, kernels: dict | None = None):
         super().__init__(groups, {"lr": lr})
         inner_mem = mem.model_copy(update={"fused_backward": False})
-        self.inner: dict[torch.nn.Parameter, torch.optim.Optimizer] = {}
+        self.inner: dict[torch.Tensor, torch.optim.Optimizer] = {}  # by parameter, as the grad hook hands it back
         index = 0
         for group in self.param_groups:
             for p in group["params"]:

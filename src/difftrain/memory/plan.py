@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.schema import MemoryConfig
+from ..config.schema import MemoryConfig, WeightsFP8, WeightsInt8, WeightsNF4
 from .optimizers import make_optimizer  # noqa: F401  (the plan's optimizer step)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -19,7 +19,8 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 def weights_dtype(mem: MemoryConfig) -> torch.dtype:
     """The dtype weights are loaded in (for fp8: the compute dtype, before conversion)."""
     w = mem.weights
-    return WEIGHT_DTYPES[w.compute if w.kind in QUANTIZED else w.kind]
+    # the classes of the QUANTIZED kinds: isinstance tells mypy they have `compute`
+    return WEIGHT_DTYPES[w.compute if isinstance(w, (WeightsFP8, WeightsNF4, WeightsInt8)) else w.kind]
 
 
 QUANTIZED = ("fp8", "nf4", "int8")
@@ -88,14 +89,17 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
     """
     if mem.activations.kind != "checkpoint":
         return
+    # torch types the attributes nn.Module does not declare as Tensor | Module (its __getattr__): hence the ignores
     if hasattr(module, "enable_gradient_checkpointing"):
-        module.enable_gradient_checkpointing()
+        module.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
         k = mem.activations.every
         if k > 1:
             blocks = [m for m in module.modules() if m is not module and getattr(m, "gradient_checkpointing", False)]
             for i, m in enumerate(blocks):
-                m.gradient_checkpointing = i % k == 0
+                m.gradient_checkpointing = i % k == 0  # type: ignore[assignment]  # diffusers' bool flag
     elif hasattr(module, "gradient_checkpointing_enable"):
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.gradient_checkpointing_enable(  # type: ignore[operator]  # a transformers method
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     else:  # pragma: no cover - every family's trainable module has one of the two
         raise TypeError(f"{type(module).__name__} has no gradient checkpointing switch")

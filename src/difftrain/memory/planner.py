@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..config.schema import Config
+from ..config.schema import Config, WeightsFP8, WeightsInt8, WeightsNF4
 
 GIB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -59,13 +60,48 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     m, t = cfg.memory, cfg.train
     e = Estimate()
     wk = m.weights.kind
-    compute = m.weights.compute if wk in ("fp8", "nf4", "int8") else wk
-    parts = hints["parts"]
+    compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8)) else wk
+    part_bytes, weights, trainable = _part_bytes(cfg, hints, compute)
+    weights, swapped_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
+    if t.method == "lora":
+        trainable = hints["lora_params"]
+        weights += trainable * 4  # LoRA weights are kept in fp32
+        grad_bytes = 4
+    else:
+        grad_bytes = BYTES[compute]
+    e.gpu["weights"] = weights / GIB
+    host_state = _gradients_and_optimizer(cfg, hints, trainable, grad_bytes, e)
+    if wk == "int8":
+        e.notes.append(
+            "bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
+            "dequantized weights, docs/benchmarks.md): prefer memory.weights nf4 or fp8"
+        )
+    _activations(cfg, hints, e)
+    e.gpu["workspace"] = hints.get("workspace", 0) / GIB
+    # host
+    e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
+    e.host["optimizer state"] = trainable * host_state / GIB
+    if swapped_bytes:
+        e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
+    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
+        # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
+        load = sum(p["total"] for p in hints["parts"].values() if p.get("loaded", True)) * BYTES[compute]
+        e.host["load (one high-precision copy, freed)"] = max(0.0, load - swapped_bytes) / GIB
+    if cfg.ema.enabled and cfg.ema.device == "cpu":
+        e.host["EMA"] = trainable * 4 / GIB
+    elif cfg.ema.enabled:
+        e.gpu["EMA"] = trainable * 4 / GIB
+    return e
+
+
+def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float], float, int]:
+    """(weight bytes of each loaded part, their sum, parameters a full fine-tune trains)."""
+    wk, t = cfg.memory.weights.kind, cfg.train
     trained_parts = hints["trained_parts"]
     weights = 0.0
     trainable = 0
-    part_bytes = {}
-    for name, p in parts.items():
+    part_bytes: dict[str, float] = {}
+    for name, p in hints["parts"].items():
         if not p.get("loaded", True):
             continue
         full_trained = t.method == "full" and name in trained_parts
@@ -78,11 +114,19 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         weights += part_bytes[name]
         if full_trained:
             trainable += p["total"]
+    return part_bytes, weights, trainable
+
+
+def _block_swap(
+    cfg: Config, hints: dict, part_bytes: dict[str, float], weights: float, e: Estimate
+) -> tuple[float, float]:
+    """(weight bytes on the GPU once block swap has moved its blocks out, bytes of the blocks in host RAM)."""
+    m = cfg.memory
     swapped_bytes = 0.0
     if m.offload.kind == "block_swap" and hints.get("swap_units"):
         # the N largest units live in host RAM; prefetch + 1 of them are on the GPU at a time
         den = hints["denoiser"]
-        per_param = part_bytes[den] / parts[den]["total"]
+        per_param = part_bytes[den] / hints["parts"][den]["total"]
         units = sorted(hints["swap_units"], reverse=True)[: m.offload.blocks_to_swap]
         swapped_bytes = sum(units) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
@@ -90,13 +134,13 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         weights -= swapped_bytes * (1 - kept) - min(len(units), m.offload.prefetch + 1) * units[0] * per_param
     elif m.offload.kind == "block_swap":
         e.notes.append("no block list for this architecture: block swap not counted")
-    if t.method == "lora":
-        trainable = hints["lora_params"]
-        weights += trainable * 4  # LoRA weights are kept in fp32
-        grad_bytes = 4
-    else:
-        grad_bytes = BYTES[compute]
-    e.gpu["weights"] = weights / GIB
+    return weights, swapped_bytes
+
+
+def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_bytes: int, e: Estimate) -> int:
+    """The gradient and optimizer state terms (DeepSpeed's among them); returns the optimizer state's bytes per
+    trained parameter in host RAM."""
+    m = cfg.memory
     if m.fused_backward:
         # one gradient at a time in principle; measured: gradients and optimizer temporaries in flight
         e.gpu["gradients"] = (hints["largest_param"] * grad_bytes + hints.get("fused_backward_extra", 0)) / GIB
@@ -118,11 +162,12 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
             e.gpu["weights"] = resident / GIB
         e.notes.append("DeepSpeed's terms are a first estimate (ZeRO buckets not modelled)")
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
-    if wk == "int8":
-        e.notes.append(
-            "bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
-            "dequantized weights, docs/benchmarks.md): prefer memory.weights nf4 or fp8"
-        )
+    return host_state
+
+
+def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
+    """The activations term: bytes per latent pixel measured for the checkpointing mode, times the batch's pixels."""
+    m, t = cfg.memory, cfg.train
     act = hints["activations"]
     mode = "none" if m.activations.kind == "none" else "checkpoint"
     if mode not in act:
@@ -130,28 +175,14 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         per_pixel = 0.0
     else:
         per_pixel = act[mode]
-        if mode == "checkpoint" and m.activations.every > 1:
+        # the kind, not the mode: the same test (two kinds), and mypy then knows the config has `every`
+        if m.activations.kind == "checkpoint" and m.activations.every > 1:
             # between all-checkpointed and none, in proportion to the blocks left unchecked
             per_pixel += (act.get("none", per_pixel) - per_pixel) * (1 - 1 / m.activations.every)
     pixels = hints["latent_pixels"] * t.batch_size
     e.gpu["activations"] = per_pixel * pixels / GIB
     if hints.get("encode_captions"):
         e.gpu["activations"] += hints.get("text_encoder_activations", 0) * t.batch_size / GIB
-    e.gpu["workspace"] = hints.get("workspace", 0) / GIB
-    # host
-    e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
-    e.host["optimizer state"] = trainable * host_state / GIB
-    if swapped_bytes:
-        e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
-    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
-        # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
-        load = sum(p["total"] for p in parts.values() if p.get("loaded", True)) * BYTES[compute]
-        e.host["load (one high-precision copy, freed)"] = max(0.0, load - swapped_bytes) / GIB
-    if cfg.ema.enabled and cfg.ema.device == "cpu":
-        e.host["EMA"] = trainable * 4 / GIB
-    elif cfg.ema.enabled:
-        e.gpu["EMA"] = trainable * 4 / GIB
-    return e
 
 
 def speed_cost(cfg: Config) -> float:
@@ -175,12 +206,12 @@ def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
     full = cfg.train.method == "full"
     weights = [{"kind": "bf16"}] if full else [{"kind": "bf16"}, {"kind": "fp8"}]
     acts = [{"kind": "none"}, {"kind": "checkpoint", "every": 2}, {"kind": "checkpoint", "every": 1}]
-    opts = [{"kind": "adamw"}, {"kind": "adamw8bit"}]
-    extra = [{}]
+    opts: list[dict[str, Any]] = [{"kind": "adamw"}, {"kind": "adamw8bit"}]
+    extra: list[dict[str, bool]] = [{}]
     if full:
         opts.append({"kind": "cpu_offload", "offload_gradients": True})
         extra.append({"fused_backward": True})
-    offloads = [{"kind": "none"}]
+    offloads: list[dict[str, Any]] = [{"kind": "none"}]
     if swap_units:  # half or all of the blocks in host RAM
         offloads += [
             {"kind": "block_swap", "blocks_to_swap": max(1, swap_units // 2)},
