@@ -94,7 +94,8 @@ def checks(platform_name: str = sys.platform) -> list[Check]:
             Check(
                 "host ram",
                 "ok" if avail is None or avail > 8 else "warn",
-                f"{avail:.1f} of {total:.1f} GiB available",
+                # a kernel older than 3.14 has no MemAvailable line: the total alone
+                f"{avail:.1f} of {total:.1f} GiB available" if avail is not None else f"{total:.1f} GiB",
                 ""
                 if avail is None or avail > 8
                 else "Little host RAM is free: close other programs before loading a model.",

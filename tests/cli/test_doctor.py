@@ -192,3 +192,12 @@ def test_recipe_fit_compares_the_plan_with_free_memory(monkeypatch):
     assert c.status == "warn" and "0.0 GiB available" in c.found and "Free host RAM" in c.fix
     monkeypatch.setattr(doctor, "host_ram_gib", lambda: (64.0, 60.0))
     assert doctor.recipe_fit(cfg).status == "ok"
+
+
+def test_host_ram_without_an_available_figure_shows_the_total(monkeypatch):
+    """A kernel without MemAvailable in /proc/meminfo: the total alone, not a crash formatting None."""
+    from difftrain import doctor
+
+    monkeypatch.setattr(doctor, "host_ram_gib", lambda: (31.2, None))
+    line = next(c for c in doctor.checks() if c.name == "host ram")
+    assert line.status == "ok" and line.found == "31.2 GiB"
