@@ -45,11 +45,17 @@ def synthetic_tokenizers(folder: Path) -> Path:
     return folder
 
 
+def _architecture(cfg: Config) -> str:
+    assert cfg.model.config is not None, "the config's validator names the family's default architecture"
+    return cfg.model.config
+
+
 def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] | None = None) -> Path:
     """``size`` (height, width): a non-square shape (CogVideoX's 480x720); default the square resolution."""
     family = get_family(cfg.family)
     video = {"frames": cfg.data.frames} if family.video else {}
-    shapes = family.cache_shapes(cfg.model.config, size or cfg.data.resolution, **video)
+    # a (height, width) size is given only for the video families, whose cache_shapes take one
+    shapes = family.cache_shapes(_architecture(cfg), size or cfg.data.resolution, **video)  # type: ignore[arg-type]
     cache = DataCache(root)
     g = torch.Generator().manual_seed(0)
     items = []
@@ -89,7 +95,7 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
         parts = plan_parts(cfg, family)[0]  # only what training loads (SD3's T5 alone is 4.7 B parameters)
         path = work / f"random-{cfg.model.config}-{'-'.join(parts)}.safetensors"
         if not path.exists():
-            family.build_random(cfg.model.config, path, device=device, parts=parts)
+            family.build_random(_architecture(cfg), path, device=device, parts=parts)
             _free(device)  # built on the GPU: its blocks go back before anything is measured
         tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
@@ -173,6 +179,7 @@ def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[T
     hooks = Hooks(flush_steps={1, warmup})  # read back (and so wait for the GPU) exactly here
     trainer = Trainer(cfg, hooks=hooks)
     end = cfg.train.max_steps
+    assert end is not None, "a benchmark trains a set number of steps"
     if profile is None:
         trainer.run()
         return trainer, trainer.flush_times, {}
@@ -278,7 +285,7 @@ def _compile_totals() -> tuple[dict[str, float], int]:
 
     try:
         names, values = dyn.compile_times(repr="csv", aggregate=True)
-        totals = {n: float(v) for n, v in zip(names, values)}
+        totals = {n: float(str(v)) for n, v in zip(names, values)}
     except Exception:  # noqa: BLE001 - a private torch API: report nothing rather than fail the benchmark
         totals = {}
     return totals, int(dyn.counters["stats"].get("unique_graphs", 0))

@@ -314,8 +314,12 @@ def _pairs(sd: dict[str, torch.Tensor], meta: dict[str, str], layout: str) -> di
         for key in sd:
             if key.endswith(down_sfx):
                 name = key[: -len(down_sfx)]
-                alpha = sd.get(name + ".alpha")
-                out[name] = (key, name + up_sfx, float(alpha.item()) if alpha is not None else float(sd[key].shape[0]))
+                stored = sd.get(name + ".alpha")
+                out[name] = (
+                    key,
+                    name + up_sfx,
+                    float(stored.item()) if stored is not None else float(sd[key].shape[0]),
+                )
         return out
     by_part: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in sd.items():

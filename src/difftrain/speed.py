@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -125,7 +126,7 @@ def check_attention(speed: SpeedConfig, device: torch.device) -> None:
         ) from None
 
 
-def optimizer_kernels(speed: SpeedConfig, params: list[torch.Tensor]) -> dict:
+def optimizer_kernels(speed: SpeedConfig, params: Sequence[torch.Tensor]) -> dict:
     """torch AdamW's implementation switches for these parameters."""
     kind = speed.optimizer_kernels
     if kind == "auto":

@@ -410,7 +410,7 @@ def test_text_stage_options(fam, comps):
     assert fam.enabled_stages(options()) == ["t5"] and fam.text_stages == {"t5": ("text_encoder",)}
     assert fam.text_stage_tag("t5", options(precision="nf4")) == "t5:nf4:226"
     assert fam.stage_precision("t5", options(precision="int8")) == {"text_encoder": "int8"}
-    assert fam.trainable_text_encoders == () and fam.text_encoder_lora_targets == []
+    assert fam.trainable_text_encoders == () and tuple(fam.text_encoder_lora_targets) == ()
     with pytest.raises(ConfigError) as e:
         fam.enabled_stages(options(enabled=False))
     assert "text_encoders.t5.enabled" in e.value.hint

@@ -47,7 +47,7 @@ class IndexItem:
             bucket=(d["bucket"][0], d["bucket"][1]),
             caption=d.get("caption", ""),
             image=d.get("image", ""),
-            original_size=tuple(d.get("original_size", (1, 1))),  # type: ignore[arg-type]
+            original_size=tuple(d.get("original_size", (1, 1))),
             image_sha256=d.get("image_sha256"),
             frames=d.get("frames"),
             text_variants=tuple(dict(t) for t in d.get("text_variants", ())),

@@ -207,7 +207,12 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def build_random(
-        self, config_name: str, path: Path, device: str = "cpu", seed: int = 0, parts: Sequence[str] = ...
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = ...,
     ) -> Path:
         """Random weights of a bundled architecture's ``parts`` (default: all), saved loadable by ``load``
         (the memory and speed of a real one)."""

@@ -86,7 +86,7 @@ OFS = 2.0
 #: single-file header keys
 META_FAMILY, META_CONFIG, META_TRANSFORMER = "difftrain.family", "difftrain.config", "difftrain.transformer_config"
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {
+SAVE_AS: dict[str, str | tuple[str, str]] = {
     "transformer": "CogVideoXTransformer3DModel",
     "vae": "AutoencoderKLCogVideoX",
     "text_encoder": ("T5EncoderModel", "t5"),
@@ -357,7 +357,7 @@ class CogVideoX(ModelFamily):
         return CogVideoXDPMScheduler.from_config(self.scheduler_config(mcfg))
 
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
-        from transformers import T5TokenizerFast
+        from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
         if kind == "diffusers":
             folder = p / "tokenizer"
@@ -430,7 +430,7 @@ class CogVideoX(ModelFamily):
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
-        folder = p / part / "config.json" if kind == "diffusers" else None
+        folder = p / part / "config.json" if kind == "diffusers" and p is not None else None
         cfg_file = (
             folder
             if folder is not None and folder.exists()
@@ -614,6 +614,7 @@ class CogVideoX(ModelFamily):
                     f"save_diffusers needs the {LABELS[part]}: it was not given and {src.name} has none.",
                     hint="Export from a run whose model.path is a diffusers CogVideoX folder.",
                 )
+        tok: Path | None
         if src_kind == "diffusers":
             tok = src / "tokenizer"
         else:
@@ -682,7 +683,12 @@ class CogVideoX(ModelFamily):
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(
-        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
     ) -> Path:
         """Random weights of a bundled architecture (bf16): the memory and speed of a real one.
 
@@ -850,22 +856,22 @@ class CogVideoX(ModelFamily):
             gh, gw = height // p, width // p
             base_h, base_w = cfg.sample_height // p, cfg.sample_width // p
             if p_t is None:
-                self._rotary[key] = get_3d_rotary_pos_embed(
+                self._rotary[key] = get_3d_rotary_pos_embed(  # type: ignore[assignment]  # (cos, sin) unless use_real=False
                     embed_dim=cfg.attention_head_dim,
                     crops_coords=_resize_crop_region((gh, gw), base_w, base_h),
                     grid_size=(gh, gw),
                     temporal_size=frames,
-                    device=device,
+                    device=torch.device(device),
                 )
             else:
-                self._rotary[key] = get_3d_rotary_pos_embed(
+                self._rotary[key] = get_3d_rotary_pos_embed(  # type: ignore[assignment]  # (cos, sin) unless use_real=False
                     embed_dim=cfg.attention_head_dim,
                     crops_coords=None,
                     grid_size=(gh, gw),
                     temporal_size=(frames + p_t - 1) // p_t,
                     grid_type="slice",
                     max_size=(base_h, base_w),
-                    device=device,
+                    device=torch.device(device),
                 )
         return self._rotary[key]
 
@@ -1014,7 +1020,7 @@ class CogVideoX(ModelFamily):
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """A tiny seeded CogVideoX (2-layer transformer, 3D VAE, T5, offline tokenizer) saved as a diffusers folder."""
         from diffusers import CogVideoXDPMScheduler
-        from transformers import T5TokenizerFast
+        from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
         folder = Path(folder)
         cfgdir = bundled_config_dir(self.tiny_config)

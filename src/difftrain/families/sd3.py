@@ -25,9 +25,10 @@ as the pipeline does with ``text_encoder_3=None``.
 
 from __future__ import annotations
 
+import functools
 import json
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -53,7 +54,7 @@ DEFAULT_T5_TOKENS = 256
 #: the width of SD3's joint text sequence (T5-XXL's d_model) in every released SD3/SD3.5 model
 DEFAULT_JOINT_DIM = 4096
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {
+SAVE_AS: dict[str, str | tuple[str, str]] = {
     "transformer": "SD3Transformer2DModel",
     "vae": "AutoencoderKL",
     "text_encoder": ("CLIPTextModelWithProjection", "clip_text_model"),
@@ -106,7 +107,7 @@ def tiny_t5_tokenizer(folder: Path) -> Path:
     quickstart, where the tiny T5 has a 300-token embedding table.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
     folder = Path(folder)
     chars = [c for c in string.printable if c not in string.whitespace]
@@ -178,7 +179,7 @@ class SD3(ModelFamily):
         return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
 
     def _tokenizers(self, kind: str, p: Path, mcfg: ModelConfig, names: Sequence[str]) -> dict[str, Any]:
-        from transformers import CLIPTokenizer, T5TokenizerFast
+        from transformers import CLIPTokenizer, T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
         if kind == "diffusers":
             base = p
@@ -243,7 +244,8 @@ class SD3(ModelFamily):
         if opened is None:
             comps = self._load_diffusers(p, parts, dtypes, quant, device)
         else:
-            comps = self._load_single(*opened, p, mcfg, parts, dtypes, quant, device)
+            keys, get = opened
+            comps = self._load_single(keys, get, p, mcfg, parts, dtypes, quant, device)
         if "transformer" in comps:
             self.joint_attention_dim = int(comps["transformer"].config.joint_attention_dim)
         common.freeze(comps, parts, device, quant)
@@ -252,7 +254,7 @@ class SD3(ModelFamily):
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
-        base = p if kind == "diffusers" else bundled_config_dir(mcfg.config or DEFAULT_CONFIG)
+        base = p if kind == "diffusers" and p is not None else bundled_config_dir(mcfg.config or DEFAULT_CONFIG)
         module = _new_module(part, _read_json(base / part / "config.json"))
         if part == "transformer":  # as load() records it
             self.joint_attention_dim = int(module.config.joint_attention_dim)
@@ -284,7 +286,7 @@ class SD3(ModelFamily):
 
         return common.load_diffusers_parts(p, parts, classes, dtypes, device, missing_hint, quant)
 
-    def _open_checked(self, kind: str, p: Path, parts: list[str]):
+    def _open_checked(self, kind: str, p: Path, parts: list[str]) -> tuple[list[str], Callable[[str], torch.Tensor]]:
         """The file's keys and a reader, once its layout is SD3's and it holds every requested part."""
         keys, get, _, _ = common.open_checkpoint(kind, p)
         if not single_file.detect_sd3_single_file(keys):
@@ -360,7 +362,7 @@ class SD3(ModelFamily):
             # on the meta device too; the text encoders' non-persistent buffers (position ids) are built
             with init_empty_weights(include_buffers=part == "transformer"):
                 module = _new_module(part, config)
-            common.assign_state_dict(module, sd, lambda what, part=part: mismatch(part, what))
+            common.assign_state_dict(module, sd, functools.partial(mismatch, part))
             if part == "text_encoder_3":  # assign=True replaced shared.weight: re-tie the encoder's embedding
                 module.encoder.embed_tokens.weight = module.shared.weight
             out[part] = module
@@ -500,7 +502,12 @@ class SD3(ModelFamily):
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(
-        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
     ) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's.
 
@@ -750,7 +757,7 @@ class SD3(ModelFamily):
         import shutil
 
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-        from transformers import CLIPTokenizer, T5TokenizerFast
+        from transformers import CLIPTokenizer, T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
         folder = Path(folder)
         cfgdir = bundled_config_dir("sd3-tiny")
@@ -765,7 +772,8 @@ class SD3(ModelFamily):
             sched = FlowMatchEulerDiscreteScheduler.from_config(
                 _read_json(cfgdir / "scheduler" / "scheduler_config.json")
             )
-            StableDiffusion3Pipeline(scheduler=sched, **comps).save_pretrained(folder, safe_serialization=True)
+            pipe = StableDiffusion3Pipeline(scheduler=sched, **comps)
+            pipe.save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]  # untyped in diffusers
         finally:
             shutil.rmtree(tokdir, ignore_errors=True)
         return folder

@@ -209,6 +209,15 @@ _TOP = {
 _BLOCK_KEY = re.compile(r"^transformer_blocks\.(\d+)\.(.+)\.(weight|bias)$")
 
 
+def _constant(v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: v
+
+
+def _concatenated(sd: Mapping[str, torch.Tensor], names: list[str]) -> Callable[[], torch.Tensor]:
+    """The fused q/k/v weight, read (and concatenated) only when it is written."""
+    return lambda: torch.cat([sd[n] for n in names], dim=0)
+
+
 def _transformer_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, Callable[[], torch.Tensor]]:
     """The inverse of diffusers' convert_sd3_transformer_checkpoint_to_diffusers, as lazy makers."""
     prefix = PREFIXES["transformer"]
@@ -247,9 +256,7 @@ def _transformer_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> di
                 present = [n in sd for n in names]
                 if all(present):
                     used.update(names)
-                    makers[prefix + f"joint_blocks.{i}.{dst}.{kind}"] = lambda names=names: torch.cat(
-                        [sd[n] for n in names], dim=0
-                    )
+                    makers[prefix + f"joint_blocks.{i}.{dst}.{kind}"] = _concatenated(sd, names)
                 elif any(present):
                     raise CheckpointError(
                         f"The SD3 transformer has only some of {', '.join(names)}; the single-file layout fuses them."
@@ -285,7 +292,7 @@ def diffusers_to_original(
         elif part == "vae":
             # the SD3 VAE is the LDM autoencoder under first_stage_model., as in SDXL files
             vae = sdxl_single_file.diffusers_to_original({"vae": sd}, {"vae": configs["vae"]})
-            makers.update({k: (lambda v=v: v) for k, v in vae.items()})
+            makers.update({k: _constant(v) for k, v in vae.items()})
         else:
             prefix = PREFIXES[part]
             for k, v in sd.items():
@@ -293,5 +300,5 @@ def diffusers_to_original(
                     continue  # a buffer rebuilt at load / a tie of shared.weight
                 if part != "text_encoder_3" and not (k.startswith("text_model.") or k == "text_projection.weight"):
                     k = "text_model." + k  # transformers >= 5.6 CLIPTextModel has no text_model wrapper
-                makers[prefix + k] = lambda v=v: v
+                makers[prefix + k] = _constant(v)
     return LazyTensors(makers)

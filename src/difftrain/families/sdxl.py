@@ -24,7 +24,7 @@ from .tokenizers import tiny_clip_vocab
 
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)
-SAVE_AS = {
+SAVE_AS: dict[str, str | tuple[str, str]] = {
     "unet": "UNet2DConditionModel",
     "vae": "AutoencoderKL",
     "text_encoder": ("CLIPTextModel", "clip_text_model"),
@@ -141,7 +141,7 @@ class SDXL(ModelFamily):
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
-        base = p if kind == "diffusers" else bundled_config_dir(_arch(mcfg))
+        base = p if kind == "diffusers" and p is not None else bundled_config_dir(_arch(mcfg))
         return _new_module(part, _read_json(base / part / "config.json"))
 
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
@@ -289,7 +289,12 @@ class SDXL(ModelFamily):
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(
-        self, config_name: str, path: Path, device="cpu", seed: int = 0, parts: Sequence[str] = PARTS
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
     ) -> Path:
         """A random-weight model of a bundled architecture as a single file: its memory and speed are a real one's."""
         comps = common.random_parts(_new_module, bundled_config_dir(config_name), parts, device, seed)
@@ -464,7 +469,7 @@ class SDXL(ModelFamily):
         comps["tokenizer_2"] = CLIPTokenizer.from_pretrained(tiny_clip_vocab(tokdir / "tokenizer_2", pad_token="!"))
         sched = EulerDiscreteScheduler.from_config(_read_json(cfgdir / "scheduler" / "scheduler_config.json"))
         pipe = StableDiffusionXLPipeline(scheduler=sched, **comps)
-        pipe.save_pretrained(folder, safe_serialization=True)
+        pipe.save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]  # untyped in diffusers
         import shutil
 
         shutil.rmtree(tokdir, ignore_errors=True)

@@ -576,7 +576,7 @@ def _planner(component: str, config: dict, tower: str):
 
         return plan, lambda dkey: _TEXT_MODEL + _flat_tower_key(dkey)
 
-    def plan(okey: str) -> _Plan | None:
+    def openclip_plan(okey: str) -> _Plan | None:
         p = _openclip_plan(okey)
         if p is None:
             return None
@@ -584,7 +584,7 @@ def _planner(component: str, config: dict, tower: str):
         # Only the tower keys take the "text_model." prefix; text_projection sits on the wrapper.
         return tuple(k if k == "text_projection.weight" else tower + k for k in keys), fn
 
-    return plan, lambda dkey: _openclip_name(_flat_tower_key(dkey))
+    return openclip_plan, lambda dkey: _openclip_name(_flat_tower_key(dkey))
 
 
 def _ignored(component: str, okey: str) -> bool:

@@ -57,11 +57,15 @@ def cache_differences(
                     f"(text_encoders settings) than the cache was made with"
                 )
     want = CaptionAugment.from_config(cfg.data)
-    had = index.captions
-    if had is not None and not _all_live(family, cfg, live_stages):
-        now = want.record()
-        changed = [f"{k} {had.get(k)!r} -> {now[k]!r}" for k in now if k != "dropout" and had.get(k) != now[k]]
-        if want.varies and had.get("variants", 0) == 0:
+    had_captions = index.captions
+    if had_captions is not None and not _all_live(family, cfg, live_stages):
+        record = want.record()
+        changed = [
+            f"{k} {had_captions.get(k)!r} -> {record[k]!r}"
+            for k in record
+            if k != "dropout" and had_captions.get(k) != record[k]
+        ]
+        if want.varies and had_captions.get("variants", 0) == 0:
             diffs.append(
                 "data.shuffle_caption / caption_tag_dropout_rate: set, but the cache holds one version of each caption"
             )

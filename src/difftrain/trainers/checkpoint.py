@@ -202,7 +202,7 @@ class Checkpointer:
         save_tree(
             {"lr_scheduler": sched.lr_scheduler.state_dict(), "scaler": sched.scaler.state_dict()}, tmp, "schedule"
         )
-        state = {
+        state: dict[str, object] = {
             "step": pos.step,
             "epoch": pos.epoch,
             "batch_pos": pos.batch_pos,

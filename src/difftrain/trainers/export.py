@@ -143,7 +143,7 @@ class Exporter:
         comps = self.parts.comps
         missing = [p for p in names if p not in comps]
         extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
-        modules = {p: comps.get(p, extra.get(p)) for p in names}
+        modules = {p: comps[p] if p in comps else extra[p] for p in names}
         sds = self._state_dicts(modules)
         configs = fam.module_configs(modules)
         out = []

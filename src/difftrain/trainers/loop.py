@@ -110,7 +110,7 @@ class Trainer:
         self.family = get_family(cfg.family)
         self.world = dist_.world_from_env()
         self.device = training_device(cfg, self.world)
-        self.out = Path(cfg.train.output_dir)  # type: ignore[arg-type]  # the config's validator sets it
+        self.out = Path(cfg.train.output_dir)
         self.hooks = hooks or Hooks()
         self.guards = Guards(cfg, self.out, self.world)
         self.pos = Position()
@@ -433,8 +433,8 @@ class Trainer:
                 if t.max_grad_norm
                 else torch.nn.utils.get_total_norm(grads)
             )
-        if skip_mode and not bool(torch.isfinite(norm + loss)):  # the one host sync skip mode costs a step
-            self._skip_step(float(loss), float(norm))  # type: ignore[arg-type]  # computed in skip mode
+        if skip_mode and norm is not None and not bool(torch.isfinite(norm + loss)):  # skip mode's one host sync
+            self._skip_step(float(loss), float(norm))
         else:
             before = self.scaler.get_scale() if fp16 else None
             self.scaler.step(p.optimizer)

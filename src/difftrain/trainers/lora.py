@@ -14,12 +14,13 @@ def add_lora(module: torch.nn.Module, settings: LoraSettings, targets: Sequence[
     """Add a LoRA adapter to ``module``; return its trainable parameters (kept in fp32)."""
     cfg = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,
+        # peft annotates an int, but a float alpha works as it is only divided by the rank
+        lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,  # type: ignore[arg-type]
         lora_dropout=settings.dropout,
         init_lora_weights="gaussian" if settings.init == "gaussian" else True,
         target_modules=list(targets),
     )
-    module.add_adapter(cfg)
+    module.add_adapter(cfg)  # type: ignore[operator]  # diffusers' PeftAdapterMixin, unknown to Module's type
     params = []
     for p in module.parameters():
         if p.requires_grad:
@@ -52,4 +53,4 @@ def export_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_metadata(module: torch.nn.Module) -> dict:
     """The LoRA config (rank, alpha, targets) that diffusers stores in the file header."""
-    return module.peft_config["default"].to_dict()
+    return module.peft_config["default"].to_dict()  # type: ignore[index,union-attr]  # set by add_adapter

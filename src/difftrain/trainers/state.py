@@ -40,7 +40,7 @@ def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
         cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
         if cls not in SUBCLASSES:
             raise TypeError(f"cannot store tensor subclass {cls} at {path}")
-        names, ctx = obj.__tensor_flatten__()
+        names, ctx = obj.__tensor_flatten__()  # type: ignore[attr-defined]  # tensor subclasses' protocol, checked above
         return {
             "__subclass__": cls,
             "tensors": {n: _encode(getattr(obj, n), f"{path}.{n}", tensors) for n in names},
