@@ -17,7 +17,7 @@ from difftrain.config.schema import ModelConfig
 from difftrain.errors import ConfigError
 from difftrain.families.cogvideox import CogVideoX
 from difftrain.families.sd3 import SD3
-from difftrain.lora_formats import kohya
+from difftrain.lora import kohya
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import Trainer, train
 
@@ -104,7 +104,7 @@ def test_the_kohya_file_loads_through_diffusers_conversion_with_the_same_output(
 
 def test_kohya_round_trip_gives_the_peft_weights_back(trained):
     from difftrain.families.sdxl import SDXL
-    from difftrain.trainers import lora_files
+    from difftrain.lora import files as lora_files
 
     cfg, diffusers_file, kohya_file = trained
     fam = SDXL()
@@ -220,7 +220,7 @@ def test_sd3_names_its_transformer_as_onetrainer_and_comfyui_do():
 
 
 def test_cogvideox_refuses_the_kohya_layout_with_the_reason(tmp_path):
-    from difftrain.trainers import lora_files
+    from difftrain.lora import files as lora_files
 
     cfg = resolve(
         recipe="tiny-cogvideox-lora", sets=[f"train.output_dir={tmp_path}", "save.lora_formats=[kohya]"]

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from difftrain.config.load import resolve
 from difftrain.config.schema import LoraConfig, ModelConfig
-from difftrain.lora_tools import merge
-from difftrain.trainers import lora_files
-from difftrain.trainers.lora import adapter_metadata, add_lora, export_layers
+from difftrain.lora import files as lora_files
+from difftrain.lora.adapters import adapter_metadata, add_lora, export_layers
+from difftrain.lora.tools import merge
 
 SDXL_UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "conv1", "conv2", "conv_shortcut"]  # Linear, 3x3 and 1x1 convs
 
@@ -200,7 +200,7 @@ def test_a_resized_lora_loads_through_diffusers_with_its_per_layer_ranks(sdxl, t
     whose rank differs): the pipeline's adapted UNet gives the output of the resized LoRA merged into the base."""
     from diffusers import StableDiffusionXLPipeline
 
-    from difftrain.lora_tools import resize
+    from difftrain.lora.tools import resize
 
     fam, comps, diffusers_file, _ = sdxl
     r = resize(diffusers_file, tmp_path / "pytorch_lora_weights.safetensors", energy=0.8)
@@ -223,7 +223,7 @@ def test_a_resized_lora_loads_through_diffusers_with_its_per_layer_ranks(sdxl, t
 @pytest.mark.parametrize("which", ["diffusers", "kohya"])
 def test_a_resized_lora_continues_training_through_init_weights(sdxl, tiny_model, tmp_path, which):
     """What lora.init_weights does (read_lora + load_into) accepts the resized file for lora.rank 2, lora.alpha 1."""
-    from difftrain.lora_tools import resize
+    from difftrain.lora.tools import resize
 
     fam, _, diffusers_file, kohya_file = sdxl
     src = resize(diffusers_file if which == "diffusers" else kohya_file, tmp_path / f"{which}.safetensors", rank=2).path

@@ -8,8 +8,8 @@ import torch
 
 from difftrain.config.schema import LoraConfig
 from difftrain.families.sdxl import SDXL
+from difftrain.lora.adapters import add_lora
 from difftrain.memory.block_swap import BlockSwap
-from difftrain.trainers.lora import add_lora
 
 
 def _unet(tiny_model, lora: bool):

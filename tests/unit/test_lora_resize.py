@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from difftrain.errors import UsageError
-from difftrain.lora_tools import delta, resize
+from difftrain.lora.tools import delta, resize
 
 RANK, ALPHA = 6, 3.0
 

@@ -47,7 +47,7 @@ def merge(
     precision: Annotated[Precision | None, typer.Option("--precision", help="default: the base's stored dtype")] = None,
 ) -> None:
     """Merge a LoRA into its base model's weights (W += scale * alpha/rank * up @ down) and write one single file."""
-    from ..lora_tools import merge as run
+    from ..lora.tools import merge as run
 
     r = run(
         base,
@@ -82,7 +82,7 @@ def resize(
     ] = None,
 ) -> None:
     """Change a LoRA's rank by truncated SVD of each layer's ΔW; print the energy each layer keeps."""
-    from ..lora_tools import resize as run
+    from ..lora.tools import resize as run
 
     r = run(lora, out, rank=rank, energy=energy)
     t = Table(title=f"lora resize: {lora.name} -> {out.name}")

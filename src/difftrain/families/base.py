@@ -58,7 +58,7 @@ class ModelFamily(ABC):
     video: ClassVar[bool] = False
     #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)
     image_conditioned: ClassVar[bool] = False
-    #: its LoRAs can also be written as sd-scripts names them (lora_formats.kohya, ``kohya_names``)
+    #: its LoRAs can also be written as sd-scripts names them (lora.kohya, ``kohya_names``)
     kohya_layout: ClassVar[bool] = False
 
     def encode_first_frame(

@@ -137,7 +137,7 @@ class SD3(ModelFamily):
         "t5": ("text_encoder_3",),
     }
     denoiser = "transformer"
-    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
+    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora.kohya)
     objective = "flow"
     repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)

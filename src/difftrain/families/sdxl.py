@@ -64,7 +64,7 @@ class SDXL(ModelFamily):
         "clip": ("text_encoder", "text_encoder_2")
     }  # both CLIPs together (small)
     denoiser = "unet"
-    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora_formats.kohya)
+    kohya_layout = True  # LoRAs also written as sd-scripts names them (lora.kohya)
     objective = "ddpm"
     # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")

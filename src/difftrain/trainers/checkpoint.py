@@ -23,8 +23,8 @@ from .. import distributed as dist_
 from ..config.schema import Config
 from ..console import info
 from ..errors import CheckpointError, DifftrainError
+from ..lora.adapters import trainable_state
 from ..utils import atomic_dir
-from .lora import trainable_state
 from .state import load_tree, save_tree
 
 if TYPE_CHECKING:  # a cycle at import time otherwise

@@ -19,8 +19,8 @@ from .. import distributed as dist_
 from ..config.schema import Config
 from ..console import info
 from ..families.base import ModelFamily
+from ..lora.adapters import adapter_metadata, export_layers
 from ..utils import to_dtype
-from .lora import adapter_metadata, export_layers
 from .setup import Parts
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -83,7 +83,7 @@ class Exporter:
             if self.parts.engine is not None:
                 self.layers()  # ZeRO-3's gathers are collective: take part, write nothing
             return path
-        from . import lora_files
+        from ..lora import files as lora_files
 
         kinds = lora_files.formats(self.cfg, self.family)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -149,7 +149,7 @@ class Trainer:
         before anything loads."""
         if self.cfg.train.method != "lora":
             return None
-        from . import lora_files
+        from ..lora import files as lora_files
 
         lora_files.formats(self.cfg, self.family)  # a layout the family lacks is refused before anything loads
         if self.cfg.lora.init_weights is None:

@@ -26,6 +26,7 @@ from ..config.schema import Config
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
+from ..lora.adapters import adapter_metadata, add_lora
 from ..memory.plan import (
     apply_activations,
     apply_offload,
@@ -37,7 +38,6 @@ from ..memory.plan import (
 )
 from ..utils import pick_device, stored_float_dtype
 from .ema import EMA
-from .lora import adapter_metadata, add_lora
 
 
 def training_device(cfg: Config, world: dist_.World) -> torch.device:
@@ -214,7 +214,7 @@ TECHNIQUES: tuple[Technique, ...] = (
 
 def _init_lora(cfg: Config, part: str, module: torch.nn.Module, init: tuple[dict, dict]) -> None:
     """lora.init_weights: continue from a LoRA file (diffusers or kohya layout; ``init`` as read) of this part."""
-    from . import lora_files
+    from ..lora import files as lora_files
 
     src = Path(cfg.lora.init_weights)  # type: ignore[arg-type]  # set whenever init is
     layers, file_alphas = init

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError, UnsafeCheckpoint
-from ..lora_formats import kohya
 from ..utils import atomic_file, read_safetensors_header
+from . import kohya
 
 KOHYA_FILE = "lora_kohya.safetensors"
 #: what sd-scripts / A1111 show for the base model

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from .config.schema import ModelConfig
-from .errors import CheckpointError, ModelLoadError, UnsafeCheckpoint, UsageError
-from .lora_formats import kohya
-from .utils import atomic_file, read_safetensors_header, stored_float_dtype, to_dtype
+from ..config.schema import ModelConfig
+from ..errors import CheckpointError, ModelLoadError, UnsafeCheckpoint, UsageError
+from ..utils import atomic_file, read_safetensors_header, stored_float_dtype, to_dtype
+from . import kohya
 
 #: the families whose LoRAs can be merged into a single file (CogVideoX has no single-file layout)
 MERGEABLE = ("sdxl", "sd3")
@@ -86,8 +86,8 @@ class MergeResult:
 
 
 def _family_of(base: Path, keys: list[str] | None) -> str:
-    from .families import sd3_single_file, sdxl_single_file
-    from .families.common import read_json
+    from ..families import sd3_single_file, sdxl_single_file
+    from ..families.common import read_json
 
     if keys is not None:
         if sdxl_single_file.detect_sdxl_single_file(keys):
@@ -110,14 +110,14 @@ def _family_of(base: Path, keys: list[str] | None) -> str:
 
 def _layout_of(name: str) -> tuple[tuple[str, ...], dict[str, str]]:
     """A family's parts, and the key prefix of each in its single files."""
-    from .families import sd3, sd3_single_file, sdxl, sdxl_single_file
+    from ..families import sd3, sd3_single_file, sdxl, sdxl_single_file
 
     return {"sdxl": (sdxl.PARTS, sdxl_single_file.PREFIXES), "sd3": (sd3.PARTS, sd3_single_file.PREFIXES)}[name]
 
 
 def _base(base: Path, family: str | None, config: str | None):
     """(family, model config, parts present, weight files) of a single-file checkpoint or a diffusers folder."""
-    from .families.registry import get_family
+    from ..families.registry import get_family
 
     base = Path(base).expanduser()
     if not base.exists():
@@ -159,7 +159,7 @@ def _base(base: Path, family: str | None, config: str | None):
     else:
         parts = [p for p in all_parts if any(k.startswith(prefixes[p]) for k in keys)]
         if name == "sd3" and config is None:
-            from .families.sd3_single_file import guess_architecture
+            from ..families.sd3_single_file import guess_architecture
 
             config = guess_architecture(keys)
     return fam, ModelConfig(path=base, config=config), parts, files
@@ -233,7 +233,7 @@ def merge(
     bf16 | fp32), else in the dtype most of the base is stored in. Everything that can be wrong with the
     LoRA is found before the base model is read, and ``out`` is written atomically.
     """
-    from .trainers.lora_files import read_lora_file
+    from .files import read_lora_file
 
     base, lora, out = Path(base), Path(lora), Path(out)
     if out.suffix.lower() != ".safetensors" or out.is_dir():
@@ -306,7 +306,7 @@ class ResizeResult:
 
 def _pairs(sd: dict[str, torch.Tensor], meta: dict[str, str], layout: str) -> dict[str, tuple[str, str, float]]:
     """Each layer (its name in the file) -> (down key, up key, alpha)."""
-    from .trainers.lora_files import diffusers_alphas
+    from .files import diffusers_alphas
 
     down_sfx, up_sfx = _SUFFIXES[layout][:2]
     out = {}
