@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .config.load import validate
 from .config.schema import Config, SpeedConfig
 from .data.cache import DataCache
 from .data.index import CacheIndex, IndexItem
@@ -148,7 +149,7 @@ def baseline_config(base: Config, speed_keys: set[str]) -> Config:
 
     speed = {**EAGER.model_dump(), **{k: getattr(base.speed, k) for k in speed_keys}}
     try:
-        return Config.model_validate({**base.model_dump(), "speed": speed})  # the whole config checked again
+        return validate({**base.model_dump(), "speed": speed})  # the whole config checked again
     except ValidationError as e:
         raise ConfigError(
             "The baseline's configuration (the config with --baseline-set, speed options not named there "

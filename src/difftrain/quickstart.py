@@ -25,6 +25,9 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SIZES = ((256, 256), (320, 192), (192, 320), (256, 128))
 
+#: the recipe the walk-through trains (its family builds the tiny model)
+RECIPE = "tiny-sdxl-lora"
+
 
 def make_dataset(folder: Path, n: int = 12, seed: int = 0) -> Path:
     """Write ``n`` images with a .caption and a WD14-style .txt tag file each."""
@@ -74,7 +77,7 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
         t = time.time()
 
     data, model, meta = out / "data", out / "model", out / "metadata.json"
-    family = get_family("sdxl")
+    family = get_family(resolve(recipe=RECIPE).config.family)
     if not (data.is_dir() and any(data.glob("*.png"))):
         make_dataset(data, seed=seed)
     if not (model / "model_index.json").exists():
@@ -94,7 +97,7 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
     ]
     if steps:
         sets.append(f"train.max_steps={steps}")
-    resolved = resolve(recipe="tiny-sdxl-lora", sets=sets)
+    resolved = resolve(recipe=RECIPE, sets=sets)
     cfg = resolved.config
     pre = precompute(cfg)
     info(

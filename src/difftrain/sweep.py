@@ -58,7 +58,7 @@ from typing import Any
 
 import yaml
 
-from .config.load import Resolved, parse_set, read_yaml, resolve
+from .config.load import Resolved, parse_set, read_yaml, resolve, validate
 from .console import info, warn
 from .errors import ConfigError, DifftrainError, UsageError
 from .report import STAT_LABELS, run_summary, write_sweep_report
@@ -511,14 +511,13 @@ def run_trial(folder: Path) -> dict:
     with the status: ok, oom (out of memory), nan (the loss diverged) or failed (anything else)."""
     import torch
 
-    from .config.schema import Config
     from .errors import LossNotFinite
     from .trainers.checkpoint import resolve_resume
     from .trainers.loop import train
 
     folder = Path(folder)
     text = (folder / "config.yaml").read_text(encoding="utf-8")
-    cfg = Config.model_validate(yaml.safe_load(text))
+    cfg = validate(yaml.safe_load(text))
     values = json.loads((folder.parents[1] / "sweep.json").read_text(encoding="utf-8"))
     values = next((t["values"] for t in values["trials"] if t["name"] == folder.name), {})
     resume = None

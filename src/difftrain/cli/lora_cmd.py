@@ -14,11 +14,6 @@ from ..console import console, info
 app = typer.Typer(help="Bake a LoRA into a checkpoint, or change its rank.", no_args_is_help=True)
 
 
-class Family(str, Enum):
-    sdxl = "sdxl"
-    sd3 = "sd3"
-
-
 class Precision(str, Enum):
     fp16 = "fp16"
     bf16 = "bf16"
@@ -36,7 +31,11 @@ def merge(
     lora: Annotated[Path, typer.Argument(help="a LoRA .safetensors file, diffusers or kohya layout")],
     out: OutOpt,
     scale: Annotated[float, typer.Option("--scale", help="multiplies the LoRA's change to each weight")] = 1.0,
-    family: Annotated[Family | None, typer.Option("--family", help="default: told from the base model")] = None,
+    # a name, checked by lora merge against the families that can be merged (the registry's; no choice list here,
+    # which would import every family, and torch, to show --help)
+    family: Annotated[
+        str | None, typer.Option("--family", help="a family that can be merged (default: told from the base model)")
+    ] = None,
     config: Annotated[
         str | None,
         typer.Option(
@@ -54,7 +53,7 @@ def merge(
         lora,
         out,
         scale=scale,
-        family=family.value if family else None,
+        family=family,
         config=config,
         precision=precision.value if precision else None,
     )

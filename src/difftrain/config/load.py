@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from ..errors import ConfigError, UsageError
+from ..families.registry import DEFAULT_FAMILY, family_facts
 from .recipes import check_shape, load_recipe, parse_yaml, read_text
 from .schema import Config
 
@@ -163,6 +164,12 @@ def _flatten(d: Any, prefix: str, out: dict) -> None:
         out[prefix[:-1]] = d
 
 
+def validate(data: dict) -> Config:
+    """``data`` as a Config, its family checked against the registry (the default family when it names none).
+    Raises pydantic's ValidationError."""
+    return Config.model_validate({"family": DEFAULT_FAMILY, **data}, context={"families": family_facts()})
+
+
 def resolve(
     recipe: str | None = None,
     config_file: Path | None = None,
@@ -182,7 +189,7 @@ def resolve(
         parts, value = parse_set(item)
         merged = _merge(merged, _nest(parts, value), f"--set {'.'.join(parts)}", sources)
     try:
-        config = Config.model_validate(merged)
+        config = validate(merged)
     except ValidationError as e:
         problems = [(path, _with_source(msg, path, sources)) for path, msg in validation_problems(e)]
         n = len(problems)

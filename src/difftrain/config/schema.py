@@ -8,10 +8,11 @@ change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -587,16 +588,23 @@ class TrainConfig(Strict):
         return "no" if v is False else v  # YAML reads a bare `no` as false
 
 
-DEFAULT_ARCHITECTURE = {
-    "sdxl": "sdxl-base-1.0",
-    "sd3": "sd3-medium",
-    "cogvideox": "cogvideox-5b",
-    "cogvideox-i2v": "cogvideox-5b-i2v",
-}
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What validating a config needs to know of a model family. The schema sits below the families and names
+    none of them: ``difftrain.config.load`` passes the registry's facts as the validation context
+    (``{"families": {name: FamilyFacts}}``), and a config validated without them (one read back from a run,
+    already checked) is not checked against the registry again."""
+
+    default_architecture: str  # model.config when it is not set
+    channels_last: bool = False  # speed.channels_last has convolutions to act on
+
+
+def _families(info: ValidationInfo) -> dict[str, FamilyFacts] | None:
+    return (info.context or {}).get("families")
 
 
 class Config(Strict):
-    family: Literal["sdxl", "sd3", "cogvideox", "cogvideox-i2v"] = "sdxl"
+    family: str = Field(min_length=1, description="the model family (`difftrain recipes list` shows each one's)")
     model: ModelConfig = Field(default_factory=ModelConfig)
     text_encoders: TextEncodersConfig = Field(default_factory=TextEncodersConfig)
     dreambooth: DreamBoothConfig = Field(default_factory=DreamBoothConfig)
@@ -613,17 +621,26 @@ class Config(Strict):
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
+    @field_validator("family")
+    @classmethod
+    def _registered(cls, v: str, info: ValidationInfo) -> str:
+        families = _families(info)
+        if families is not None and v not in families:
+            raise ValueError(f"unknown model family {v!r}: one of {', '.join(families)}")
+        return v
+
     @model_validator(mode="after")
-    def _combinations(self):
+    def _combinations(self, info: ValidationInfo):
         # the cross-field rules, by theme; where a config breaks several, the first in this order is the one reported
-        if self.model.config is None:
-            self.model.config = DEFAULT_ARCHITECTURE[self.family]
+        facts = (_families(info) or {}).get(self.family)
+        if self.model.config is None and facts is not None:
+            self.model.config = facts.default_architecture
         self._schedule_and_precision()
         self._fused_backward()
         self._ddp()
         self._deepspeed()
         self._offload()
-        self._speed()
+        self._speed(facts)
         self._method()
         return self
 
@@ -798,7 +815,7 @@ class Config(Strict):
                 "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
             )
 
-    def _speed(self) -> None:
+    def _speed(self, facts: FamilyFacts | None) -> None:
         sp, m, t = self.speed, self.memory, self.train
         if sp.cuda_graphs and not sp.compile:
             raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true")
@@ -828,7 +845,7 @@ class Config(Strict):
                 raise ValueError("speed.float8 needs train.mixed_precision bf16 and memory.weights bf16")
             if m.engine.kind == "deepspeed":
                 raise ValueError("speed.float8 with memory.engine deepspeed is not supported: use single or ddp")
-        if sp.channels_last and self.family != "sdxl":
+        if sp.channels_last and facts is not None and not facts.channels_last:
             raise ValueError(
                 f"speed.channels_last is for the SDXL UNet's convolutions; {self.family}'s transformer has "
                 "none to speed up: set speed.channels_last: false"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..families.registry import sd_scripts_family
 
 # options that need no setting in difftrain, and why
 IMPLIED = {
@@ -176,9 +177,11 @@ def convert(tokens: list[str]) -> Conversion:
     script, args = parse_tokens(tokens)
     c = Conversion(script=script)
     lora = (script is not None and "network" in script) or "network_module" in args or "network_dim" in args
-    if script and not script.startswith("sdxl_"):
+    target = sd_scripts_family()
+    assert target.sd_scripts_prefix is not None
+    if script and not script.startswith(target.sd_scripts_prefix):
         c.unmapped.append((script, "only SDXL scripts map to difftrain today (sdxl_train.py, sdxl_train_network.py)"))
-    c.set("family", "sdxl")
+    c.set("family", target.name)
     c.set("train.method", "lora" if lora else "full")
     if not lora:
         c.set("memory.weights.kind", "fp32")  # sd-scripts keeps fp32 weights under mixed precision

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -46,7 +46,8 @@ class ModelFamily(ABC):
     denoiser: ClassVar[str]  # the part training always runs
     #: the training objective: "ddpm" (epsilon / v-prediction, from the scheduler config)
     #: or "flow" (rectified flow: x_t = (1 - s) x0 + s noise, target noise - x0)
-    objective: ClassVar[str]
+    objective: ClassVar[Literal["ddpm", "flow"]]
+    parts: ClassVar[tuple[str, ...]]  # every part of the model, in the order its folders and files hold them
     default_lora_targets: ClassVar[Sequence[str]]
     text_encoder_lora_targets: ClassVar[Sequence[str]]
     trainable_text_encoders: ClassVar[tuple[str, ...]]  # what train_text_encoders / full.train_text_encoder_N train
@@ -60,6 +61,26 @@ class ModelFamily(ABC):
     image_conditioned: ClassVar[bool] = False
     #: its LoRAs can also be written as sd-scripts names them (lora.kohya, ``kohya_names``)
     kohya_layout: ClassVar[bool] = False
+    #: what a LoRA file's header names the base model as: sd-scripts' ss_base_model_version (None: the family's
+    #: name) and the SAI model spec's modelspec.architecture (None: "<name>/lora"), which A1111 and ComfyUI show
+    kohya_base_version: ClassVar[str | None] = None
+    modelspec_lora_architecture: ClassVar[str | None] = None
+    #: ``difftrain lora merge`` can bake its LoRAs into a single file: it has a single-file layout, whose parts'
+    #: keys start with these prefixes (part -> prefix), and ``recognises_single_file`` / ``recognises_folder``
+    mergeable: ClassVar[bool] = False
+    single_file_prefixes: ClassVar[Mapping[str, str]] = {}
+
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        """The tensor names of a single-file checkpoint are this family's layout."""
+        return False
+
+    def recognises_folder(self, folder: Path, class_name: str) -> bool:
+        """A diffusers folder (its model_index.json's ``_class_name``) holds this family."""
+        return False
+
+    def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        """The bundled architecture a single file's keys match, where the family can tell (None: the default)."""
+        return None
 
     def encode_first_frame(
         self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None

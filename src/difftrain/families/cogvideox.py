@@ -237,7 +237,7 @@ class CogVideoX(ModelFamily):
     text_encoders = ("text_encoder",)
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"t5": ("text_encoder",)}
     denoiser = "transformer"
-    kohya_layout = False  # LoRAs also written as sd-scripts names them (lora.kohya)
+    parts = PARTS
     objective = "ddpm"  # v-prediction (the scheduler config's prediction_type)
     repeated_blocks = ("CogVideoXBlock",)  # speed.compile: the blocks compiled one by one
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out

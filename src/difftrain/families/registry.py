@@ -1,42 +1,76 @@
-"""Model families by name. Adding a family is one module plus one row here."""
+"""The model families: the one list. Adding a family is its module (a :class:`~difftrain.families.base.ModelFamily`
+subclass), its bundled configs under families/configs/, and one row here.
+
+A row holds the facts that are read before any weight or torch is imported (the config's validation, the command
+line): the family's name, where its class is, its default bundled architecture, and which sd-scripts scripts map
+to it. Everything else a family knows is on its class. tests/unit/test_families.py checks each row against its class.
+"""
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..config.schema import FamilyFacts
 from ..errors import UsageError
-from .base import ModelFamily
+
+if TYPE_CHECKING:
+    from .base import ModelFamily
 
 
-def _sdxl():
-    from .sdxl import SDXL
+@dataclass(frozen=True)
+class Registered:
+    name: str  # the config's ``family`` value (and the class's ``name``)
+    module: str  # difftrain.families.<module>
+    cls: str  # its ModelFamily subclass
+    #: the bundled architecture (families/configs/<name>) when model.config is not set
+    default_architecture: str
+    #: speed.channels_last has convolutions to act on (a UNet denoiser)
+    channels_last: bool = False
+    #: sd-scripts' scripts of this family start with this (``sdxl_train_network.py``): `difftrain convert-args`
+    #: maps their options to this family
+    sd_scripts_prefix: str | None = None
 
-    return SDXL()
-
-
-def _sd3():
-    from .sd3 import SD3
-
-    return SD3()
-
-
-def _cogvideox():
-    from .cogvideox import CogVideoX
-
-    return CogVideoX()
-
-
-def _cogvideox_i2v():
-    from .cogvideox import CogVideoXI2V
-
-    return CogVideoXI2V()
+    def facts(self) -> FamilyFacts:
+        return FamilyFacts(default_architecture=self.default_architecture, channels_last=self.channels_last)
 
 
-FAMILIES = {"sdxl": _sdxl, "sd3": _sd3, "cogvideox": _cogvideox, "cogvideox-i2v": _cogvideox_i2v}
+REGISTRY: tuple[Registered, ...] = (
+    Registered("sdxl", "sdxl", "SDXL", "sdxl-base-1.0", channels_last=True, sd_scripts_prefix="sdxl_"),
+    Registered("sd3", "sd3", "SD3", "sd3-medium"),
+    Registered("cogvideox", "cogvideox", "CogVideoX", "cogvideox-5b"),
+    Registered("cogvideox-i2v", "cogvideox", "CogVideoXI2V", "cogvideox-5b-i2v"),
+)
+#: the family of a config that names none
+DEFAULT_FAMILY = REGISTRY[0].name
+
+
+def names() -> list[str]:
+    return [r.name for r in REGISTRY]
+
+
+def row(name: str) -> Registered:
+    for r in REGISTRY:
+        if r.name == name:
+            return r
+    raise UsageError(f"Unknown model family {name!r}.", hint=f"Known families: {', '.join(sorted(names()))}.")
+
+
+def family_facts() -> dict[str, FamilyFacts]:
+    """What the config's validation checks of each family (passed to it as the validation context)."""
+    return {r.name: r.facts() for r in REGISTRY}
 
 
 def get_family(name: str) -> ModelFamily:
-    try:
-        return FAMILIES[name]()
-    except KeyError:
-        raise UsageError(
-            f"Unknown model family {name!r}.", hint=f"Known families: {', '.join(sorted(FAMILIES))}."
-        ) from None
+    r = row(name)
+    return getattr(importlib.import_module(f"{__package__}.{r.module}"), r.cls)()
+
+
+def all_families() -> list[ModelFamily]:
+    return [get_family(r.name) for r in REGISTRY]
+
+
+def sd_scripts_family() -> Registered:
+    """The family sd-scripts' training scripts map to (the one with a script prefix)."""
+    return next(r for r in REGISTRY if r.sd_scripts_prefix is not None)

@@ -137,7 +137,12 @@ class SD3(ModelFamily):
         "t5": ("text_encoder_3",),
     }
     denoiser = "transformer"
+    parts = PARTS
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora.kohya)
+    kohya_base_version = "sd3"
+    modelspec_lora_architecture = "stable-diffusion-3-medium/lora"
+    mergeable = True
+    single_file_prefixes: ClassVar[Mapping[str, str]] = single_file.PREFIXES
     objective = "flow"
     repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
@@ -259,6 +264,15 @@ class SD3(ModelFamily):
         if part == "transformer":  # as load() records it
             self.joint_attention_dim = int(module.config.joint_attention_dim)
         return module
+
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        return single_file.detect_sd3_single_file(keys)
+
+    def recognises_folder(self, folder: Path, class_name: str) -> bool:
+        return "StableDiffusion3" in class_name
+
+    def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        return single_file.guess_architecture(keys)
 
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """The MMDiT and the encoders are named by their diffusers/transformers paths (``lora_transformer_...``,

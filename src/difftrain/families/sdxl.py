@@ -64,7 +64,12 @@ class SDXL(ModelFamily):
         "clip": ("text_encoder", "text_encoder_2")
     }  # both CLIPs together (small)
     denoiser = "unet"
+    parts = PARTS
     kohya_layout = True  # LoRAs also written as sd-scripts names them (lora.kohya)
+    kohya_base_version = "sdxl_base_v1-0"  # what sd-scripts / A1111 show for the base model
+    modelspec_lora_architecture = "stable-diffusion-xl-v1-base/lora"
+    mergeable = True
+    single_file_prefixes: ClassVar[Mapping[str, str]] = single_file.PREFIXES
     objective = "ddpm"
     # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
@@ -143,6 +148,12 @@ class SDXL(ModelFamily):
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
         base = p if kind == "diffusers" and p is not None else bundled_config_dir(_arch(mcfg))
         return _new_module(part, _read_json(base / part / "config.json"))
+
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        return single_file.detect_sdxl_single_file(keys)
+
+    def recognises_folder(self, folder: Path, class_name: str) -> bool:
+        return "XL" in class_name or (folder / "unet").is_dir()
 
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """sd-scripts names the UNet's modules by their original (LDM) paths, the encoders by transformers' paths."""

@@ -14,17 +14,14 @@ from ..utils import atomic_file, read_safetensors_header
 from . import kohya
 
 KOHYA_FILE = "lora_kohya.safetensors"
-#: what sd-scripts / A1111 show for the base model
-_BASE_VERSION = {"sdxl": "sdxl_base_v1-0", "sd3": "sd3"}
-_ARCHITECTURE = {"sdxl": "stable-diffusion-xl-v1-base/lora", "sd3": "stable-diffusion-3-medium/lora"}
 
 
 def formats(cfg, family) -> list[str]:
     """The LoRA layouts to write: save.lora_formats, else diffusers plus kohya where the family has it."""
     chosen = cfg.save.lora_formats
     if chosen is None:
-        return ["diffusers", "kohya"] if getattr(family, "kohya_layout", False) else ["diffusers"]
-    if "kohya" in chosen and not getattr(family, "kohya_layout", False):
+        return ["diffusers", "kohya"] if family.kohya_layout else ["diffusers"]
+    if "kohya" in chosen and not family.kohya_layout:
         raise ConfigError(
             f"save.lora_formats kohya: {family.name} LoRAs have no kohya layout (sd-scripts does not "
             "train this family; its tools load the diffusers layout).",
@@ -58,11 +55,11 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(rank),
         "ss_network_alpha": f"{float(alpha):g}" if alpha is not None else "",
-        "ss_base_model_version": _BASE_VERSION.get(family.name, family.name),
+        "ss_base_model_version": family.kohya_base_version or family.name,
         "ss_sd_model_name": Path(str(cfg.model.path)).name if cfg.model.path else str(cfg.model.config or ""),
         "ss_output_name": Path(cfg.train.output_dir).name,
         "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": _ARCHITECTURE.get(family.name, f"{family.name}/lora"),
+        "modelspec.architecture": family.modelspec_lora_architecture or f"{family.name}/lora",
         "modelspec.title": Path(cfg.train.output_dir).name,
         "difftrain.base_model": str(cfg.model.path or cfg.model.config or ""),
         "difftrain.parts": ",".join(peft_meta),

@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,8 +22,9 @@ from ..errors import CheckpointError, ModelLoadError, UnsafeCheckpoint, UsageErr
 from ..utils import atomic_file, read_safetensors_header, stored_float_dtype, to_dtype
 from . import kohya
 
-#: the families whose LoRAs can be merged into a single file (CogVideoX has no single-file layout)
-MERGEABLE = ("sdxl", "sd3")
+if TYPE_CHECKING:
+    from ..families.base import ModelFamily
+
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _SUFFIXES = {"diffusers": (_A, _B), "kohya": (".lora_down.weight", ".lora_up.weight", ".alpha")}
 #: the denoiser part name -> the families that have it, to name the family a stray LoRA was made for
@@ -85,34 +87,31 @@ class MergeResult:
     layers: dict[str, int]  # per part: how many layers were merged
 
 
-def _family_of(base: Path, keys: list[str] | None) -> str:
-    from ..families import sd3_single_file, sdxl_single_file
+def _mergeable() -> list[ModelFamily]:
+    """The families whose LoRAs can be merged into a single file (CogVideoX has no single-file layout)."""
+    from ..families.registry import all_families
+
+    return [f for f in all_families() if f.mergeable]
+
+
+def _family_of(base: Path, keys: list[str] | None) -> ModelFamily:
     from ..families.common import read_json
 
+    mergeable = _mergeable()
     if keys is not None:
-        if sdxl_single_file.detect_sdxl_single_file(keys):
-            return "sdxl"
-        if sd3_single_file.detect_sd3_single_file(keys):
-            return "sd3"
         found = "unknown"
+        hit = next((f for f in mergeable if f.recognises_single_file(keys)), None)
     else:
         index = base / "model_index.json"
         found = str(read_json(index).get("_class_name", "?")) if index.is_file() else "no model_index.json"
-        if "XL" in found or (base / "unet").is_dir():
-            return "sdxl"
-        if "StableDiffusion3" in found:
-            return "sd3"
+        hit = next((f for f in mergeable if f.recognises_folder(base, found)), None)
+    if hit is not None:
+        return hit
+    names = [f.name for f in mergeable]
     raise UsageError(
-        f"Cannot tell which model family {base} is ({found}); lora merge handles {', '.join(MERGEABLE)}.",
-        hint="Pass --family sdxl or --family sd3.",
+        f"Cannot tell which model family {base} is ({found}); lora merge handles {', '.join(names)}.",
+        hint="Pass " + " or ".join(f"--family {n}" for n in names) + ".",
     )
-
-
-def _layout_of(name: str) -> tuple[tuple[str, ...], dict[str, str]]:
-    """A family's parts, and the key prefix of each in its single files."""
-    from ..families import sd3, sd3_single_file, sdxl, sdxl_single_file
-
-    return {"sdxl": (sdxl.PARTS, sdxl_single_file.PREFIXES), "sd3": (sd3.PARTS, sd3_single_file.PREFIXES)}[name]
 
 
 def _base(base: Path, family: str | None, config: str | None):
@@ -139,14 +138,17 @@ def _base(base: Path, family: str | None, config: str | None):
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{base} cannot be read: {e}", hint="Is the download complete?") from None
         files = [base]
-    name = family or _family_of(base, keys)
-    if name not in MERGEABLE:
-        raise UsageError(
-            f"lora merge handles {', '.join(MERGEABLE)}, not {name}.",
-            hint="CogVideoX has no single-file layout: load its LoRA with the pipeline's load_lora_weights.",
-        )
-    fam = get_family(name)
-    all_parts, prefixes = _layout_of(name)
+    if family is None:
+        fam = _family_of(base, keys)
+    else:
+        mergeable = [f.name for f in _mergeable()]
+        if family not in mergeable:
+            raise UsageError(
+                f"lora merge handles {', '.join(mergeable)}, not {family}.",
+                hint="CogVideoX has no single-file layout: load its LoRA with the pipeline's load_lora_weights.",
+            )
+        fam = get_family(family)
+    all_parts, prefixes = fam.parts, fam.single_file_prefixes
     if keys is None:
         parts = [p for p in all_parts if (base / p).is_dir()]
         pickled = [p for p in parts if not any((base / p).glob("*.safetensors"))]
@@ -158,10 +160,8 @@ def _base(base: Path, family: str | None, config: str | None):
             )
     else:
         parts = [p for p in all_parts if any(k.startswith(prefixes[p]) for k in keys)]
-        if name == "sd3" and config is None:
-            from ..families.sd3_single_file import guess_architecture
-
-            config = guess_architecture(keys)
+        if config is None:
+            config = fam.single_file_architecture(keys)
     return fam, ModelConfig(path=base, config=config), parts, files
 
 
