@@ -408,12 +408,8 @@ def bench_speed(
 
             _dynamo.reset()
         _free(device)
-    for r, (_name, c) in zip(rows, runs):
-        if flops is not None:
-            (count, _exact), bs0 = flops
-            f = count * (c.train.batch_size * c.train.grad_accum) / bs0
-            r.tflops = float(f"{f / r.s_per_step / 1e12:.4g}")
-            r.mfu = float(f"{f / r.s_per_step / 1e12 / peak:.4g}")
+    if flops is not None:
+        _throughput(rows, [c for _, c in runs], flops, peak)
     out = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "peak_tflops": float(f"{peak:.4g}"),
@@ -428,6 +424,15 @@ def bench_speed(
         out["speedup"] = round(rows[0].s_per_step / rows[1].s_per_step, 3)
     (work / "bench_speed.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _throughput(rows: list[SpeedRow], cfgs: list[Config], flops: tuple[tuple[float, bool], int], peak: float) -> None:
+    """Each row's TFLOP/s and MFU: the model FLOPs counted once (for ``flops[1]`` samples), scaled to its batch."""
+    (count, _exact), bs0 = flops
+    for r, c in zip(rows, cfgs):
+        f = count * (c.train.batch_size * c.train.grad_accum) / bs0
+        r.tflops = float(f"{f / r.s_per_step / 1e12:.4g}")
+        r.mfu = float(f"{f / r.s_per_step / 1e12 / peak:.4g}")
 
 
 def _free(device: torch.device) -> None:

@@ -10,10 +10,12 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 
 # no hard wraps: messages stay greppable; no :emoji: codes (a file named :fire:.png is printed as it is)
 console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
@@ -53,3 +55,13 @@ def progress(*extra_columns, transient: bool = False) -> Progress:
         transient=transient,
         disable=os.environ.get("DIFFTRAIN_PROGRESS", "") == "0" or quiet_rank(),
     )
+
+
+class RateColumn(ProgressColumn):
+    """Optimizer steps per second (or seconds per step when slower than 1 it/s)."""
+
+    def render(self, task) -> Text:
+        speed = task.speed
+        if not speed:
+            return Text("-- it/s")
+        return Text(f"{speed:.2f} it/s" if speed >= 1 else f"{1 / speed:.2f} s/it")

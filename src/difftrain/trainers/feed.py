@@ -185,3 +185,13 @@ class Feed:
         """Whether a batch's cached tensors hold only finite numbers, as a device flag (read at the next flush)."""
         floats = [v for v in batch.values() if v.is_floating_point()]
         return torch.stack([torch.isfinite(v).all() for v in floats]).all()
+
+
+@dataclass
+class Accumulation:
+    """The micro-batches of one optimizer step so far (device tensors, read at the next flush)."""
+
+    loss: Any = 0.0
+    prior: Any = 0.0
+    micro: int = 0
+    inputs_finite: torch.Tensor | None = None

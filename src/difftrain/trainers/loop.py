@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.progress import ProgressColumn, TextColumn
-from rich.text import Text
+from rich.progress import TextColumn
 
 from .. import distributed as dist_
 from .. import speed as speed_
 from ..config.schema import Config
-from ..console import info, progress, warn
+from ..console import RateColumn, info, progress, warn
 from ..data.index import IndexItem
 from ..errors import Interrupted
 from ..families.registry import get_family
@@ -38,7 +37,7 @@ from ..utils import atomic_write_text, read_json_object
 from . import checkpoint as ckpt
 from .cache_check import check_cache
 from .export import LORA_FILE, Exporter
-from .feed import Feed, Position
+from .feed import Accumulation, Feed, Position
 from .guards import Guards, check_replicas
 from .objectives import Draws, Objective
 from .readback import Pending, Readback, Sink, rss_peak_gib
@@ -71,36 +70,6 @@ class Hooks:
 
     flush_steps: set[int] = field(default_factory=set)
     after_step: Callable[[], None] | None = None
-
-
-@dataclass
-class _Accumulation:
-    """The micro-batches of one optimizer step so far (device tensors, read at the next flush)."""
-
-    loss: Any = 0.0
-    prior: Any = 0.0
-    micro: int = 0
-    inputs_finite: torch.Tensor | None = None
-
-
-class RateColumn(ProgressColumn):
-    """Optimizer steps per second (or seconds per step when slower than 1 it/s)."""
-
-    def render(self, task) -> Text:
-        speed = task.speed
-        if not speed:
-            return Text("-- it/s")
-        return Text(f"{speed:.2f} it/s" if speed >= 1 else f"{1 / speed:.2f} s/it")
-
-
-class _NoSinks:
-    """The metric sinks of processes other than the first: they log nothing."""
-
-    def log(self, rec: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Trainer:
@@ -196,30 +165,12 @@ class Trainer:
         denoiser = self.parts.denoiser(self.family.denoiser)
         return self.objective.loss(denoiser, batch, fixed, per_sample)
 
-    @torch.no_grad()
     def validation_loss(self) -> float | None:
-        """Mean loss over the held-out items, each at ``validation.loss_timesteps`` fixed noise levels (the
-        quantiles (k + 1/2) / K) with noise drawn on the CPU from a seed per item: the same triples on every
-        call, device and trial, so two evaluations of the same weights agree and trials compare."""
-        v = self.cfg.validation
-        if not self.feed.val_items:
-            return None
+        """Mean loss over the held-out items (see :func:`validation.held_out_loss`); None when none are held out."""
+        from .validation import held_out_loss
+
         denoiser = self.parts.comps[self.family.denoiser]
-        was = denoiser.training
-        denoiser.eval()
-        total, n = 0.0, 0
-        try:
-            for j, item in enumerate(self.feed.val_items):
-                batch = self.feed.batch([item])
-                g = torch.Generator().manual_seed(v.seed * 1_000_003 + j)
-                for k in range(v.loss_timesteps):
-                    noise = torch.randn(batch["latents"].shape, generator=g).to(self.device)
-                    q = torch.full((1,), (k + 0.5) / v.loss_timesteps, device=self.device)
-                    total += self.loss(batch, fixed=(noise, q)).item()
-                    n += 1
-        finally:
-            denoiser.train(was)
-        return total / n
+        return held_out_loss(self.loss, self.feed, denoiser, self.cfg.validation, self.device)
 
     # ---------------------------------------------------------------- the run
     def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
@@ -240,12 +191,12 @@ class Trainer:
             atomic_write_text(self.out / "config.yaml", self.config_yaml)
         end = min(self.total_steps, stop_at) if stop_at else self.total_steps
         result = TrainResult(self.out, end)
-        from .sinks import MetricSinks
+        from .sinks import MetricSinks, NoSinks, write_report_page
 
         metrics: Any = (
             MetricSinks(self.out, self.cfg.report, self.cfg.model_dump(mode="json"), name=self.out.name)
             if self.world.main
-            else _NoSinks()
+            else NoSinks()
         )
         self._val_seconds, start_step, t_loop = 0.0, self.pos.step, time.time()
         try:
@@ -259,12 +210,7 @@ class Trainer:
         stats["validation_seconds"] = round(self._val_seconds, 2)
         result = self._finish(result, stats, t0)
         if self.cfg.report.html and self.world.main:
-            try:
-                from ..report import write_run_report
-
-                write_run_report(self.out)
-            except ImportError as e:  # matplotlib missing: the run's results stand without their page
-                warn(f"no report.html: {e} (pip install matplotlib)")
+            write_report_page(self.out)
         return result
 
     def _loop(self, result: TrainResult, metrics: Any, stats: dict, end: int, t0: float) -> None:
@@ -274,12 +220,12 @@ class Trainer:
             task = bar.add_task("training", total=self.total_steps, completed=pos.step, loss=float("nan"), mem="")
             self.sink = Sink(metrics, result.losses, bar, task, t0)
             self.readback.start(pos.step)
-            acc = _Accumulation()
+            acc = Accumulation()
             while pos.step < end:
                 batches = self.feed.epoch_batches(pos)
                 while pos.batch_pos < len(batches) and pos.step < end:
                     if self._micro_batch(batches[pos.batch_pos], acc):
-                        acc = _Accumulation()
+                        acc = Accumulation()
                         self._after_step(result, metrics, stats, end)
                 if pos.batch_pos >= len(batches):
                     self._end_epoch(result)
@@ -295,7 +241,7 @@ class Trainer:
         if g.nonfinite_skipped:
             stats["nonfinite_skipped_steps"] = g.nonfinite_skipped
 
-    def _micro_batch(self, idx: list[int], acc: _Accumulation) -> bool:
+    def _micro_batch(self, idx: list[int], acc: Accumulation) -> bool:
         """Forward and backward of the batch at the sampler's position; True when it completed an optimizer step."""
         cfg, pos, t = self.cfg, self.pos, self.cfg.train
         prior = self.feed.prior_batch(len(idx), pos.epoch, pos.batch_pos) if self.feed.prior_items else None

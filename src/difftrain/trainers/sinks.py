@@ -81,3 +81,23 @@ class MetricSinks:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+class NoSinks:
+    """The metric sinks of processes other than the first: they log nothing."""
+
+    def log(self, rec: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_report_page(out: Path) -> None:
+    """The run's report.html (report.html: true), from the metrics it wrote."""
+    try:
+        from ..report import write_run_report
+
+        write_run_report(out)
+    except ImportError as e:  # matplotlib missing: the run's results stand without their page
+        warn(f"no report.html: {e} (pip install matplotlib)")

@@ -17,16 +17,20 @@ in bf16, since bitsandbytes-quantized weights cannot move between devices.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config.schema import Config
+from ..config.schema import Config, ValidationConfig
 from ..console import info
 from ..errors import UsageError
 from ..families.base import ModelFamily, stage_precisions
+
+if TYPE_CHECKING:
+    from .feed import Feed
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,36 @@ class ValidationInputs:
     device: torch.device
     compute_dtype: torch.dtype
     amp_dtype: torch.dtype | None
+
+
+#: the loss of a micro-batch at fixed (noise, noise level): Trainer.loss
+LossAt = Callable[..., torch.Tensor]
+
+
+@torch.no_grad()
+def held_out_loss(
+    loss: LossAt, feed: Feed, denoiser: torch.nn.Module, v: ValidationConfig, device: torch.device
+) -> float | None:
+    """Mean loss over the held-out items, each at ``validation.loss_timesteps`` fixed noise levels (the
+    quantiles (k + 1/2) / K) with noise drawn on the CPU from a seed per item: the same triples on every
+    call, device and trial, so two evaluations of the same weights agree and trials compare."""
+    if not feed.val_items:
+        return None
+    was = denoiser.training
+    denoiser.eval()
+    total, n = 0.0, 0
+    try:
+        for j, item in enumerate(feed.val_items):
+            batch = feed.batch([item])
+            g = torch.Generator().manual_seed(v.seed * 1_000_003 + j)
+            for k in range(v.loss_timesteps):
+                noise = torch.randn(batch["latents"].shape, generator=g).to(device)
+                q = torch.full((1,), (k + 0.5) / v.loss_timesteps, device=device)
+                total += loss(batch, fixed=(noise, q)).item()
+                n += 1
+    finally:
+        denoiser.train(was)
+    return total / n
 
 
 def validate(run: ValidationInputs, tag: str) -> list[Path]:
