@@ -19,14 +19,14 @@ from ..console import progress, warn
 from ..data.buckets import choose_bucket, make_buckets
 from ..data.cache import DataCache, cache_dir_for, merge_manifests
 from ..data.captions import CaptionAugment, caption_variants
+from ..data.keys import cache_fingerprints, clip_tag, crop_mode, latent_key, text_key
 from ..data.sources import scan_dataset
 from ..distributed import barrier as dist_barrier
 from ..distributed import init as dist_init
 from ..distributed import world_from_env
 from ..errors import DataError, UsageError
-from ..families.common import cache_fingerprints
 from ..families.registry import get_family
-from ..utils import fix_malloc_mmap_threshold, pick_device, sha256_file, sha256_text, to_dtype
+from ..utils import fix_malloc_mmap_threshold, pick_device, sha256_file, to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .prior import ensure_class_images
 
@@ -131,13 +131,12 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         vae_fp, stage_fp = cache_fingerprints(family, cfg, memo)
         if world.main:
             cache.write_json("fingerprints.json", memo)
-    crop_mode = "random" if d.random_crop else "center"
+    crop = crop_mode(d.random_crop)
     aug = CaptionAugment.from_config(d)
-    text_key = lambda s, caption: sha256_text("text", family.name, s, stage_fp[s], caption)
     caption_of: dict[str, str] = {}  # text entry key -> the caption it encodes
     empty_text = None
     if aug.dropout_rate > 0 and not plan_only:  # the empty caption, once, for the caption dropout
-        empty_text = {s: text_key(s, "") for s in stages}
+        empty_text = {s: text_key(family.name, s, stage_fp[s], "") for s in stages}
         caption_of.update((k, "") for k in empty_text.values())
 
     # the images' sha256 (their latents' keys), read by threads: hashing releases the GIL, and one
@@ -181,17 +180,15 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
             plan.append({"record": r, "bucket": bucket, "frames": frames, "prior": is_prior})
             continue
         img_hash = hashes[r.path]
-        clip = f"{frames}:{d.frame_sampling}" if video else ""  # the frames taken are part of what is encoded
-        lkey = sha256_text(
-            "latent", family.name, vae_fp, pc.vae_dtype, f"{bucket[0]}x{bucket[1]}", crop_mode, img_hash, clip
-        )
-        tkeys = {s: text_key(s, r.caption) for s in stages}
+        clip = clip_tag(frames, d.frame_sampling) if video else ""  # the frames taken are part of what is encoded
+        lkey = latent_key(family.name, vae_fp, pc.vae_dtype, bucket, crop, img_hash, clip)
+        tkeys = {s: text_key(family.name, s, stage_fp[s], r.caption) for s in stages}
         caption_of.update((k, r.caption) for k in tkeys.values())
         variants = None
         if aug.varies and not is_prior:  # augmented captions, each cached like any caption
             variants = []
             for v in caption_variants(r.caption, aug):
-                variants.append({s: text_key(s, v) for s in stages})
+                variants.append({s: text_key(family.name, s, stage_fp[s], v) for s in stages})
                 caption_of.update((k, v) for k in variants[-1].values())
         plan.append(
             {
