@@ -20,7 +20,7 @@ import torch
 
 from ..config.schema import ModelConfig
 from ..errors import BackendUnavailable, ConfigError, ModelLoadError, UnsafeCheckpoint
-from ..utils import DTYPES, read_safetensors_header, sha256_file, sha256_text, stream_save_safetensors
+from ..utils import DTYPES, read_safetensors_header, sha256_file, stream_save_safetensors
 from .tokenizers import clip_vocab_from_open_clip
 
 PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
@@ -393,23 +393,6 @@ def split_fingerprint(
     if kind == "diffusers":
         return hash_files(name, part, files, memo, key_suffix="|")
     return hash_files(name, part, files, memo, lambda f: part_hash(kind, f, prefixes[part]), key_suffix=f"|{part}")
-
-
-def cache_fingerprints(family, cfg, memo: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """What precompute keys its entries by and records in the cache's index, and what training checks the
-    cache against: the image encoder's weights hash, and one hash per enabled text stage of its encoders'
-    weights, ``precompute.text_encoder_dtype`` and the stage's options (T5 precision and length). ``cfg``
-    is a :class:`~difftrain.config.schema.Config`."""
-    vae = family.fingerprint(cfg.model, family.image_encoder, memo)
-    stages = {
-        s: sha256_text(
-            *(family.fingerprint(cfg.model, p, memo) for p in family.text_stages[s]),
-            cfg.precompute.text_encoder_dtype,
-            family.text_stage_tag(s, cfg.text_encoders),
-        )
-        for s in family.enabled_stages(cfg.text_encoders)
-    }
-    return vae, stages
 
 
 def part_hash(kind: str, f: Path, prefix: str) -> str:

@@ -18,11 +18,12 @@ import torch
 from ..config.schema import Config
 from ..console import info, progress
 from ..data.tags import list_images
-from ..families.base import stage_precisions
+from ..families.base import ModelFamily, stage_precisions
 
 
-def ensure_class_images(cfg: Config, family, device: torch.device) -> Path:
+def ensure_class_images(cfg: Config, family: ModelFamily, device: torch.device) -> Path:
     db = cfg.dreambooth
+    assert db.class_data_dir is not None  # the config's validator requires it with prior preservation
     folder = Path(db.class_data_dir)
     folder.mkdir(parents=True, exist_ok=True)
     present = len(list_images(folder, True))

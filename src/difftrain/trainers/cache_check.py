@@ -11,9 +11,9 @@ from ..config.schema import Config
 from ..data.cache import DataCache
 from ..data.captions import CaptionAugment
 from ..data.index import CacheIndex
+from ..data.keys import cache_fingerprints
 from ..errors import CacheMismatch
 from ..families.base import ModelFamily
-from ..families.common import cache_fingerprints
 
 _RERUN = "Run `difftrain precompute` with this config (it encodes only what differs), or point data.cache_dir at the cache made for it."
 
