@@ -11,30 +11,54 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DIFFTRAIN_PROGRESS", "0")
-# DIFFTRAIN_TEST_THREADS: another thread count (how the pinned numbers' tolerances were checked)
-torch.set_num_threads(int(os.environ.get("DIFFTRAIN_TEST_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1)))
+# DIFFTRAIN_TEST_THREADS: another thread count (how the pinned numbers' tolerances were checked); under
+# pytest-xdist (-n N) the cores are shared out between the N workers
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+torch.set_num_threads(
+    int(os.environ.get("DIFFTRAIN_TEST_THREADS", 0)) or max(1, min(4, (os.cpu_count() or 1) // _WORKERS))
+)
 
 
 #: the README's fast tier: this mark expression over the whole suite
 FAST_TIER = "not slow"
 
 
+#: what the pytest-xdist workers imported (the controller runs no test itself)
+_WORKER_MODULES: set[str] = set()
+
+
+def _imported() -> list[str]:
+    import sys
+
+    return [m for m in sys.modules if m.startswith("difftrain.")]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_testnodedown(node, error):
+    _WORKER_MODULES.update(getattr(node, "workeroutput", {}).get("difftrain_modules", []))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The fast tier must still reach every module: run as the README names it (``-m "not slow"`` over the whole
-    suite), it fails if a module of the package was never imported in this process (a test that reaches it
-    only through a subprocess does not count; give it a fast in-process test). Lines run are measured with
-    pytest-cov in docs/benchmarks.md; this guard keeps the tier from drifting away from a module unnoticed."""
+    suite), it fails if a module of the package was never imported in this process or its xdist workers (a
+    test that reaches it only through a subprocess does not count; give it a fast in-process test). Lines run
+    are measured with pytest-cov in docs/benchmarks.md; this guard keeps the tier from drifting away from a
+    module unnoticed."""
     import pkgutil
-    import sys
 
     import difftrain
 
-    opt = session.config.option
-    whole_suite = not session.config.args or session.config.args == [str(session.config.rootpath / "tests")]
+    config = session.config
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: hand what it imported to the controller
+        config.workeroutput["difftrain_modules"] = _imported()
+        return
+    opt = config.option
+    whole_suite = not config.args or config.args == [str(config.rootpath / "tests")]
     if opt.markexpr != FAST_TIER or opt.keyword or not whole_suite or exitstatus != 0:
         return
+    imported = set(_imported()) | _WORKER_MODULES
     modules = [m.name for m in pkgutil.walk_packages(difftrain.__path__, "difftrain.") if not m.ispkg]
-    missing = sorted(m for m in modules if m not in sys.modules and not m.endswith("__main__"))
+    missing = sorted(m for m in modules if m not in imported and not m.endswith("__main__"))
     if missing:
         session.config.get_terminal_writer().line(
             f"the fast tier imported none of {', '.join(missing)}: give each a fast in-process test", red=True
