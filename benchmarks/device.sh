@@ -5,6 +5,8 @@
 # that ../shared/tools/device-wheels.sh builds, puts src/ on the path, then runs the command.
 # pydantic 2.14 there also needs typing_inspection and typing_extensions>=4.16 in .whl:
 #   pip download --no-deps -d .whl "typing_inspection==0.4.5" "typing_extensions==4.16.0"
+# and the GPU video validation test writes an mp4, which needs PyAV (35 MB, still inside the 64 MiB carry):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl av
 set -eo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

@@ -12,11 +12,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DIFFTRAIN_PROGRESS", "0")
 # DIFFTRAIN_TEST_THREADS: another thread count (how the pinned numbers' tolerances were checked); under
-# pytest-xdist (-n N) the cores are shared out between the N workers
+# pytest-xdist (-n N) the cores are shared out between the N workers; the difftrain commands the tests start
+# in subprocesses compute with the same count (OMP_NUM_THREADS), so their numbers match the in-process ones
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
-torch.set_num_threads(
-    int(os.environ.get("DIFFTRAIN_TEST_THREADS", 0)) or max(1, min(4, (os.cpu_count() or 1) // _WORKERS))
-)
+_THREADS = int(os.environ.get("DIFFTRAIN_TEST_THREADS", 0)) or max(1, min(4, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 #: the README's fast tier: this mark expression over the whole suite

@@ -150,7 +150,7 @@ def test_fp8_lora_on_cuda_saves_memory_and_tracks_bf16(tiny_model, dataset, tmp_
         p.numel() * p.element_size() for p in t.parts.comps["unet"].parameters() if not p.requires_grad
     )
     assert bytes_of(tb) < 0.6 * bytes_of(ta)
-    assert all(p.is_cuda for p in tb.comps["unet"].parameters())
+    assert all(p.is_cuda for p in tb.parts.comps["unet"].parameters())
 
 
 @pytest.mark.parametrize("kind,tol", [("nf4", 0.1), ("int8", 0.1)])

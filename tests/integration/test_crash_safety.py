@@ -91,6 +91,7 @@ def test_ctrl_c_saves_then_exits_and_the_resumed_run_ends_as_an_uninterrupted_on
     _same_lora(tmp_path / "run" / LORA, ref.lora_path)
 
 
+@pytest.mark.slow  # kills training subprocesses (20-30 s): the full suite (CI) runs it
 def test_kill_9_at_random_moments_never_damages_a_checkpoint(reference, tiny_model, _dataset_master, tmp_path):
     """SIGKILL at seeded random times (checkpoints every step, so many kills land in or near a save);
     after each kill every complete checkpoint must load; the run resumed each time ends as the reference."""
@@ -148,6 +149,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow  # kills training subprocesses (20-30 s): the full suite (CI) runs it
 def test_kill_9_inside_a_checkpoint_write_keeps_the_previous_one(reference, tiny_model, _dataset_master, tmp_path):
     root, ref = reference
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
