@@ -19,8 +19,11 @@ from .config.load import validate
 from .config.schema import Config, SpeedConfig
 from .data.cache import DataCache
 from .data.index import CacheIndex, IndexItem
+from .errors import UsageError
 from .families.registry import get_family
 from .families.tokenizers import tiny_clip_vocab
+from .memory.card import Overhead, allocator_budget, measure_overhead
+from .memory.planner import Estimate
 from .planning import plan_memory, plan_parts
 from .speed import peak_matmul_tflops
 from .trainers.loop import Hooks, Trainer
@@ -28,14 +31,29 @@ from .utils import pick_device
 
 
 @dataclass
+class CardFit:
+    """A run under the allocator cap a card of ``card_gib`` leaves (``bench memory --card``)."""
+
+    card_gib: float
+    overhead: Overhead  # measured on this GPU before the run
+    budget_gib: float  # what torch's allocator was allowed to reserve
+    planned_card_gib: float  # the planner's total on the card: reserved + context + libraries + display
+    fits: bool
+    headroom_gib: float | None = None  # the budget less the reserved peak, when it fits
+    error: str | None = None  # the out-of-memory message, when it does not
+    cut: str | None = None  # the planner's largest GPU term, when it does not
+
+
+@dataclass
 class BenchResult:
     peak_after_load_gib: float | None
     peak_train_alloc_gib: float | None
     peak_train_reserved_gib: float | None
-    s_per_step: float
+    s_per_step: float | None  # None: the run did not finish (a card it does not fit)
     planned_alloc_gib: float
     planned_reserved_gib: float
     stats: dict = field(default_factory=dict)
+    card: CardFit | None = None
 
 
 def synthetic_tokenizers(folder: Path) -> Path:
@@ -110,19 +128,43 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
     return cfg.model_copy(update=update)
 
 
-def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None) -> BenchResult:
+def bench_memory(
+    cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None, card_gib: float | None = None
+) -> BenchResult:
+    """Train ``cfg`` for ``steps`` on random data of its shapes; with ``card_gib``, under the allocator cap such a
+    card leaves (the context and libraries measured on this GPU now, and the display margin, taken off)."""
     work = Path(work)
     device = pick_device(cfg.train.device)
     run_cfg = _prepare(cfg, work, steps, size)
     plan = plan_memory(run_cfg)
+    card = None
+    if card_gib is not None:
+        if device.type != "cuda":
+            raise UsageError(
+                "--card caps a CUDA GPU's allocator as the card would leave it; this run has no CUDA GPU.",
+                hint="Run it on a GPU, or use `difftrain plan --vram` for the prediction alone.",
+            )
+        overhead = measure_overhead(device)
+        budget = allocator_budget(card_gib, overhead)
+        card = CardFit(card_gib, overhead, round(budget, 3), round(plan.card_total, 2), fits=True)
+        run_cfg = run_cfg.model_copy(
+            update={"train": run_cfg.train.model_copy(update={"gpu_memory_limit_gib": max(budget, 0.01)})}
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
     trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set()))
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except torch.OutOfMemoryError as e:
+        if card is None:
+            raise
+        return _no_fit(card, plan, device, str(e))
     times = trainer.flush_times
     per_step = [(times[steps] - times[warm]) / (steps - warm)] if warm > 0 else [result.seconds / max(1, steps)]
     s = result.stats
+    if card is not None:
+        card.headroom_gib = round(card.budget_gib - (s.get("gpu_peak_reserved_gib") or 0.0), 3)
     return BenchResult(
         peak_after_load_gib=s.get("gpu_alloc_gib_after_load"),
         peak_train_alloc_gib=s.get("gpu_peak_alloc_gib"),
@@ -131,7 +173,39 @@ def bench_memory(cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] 
         planned_alloc_gib=round(plan.gpu_total, 2),
         planned_reserved_gib=round(plan.gpu_reserved, 2),
         stats=s,
+        card=card,
     )
+
+
+def _no_fit(card: CardFit, plan: Estimate, device: torch.device, error: str) -> BenchResult:
+    """The result of a run the card's cap stopped: the peaks it reached and the term to cut first."""
+    card.fits = False
+    card.error = error.splitlines()[0] if error else "out of memory"
+    card.cut = largest_term(plan)
+    gib = lambda v: round(v / 2**30, 3)
+    return BenchResult(
+        peak_after_load_gib=None,
+        peak_train_alloc_gib=gib(torch.cuda.max_memory_allocated(device)),
+        peak_train_reserved_gib=gib(torch.cuda.max_memory_reserved(device)),
+        s_per_step=None,
+        planned_alloc_gib=round(plan.gpu_total, 2),
+        planned_reserved_gib=round(plan.gpu_reserved, 2),
+        card=card,
+    )
+
+
+def largest_term(plan: Estimate) -> str:
+    """What to cut first on a card a run does not fit: the planner's largest GPU term, with the technique that
+    shrinks it."""
+    name, gib = max(plan.gpu.items(), key=lambda kv: kv[1])
+    how = {
+        "weights": "memory.weights {kind: fp8} or memory.offload {kind: block_swap}",
+        "activations": "memory.activations {kind: checkpoint}, a lower data.resolution or train.batch_size",
+        "optimizer state": "memory.optimizer {kind: adamw8bit} or {kind: cpu_offload}",
+        "gradients": "memory.fused_backward or memory.optimizer {kind: cpu_offload, offload_gradients: true}",
+        "EMA": "ema.device: cpu",
+    }.get(name, "`difftrain plan --vram` for a plan that fits")
+    return f"{name} ({gib:.2f} GiB planned): {how}"
 
 
 # ------------------------------------------------------------------ speed

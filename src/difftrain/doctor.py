@@ -355,7 +355,7 @@ def recipe_fit(cfg) -> Check:
     from .planning import plan_memory
 
     plan = plan_memory(cfg)
-    need, host = plan.gpu_reserved, plan.host_total
+    need, host = plan.free_needed, plan.host_total
     avail = host_ram_gib()[1]
     ram = f"; {host:.1f} GiB of host RAM" + (f", {avail:.1f} GiB available" if avail is not None else "")
     short_ram = avail is not None and host > avail
@@ -364,8 +364,9 @@ def recipe_fit(cfg) -> Check:
         return Check(
             "fits",
             "info",
-            f"plan: {need:.1f} GiB of GPU memory at peak{ram} (no GPU here to compare with)",
-            f"Run it on a GPU with at least {need:.1f} GiB free; `difftrain plan --vram NGiB` lists settings for a "
+            f"plan: {need:.1f} GiB of GPU memory at peak, {plan.card_total:.1f} GiB on a card that also drives a "
+            f"display{ram} (no GPU here to compare with)",
+            f"Run it on a card of at least {plan.card_total:.1f} GiB; `difftrain plan --vram NGiB` lists settings for a "
             "smaller one." + ram_fix,
         )
     free = torch.cuda.mem_get_info()[0] / 2**30

@@ -76,12 +76,12 @@ def test_block_swap_terms_by_hand():
 
 
 def test_plan_search_offers_block_swap_below_what_fp8_reaches(cli):
-    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "2GiB")
+    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "3GiB")
     assert r.code == 0, r
     assert "block_swap" in r.out
     sets = [line.split(" ", 1)[1].strip("'") for line in r.out.splitlines()]
     cfg = resolve(recipe="sdxl-lora-8gb", sets=sets).config
-    assert plan_memory(cfg).gpu_reserved <= 2.0
+    assert plan_memory(cfg).card_total <= 3.0
 
 
 # measured on an H200 with benchmarks/memory_tiers.py (docs/benchmarks.md): peak allocated GiB per case
@@ -206,7 +206,7 @@ MEASURED_SD3 = {
 MEASURED_COG = {
     "C1": ("cogvideox-2b-lora-24gb", [], 7.695),
     "C2": ("cogvideox-5b-lora-24gb", [], 18.558),
-    "C3": ("cogvideox-2b-lora-6gb", [], 4.728),
+    "C3": ("cogvideox-2b-lora-6gb", ["memory.optimizer.kind=adamw"], 4.728),  # measured before 8-bit (issue 23)
     "C4": ("cogvideox-5b-lora-12gb", [], 8.709),
     "C5": ("cogvideox-5b-full-12gb", [], 8.676),
 }
@@ -224,10 +224,10 @@ RECIPES_WITH_TIERS = [n for n in recipe_names() if re.search(r"^Tier: ", recipe_
 
 def test_tiered_recipes_exist():
     assert {
-        "sdxl-lora-2gb",
+        "sdxl-lora-3gb",
         "sdxl-lora-4gb",
         "sdxl-lora-8gb",
-        "sdxl-full-2gb",
+        "sdxl-full-3gb",
         "sdxl-full-8gb",
         "sdxl-full-12gb",
         "sd3-lora-4gb",
@@ -239,12 +239,13 @@ def test_tiered_recipes_exist():
 def test_recipe_planner_estimate_stays_under_its_tier(name):
     tier = float(re.search(r"^Tier: ([0-9.]+) GiB", recipe_header(name), re.M).group(1))
     e = plan_memory(resolve(recipe=name).config)
-    assert e.gpu_reserved <= tier, f"{name}: {e.gpu_reserved:.2f} GiB predicted for a {tier} GiB tier"
+    # the tier is the card: torch's reserved peak plus the CUDA context, the libraries and a display margin
+    assert e.card_total <= tier, f"{name}: {e.card_total:.2f} GiB on the card predicted for a {tier} GiB tier"
     assert "Measured peak" in recipe_header(name)
 
 
 def test_plan_cli_search(cli):
-    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "4GiB")
+    r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "5GiB")  # the whole card (context, libraries, display)
     assert r.code == 0, r
     # measured: block swap costs 4 % of the step, fp8 20 %: bf16 weights with half the blocks swapped
     assert "--set 'memory.weights={kind: bf16}'" in r.out and "blocks_to_swap: 43" in r.out
@@ -271,7 +272,9 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     cfg = resolve(recipe="sdxl-full").config
     monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
-    with pytest.raises(DifftrainError, match=r"needs about 16\.2 GiB of GPU memory and 4\.0 GiB is free"):
+    e = plan_memory(cfg)  # torch's reservation and the CUDA libraries still to load must be free
+    msg = rf"needs about {e.free_needed:.1f} GiB of GPU memory \({e.gpu_reserved:.1f} reserved by torch, 0\.2 for the"
+    with pytest.raises(DifftrainError, match=msg + r" CUDA libraries\) and 4\.0 GiB is free"):
         train_cmd.check_memory(cfg, strict=True)
     train_cmd.check_memory(cfg, strict=False)  # warns only
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GIB, 80 * GIB))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -9,7 +11,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..console import console
+from ..console import console, info
+from ..errors import UsageError
 from .common import resolved_config
 from .options import ConfigOpt, RecipeOpt, SetOpt
 
@@ -23,13 +26,28 @@ def memory(
     set_: SetOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="training steps (the first two count as warm-up)")] = 6,
     work: Annotated[Path | None, typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
+    card: Annotated[
+        str | None,
+        typer.Option(
+            "--card",
+            help="train as a card of this size would let it, e.g. 4gb: torch's allocator is capped at the card "
+            "less the CUDA context and libraries (measured now) and a display margin; exit 1 if it does not fit",
+        ),
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the figures here too")] = None,
 ) -> None:
     """Train a config for a few steps on random data of the real shapes; print peak memory, step time and the plan."""
     from ..bench import bench_memory
+    from ..memory.card import parse_card
+    from ..utils import atomic_write_text
 
+    try:
+        card_gib = None if card is None else parse_card(card)
+    except ValueError as e:
+        raise UsageError(f"--card: {e}.") from None
     cfg = resolved_config(recipe, config, set_).config
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
-    r = bench_memory(cfg, folder, steps)
+    r = bench_memory(cfg, folder, steps, card_gib=card_gib)
     t = Table(title=f"bench memory: {recipe or config or 'config'} ({steps} steps)")
     t.add_column("what")
     t.add_column("measured", justify="right")
@@ -39,9 +57,25 @@ def memory(
     t.add_row("peak of training, allocated", fmt(r.peak_train_alloc_gib), f"{r.planned_alloc_gib:.2f} GiB")
     t.add_row("peak of training, reserved", fmt(r.peak_train_reserved_gib), f"{r.planned_reserved_gib:.2f} GiB")
     t.add_row("with validation / after testing", "n/a (validation samples are not available yet)", "")
-    t.add_row("step time", f"{r.s_per_step:.3f} s", "")
+    t.add_row("step time", "did not finish" if r.s_per_step is None else f"{r.s_per_step:.3f} s", "")
     t.add_row("host RSS peak", f"{r.stats.get('peak_rss_gib_train', 0):.2f} GiB", "")
+    if r.card is not None:
+        c = r.card
+        t.add_row("CUDA context + libraries (measured now)", f"{c.overhead.total_gib:.2f} GiB", "")
+        t.add_row(f"left to torch on a {c.card_gib:g} GiB card with a display", f"{c.budget_gib:.2f} GiB", "")
+        t.add_row("total on the card", "", f"{c.planned_card_gib:.2f} GiB")
     console.print(t)
+    if json_out is not None:
+        atomic_write_text(json_out, json.dumps(dataclasses.asdict(r), indent=1, default=str) + "\n")
+    if r.card is not None:
+        if r.card.fits:
+            info(f"fits a {r.card.card_gib:g} GB card: {r.card.headroom_gib:.2f} GiB of headroom under the cap")
+        else:
+            info(
+                f"[red]does not fit a {r.card.card_gib:g} GB card[/red]: {r.card.error}\ncut first: {r.card.cut}",
+                markup=True,
+            )
+            raise typer.Exit(1)
 
 
 @app.command("speed")

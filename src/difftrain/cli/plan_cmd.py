@@ -35,6 +35,9 @@ def _table(title: str, e) -> Table:
         t.add_row(k, "" if g is None else f"{g:.2f}", "" if h is None else f"{h:.2f}")
     t.add_row("[bold]total allocated[/bold]", f"[bold]{e.gpu_total:.2f}[/bold]", f"[bold]{e.host_total:.2f}[/bold]")
     t.add_row("reserved by the allocator (est.)", f"{e.gpu_reserved:.2f}", "")
+    for k, v in e.card.items():  # outside torch's allocator: on every real card all the same
+        t.add_row(k, f"{v:.2f}", "")
+    t.add_row("[bold]total on the card[/bold]", f"[bold]{e.card_total:.2f}[/bold]", "")
     return t
 
 
@@ -43,7 +46,12 @@ def plan(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     vram: Annotated[
-        str | None, typer.Option("--vram", help="GPU memory to fit in, e.g. 8GiB: prints the fastest plan that fits")
+        str | None,
+        typer.Option(
+            "--vram",
+            help="the card to fit, e.g. 8GiB (its whole memory: the CUDA context, libraries and a display margin "
+            "are counted): prints the fastest plan that fits",
+        ),
     ] = None,
     ram: Annotated[str | None, typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
 ) -> None:
@@ -69,8 +77,8 @@ def plan(
         except ConfigError:
             continue  # an incompatible pair: the validator says no
         est = plan_memory(c)
-        if est.gpu_reserved <= limit and (host_limit is None or est.host_total <= host_limit):
-            fits.append((speed_cost(c), est.gpu_reserved, override, est))
+        if est.card_total <= limit and (host_limit is None or est.host_total <= host_limit):
+            fits.append((speed_cost(c), est.card_total, override, est))
     if not fits:
         info(
             f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
@@ -84,6 +92,7 @@ def plan(
     )
     cost, reserved, override, est = fits[0]
     info(
-        f"fastest plan predicted to fit in {limit:g} GiB: {reserved:.2f} GiB reserved, step time x{cost:.2f} of the unconstrained run"
+        f"fastest plan predicted to fit a {limit:g} GiB card: {reserved:.2f} GiB on the card "
+        f"({est.gpu_reserved:.2f} reserved by torch), step time x{cost:.2f} of the unconstrained run"
     )
     typer.echo("\n".join(as_set_lines(override)))

@@ -124,10 +124,14 @@ def check_memory(cfg, strict: bool) -> None:
     if device.type != "cuda":
         return
     free = torch.cuda.mem_get_info(device)[0] / 2**30
-    need = plan_memory(cfg).gpu_reserved
+    plan = plan_memory(cfg)
+    need = plan.free_needed
     if need <= free:
         return
-    msg = f"The plan needs about {need:.1f} GiB of GPU memory and {free:.1f} GiB is free."
+    msg = (
+        f"The plan needs about {need:.1f} GiB of GPU memory ({plan.gpu_reserved:.1f} reserved by torch, "
+        f"{need - plan.gpu_reserved:.1f} for the CUDA libraries) and {free:.1f} GiB is free."
+    )
     hint = f"`difftrain plan ... --vram {free:.0f}GiB` prints settings predicted to fit."
     if strict:
         raise DifftrainError(msg, hint=hint)

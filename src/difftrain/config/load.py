@@ -116,6 +116,7 @@ _KINDS = {
     "adamw",
     "adamw8bit",
     "adamw4bit",
+    "adafactor",
     "cpu_offload",
     "none",
     "checkpoint",

@@ -15,6 +15,20 @@ import yaml
 
 from ..errors import ConfigError, RecipeNotFound
 
+#: recipes renamed when their tier was measured as the card (issue 23): old name -> (new name, why)
+RENAMED = {
+    "sdxl-lora-2gb": (
+        "sdxl-lora-3gb",
+        "on a real card the CUDA context, the libraries and the display take ~1 GiB, which leaves a 2 GB card too "
+        "little for SDXL at 1024 px",
+    ),
+    "sdxl-full-2gb": (
+        "sdxl-full-3gb",
+        "on a real card the CUDA context, the libraries and the display take ~1 GiB, which leaves a 2 GB card too "
+        "little for SDXL at 1024 px",
+    ),
+}
+
 
 def _recipe_dir():
     return resources.files("difftrain") / "recipes"
@@ -83,6 +97,9 @@ def recipe_text(name: str) -> str:
     if name.endswith((".yaml", ".yml")) and Path(name).is_file():
         return read_text(Path(name), "recipe file")
     f = _recipe_dir() / f"{name}.yaml"
+    if not f.is_file() and name in RENAMED:
+        new, why = RENAMED[name]
+        raise RecipeNotFound(f"The recipe {name!r} is now {new!r}: {why}.", hint=f"Use --recipe {new}.")
     if not f.is_file():
         close = difflib.get_close_matches(name, recipe_names(), n=3)
         hint = f"Did you mean {', '.join(close)}? " if close else ""

@@ -51,7 +51,7 @@ UNSUPPORTED = {
 }
 
 SCHEDULERS = {"constant", "constant_with_warmup", "linear", "cosine"}
-OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit"}
+OPTIMIZERS = {"adamw": "adamw", "adamw8bit": "adamw8bit", "adafactor": "adafactor"}
 
 
 @dataclass
@@ -225,7 +225,9 @@ def _convert_training(c: Conversion, name: str, v: Any) -> bool:
         if kind:
             c.set("memory.optimizer.kind", kind)
         else:
-            c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW and AdamW8bit today"))
+            c.unmapped.append((f"--{name}={v}", "difftrain offers AdamW, AdamW8bit and Adafactor today"))
+    elif name == "fused_backward_pass":
+        c.set("memory.fused_backward", bool(v))
     elif name == "train_text_encoder":
         c.set("full.train_text_encoder_1", True)
         c.set("full.train_text_encoder_2", True)

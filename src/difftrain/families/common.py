@@ -11,6 +11,7 @@ import fnmatch
 import hashlib
 import importlib.util
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -409,6 +410,14 @@ def part_hash(kind: str, f: Path, prefix: str) -> str:
 
 
 # ------------------------------------------------------------------ memory hints
+def _factored_numel(shape: torch.Size) -> int:
+    """Elements of Adafactor's second moment for a parameter of ``shape``: a row and a column vector over the last
+    two dimensions of a matrix (or convolution), the whole tensor otherwise."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+
+
 def parameter_hints(
     family,
     new_module: Callable[[str, dict], torch.nn.Module],
@@ -451,7 +460,12 @@ def parameter_hints(
                         lora += lora_rank * (m.in_channels // m.groups) * kh * kw + m.out_channels * lora_rank
         total = sum(p.numel() for p in module.parameters())
         largest = max([largest] + [p.numel() for p in module.parameters()])
-        counts[part] = {"total": total, "fp8_eligible": eligible, "linear": linear}
+        counts[part] = {
+            "total": total,
+            "fp8_eligible": eligible,
+            "linear": linear,
+            "adafactor_state": sum(_factored_numel(p.shape) for p in module.parameters()),
+        }
         if part == family.denoiser:
             swap_units = [sum(p.numel() for p in u.parameters()) for u in family.swap_blocks(module)]
     return {

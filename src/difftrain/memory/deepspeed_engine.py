@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..config.schema import Config, EngineDeepSpeed
+from ..config.schema import Config, EngineDeepSpeed, OptAdamW
 from ..errors import BackendUnavailable, ConfigError
 
 
 def ds_config(cfg: Config) -> dict:
     """The DeepSpeed configuration for ``cfg`` (memory.engine kind deepspeed), user file merged over it."""
-    e, t, o = cfg.memory.engine, cfg.train, cfg.memory.optimizer
+    e, t, o = cfg.memory.engine, cfg.train, _adamw(cfg)
     assert isinstance(e, EngineDeepSpeed), "ds_config is for memory.engine deepspeed"
     zero: dict = {
         "stage": e.stage,
@@ -116,13 +116,21 @@ def _deepspeed():
     return deepspeed
 
 
+def _adamw(cfg: Config) -> OptAdamW:
+    """The AdamW settings DeepSpeed steps with (the config's validation allows only adamw with DeepSpeed)."""
+    o = cfg.memory.optimizer
+    if not isinstance(o, OptAdamW):
+        raise ConfigError(f"memory.engine deepspeed with memory.optimizer {o.kind}: set memory.optimizer.kind: adamw")
+    return o
+
+
 def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Parameter]):
     """The DeepSpeed engine over ``module`` training ``params``; returns (engine, optimizer for lr schedules)."""
     deepspeed = _deepspeed()
     conf = ds_config(cfg)
     client = None
     if "optimizer" not in conf:
-        o = cfg.memory.optimizer
+        o = _adamw(cfg)
         client = torch.optim.AdamW(
             params, lr=cfg.train.learning_rate, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )

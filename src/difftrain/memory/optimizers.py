@@ -1,4 +1,5 @@
-"""Optimizers: AdamW (torch), AdamW for bf16 weights with stochastic rounding (ours), 8-bit AdamW (bitsandbytes).
+"""Optimizers: AdamW (torch), AdamW and Adafactor for bf16 weights with stochastic rounding (ours), 8-bit AdamW
+(bitsandbytes or torchao), 4-bit AdamW and the CPU-offload optimizer (torchao).
 
 Why our own bf16 AdamW: a pure-bf16 full fine-tune (weights, grads and the
 update all bf16) loses every update smaller than bf16's resolution (~0.4 % of
@@ -92,6 +93,105 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
 
+class AdafactorBF16(torch.optim.Optimizer):
+    """Adafactor (Shazeer and Stern, 2018) with the learning rate used as given (transformers' Adafactor with
+    ``scale_parameter=False, relative_step=False, warmup_init=False`` and no first moment: what sd-scripts runs
+    with --fused_backward_pass), its state fp32, its update rounded stochastically into bf16 weights.
+
+    Why ours rather than transformers' Adafactor: that one rounds the fp32 update to nearest when it writes a
+    bf16 weight, so at lr 1e-5 most updates vanish (sd-scripts patches in stochastic rounding for this reason),
+    and any noise it drew would not be in a checkpoint. As AdamWBF16: noise seeded by (seed, step, parameter).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-5,
+        decay_rate=-0.8,
+        eps=(1e-30, 1e-3),
+        clip_threshold=1.0,
+        weight_decay=0.0,
+        seed: int = 0,
+        stochastic_rounding: bool = True,
+    ):
+        defaults = {
+            "lr": lr,
+            "decay_rate": decay_rate,
+            "eps": tuple(eps),
+            "clip_threshold": clip_threshold,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+        self.seed = seed
+        self.stochastic_rounding = stochastic_rounding
+
+    def load_state_dict(self, state_dict):
+        # as AdamWBF16: torch would cast the fp32 factors to the parameter's dtype
+        factors = {
+            int(i): {k: v for k, v in st.items() if k in ("exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col")}
+            for i, st in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, fs in factors.items():
+            for k, v in fs.items():
+                self.state[params[i]][k] = v.to(device=params[i].device, dtype=torch.float32)
+
+    @staticmethod
+    def _rms(t: torch.Tensor) -> torch.Tensor:
+        return t.norm(2) / (t.numel() ** 0.5)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for gi, group in enumerate(self.param_groups):
+            lr, eps1 = group["lr"], group["eps"][0]
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                st = self.state[p]
+                factored = g.dim() >= 2
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    if factored:
+                        st["exp_avg_sq_row"] = torch.zeros(g.shape[:-1], dtype=torch.float32, device=p.device)
+                        st["exp_avg_sq_col"] = torch.zeros(
+                            g.shape[:-2] + g.shape[-1:], dtype=torch.float32, device=p.device
+                        )
+                    else:
+                        st["exp_avg_sq"] = torch.zeros_like(g)
+                st["step"] += 1
+                step = int(st["step"].item())
+                beta2t = 1.0 - step ** group["decay_rate"]
+                sq = g * g + eps1
+                if factored:
+                    row, col = st["exp_avg_sq_row"], st["exp_avg_sq_col"]
+                    row.mul_(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
+                    col.mul_(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
+                    r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                    update = r * col.unsqueeze(-2).rsqrt()
+                    update.mul_(g)
+                else:
+                    v = st["exp_avg_sq"]
+                    v.mul_(beta2t).add_(sq, alpha=1.0 - beta2t)
+                    update = v.rsqrt().mul_(g)
+                del sq, g
+                update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
+                w = p.float()
+                if group["weight_decay"]:
+                    w.mul_(1 - lr * group["weight_decay"])
+                w.sub_(update, alpha=lr)
+                if p.dtype == torch.bfloat16 and self.stochastic_rounding:
+                    gen = torch.Generator(device=p.device).manual_seed(
+                        (self.seed * 1_000_003 + step * 10_007 + gi * 1_009 + pi) % (2**63)
+                    )
+                    p.copy_(stochastic_round_bf16(w, gen))
+                else:
+                    p.copy_(w)
+        return loss
+
+
 def _cuda_only(kind: str, params) -> None:
     # block swap keeps some weights in pinned host memory: those count as on the GPU's side
     if not all(p.is_cuda or p.is_pinned() for p in params) or not any(p.is_cuda for p in params):
@@ -119,9 +219,20 @@ def make_optimizer(
     AdamW's implementation switches (``{"fused": True}``, ``{"foreach": True}``), from the speed section."""
     o = mem.optimizer
     params = [p for g in groups for p in g["params"]]
-    common: dict[str, Any] = {"lr": lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if mem.fused_backward:
         return FusedBackward(mem, groups, lr, seed, kernels)
+    if o.kind == "adafactor":
+        return AdafactorBF16(
+            groups,
+            lr=lr,
+            decay_rate=o.decay_rate,
+            eps=o.eps,
+            clip_threshold=o.clip_threshold,
+            weight_decay=o.weight_decay,
+            seed=seed,
+            stochastic_rounding=o.bf16_stochastic_rounding,
+        )
+    common: dict[str, Any] = {"lr": lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
     if o.kind == "adamw8bit" and o.backend == "bnb":
         bnb = _import("bitsandbytes", "adamw8bit", "bnb")
         _cuda_only("adamw8bit", params)

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.schema import Config, WeightsFP8, WeightsInt8, WeightsNF4
+from .card import LIBRARIES, card_terms
 
 GIB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # optimizer state bytes per trained parameter, on the GPU and on the host
-OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "cpu_offload": (0, 16)}
+OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "adafactor": (4, 0), "cpu_offload": (0, 16)}
 # relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
 SPEED = {
     "checkpoint": 1.6,
@@ -31,6 +32,7 @@ SPEED = {
     "fused_backward": 1.0,
     "adamw8bit": 1.01,
     "adamw4bit": 1.05,
+    "adafactor": 1.02,  # a step as cheap as AdamW's; a different optimizer, so AdamW wins where both fit
     "block_swap": 1.05,
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
@@ -41,6 +43,8 @@ class Estimate:
     gpu: dict[str, float] = field(default_factory=dict)  # GiB by term
     host: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: on the card beside torch's reservation: the CUDA context, the libraries, the display margin (card.py)
+    card: dict[str, float] = field(default_factory=card_terms)
 
     @property
     def gpu_total(self) -> float:
@@ -50,6 +54,17 @@ class Estimate:
     def gpu_reserved(self) -> float:
         """The caching allocator holds more than it hands out: measured 3-17 % plus a little."""
         return self.gpu_total * 1.06 + 0.25
+
+    @property
+    def card_total(self) -> float:
+        """What the card must hold: a tier's promise is that this stays under the card's GiB."""
+        return self.gpu_reserved + sum(self.card.values())
+
+    @property
+    def free_needed(self) -> float:
+        """What must be free on a GPU once this process has its CUDA context (what ``mem_get_info`` reports then):
+        the reserved peak and the libraries still to load. The display's share is already out of that figure."""
+        return self.gpu_reserved + self.card.get(LIBRARIES, 0.0)
 
     @property
     def host_total(self) -> float:
@@ -162,6 +177,11 @@ def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_byte
             e.gpu["weights"] = resident / GIB
         e.notes.append("DeepSpeed's terms are a first estimate (ZeRO buckets not modelled)")
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
+    if m.optimizer.kind == "adafactor" and cfg.train.method == "full":
+        # fp32 factored second moments: a row and a column vector for each matrix (families/common.py)
+        parts = hints["parts"]
+        factored = sum(parts[p].get("adafactor_state", parts[p]["total"]) for p in hints["trained_parts"] if p in parts)
+        e.gpu["optimizer state"] = factored * 4 / GIB
     return host_state
 
 
@@ -209,7 +229,7 @@ def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
     opts: list[dict[str, Any]] = [{"kind": "adamw"}, {"kind": "adamw8bit"}]
     extra: list[dict[str, bool]] = [{}]
     if full:
-        opts.append({"kind": "cpu_offload", "offload_gradients": True})
+        opts += [{"kind": "cpu_offload", "offload_gradients": True}, {"kind": "adafactor"}]
         extra.append({"fused_backward": True})
     offloads: list[dict[str, Any]] = [{"kind": "none"}]
     if swap_units:  # half or all of the blocks in host RAM

@@ -55,6 +55,10 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
     draws from the global RNG)."""
     t = cfg.train
     dist_.init(world, device)
+    if cfg.memory.expandable_segments and device.type == "cuda":
+        # the allocator reads PYTORCH_CUDA_ALLOC_CONF once, at its first use, which may be behind us (a context
+        # made earlier in this process); torch's setter applies to the segments made from now on
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if t.gpu_memory_limit_gib and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         total = torch.cuda.get_device_properties(idx).total_memory / 2**30

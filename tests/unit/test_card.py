@@ -1,0 +1,180 @@
+"""A tier is the card (issue 23): the planner's card terms, the card size parser, what a card leaves to torch, and
+`bench memory --card` / `plan --vram` through the real console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from difftrain.config.load import resolve
+from difftrain.memory import card
+from difftrain.planning import plan_memory
+
+# the console script the package installs; the GPU machine runs the tree from PYTHONPATH, without one
+_SCRIPT = Path(sys.executable).with_name("difftrain")
+DIFFTRAIN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "difftrain"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*DIFFTRAIN, *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("text", "gib"), [("4gb", 4.0), ("8GB", 8.0), ("12 GiB", 12.0), ("24", 24.0), ("5.5g", 5.5), ("6Gi", 6.0)]
+)
+def test_parse_card(text, gib):
+    assert card.parse_card(text) == gib
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4tb", "0gb", "-4gb", "4 gb 8"])
+def test_parse_card_refuses(text):
+    with pytest.raises(ValueError, match="write it like 4gb"):
+        card.parse_card(text)
+
+
+def test_stored_overhead_by_name_else_the_largest(tmp_path, monkeypatch):
+    rows = {"H100": {"context_gib": 0.5, "libraries_gib": 0.25}, "RTX 4060": {"context_gib": 0.3, "libraries_gib": 0.1}}
+    f = tmp_path / "card_overhead.json"
+    f.write_text(json.dumps({"devices": rows}))
+    monkeypatch.setattr(card, "_MEASURED", f)
+    o = card.stored_overhead("NVIDIA GeForce RTX 4060 Laptop GPU")
+    assert (o.context_gib, o.libraries_gib, o.source) == (0.3, 0.1, "RTX 4060")
+    o = card.stored_overhead("NVIDIA GeForce GTX 1650")  # not measured: the most the context was seen to take
+    assert (o.total_gib, o.source) == (0.75, "H100 (largest measured)")
+    assert card.stored_overhead().total_gib == 0.75
+
+
+def test_the_shipped_measurement_is_read():
+    o = card.stored_overhead("NVIDIA H100 80GB HBM3")
+    assert o.source == "H100" and 0.3 < o.total_gib < 1.5  # a CUDA context is hundreds of MiB, never zero
+
+
+def test_allocator_budget_takes_the_context_libraries_and_display_off():
+    o = card.Overhead(0.5, 0.25, "test")
+    assert card.allocator_budget(4, o) == pytest.approx(4 - 0.75 - card.DISPLAY_MARGIN_GIB)
+    assert card.allocator_budget(4, o, display=False) == pytest.approx(3.25)
+
+
+def test_estimate_card_total_and_what_must_be_free():
+    e = plan_memory(resolve(recipe="sdxl-lora-8gb").config)
+    terms = card.card_terms()
+    assert set(e.card) == {card.CONTEXT, card.LIBRARIES, card.DISPLAY} and e.card == terms
+    assert e.card_total == pytest.approx(e.gpu_reserved + sum(terms.values()))
+    # once this process has its context (what mem_get_info sees), the display is already out of the free figure
+    assert e.free_needed == pytest.approx(e.gpu_reserved + terms[card.LIBRARIES])
+    assert e.gpu_reserved < e.free_needed < e.card_total
+
+
+def test_largest_term_names_the_technique_that_cuts_it():
+    from difftrain.bench import largest_term
+
+    e = plan_memory(resolve(recipe="sdxl-full").config)
+    name = max(e.gpu, key=lambda k: e.gpu[k])
+    advice = largest_term(e)
+    assert advice.startswith(f"{name} ({e.gpu[name]:.2f} GiB planned)") and "memory." in advice
+
+
+def test_plan_prints_the_card_rows_and_fits_the_whole_card():
+    p = _run("plan", "--recipe", "sdxl-lora-8gb")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout + p.stderr
+    e = plan_memory(resolve(recipe="sdxl-lora-8gb").config)
+    for row in (card.CONTEXT, card.LIBRARIES, card.DISPLAY, "total on the card"):
+        assert row in out
+    assert f"{e.card_total:.2f}" in out
+    # --vram is the card: a plan whose torch reservation alone would fit but whose card total does not is refused
+    limit = (e.gpu_reserved + e.card_total) / 2
+    p = _run("plan", "--recipe", "sdxl-lora-8gb", "--set", "memory.offload.kind=none", "--vram", f"{limit:.2f}GiB")
+    assert p.returncode == 0, p.stderr
+    picked = resolve(recipe="sdxl-lora-8gb", sets=[ln.split(" ", 1)[1].strip("'") for ln in p.stdout.splitlines()])
+    assert plan_memory(picked.config).card_total <= limit
+    assert "on the card" in p.stderr and "reserved by torch" in p.stderr
+
+
+def test_bench_memory_card_needs_a_cuda_gpu(tmp_path):
+    p = _run("bench", "memory", "--recipe", "tiny-sdxl-lora", "--card", "4gb", "--steps", "2", "--work", str(tmp_path))
+    assert p.returncode == 2, p.stderr
+    assert "no CUDA GPU" in p.stderr and "difftrain plan --vram" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_memory_card_refuses_a_size_it_cannot_read(tmp_path):
+    p = _run("bench", "memory", "--recipe", "tiny-sdxl-lora", "--card", "big", "--work", str(tmp_path))
+    assert p.returncode == 2 and "--card" in p.stderr and "write it like 4gb" in p.stderr
+    assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.gpu
+def test_bench_memory_card_on_cuda(tmp_path):
+    """The tiny recipe fits a 4 GB card with room; a card smaller than the context itself does not, and says which
+    term to cut."""
+    js = tmp_path / "r.json"
+    p = _run(
+        "bench",
+        "memory",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "train.device=cuda",
+        "--card",
+        "4gb",
+        "--steps",
+        "3",
+        "--work",
+        str(tmp_path / "w"),
+        "--json",
+        str(js),
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(js.read_text())["card"]
+    assert r["fits"] and r["overhead"]["context_gib"] > 0 and r["budget_gib"] < 4 - 0.3
+    assert 0 < r["headroom_gib"] < r["budget_gib"]
+    p = _run(
+        "bench",
+        "memory",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--set",
+        "train.device=cuda",
+        "--card",
+        "1.05gb",
+        "--steps",
+        "3",
+        "--work",
+        str(tmp_path / "w"),
+        "--json",
+        str(js),
+    )
+    assert p.returncode == 1 and "does not fit" in p.stderr and "cut first" in p.stderr, p.stderr
+    assert json.loads(js.read_text())["card"]["fits"] is False
+
+
+@pytest.mark.parametrize(("old", "new"), [("sdxl-lora-2gb", "sdxl-lora-3gb"), ("sdxl-full-2gb", "sdxl-full-3gb")])
+def test_a_renamed_tier_says_where_it_went(old, new):
+    p = _run("plan", "--recipe", old)
+    assert p.returncode == 2 and f"is now {new!r}" in p.stderr and f"--recipe {new}" in p.stderr
+    assert "2 GB card" in p.stderr and "Traceback" not in p.stderr
+    assert _run("plan", "--recipe", new).returncode == 0
+
+
+def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
+    import torch
+
+    from difftrain.trainers import setup
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(setup.dist_, "init", lambda world, device: None)
+    cfg = resolve(recipe="cogvideox-2b-lora-6gb").config
+    assert cfg.memory.expandable_segments  # the 6 GB tier measured to need it
+    no_cap = cfg.model_copy(update={"train": cfg.train.model_copy(update={"gpu_memory_limit_gib": None})})
+    setup.prepare_process(no_cap, None, torch.device("cpu"))
+    assert calls == []
+    setup.prepare_process(no_cap, None, torch.device("cuda", 0))  # nothing else in it touches the GPU without a cap
+    assert calls == ["expandable_segments:True"]
+    off = no_cap.model_copy(update={"memory": cfg.memory.model_copy(update={"expandable_segments": False})})
+    setup.prepare_process(off, None, torch.device("cuda", 0))
+    assert calls == ["expandable_segments:True"]
