@@ -1,0 +1,153 @@
+"""Every GPU tier recipe trained as its card would let it (issue 23): `difftrain bench memory --card`.
+
+For each recipe whose name states a card (``sdxl-lora-4gb``: 4 GiB), one subprocess runs
+``difftrain bench memory --recipe R --card N --steps S --json ...`` on random weights of the real
+architecture: torch's allocator capped at N GiB less the CUDA context and libraries measured in that process
+and the 0.3 GiB display margin. First, in a process of its own, the context and libraries are measured
+(memory/card.py measure_overhead, and nvidia-smi's figure for the same process). This parent process never
+touches CUDA: its context would count as the children's.
+
+    python benchmarks/card_fit.py --out $OUT [--recipes sdxl-lora-4gb,...] [--variants F.json] [--eager]
+
+``--variants`` adds runs of a recipe with overrides, e.g. benchmarks/card_fit_variants.json: a list of
+{"label", "recipe", "card", "sets": [...], "env": {...}} (how the recipes that did not fit were chosen).
+``--eager`` adds the plain diffusers+peft SDXL LoRA loop (memory_tiers.py's E-lora: bf16 UNet on the GPU,
+checkpointing, no cap) for scale. Writes three files (the device tool brings back a few only): $OUT/card_fit.json
+(the overhead and each run's figures from bench memory), $OUT/failures.log (the end of the output of each run that
+did not finish) and $OUT/card_fit.md (the table, also printed last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ORDER = [
+    "sdxl-lora-3gb",
+    "sdxl-lora-4gb",
+    "sdxl-lora-8gb",
+    "sdxl-full-3gb",
+    "sdxl-full-8gb",
+    "sdxl-full-12gb",
+    "sd3-lora-4gb",
+    "sd3-lora-8gb",
+    "sd3-lora-16gb",
+    "cogvideox-2b-lora-6gb",
+    "cogvideox-5b-lora-12gb",
+]
+
+OVERHEAD = """
+import json, os, subprocess, torch
+from difftrain.memory.card import measure_overhead
+d = torch.device("cuda", 0)
+o = measure_overhead(d)
+smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                     capture_output=True, text=True).stdout
+mine = [int(x.split(",")[1]) for x in smi.strip().splitlines() if x.split(",")[0].strip() == str(os.getpid())]
+print(json.dumps({"device": torch.cuda.get_device_name(d), "context_gib": o.context_gib,
+                  "libraries_gib": o.libraries_gib, "torch_reserved_gib": torch.cuda.memory_reserved(d) / 2**30,
+                  "nvidia_smi_process_mib": mine[0] if mine else None,
+                  "total_gib": torch.cuda.mem_get_info(d)[1] / 2**30}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--recipes", default=",".join(ORDER))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-card"))
+    ap.add_argument("--budget", type=float, default=540, help="seconds: no recipe is started after this")
+    ap.add_argument("--variants", type=Path, default=None)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    runs = [
+        {"label": n, "recipe": n, "card": int(re.search(r"(\d+)gb", n).group(1)), "sets": [], "env": {}}  # type: ignore[union-attr]
+        for n in filter(None, args.recipes.split(","))
+    ]
+    if args.variants:
+        runs += json.loads(args.variants.read_text())
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", OVERHEAD], capture_output=True, text=True)
+    overhead = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
+    runs_dir = args.work / "card_fit_runs"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    failures = []
+    print("overhead:", overhead, flush=True)
+    rows = []
+    for run in runs:
+        name = run["label"]
+        left = args.budget - (time.time() - t0)
+        if left < 60:
+            rows.append((name, "not run (time)", {}))
+            continue
+        js = runs_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")  # labels have spaces
+        js.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "difftrain", "bench", "memory", "--recipe", run["recipe"], "--card"]
+        cmd += [f"{run['card']}gb", "--steps", str(args.steps), "--json", str(js)]
+        cmd += ["--work", str(args.work / run["recipe"].split("-")[0])]
+        for s in run.get("sets", []):
+            cmd += ["--set", s]
+        t = time.time()
+        try:
+            env = dict(os.environ, **run.get("env", {}))
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
+            if p.returncode != 0:
+                failures.append(f"===== {name} (rc {p.returncode})\n{(p.stdout + p.stderr)[-4000:]}\n")
+            status = (
+                "fits" if p.returncode == 0 else "NO FIT" if p.returncode == 1 and js.exists() else f"rc {p.returncode}"
+            )
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        print(f"{name}: {status} in {time.time() - t:.0f} s", flush=True)
+        rows.append((name, status, json.loads(js.read_text()) if js.exists() else {}))
+    if args.eager and args.budget - (time.time() - t0) > 60:
+        here = Path(__file__).resolve().parent
+        cmd = [sys.executable, str(here / "memory_tiers.py"), "--case", "E-lora", "--steps", str(args.steps)]
+        p = subprocess.run(cmd + ["--work", str(args.work / "eager")], capture_output=True, text=True, cwd=here)
+        res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        e = json.loads(res[-1][7:]) if res else {}
+        print("eager:", e or p.stderr[-1500:], flush=True)
+        st = e.get("stats", {})
+        rows.append(
+            (
+                "eager diffusers+peft SDXL LoRA (no cap)",
+                "-" if e else f"rc {p.returncode}",
+                {"peak_train_reserved_gib": st.get("gpu_peak_reserved_gib"), "s_per_step": e.get("s_per_step_median")},
+            )
+        )
+    lines = [
+        "| recipe | card | fits | allocated / reserved peak GiB | context+libraries GiB | left to torch GiB | headroom GiB "
+        "| planned reserved / on card GiB | planner error (reserved) | host RSS peak GiB | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, status, j in rows:
+        c = j.get("card") or {}
+        res = j.get("peak_train_reserved_gib")
+        err = f"{(j['planned_reserved_gib'] - res) / res * 100:+.0f} %" if res and status == "fits" else ""
+        o = c.get("overhead") or {}
+        ctx = (o.get("context_gib") or 0) + (o.get("libraries_gib") or 0) if o else None
+        rss = (j.get("stats") or {}).get("peak_rss_gib_train")
+        f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
+        lines.append(
+            f"| {name} | {c.get('card_gib', '')} | {status} | {f(j.get('peak_train_alloc_gib'))} / {f(res)} | {f(ctx)} | {f(c.get('budget_gib'))} "
+            f"| {f(c.get('headroom_gib'))} | {f(j.get('planned_reserved_gib'))} / {f(c.get('planned_card_gib'))} "
+            f"| {err} | {f(rss)} | {f(j.get('s_per_step'), 3)} |"
+        )
+    table = "\n".join(lines)
+    (args.out / "card_fit.md").write_text(table + "\n")
+    (args.out / "failures.log").write_text("".join(failures) or "none\n")
+    all_runs = {"overhead": overhead, "runs": {name: {"status": st, **j} for name, st, j in rows}}
+    (args.out / "card_fit.json").write_text(json.dumps(all_runs, indent=1, default=str) + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
