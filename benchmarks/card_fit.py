@@ -57,6 +57,17 @@ print(json.dumps({"device": torch.cuda.get_device_name(d), "context_gib": o.cont
 """
 
 
+# builds the random model file and cache of a run before it is measured, in a process of its own: the run's host
+# RSS is then what training takes, not what making random weights took
+PREBUILD = """
+import sys
+from pathlib import Path
+from difftrain.bench import _prepare
+from difftrain.config.load import resolve
+_prepare(resolve(recipe=sys.argv[1], sets=sys.argv[3:]).config, Path(sys.argv[2]), 4, None)
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -92,9 +103,15 @@ def main() -> None:
         js.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "difftrain", "bench", "memory", "--recipe", run["recipe"], "--card"]
         cmd += [f"{run['card']}gb", "--steps", str(args.steps), "--json", str(js)]
-        cmd += ["--work", str(args.work / run["recipe"].split("-")[0])]
+        cmd += ["--work", str(args.work / run["recipe"].split("-")[0])]  # the prebuilt model and cache
         for s in run.get("sets", []):
             cmd += ["--set", s]
+        work = str(args.work / run["recipe"].split("-")[0])
+        pre = subprocess.run(
+            [sys.executable, "-c", PREBUILD, run["recipe"], work, *run.get("sets", [])], capture_output=True, text=True
+        )
+        if pre.returncode != 0:
+            failures.append(f"===== {name} prebuild (rc {pre.returncode})\n{pre.stderr[-3000:]}\n")
         t = time.time()
         try:
             env = dict(os.environ, **run.get("env", {}))
@@ -125,7 +142,7 @@ def main() -> None:
         )
     lines = [
         "| recipe | card | fits | allocated / reserved peak GiB | context+libraries GiB | left to torch GiB | headroom GiB "
-        "| planned reserved / on card GiB | planner error (reserved) | host RSS peak GiB | s/step |",
+        "| planned reserved / on card GiB | planner error (reserved) | host RSS peak load / train GiB | s/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, status, j in rows:
@@ -134,12 +151,13 @@ def main() -> None:
         err = f"{(j['planned_reserved_gib'] - res) / res * 100:+.0f} %" if res and status == "fits" else ""
         o = c.get("overhead") or {}
         ctx = (o.get("context_gib") or 0) + (o.get("libraries_gib") or 0) if o else None
-        rss = (j.get("stats") or {}).get("peak_rss_gib_train")
         f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
+        st = j.get("stats") or {}
+        rss = f"{f(st.get('peak_rss_gib_load'))} / {f(st.get('peak_rss_gib_train'))}" if st else ""
         lines.append(
             f"| {name} | {c.get('card_gib', '')} | {status} | {f(j.get('peak_train_alloc_gib'))} / {f(res)} | {f(ctx)} | {f(c.get('budget_gib'))} "
             f"| {f(c.get('headroom_gib'))} | {f(j.get('planned_reserved_gib'))} / {f(c.get('planned_card_gib'))} "
-            f"| {err} | {f(rss)} | {f(j.get('s_per_step'), 3)} |"
+            f"| {err} | {rss} | {f(j.get('s_per_step'), 3)} |"
         )
     table = "\n".join(lines)
     (args.out / "card_fit.md").write_text(table + "\n")

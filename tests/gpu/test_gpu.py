@@ -257,6 +257,39 @@ def test_train_with_block_swap_and_cpu_offload_full(tiny_model, dataset, tmp_pat
     assert all(p.device.type == "cpu" for i in t.parts.block_swap.swapped for p in t.parts.block_swap.params[i])
 
 
+def test_pinned_limit_falls_back_to_pageable_and_still_learns(tiny_model, dataset, tmp_path, capsys):
+    """memory.pinned_limit_gib below what block swap and the CPU optimizer pin: the rest is pageable, one warning,
+    and the run trains as before (issue 23, Windows-like limits)."""
+    from difftrain.memory import pinned
+    from difftrain.trainers.loop import Trainer
+
+    sets = {
+        "train.method": "full",
+        "memory.weights.kind": "bf16",
+        "train.mixed_precision": "bf16",
+        "train.max_grad_norm": "null",
+        "memory.optimizer": "{kind: cpu_offload, offload_gradients: true}",
+        "train.max_steps": 20,
+        "train.batch_size": 4,
+        "train.learning_rate": 1e-3,
+        "memory.offload": "{kind: block_swap, blocks_to_swap: 20}",
+        "save.formats": "[]",
+        "memory.activations.kind": "checkpoint",
+        "memory.pinned_limit_gib": 0.002,  # 2 MiB: part of the swapped blocks (~3 MB), none of the optimizer
+    }
+    cfg = _cfg(tiny_model, dataset, tmp_path, **sets)
+    precompute(cfg)
+    capsys.readouterr()
+    t = Trainer(cfg)
+    r = t.run()
+    b = pinned.budget()
+    assert 0 < b.pinned_bytes <= 0.002 * 2**30 < b.pinned_bytes + b.pageable_bytes
+    assert capsys.readouterr().err.count("pinned_limit_gib") == 1
+    home = [h for hs in t.parts.block_swap.home.values() for h in hs]
+    assert any(h.is_pinned() for h in home) and not all(h.is_pinned() for h in home)
+    assert sum(r.losses[-5:]) / 5 < 0.85 * sum(r.losses[:5]) / 5
+
+
 def _ds(tiny_model, dataset, out, engine: str, **extra):
     sets = {
         "memory.weights.kind": "bf16",

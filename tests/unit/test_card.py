@@ -178,3 +178,18 @@ def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
     off = no_cap.model_copy(update={"memory": cfg.memory.model_copy(update={"expandable_segments": False})})
     setup.prepare_process(off, None, torch.device("cuda", 0))
     assert calls == ["expandable_segments:True"]
+
+
+def test_plan_searches_the_card_and_the_host_ram():
+    """--ram: a plan must fit both. SDXL's full fine-tune on an 8 GB card needs the CPU-offload optimizer (~25 GiB of
+    host RAM), so 16 GiB of RAM has no plan and 32 GiB does; a 12 GB card with 16 GiB of RAM gets Adafactor."""
+    p = _run("plan", "--recipe", "sdxl-full", "--vram", "8GiB", "--ram", "16GiB")
+    assert p.returncode == 1 and "fit a 8 GiB card with 16 GiB of host RAM" in p.stderr and "or more RAM" in p.stderr
+    for vram, ram, kind in (("8GiB", "32GiB", "cpu_offload"), ("12GiB", "16GiB", "adafactor")):
+        p = _run("plan", "--recipe", "sdxl-full", "--vram", vram, "--ram", ram)
+        assert p.returncode == 0, p.stderr
+        cfg = resolve(recipe="sdxl-full", sets=[ln.split(" ", 1)[1].strip("'") for ln in p.stdout.splitlines()]).config
+        e = plan_memory(cfg)
+        assert (
+            cfg.memory.optimizer.kind == kind and e.host_total <= float(ram[:-3]) and e.card_total <= float(vram[:-3])
+        )

@@ -57,7 +57,9 @@ def test_terms_by_hand():
         ]
     ).config
     e = estimate(off, _hints())
-    assert e.gpu["optimizer state"] == 0 and e.host["optimizer state"] * GIB == pytest.approx(1000 * 16)
+    # torchao's host copy of each bf16 weight, its gradient and both moments in bf16: 8 bytes a weight
+    assert e.gpu["optimizer state"] == 0 and e.host["optimizer state"] * GIB == pytest.approx(1000 * 8)
+    assert e.host["reading the checkpoint (file pages)"] * GIB == pytest.approx(1000 * 2)
 
 
 def test_block_swap_terms_by_hand():
@@ -270,6 +272,7 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     from difftrain.errors import DifftrainError
 
     cfg = resolve(recipe="sdxl-full").config
+    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (64.0, 60.0))  # host RAM is not what is tested here
     monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
     e = plan_memory(cfg)  # torch's reservation and the CUDA libraries still to load must be free
@@ -279,3 +282,51 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     train_cmd.check_memory(cfg, strict=False)  # warns only
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * GIB, 80 * GIB))
     train_cmd.check_memory(cfg, strict=True)  # fits: nothing said
+
+
+def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
+    """A plan over the host's available RAM: a warning naming the largest host term (an error with
+    --strict-memory), on any device; with enough RAM nothing is said."""
+    from difftrain.cli import train_cmd
+    from difftrain.errors import DifftrainError
+
+    cfg = resolve(recipe="sdxl-full-8gb", sets=["train.device=cpu"]).config
+    e = plan_memory(cfg)
+    term = max(e.host, key=lambda k: e.host[k])
+    assert term == "optimizer state"  # AdamW's state on the host: 16 bytes a weight
+    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (32.0, 20.0))
+    msg = rf"needs about {e.host_total:.1f} GiB of host RAM \(the largest term: optimizer state, "
+    with pytest.raises(DifftrainError, match=msg + r".*and 20\.0 GiB is available"):
+        train_cmd.check_memory(cfg, strict=True)
+    capsys.readouterr()
+    train_cmd.check_memory(cfg, strict=False)
+    err = capsys.readouterr().err
+    assert "of host RAM" in err and "--ram 20GiB" in err
+    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (128.0, e.host_total + 1))
+    train_cmd.check_memory(cfg, strict=True)
+    assert "host RAM" not in capsys.readouterr().err
+    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (None, None))  # unknown: nothing to compare
+    train_cmd.check_memory(cfg, strict=True)
+
+
+# peak host RSS of each tier recipe, capped as its card on the H100 (benchmarks/card_fit.py, 2026-11-24, the random
+# model built beforehand in its own process). cogvideox-5b-lora-12gb (30.4 GiB measured) is left out: the planner says
+# 22.3 and the 8 GiB between them is not yet understood (issue 23 keeps it open).
+MEASURED_HOST = {
+    "sdxl-lora-3gb": 10.95,
+    "sdxl-lora-4gb": 10.95,
+    "sdxl-lora-8gb": 6.20,
+    "sdxl-full-3gb": 31.06,
+    "sdxl-full-8gb": 24.05,
+    "sdxl-full-12gb": 6.20,
+    "sd3-lora-4gb": 9.18,
+    "sd3-lora-8gb": 5.38,
+    "sd3-lora-16gb": 5.38,
+    "cogvideox-2b-lora-6gb": 8.66,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_HOST))
+def test_planner_host_ram_within_ten_percent_of_measured(name):
+    predicted = plan_memory(resolve(recipe=name).config).host_total
+    assert abs(predicted - MEASURED_HOST[name]) / MEASURED_HOST[name] < 0.10, (predicted, MEASURED_HOST[name])

@@ -81,8 +81,11 @@ def plan(
             fits.append((speed_cost(c), est.card_total, override, est))
     if not fits:
         info(
-            f"[red]Nothing difftrain offers is predicted to fit in {limit:g} GiB[/red] "
-            "(lower train.batch_size or data.resolution, or use a larger GPU).",
+            f"[red]Nothing difftrain offers is predicted to fit a {limit:g} GiB card"
+            + ("" if host_limit is None else f" with {host_limit:g} GiB of host RAM")
+            + "[/red] (lower train.batch_size or data.resolution, or use a larger GPU"
+            + ("" if host_limit is None else " or more RAM")
+            + ").",
             markup=True,
         )
         raise typer.Exit(1)

@@ -112,27 +112,41 @@ def export(
 
 
 def check_memory(cfg, strict: bool) -> None:
-    """Compare the planner's prediction with the GPU's free memory before loading anything."""
+    """Compare the planner's prediction with the host's available RAM and the GPU's free memory before loading
+    anything: a warning each (``strict``: an error)."""
     import torch
 
     from ..console import warn
+    from ..doctor import host_ram_gib
     from ..errors import DifftrainError
     from ..planning import plan_memory
     from ..utils import pick_device
 
-    device = pick_device(cfg.train.device)
-    if device.type != "cuda":
-        return
-    free = torch.cuda.mem_get_info(device)[0] / 2**30
     plan = plan_memory(cfg)
-    need = plan.free_needed
-    if need <= free:
-        return
-    msg = (
-        f"The plan needs about {need:.1f} GiB of GPU memory ({plan.gpu_reserved:.1f} reserved by torch, "
-        f"{need - plan.gpu_reserved:.1f} for the CUDA libraries) and {free:.1f} GiB is free."
-    )
-    hint = f"`difftrain plan ... --vram {free:.0f}GiB` prints settings predicted to fit."
-    if strict:
-        raise DifftrainError(msg, hint=hint)
-    warn(f"{msg} {hint}")
+    short: list[tuple[str, str]] = []
+    avail = host_ram_gib()[1]
+    if avail is not None and plan.host_total > avail:
+        term, gib = max(plan.host.items(), key=lambda kv: kv[1])
+        short.append(
+            (
+                f"The plan needs about {plan.host_total:.1f} GiB of host RAM (the largest term: {term}, {gib:.1f} GiB) "
+                f"and {avail:.1f} GiB is available.",
+                f"`difftrain plan ... --ram {avail:.0f}GiB` prints settings predicted to fit; or close programs.",
+            )
+        )
+    device = pick_device(cfg.train.device)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] / 2**30
+        need = plan.free_needed
+        if need > free:
+            short.append(
+                (
+                    f"The plan needs about {need:.1f} GiB of GPU memory ({plan.gpu_reserved:.1f} reserved by torch, "
+                    f"{need - plan.gpu_reserved:.1f} for the CUDA libraries) and {free:.1f} GiB is free.",
+                    f"`difftrain plan ... --vram {free:.0f}GiB` prints settings predicted to fit.",
+                )
+            )
+    for msg, hint in short:
+        if strict:
+            raise DifftrainError(msg, hint=hint)
+        warn(f"{msg} {hint}")

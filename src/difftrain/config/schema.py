@@ -453,6 +453,12 @@ class MemoryConfig(Strict):
         default=False,
         description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)",
     )
+    pinned_limit_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="most host memory to pin (block swap, CPU-offload optimizer); past it, pageable copies. Windows "
+        "(WDDM) limits what a process may pin: set it there if pinning fails",
+    )
     expandable_segments: bool = Field(
         default=False,
         description="CUDA allocator segments that grow in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): "

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .pinned import host_like
+
 
 class BlockSwap:
     def __init__(
@@ -85,8 +87,9 @@ class BlockSwap:
             self._handles.append(u.register_forward_hook(self._post_hook(i)))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped
-        return torch.empty_like(t, device="cpu", pin_memory=self.cuda).copy_(t.detach())
+        # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped; pageable past
+        # memory.pinned_limit_gib or when the driver refuses (pinned.py)
+        return host_like(t, pinned=self.cuda)
 
     # ------------------------------------------------------------ moves
     def _fetch_async(self, i: int) -> None:

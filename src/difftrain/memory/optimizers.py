@@ -13,6 +13,7 @@ resumed run rounds exactly as an uninterrupted one.
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from ..config.schema import MemoryConfig
 from ..errors import BackendUnavailable
+from .pinned import pinning_through_budget
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -193,8 +195,9 @@ class AdafactorBF16(torch.optim.Optimizer):
 
 
 def _cuda_only(kind: str, params) -> None:
-    # block swap keeps some weights in pinned host memory: those count as on the GPU's side
-    if not all(p.is_cuda or p.is_pinned() for p in params) or not any(p.is_cuda for p in params):
+    # block swap keeps some weights in host memory (pinned, or pageable past memory.pinned_limit_gib): those count
+    # as on the GPU's side; a run with no parameter on a CUDA GPU is refused
+    if not any(p.is_cuda for p in params):
         raise BackendUnavailable(
             f"memory.optimizer {kind} runs on a CUDA GPU only.", hint="Use memory.optimizer.kind: adamw on this device."
         )
@@ -250,9 +253,10 @@ def make_optimizer(
         # with block swap some weights live on the host: every parameter must step there (torchao keeps the
         # ones under minimal_size on the device by default, which would mix devices in one optimizer)
         extra = {"minimal_size": 0} if mem.offload.kind == "block_swap" else {}
-        return ao.CPUOffloadOptimizer(
-            groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True, **common, **extra
-        )
+        with pinning_through_budget(importlib.import_module("torchao.optim.cpu_offload")):  # memory.pinned_limit_gib
+            return ao.CPUOffloadOptimizer(
+                groups, torch.optim.AdamW, offload_gradients=o.offload_gradients, fused=True, **common, **extra
+            )
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common, **(kernels or {}))

@@ -36,6 +36,7 @@ SPEED = {
     "block_swap": 1.05,
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
+FILE_BYTES = 2  # checkpoints are distributed in fp16 / bf16
 
 
 @dataclass
@@ -93,15 +94,20 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         )
     _activations(cfg, hints, e)
     e.gpu["workspace"] = hints.get("workspace", 0) / GIB
-    # host
+    # host (peak RSS; issue 23 measured every tier recipe, docs/benchmarks.md "Tiers as cards")
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
+    loaded = sum(p["total"] for p in hints["parts"].values() if p.get("loaded", True))
+    # safetensors maps the file: the pages of the loaded tensors count in the RSS while it loads (a 16-bit file)
+    e.host["reading the checkpoint (file pages)"] = loaded * FILE_BYTES / GIB
+    # torchao's CPU-offload optimizer keeps a host copy of each weight, its gradient and AdamW's two moments, all in
+    # the weight's dtype (measured: sdxl-full-8gb, bf16, 24.1 GiB RSS for 2.6 B weights)
+    host_state = host_state * BYTES[compute] // 4 if m.optimizer.kind == "cpu_offload" else host_state
     e.host["optimizer state"] = trainable * host_state / GIB
     if swapped_bytes:
         e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
     if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
         # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
-        load = sum(p["total"] for p in hints["parts"].values() if p.get("loaded", True)) * BYTES[compute]
-        e.host["load (one high-precision copy, freed)"] = max(0.0, load - swapped_bytes) / GIB
+        e.host["load (one high-precision copy, freed)"] = max(0.0, loaded * BYTES[compute] - swapped_bytes) / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":
         e.host["EMA"] = trainable * 4 / GIB
     elif cfg.ema.enabled:

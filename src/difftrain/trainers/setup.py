@@ -27,6 +27,7 @@ from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
 from ..lora.adapters import adapter_metadata, add_lora
+from ..memory import pinned as pinned_
 from ..memory.plan import (
     apply_activations,
     apply_offload,
@@ -55,6 +56,7 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
     draws from the global RNG)."""
     t = cfg.train
     dist_.init(world, device)
+    pinned_.configure(cfg.memory.pinned_limit_gib)  # this run's pinned host memory starts at zero
     if cfg.memory.expandable_segments and device.type == "cuda":
         # the allocator reads PYTORCH_CUDA_ALLOC_CONF once, at its first use, which may be behind us (a context
         # made earlier in this process); torch's setter applies to the segments made from now on
