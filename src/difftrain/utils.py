@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -209,6 +210,7 @@ def fix_malloc_mmap_threshold(nbytes: int = 1 << 20) -> bool:
 #: a safetensors header larger than this is refused before it is read (real ones are well under 10 MB)
 MAX_SAFETENSORS_HEADER = 100 * 2**20
 _ST_FLOATS = {_ST_DTYPES[t]: t for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}  # not fp8
+_ST_BY_NAME = {name: t for t, name in _ST_DTYPES.items()}
 
 
 def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> dict:
@@ -233,6 +235,70 @@ def read_safetensors_header(path: Path, limit: int = MAX_SAFETENSORS_HEADER) -> 
     if not isinstance(header, dict):
         raise ValueError(f"{path} has a safetensors header that is not a JSON object")
     return header
+
+
+class SafetensorsReader:
+    """The tensors of a safetensors file, each read into its own buffer with plain reads, one at a time.
+
+    Why not safetensors' ``safe_open``: it maps the file, and every page of a tensor read through the mapping counts
+    in the process's RSS until the file is closed: loading SDXL's UNet kept 4.8 GiB of file pages beside the weights
+    (measured on the H100, docs/benchmarks.md "Tiers as cards"). Read with ``readinto``, the bytes pass through the
+    kernel's page cache (which the system takes back when it needs it) and the process holds only the tensors it
+    keeps. The same interface as the part of ``safe_open`` that the loaders use: keys, get_tensor, metadata, shapes.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        header = read_safetensors_header(self.path)
+        self._meta = header.pop("__metadata__", None) or {}
+        self._header = header
+        self._size = self.path.stat().st_size
+        self._f = open(self.path, "rb")  # noqa: SIM115 (closed by close() / the context manager)
+        self._start = 8 + int.from_bytes(self._f.read(8), "little")
+        for key in header:  # every entry checked now, as safe_open does, before a loader reads any of them
+            self._where(key)
+
+    def _where(self, key: str) -> tuple[torch.dtype, list[int], int, int]:
+        info = self._header[key]
+        try:
+            dtype = _ST_BY_NAME[info["dtype"]]
+            a, b = (int(x) for x in info["data_offsets"])
+            shape = [int(x) for x in info["shape"]]
+        except (KeyError, TypeError, ValueError):
+            dtype = None
+        if dtype is None or min(shape, default=0) < 0 or b - a != math.prod(shape) * dtype.itemsize or a < 0:
+            self.close()
+            raise ValueError(f"tensor {key!r} has an invalid dtype, shape or offsets in the header")
+        if self._start + b > self._size:
+            self.close()
+            raise ValueError(f"tensor {key!r} lies beyond the end of the file ({self._size} bytes)")
+        return dtype, shape, a, b
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def metadata(self) -> dict:
+        return dict(self._meta)
+
+    def get_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._header[key]["shape"])
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        dtype, shape, a, b = self._where(key)
+        buf = torch.empty(b - a, dtype=torch.uint8)
+        self._f.seek(self._start + a)
+        if b > a and self._f.readinto(buf.numpy().data) != b - a:
+            raise ValueError(f"{self.path} ends inside tensor {key!r}: the file is truncated")
+        return buf.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:

@@ -180,6 +180,7 @@ def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
     assert calls == ["expandable_segments:True"]
 
 
+@pytest.mark.slow  # three plan searches in subprocesses (~35 s); the fast tier searches in test_plan_prints_...
 def test_plan_searches_the_card_and_the_host_ram():
     """--ram: a plan must fit both. SDXL's full fine-tune on an 8 GB card needs the CPU-offload optimizer (~25 GiB of
     host RAM), so 16 GiB of RAM has no plan and 32 GiB does; a 12 GB card with 16 GiB of RAM gets Adafactor."""

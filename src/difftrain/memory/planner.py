@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..config.schema import Config, WeightsFP8, WeightsInt8, WeightsNF4
@@ -37,6 +38,7 @@ SPEED = {
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 FILE_BYTES = 2  # checkpoints are distributed in fp16 / bf16
+TRAINING_HOST_GIB = 0.4  # RSS added once training runs (batches, buffers): sdxl-lora-8gb 1.55 -> 2.06, sd3 +0.2
 
 
 @dataclass
@@ -78,7 +80,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     wk = m.weights.kind
     compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8)) else wk
     part_bytes, weights, trainable = _part_bytes(cfg, hints, compute)
-    weights, swapped_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
+    weights, swapped_bytes, pinned_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
     if t.method == "lora":
         trainable = hints["lora_params"]
         weights += trainable * 4  # LoRA weights are kept in fp32
@@ -94,17 +96,25 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         )
     _activations(cfg, hints, e)
     e.gpu["workspace"] = hints.get("workspace", 0) / GIB
-    # host (peak RSS; issue 23 measured every tier recipe, docs/benchmarks.md "Tiers as cards")
+    # host (peak RSS; issue 23 measured the tier recipes, docs/benchmarks.md "Tiers as cards")
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
-    loaded = sum(p["total"] for p in hints["parts"].values() if p.get("loaded", True))
-    # safetensors maps the file: the pages of the loaded tensors count in the RSS while it loads (a 16-bit file)
-    e.host["reading the checkpoint (file pages)"] = loaded * FILE_BYTES / GIB
-    # torchao's CPU-offload optimizer keeps a host copy of each weight, its gradient and AdamW's two moments, all in
-    # the weight's dtype (measured: sdxl-full-8gb, bf16, 24.1 GiB RSS for 2.6 B weights)
-    host_state = host_state * BYTES[compute] // 4 if m.optimizer.kind == "cpu_offload" else host_state
-    e.host["optimizer state"] = trainable * host_state / GIB
+    e.host["training (batches, buffers)"] = TRAINING_HOST_GIB
+    parts = hints["parts"]
+    loaded = sum(p["total"] for p in parts.values() if p.get("loaded", True))
+    if cfg.model.path is not None and Path(cfg.model.path).is_dir():
+        # a diffusers folder is read by diffusers through safetensors' mapping: its pages count while it loads (a
+        # single file is read by difftrain's SafetensorsReader, which holds one tensor at a time)
+        e.host["reading the checkpoint (file pages)"] = loaded * FILE_BYTES / GIB
+    if m.optimizer.kind == "cpu_offload":
+        # torchao keeps a pinned host copy of each weight and of its gradient (each rounded up to a power of two by
+        # the pinned allocator) and AdamW's two moments, all in the weight's dtype (sdxl-full-8gb: 24.1 GiB RSS)
+        pinned = sum(parts[p].get("pinned_elements", parts[p]["total"]) for p in hints["trained_parts"] if p in parts)
+        pinned = pinned if t.method == "full" and pinned else trainable
+        e.host["optimizer state"] = (2 * pinned + 2 * trainable) * BYTES[compute] / GIB
+    else:
+        e.host["optimizer state"] = trainable * host_state / GIB
     if swapped_bytes:
-        e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
+        e.host["swapped blocks (pinned)"] = pinned_bytes / GIB
     if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
         # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
         e.host["load (one high-precision copy, freed)"] = max(0.0, loaded * BYTES[compute] - swapped_bytes) / GIB
@@ -140,22 +150,27 @@ def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float
 
 def _block_swap(
     cfg: Config, hints: dict, part_bytes: dict[str, float], weights: float, e: Estimate
-) -> tuple[float, float]:
-    """(weight bytes on the GPU once block swap has moved its blocks out, bytes of the blocks in host RAM)."""
+) -> tuple[float, float, float]:
+    """(weight bytes on the GPU once block swap has moved its blocks out, bytes of the blocks, and what their pinned
+    host copies take: torch's pinned allocator rounds each tensor up to a power of two)."""
     m = cfg.memory
-    swapped_bytes = 0.0
+    swapped_bytes = pinned_bytes = 0.0
     if m.offload.kind == "block_swap" and hints.get("swap_units"):
-        # the N largest units live in host RAM; prefetch + 1 of them are on the GPU at a time
+        # the N largest units live in host RAM (as BlockSwap picks them); prefetch + 1 of them are on the GPU at a time
         den = hints["denoiser"]
         per_param = part_bytes[den] / hints["parts"][den]["total"]
-        units = sorted(hints["swap_units"], reverse=True)[: m.offload.blocks_to_swap]
+        sizes = hints["swap_units"]
+        order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i))[: m.offload.blocks_to_swap]
+        units = [sizes[i] for i in order]
         swapped_bytes = sum(units) * per_param
+        pinned_units = hints.get("swap_units_pinned") or sizes
+        pinned_bytes = sum(pinned_units[i] for i in order) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
         kept = 1 - 1 / m.activations.every if m.activations.kind == "checkpoint" else 1.0
         weights -= swapped_bytes * (1 - kept) - min(len(units), m.offload.prefetch + 1) * units[0] * per_param
     elif m.offload.kind == "block_swap":
         e.notes.append("no block list for this architecture: block swap not counted")
-    return weights, swapped_bytes
+    return weights, swapped_bytes, pinned_bytes
 
 
 def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_bytes: int, e: Estimate) -> int:
