@@ -110,8 +110,38 @@ def test_fused_backward_equals_plain_full_finetune(runs):
     assert all(p.grad is None for p in t.parts.params)  # gradients were freed inside backward
 
 
-def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
-    sets = (*FULL, "memory.fused_backward=true", "memory.weights.kind=bf16", "train.mixed_precision=bf16")
+def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_home(runs):
+    """Full fine-tune, block swap + fused backward + Adafactor (sdxl-full-8gb's plan): the swapped units' weights are
+    stepped while resident and copied home, so the run is the one without block swap, weight for weight."""
+    sets = (
+        *FULL,
+        "memory.fused_backward=true",
+        "memory.optimizer.kind=adafactor",
+        "memory.activations.kind=checkpoint",
+    )
+    t0, ref = runs("full-fused-adafactor", *sets)
+    t1, r = runs("full-fused-adafactor-swap", *sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
+    swap = t1.parts.block_swap
+    assert swap.write_back and len(swap.swapped) == 6 and not swap.resident
+    assert r.losses == ref.losses
+    w0 = dict(t0.parts.comps["unet"].named_parameters())
+    w1 = dict(t1.parts.comps["unet"].named_parameters())
+    swapped = {id(p) for i in swap.swapped for p in swap.params[i]}
+    assert any(id(p) in swapped and p.device.type == "cpu" for p in w1.values())
+    for n, p in w1.items():
+        assert torch.equal(p.detach(), w0[n].detach()), n
+
+
+SWAP_ADAFACTOR = (
+    "memory.optimizer.kind=adafactor",
+    "memory.activations.kind=checkpoint",
+    "memory.offload={kind: block_swap, blocks_to_swap: 6}",
+)
+
+
+@pytest.mark.parametrize("extra", [(), SWAP_ADAFACTOR], ids=["adamw", "adafactor-block-swap"])
+def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path, extra):
+    sets = (*FULL, "memory.fused_backward=true", "memory.weights.kind=bf16", "train.mixed_precision=bf16", *extra)
     a = _cfg(tiny_model, dataset, tmp_path / "a", tmp_path / "cache", *sets, "train.max_steps=6")
     precompute(a)
     ref = train(a)
@@ -160,6 +190,16 @@ def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path):
                 "train.method=full",
             ),
             "optimizer must step there",
+        ),
+        (
+            (
+                "memory.offload={kind: block_swap, blocks_to_swap: 4}",
+                "memory.activations.kind=checkpoint",
+                "train.method=full",
+                "memory.fused_backward=true",
+                "train.max_grad_norm=null",
+            ),
+            "memory.fused_backward: true with memory.optimizer.kind: adafactor",
         ),
         (
             (

@@ -20,9 +20,14 @@ brings the unit back (with gradient checkpointing, the recompute's forward
 hook does the same) and drops units later in forward order, whose backward
 is over. A weight used while evicted fails loudly (wrong device), never silently.
 
-Trained weights in swapped units (full fine-tuning) live on the host too: the
-optimizer must step there (torchao's CPU-offload optimizer, with gradient
-offload); the config validator requires it. LoRA weights stay on the GPU.
+Trained weights in swapped units (full fine-tuning) live on the host too, and
+either the optimizer steps them there (torchao's CPU-offload optimizer, with
+gradient offload) or, with ``write_back`` (memory.fused_backward and
+Adafactor, whose factored state is small enough for the GPU: sd-scripts'
+blocks_to_swap with --fused_backward_pass), each is stepped on the GPU inside
+backward while its unit is resident, and the unit is copied home when it is
+dropped after its backward. The config validator requires one of the two.
+LoRA weights stay on the GPU.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ class BlockSwap:
         prefetch: int = 1,
         swap_trainable: bool = False,
         poison: bool = False,
+        write_back: bool = False,
     ):
         """Place ``root`` (which may sit on the CPU) on ``device`` except the swapped units' weights.
 
-        ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
+        ``write_back``: units dropped after their backward are copied home first (their weights were stepped on
+        the GPU). ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
         """
         self.units = units
+        self.write_back = write_back
         self.device = torch.device(device)
         self.prefetch = prefetch
         self.poison = poison
@@ -64,6 +72,7 @@ class BlockSwap:
         self.home: dict[int, list[torch.Tensor]] = {}
         self.resident: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}  # None: not CUDA
         self.backward = False
+        self.written = False  # a write-back was queued since the last end_backward
         self.peak_resident = 0  # most swapped units on the device at once (tests, benchmarks)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._handles = []
@@ -122,12 +131,31 @@ class BlockSwap:
         for p, b in zip(self.params[i], bufs):
             p.data = b
 
-    def _evict(self, i: int) -> None:
+    def _evict(self, i: int, stepped: bool = False) -> None:
+        """Send unit ``i`` home; ``stepped``: its backward is over, and with write_back its weights changed."""
         entry = self.resident.pop(i, None)
         if entry is not None and entry[1] is not None:
             torch.cuda.current_stream(self.device).wait_event(entry[1])  # a prefetch never used: let it land first
+        if entry is not None and stepped and self.write_back:
+            self._write_home(i, entry[0])
         for p, h in zip(self.params[i], self.home[i]):
             p.data = torch.empty(0, dtype=h.dtype) if self.poison else h
+
+    def _write_home(self, i: int, bufs: list[torch.Tensor]) -> None:
+        """Copy a unit's stepped weights home: on the side stream after the compute stream's optimizer kernels, so
+        the next fetch (same stream) reads them; the GPU buffers are not reused before the copy has read them."""
+        if self.stream is None:
+            for h, b in zip(self.home[i], bufs):
+                h.copy_(b)
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for h, b in zip(self.home[i], bufs):
+                h.copy_(b, non_blocking=True)
+                b.record_stream(self.stream)
+        self.written = True
 
     def _prefetch_after(self, i: int, forward: bool) -> None:
         k = self.index[i]
@@ -162,16 +190,20 @@ class BlockSwap:
         def hook(grad):
             self.backward = True
             for j in [j for j in self.resident if j > i]:
-                self._evict(j)
+                self._evict(j, stepped=True)
             self._ensure(i)
             self._prefetch_after(i, forward=False)
 
         return hook
 
     def end_backward(self) -> None:
-        """After each backward: every swapped unit goes home; the next forward starts afresh."""
+        """After each backward: every swapped unit goes home; the next forward starts afresh. Written-back weights
+        have landed when this returns (a checkpoint, EMA or validation may read them on the host)."""
         for i in list(self.resident):
-            self._evict(i)
+            self._evict(i, stepped=self.backward)
+        if self.written and self.stream is not None:
+            self.stream.synchronize()
+        self.written = False
         self.backward = False
 
     def remove(self) -> None:

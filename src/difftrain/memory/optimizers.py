@@ -163,6 +163,11 @@ class AdafactorBF16(torch.optim.Optimizer):
                         )
                     else:
                         st["exp_avg_sq"] = torch.zeros_like(g)
+                for k in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+                    if k in st and st[k].device != p.device:
+                        # loaded while block swap kept the weight on the host: the state follows the weight to the
+                        # device it steps on (once; then it stays)
+                        st[k] = st[k].to(p.device)
                 st["step"] += 1
                 step = int(st["step"].item())
                 beta2t = 1.0 - step ** group["decay_rate"]

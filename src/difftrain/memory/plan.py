@@ -77,7 +77,15 @@ def apply_offload(
     from .block_swap import BlockSwap
 
     o = mem.offload
-    return BlockSwap(module, units, o.blocks_to_swap, device, prefetch=o.prefetch, swap_trainable=full)
+    return BlockSwap(
+        module,
+        units,
+        o.blocks_to_swap,
+        device,
+        prefetch=o.prefetch,
+        swap_trainable=full,
+        write_back=full and mem.fused_backward,  # stepped on the GPU inside backward (the validator checks the pair)
+    )
 
 
 def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
