@@ -40,6 +40,12 @@ ORDER = [
     "sd3-lora-16gb",
     "cogvideox-2b-lora-6gb",
     "cogvideox-5b-lora-12gb",
+    "cogvideox-5b-full-12gb",
+    "sdxl-full",
+    "sdxl-full-te-24gb",
+    "cogvideox-2b-lora-24gb",
+    "cogvideox-5b-lora-24gb",
+    "cogvideox-5b-i2v-lora-24gb",
 ]
 
 OVERHEAD = """
@@ -68,6 +74,52 @@ _prepare(resolve(recipe=sys.argv[1], sets=sys.argv[3:]).config, Path(sys.argv[2]
 """
 
 
+def write(out: Path, overhead: dict, rows: list, failures: list) -> str:
+    """The three files, rewritten after every run (a call that runs out of time still brings back what finished)."""
+    lines = [
+        "| recipe | card | fits | allocated / reserved peak GiB | context+libraries GiB | left to torch GiB | headroom GiB "
+        "| planned reserved / on card GiB | planner error allocated / reserved | host RSS peak load / train GiB "
+        "| planned host GiB | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, status, j in rows:
+        c = j.get("card") or {}
+        res = j.get("peak_train_reserved_gib")
+        alloc = j.get("peak_train_alloc_gib")
+        err = (
+            f"{(j['planned_alloc_gib'] - alloc) / alloc * 100:+.0f} % / {(j['planned_reserved_gib'] - res) / res * 100:+.0f} %"
+            if res and alloc and status == "fits"
+            else ""
+        )
+        o = c.get("overhead") or {}
+        ctx = (o.get("context_gib") or 0) + (o.get("libraries_gib") or 0) if o else None
+        f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
+        st = j.get("stats") or {}
+        rss = f"{f(st.get('peak_rss_gib_load'))} / {f(st.get('peak_rss_gib_train'))}" if st else ""
+        lines.append(
+            f"| {name} | {c.get('card_gib', '')} | {status} | {f(j.get('peak_train_alloc_gib'))} / {f(res)} | {f(ctx)} | {f(c.get('budget_gib'))} "
+            f"| {f(c.get('headroom_gib'))} | {f(j.get('planned_reserved_gib'))} / {f(c.get('planned_card_gib'))} "
+            f"| {err} | {rss} | {f(j.get('planned_host_gib'))} | {f(j.get('s_per_step'), 3)} |"
+        )
+    table = "\n".join(lines)
+    (out / "card_fit.md").write_text(table + "\n")
+    (out / "failures.log").write_text("".join(failures) or "none\n")
+    all_runs = {"overhead": overhead, "runs": {name: {"status": st, **j} for name, st, j in rows}}
+    (out / "card_fit.json").write_text(json.dumps(all_runs, indent=1, default=str) + "\n")
+    return table
+
+
+def _tier(name: str) -> float:
+    """The card a recipe promises: its header's Tier line (sdxl-full's name has no size in it)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from difftrain.config.recipes import recipe_header
+
+    found = re.search(r"^Tier: ([0-9.]+) GiB", recipe_header(name), re.M)
+    if found is None:
+        raise SystemExit(f"{name}: its header states no Tier")
+    return float(found.group(1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -79,7 +131,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     args = ap.parse_args()
     runs = [
-        {"label": n, "recipe": n, "card": int(re.search(r"(\d+)gb", n).group(1)), "sets": [], "env": {}}  # type: ignore[union-attr]
+        {"label": n, "recipe": n, "card": _tier(n), "sets": [], "env": {}}
         for n in filter(None, args.recipes.split(","))
     ]
     if args.variants:
@@ -125,6 +177,7 @@ def main() -> None:
             status = "timeout"
         print(f"{name}: {status} in {time.time() - t:.0f} s", flush=True)
         rows.append((name, status, json.loads(js.read_text()) if js.exists() else {}))
+        write(args.out, overhead, rows, failures)
     if args.eager and args.budget - (time.time() - t0) > 60:
         here = Path(__file__).resolve().parent
         cmd = [sys.executable, str(here / "memory_tiers.py"), "--case", "E-lora", "--steps", str(args.steps)]
@@ -140,31 +193,7 @@ def main() -> None:
                 {"peak_train_reserved_gib": st.get("gpu_peak_reserved_gib"), "s_per_step": e.get("s_per_step_median")},
             )
         )
-    lines = [
-        "| recipe | card | fits | allocated / reserved peak GiB | context+libraries GiB | left to torch GiB | headroom GiB "
-        "| planned reserved / on card GiB | planner error (reserved) | host RSS peak load / train GiB | s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, status, j in rows:
-        c = j.get("card") or {}
-        res = j.get("peak_train_reserved_gib")
-        err = f"{(j['planned_reserved_gib'] - res) / res * 100:+.0f} %" if res and status == "fits" else ""
-        o = c.get("overhead") or {}
-        ctx = (o.get("context_gib") or 0) + (o.get("libraries_gib") or 0) if o else None
-        f = lambda v, d=2: "" if v is None else f"{v:.{d}f}"
-        st = j.get("stats") or {}
-        rss = f"{f(st.get('peak_rss_gib_load'))} / {f(st.get('peak_rss_gib_train'))}" if st else ""
-        lines.append(
-            f"| {name} | {c.get('card_gib', '')} | {status} | {f(j.get('peak_train_alloc_gib'))} / {f(res)} | {f(ctx)} | {f(c.get('budget_gib'))} "
-            f"| {f(c.get('headroom_gib'))} | {f(j.get('planned_reserved_gib'))} / {f(c.get('planned_card_gib'))} "
-            f"| {err} | {rss} | {f(j.get('s_per_step'), 3)} |"
-        )
-    table = "\n".join(lines)
-    (args.out / "card_fit.md").write_text(table + "\n")
-    (args.out / "failures.log").write_text("".join(failures) or "none\n")
-    all_runs = {"overhead": overhead, "runs": {name: {"status": st, **j} for name, st, j in rows}}
-    (args.out / "card_fit.json").write_text(json.dumps(all_runs, indent=1, default=str) + "\n")
-    print(table)
+    print(write(args.out, overhead, rows, failures))
 
 
 if __name__ == "__main__":

@@ -115,12 +115,39 @@ CASES = {
         FULL
         + ["memory.optimizer.kind=adamw", "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu}"],
     ),
+    "F6n": (
+        "F6 with overlap_comm off (one process: nothing to overlap)",
+        FULL
+        + [
+            "memory.optimizer.kind=adamw",
+            "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu, "
+            f"config_file: {Path(__file__).resolve().parent / 'ds_no_overlap.json'}}}",
+        ],
+    ),
     "F7": (
         "full UNet, bf16, DeepSpeed ZeRO-3, optimizer and parameters offloaded to the CPU, checkpointing",
         FULL
         + [
             "memory.optimizer.kind=adamw",
             "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+        ],
+    ),
+    "F6x": (
+        "F6 with expandable segments",
+        FULL
+        + [
+            "memory.optimizer.kind=adamw",
+            "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu}",
+            "memory.expandable_segments=true",
+        ],
+    ),
+    "F7x": (
+        "F7 with expandable segments",
+        FULL
+        + [
+            "memory.optimizer.kind=adamw",
+            "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+            "memory.expandable_segments=true",
         ],
     ),
     "L12": (

@@ -54,6 +54,7 @@ class BenchResult:
     planned_reserved_gib: float
     stats: dict = field(default_factory=dict)
     card: CardFit | None = None
+    planned_host_gib: float | None = None  # the planner's host RAM (compare with stats' peak RSS)
 
 
 def synthetic_tokenizers(folder: Path) -> Path:
@@ -174,6 +175,7 @@ def bench_memory(
         planned_reserved_gib=round(plan.gpu_reserved, 2),
         stats=s,
         card=card,
+        planned_host_gib=round(plan.host_total, 2),
     )
 
 
@@ -191,6 +193,7 @@ def _no_fit(card: CardFit, plan: Estimate, device: torch.device, error: str) -> 
         planned_alloc_gib=round(plan.gpu_total, 2),
         planned_reserved_gib=round(plan.gpu_reserved, 2),
         card=card,
+        planned_host_gib=round(plan.host_total, 2),
     )
 
 

@@ -182,11 +182,12 @@ def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
 
 @pytest.mark.slow  # three plan searches in subprocesses (~35 s); the fast tier searches in test_plan_prints_...
 def test_plan_searches_the_card_and_the_host_ram():
-    """--ram: a plan must fit both. SDXL's full fine-tune on an 8 GB card needs the CPU-offload optimizer (~25 GiB of
-    host RAM), so 16 GiB of RAM has no plan and 32 GiB does; a 12 GB card with 16 GiB of RAM gets Adafactor."""
-    p = _run("plan", "--recipe", "sdxl-full", "--vram", "8GiB", "--ram", "16GiB")
-    assert p.returncode == 1 and "fit a 8 GiB card with 16 GiB of host RAM" in p.stderr and "or more RAM" in p.stderr
-    for vram, ram, kind in (("8GiB", "32GiB", "cpu_offload"), ("12GiB", "16GiB", "adafactor")):
+    """--ram: a plan must fit both. SDXL's full fine-tune on an 8 GB card needs host RAM for swapped blocks (6.8 GiB
+    with Adafactor and half the blocks swapped) or the CPU-offload optimizer (~25 GiB), so 4 GiB of RAM has no plan and
+    16 GiB has Adafactor with block swap; a 12 GB card with 16 GiB of RAM gets Adafactor too."""
+    p = _run("plan", "--recipe", "sdxl-full", "--vram", "8GiB", "--ram", "4GiB")
+    assert p.returncode == 1 and "fit a 8 GiB card with 4 GiB of host RAM" in p.stderr and "or more RAM" in p.stderr
+    for vram, ram, kind in (("8GiB", "16GiB", "adafactor"), ("12GiB", "16GiB", "adafactor")):
         p = _run("plan", "--recipe", "sdxl-full", "--vram", vram, "--ram", ram)
         assert p.returncode == 0, p.stderr
         cfg = resolve(recipe="sdxl-full", sets=[ln.split(" ", 1)[1].strip("'") for ln in p.stdout.splitlines()]).config
@@ -194,3 +195,13 @@ def test_plan_searches_the_card_and_the_host_ram():
         assert (
             cfg.memory.optimizer.kind == kind and e.host_total <= float(ram[:-3]) and e.card_total <= float(vram[:-3])
         )
+
+
+def test_expandable_segments_unset_means_on_under_zero3_only():
+    deepspeed = "memory.engine={kind: deepspeed, stage: 3}"
+    assert resolve(sets=["train.method=full", "memory.optimizer.kind=adamw", deepspeed]).config.memory.expandable
+    zero2 = "memory.engine={kind: deepspeed, stage: 2}"
+    assert not resolve(sets=["train.method=full", "memory.optimizer.kind=adamw", zero2]).config.memory.expandable
+    assert not resolve(recipe="sdxl-lora-8gb").config.memory.expandable
+    off = ["train.method=full", "memory.optimizer.kind=adamw", deepspeed, "memory.expandable_segments=false"]
+    assert not resolve(sets=off).config.memory.expandable

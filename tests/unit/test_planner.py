@@ -74,13 +74,18 @@ def test_block_swap_terms_by_hand():
     base = resolve(sets=["memory.weights.kind=bf16"]).config
     swap = resolve(sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 3}"]).config
     e0, e = estimate(base, h), estimate(swap, h)
-    # the 3 largest (600 params) leave the GPU; 2 of them (prefetch 1 + the one computing, the largest: 300) come back
-    assert (e0.gpu["weights"] - e.gpu["weights"]) * GIB == pytest.approx(600 * 2 - 2 * 300 * 2)
+    # the 3 largest (600 params: blocks 0, 1 and the later 100) leave the GPU; at the peak, where backward starts, the
+    # last prefetch + 1 = 2 blocks in forward order are on it: of those only block 3 (100) is a swapped one
+    assert (e0.gpu["weights"] - e.gpu["weights"]) * GIB == pytest.approx(600 * 2 - 100 * 2)
     assert e.host["swapped blocks (pinned)"] * GIB == pytest.approx(600 * 2)
     more = resolve(
         sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 1}"]
     ).config
-    assert (e0.gpu["weights"] - estimate(more, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 2 * 300 * 2)
+    assert (e0.gpu["weights"] - estimate(more, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 200 * 2)
+    prefetch2 = resolve(
+        sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 2}"]
+    ).config
+    assert (e0.gpu["weights"] - estimate(prefetch2, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 400 * 2)
 
 
 def test_plan_search_offers_block_swap_below_what_fp8_reaches(cli):
@@ -160,7 +165,8 @@ def test_planner_within_ten_percent_of_measured(case):
     assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
-# block swap (H200, same script): the planner over-estimates these by 8-19 %, on the safe side; stated tolerance 20 %
+# block swap (H200, same script; the tier recipes on the H100 agree): within 10 % since the planner counts the blocks
+# on the GPU at the peak (the output end's) instead of the two largest (then +8-19 %)
 MEASURED_SWAP = {
     "L9": (
         ["train.method=lora", "memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 87}"],
@@ -184,10 +190,10 @@ MEASURED_SWAP = {
 
 
 @pytest.mark.parametrize("case", sorted(MEASURED_SWAP))
-def test_planner_block_swap_errs_on_the_safe_side(case):
+def test_planner_block_swap_within_ten_percent(case):
     sets, measured = MEASURED_SWAP[case]
     predicted = _sdxl_planned(sets)
-    assert 0 <= (predicted - measured) / measured < 0.20, (predicted, measured)
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
 # SD3-medium LoRA r16 / full at 1024, H200, benchmarks/family_memory.py (activations seeded from shared/reference's
@@ -216,7 +222,14 @@ MEASURED_COG = {
     "C2": ("cogvideox-5b-lora-24gb", [], 18.558),
     "C3": ("cogvideox-2b-lora-6gb", ["memory.optimizer.kind=adamw"], 4.728),  # measured before 8-bit (issue 23)
     "C4": ("cogvideox-5b-lora-12gb", [], 8.709),
-    "C5": ("cogvideox-5b-full-12gb", [], 8.676),
+    # C5: the recipe before issue 23 (AdamW on the CPU); C6: as shipped since (Adafactor in backward, block swap
+    # written home), capped as a 12 GB card on an H100 (benchmarks/card_fit.py, 2026-11-24)
+    "C5": (
+        "cogvideox-5b-full-12gb",
+        ["memory.optimizer={kind: cpu_offload, offload_gradients: true}", "memory.fused_backward=false"],
+        8.676,
+    ),
+    "C6": ("cogvideox-5b-full-12gb", [], 8.966),
 }
 
 
@@ -258,13 +271,11 @@ def test_plan_cli_search(cli):
     # measured: block swap costs 4 % of the step, fp8 20 %: bf16 weights with half the blocks swapped
     assert "--set 'memory.weights={kind: bf16}'" in r.out and "blocks_to_swap: 43" in r.out
     r = cli("plan", "--recipe", "sdxl-full", "--vram", "8GiB")
-    assert r.code == 0 and "cpu_offload" in r.out and "train.max_grad_norm=null" in r.out
-    assert (
-        resolve(
-            recipe="sdxl-full", sets=[ln.split(" ", 1)[1].strip("'") for ln in r.out.splitlines()]
-        ).config.memory.optimizer.kind
-        == "cpu_offload"
-    )
+    # measured (sdxl-full-8gb): Adafactor inside backward with half the blocks swapped, 1.26 s/step, where AdamW on
+    # the CPU took 1.74
+    assert r.code == 0 and "fused_backward=true" in r.out and "train.max_grad_norm=null" in r.out
+    m = resolve(recipe="sdxl-full", sets=[ln.split(" ", 1)[1].strip("'") for ln in r.out.splitlines()]).config.memory
+    assert (m.optimizer.kind, m.offload.kind) == ("adafactor", "block_swap")
     r = cli("plan", "--recipe", "sdxl-full", "--vram", "1GiB")
     assert r.code == 1 and "Nothing difftrain offers" in r.err
     r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "lots")
@@ -296,10 +307,10 @@ def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     from difftrain.cli import train_cmd
     from difftrain.errors import DifftrainError
 
-    cfg = resolve(recipe="sdxl-full-8gb", sets=["train.device=cpu"]).config
+    cfg = resolve(recipe="sdxl-full-3gb", sets=["train.device=cpu"]).config
     e = plan_memory(cfg)
     term = max(e.host, key=lambda k: e.host[k])
-    assert term == "optimizer state"  # AdamW's state on the host: 16 bytes a weight
+    assert term == "optimizer state"  # AdamW's state on the host: 4 copies of the weights
     monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (32.0, 20.0))
     msg = rf"needs about {e.host_total:.1f} GiB of host RAM \(the largest term: optimizer state, "
     with pytest.raises(DifftrainError, match=msg + r".*and 20\.0 GiB is available"):
@@ -315,17 +326,26 @@ def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     train_cmd.check_memory(cfg, strict=True)
 
 
-# peak host RSS of tier recipes, capped as their card on the H100 (benchmarks/card_fit.py, 2026-11-24, the random
-# model built beforehand in its own process), loaded by the SafetensorsReader with the 1 MiB malloc threshold;
-# sdxl-lora-8gb and cogvideox-5b-lora-12gb were measured before the threshold (which only lowers them). The others
-# were last measured with the earlier loader, whose figures this planner no longer models.
+# peak host RSS of every tier recipe, capped as its card on the H100 (benchmarks/card_fit.py, 2026-11-24, the random
+# model built beforehand in its own process, pinned copies packed into slabs). Not here: sdxl-full-te-24gb, 2.23
+# measured where the plan says 1.90 (-15 %: its text encoders run every step; that term is not modelled yet).
 MEASURED_HOST = {
-    "sdxl-lora-3gb": 8.21,
-    "sdxl-lora-4gb": 7.57,
-    "sdxl-lora-8gb": 2.06,
-    "sdxl-full-8gb": 24.05,
-    "sd3-lora-4gb": 7.72,
-    "cogvideox-5b-lora-12gb": 20.38,
+    "sdxl-lora-3gb": 6.80,
+    "sdxl-lora-4gb": 6.56,
+    "sdxl-lora-8gb": 1.99,
+    "sdxl-full-8gb": 6.49,
+    "sdxl-full-3gb": 26.03,
+    "cogvideox-5b-full-12gb": 12.40,
+    "sd3-lora-4gb": 5.80,
+    "cogvideox-5b-lora-12gb": 12.48,
+    "cogvideox-2b-lora-6gb": 5.20,
+    "sd3-lora-8gb": 1.81,
+    "sd3-lora-16gb": 1.78,
+    "sdxl-full": 2.06,
+    "sdxl-full-12gb": 2.01,
+    "cogvideox-2b-lora-24gb": 1.91,
+    "cogvideox-5b-lora-24gb": 1.91,
+    "cogvideox-5b-i2v-lora-24gb": 2.03,
 }
 
 
@@ -333,3 +353,123 @@ MEASURED_HOST = {
 def test_planner_host_ram_within_ten_percent_of_measured(name):
     predicted = plan_memory(resolve(recipe=name).config).host_total
     assert abs(predicted - MEASURED_HOST[name]) / MEASURED_HOST[name] < 0.10, (predicted, MEASURED_HOST[name])
+
+
+def test_deepspeed_terms_by_hand():
+    """ZeRO-3 with the weights offloaded keeps DeepSpeed's live-parameter budget of them on the GPU plus a prefetch
+    bucket, and its gradients leave through a reduce bucket; ZeRO-2 with the optimizer offloaded: the allocator holds
+    about the weights again (both measured, docs/benchmarks.md)."""
+    from difftrain.memory.planner import ALLOCATOR_SLACK_GIB, ZERO3_MAX_LIVE, ZERO_BUCKET
+
+    full = ["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw"]
+    z3 = resolve(
+        sets=[
+            *full,
+            "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+        ]
+    ).config
+    big = _hints(parts={"unet": {"total": 3e9, "fp8_eligible": 2e9}})
+    e = estimate(z3, big)
+    assert e.gpu["weights"] * GIB == pytest.approx((ZERO3_MAX_LIVE + ZERO_BUCKET) * 2)
+    assert e.gpu["gradients"] * GIB == pytest.approx((100 + ZERO_BUCKET) * 2)
+    assert e.host["weights (ZeRO-3 offload)"] * GIB == pytest.approx((3e9 - ZERO3_MAX_LIVE - ZERO_BUCKET) * 2)
+    small = estimate(z3, _hints())  # fewer weights than the live budget: all of them on the GPU
+    assert small.gpu["weights"] * GIB == pytest.approx((1000 + ZERO_BUCKET) * 2)
+    z2 = resolve(sets=[*full, "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu}"]).config
+    e2 = estimate(z2, _hints())
+    assert e2.slack == pytest.approx(ALLOCATOR_SLACK_GIB + 1000 * 2 / GIB)
+    on_gpu = resolve(sets=[*full, "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: none}"]).config
+    assert estimate(on_gpu, _hints()).slack == pytest.approx(ALLOCATOR_SLACK_GIB)
+
+
+def test_reserved_adds_the_family_slack_and_shares_of_the_allocated_and_the_activations():
+    cfg = resolve(sets=["memory.weights.kind=bf16"]).config
+    plain, sdxl_like = estimate(cfg, _hints()), estimate(cfg, _hints(allocator_slack=0.3))
+    assert plain.gpu_reserved == pytest.approx(plain.gpu_total * 1.04 + 0.15 + 0.1 * plain.gpu["activations"])
+    assert sdxl_like.gpu_reserved - plain.gpu_reserved == pytest.approx(0.15)
+    expandable = resolve(sets=["memory.weights.kind=bf16", "memory.expandable_segments=true"]).config
+    e = estimate(expandable, _hints(activations={"checkpoint": 2.0 * GIB, "none": 20.0}))
+    assert e.gpu_reserved == pytest.approx(e.gpu_total * 1.04 + 0.15 + 0.05 * e.gpu["activations"])
+    # the bundled SDXL data states its slack, SD3's does not (the default)
+    assert plan_memory(resolve(recipe="sdxl-lora-8gb").config).slack == 0.3
+    assert plan_memory(resolve(recipe="sd3-lora-8gb").config).slack == 0.15
+
+
+# every GPU tier recipe as shipped, capped as its card on the H100 (benchmarks/card_fit.py, 2026-11-24): peak
+# allocated and reserved GiB; the planner is within 10 % of both (issue 23)
+MEASURED_CARD = {
+    "sdxl-lora-3gb": (1.136, 1.529),
+    "sdxl-lora-4gb": (1.851, 2.258),
+    "sdxl-lora-8gb": (5.853, 6.348),
+    "sdxl-full-3gb": (1.041, 1.457),
+    "sdxl-full-8gb": (4.173, 4.479),
+    "sdxl-full-12gb": (6.894, 7.625),
+    "sdxl-full": (15.07, 15.79),
+    "sdxl-full-te-24gb": (19.348, 20.162),
+    "sd3-lora-4gb": (1.252, 1.408),
+    "sd3-lora-8gb": (4.741, 4.984),
+    "sd3-lora-16gb": (9.125, 9.719),
+    "cogvideox-2b-lora-6gb": (4.611, 4.922),
+    "cogvideox-5b-lora-12gb": (8.8, 9.531),
+    "cogvideox-5b-full-12gb": (8.966, 10.16),
+    "cogvideox-2b-lora-24gb": (7.75, 9.076),
+    "cogvideox-5b-lora-24gb": (18.66, 20.561),
+    "cogvideox-5b-i2v-lora-24gb": (18.762, 20.734),
+}
+
+
+def test_every_gpu_tier_recipe_was_measured_as_a_card():
+    tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
+    assert len(tiers) == 17 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    # and states its host RAM peak beside the GPU's
+    assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_CARD))
+def test_planner_within_ten_percent_of_the_card_measurement(name):
+    alloc, reserved = MEASURED_CARD[name]
+    e = plan_memory(resolve(recipe=name).config)
+    assert abs(e.gpu_total - alloc) / alloc < 0.10, (e.gpu_total, alloc)
+    assert abs(e.gpu_reserved - reserved) / reserved < 0.10, (e.gpu_reserved, reserved)
+
+
+# DeepSpeed on one H100 (benchmarks/memory_tiers.py --cases F6,F7,L12, 2026-11-24): allocated, reserved GiB
+MEASURED_DEEPSPEED = {
+    "L12": (
+        [
+            "train.method=lora",
+            "memory.weights.kind=bf16",
+            "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: none}",
+        ],
+        (5.893, 6.371),
+    ),
+    "F6": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw",
+            "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: cpu}",
+        ],
+        (9.633, 14.754),
+    ),
+    "F7": (
+        [
+            "train.method=full",
+            "memory.weights.kind=bf16",
+            "memory.optimizer.kind=adamw",
+            "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: cpu, offload_param_device: cpu}",
+        ],
+        (2.784, 3.389),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED_DEEPSPEED))
+def test_planner_within_ten_percent_of_deepspeed(case):
+    sets, (alloc, reserved) = MEASURED_DEEPSPEED[case]
+    cfg = resolve(
+        sets=["model.config=sdxl-base-1.0", "lora.rank=16", "data.resolution=1024", "train.mixed_precision=bf16", *sets]
+    ).config
+    e = plan_memory(cfg)
+    assert abs(e.gpu_total - alloc) / alloc < 0.10, (e.gpu_total, alloc)
+    assert abs(e.gpu_reserved - reserved) / reserved < 0.10, (e.gpu_reserved, reserved)

@@ -416,12 +416,6 @@ def _factored_numel(shape: torch.Size) -> int:
     return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
 
 
-def _pinned_numel(n: int) -> int:
-    """What a pinned host copy of an ``n``-element tensor takes, in elements: torch's caching host allocator rounds
-    each block up to a power of two (measured on the H100: SDXL's 87 swapped blocks, 4.68 GiB, took 6.2 GiB)."""
-    return 1 << (n - 1).bit_length() if n > 1 else n
-
-
 def parameter_hints(
     family,
     new_module: Callable[[str, dict], torch.nn.Module],
@@ -441,7 +435,7 @@ def parameter_hints(
     ``family.text_encoder_lora_targets`` on text encoders); the largest
     parameter; and the sizes of the denoiser's ``swap_blocks``.
     """
-    counts, lora, largest, swap_units, swap_pinned = {}, 0, 0, [], []
+    counts, lora, largest, swap_units = {}, 0, 0, []
     for part in parts:
         if part not in loaded:
             continue
@@ -469,17 +463,14 @@ def parameter_hints(
             "fp8_eligible": eligible,
             "linear": linear,
             "adafactor_state": sum(_factored_numel(p.shape) for p in module.parameters()),
-            "pinned_elements": sum(_pinned_numel(p.numel()) for p in module.parameters()),
         }
         if part == family.denoiser:
             blocks = family.swap_blocks(module)
             swap_units = [sum(p.numel() for p in u.parameters()) for u in blocks]
-            swap_pinned = [sum(_pinned_numel(p.numel()) for p in u.parameters()) for u in blocks]
     return {
         "parts": counts,
         "denoiser": family.denoiser,
         "swap_units": swap_units,
-        "swap_units_pinned": swap_pinned,
         "trained_parts": list(trained),
         "lora_params": lora,
         "largest_param": largest,
@@ -494,4 +485,5 @@ def measured_hints(data_file: Path) -> dict:
         "text_encoder_activations": data.get("text_encoder_activation_bytes_per_sample", 0),
         "workspace": data.get("workspace_bytes", 0),
         "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
+        "allocator_slack": data.get("allocator_slack_gib", 0.0),
     }

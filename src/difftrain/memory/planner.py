@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config.schema import Config, WeightsFP8, WeightsInt8, WeightsNF4
 from .card import LIBRARIES, card_terms
+from .pinned import SLAB
 
 GIB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -38,7 +39,18 @@ SPEED = {
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 FILE_BYTES = 2  # checkpoints are distributed in fp16 / bf16
-TRAINING_HOST_GIB = 0.4  # RSS added once training runs (batches, buffers): sdxl-lora-8gb 1.55 -> 2.06, sd3 +0.2
+# a fused-backward step's temporaries, per element of the largest parameter, where the family has no measurement:
+# its fp32 gradient, update, weight and rounding noise (SDXL's case F2: 740 MB for 29.5 M elements; CogVideoX-5b
+# with Adafactor and block swap measured 8.97 GiB allocated where the plan without this term said 7.82)
+FUSED_TEMP_BYTES = 25
+# DeepSpeed's defaults as memory/deepspeed_engine.py leaves them: stage3_max_live_parameters (DeepSpeed's own
+# default) and the reduce / prefetch bucket sizes difftrain sets (elements)
+ZERO3_MAX_LIVE = 1e9
+ZERO_BUCKET = 5e7
+TRAINING_HOST_GIB = 0.4
+# the allocator's least slack where a family has not measured its own: SD3 0.16-0.24 GiB and CogVideoX 0.31 (with
+# expandable segments) over their smallest tiers on the H100
+ALLOCATOR_SLACK_GIB = 0.15  # RSS added once training runs (batches, buffers): sdxl-lora-8gb 1.55 -> 2.06, sd3 +0.2
 
 
 @dataclass
@@ -46,6 +58,11 @@ class Estimate:
     gpu: dict[str, float] = field(default_factory=dict)  # GiB by term
     host: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: GiB the caching allocator keeps beyond what is allocated, at the least (memory.json's allocator_slack_gib)
+    slack: float = ALLOCATOR_SLACK_GIB
+    #: memory.expandable_segments in effect (CogVideoX with them: 0.31 and 0.73 GiB slack at 3.8 and 7.2 GiB of
+    #: activations, without: 1.19-1.97 at the same activations)
+    expandable: bool = False
     #: on the card beside torch's reservation: the CUDA context, the libraries, the display margin (card.py)
     card: dict[str, float] = field(default_factory=card_terms)
 
@@ -55,8 +72,12 @@ class Estimate:
 
     @property
     def gpu_reserved(self) -> float:
-        """The caching allocator holds more than it hands out: measured 3-17 % plus a little."""
-        return self.gpu_total * 1.06 + 0.25
+        """The caching allocator holds more than it hands out: a little (the family's, its memory.json), a few
+        percent of what it hands out, and a share of the activations (their tensors come and go in many sizes).
+        Fitted to the 16 tier recipes and the DeepSpeed cases measured on the H100 (docs/benchmarks.md, "Tiers as
+        cards")."""
+        share = 0.05 if self.expandable else 0.1  # expandable segments reuse the freed activations' pages
+        return self.gpu_total * 1.04 + self.slack + share * self.gpu.get("activations", 0.0)
 
     @property
     def card_total(self) -> float:
@@ -76,11 +97,11 @@ class Estimate:
 
 def estimate(cfg: Config, hints: dict) -> Estimate:
     m, t = cfg.memory, cfg.train
-    e = Estimate()
+    e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
     wk = m.weights.kind
     compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8)) else wk
     part_bytes, weights, trainable = _part_bytes(cfg, hints, compute)
-    weights, swapped_bytes, pinned_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
+    weights, swapped_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
     if t.method == "lora":
         trainable = hints["lora_params"]
         weights += trainable * 4  # LoRA weights are kept in fp32
@@ -106,15 +127,16 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         # single file is read by difftrain's SafetensorsReader, which holds one tensor at a time)
         e.host["reading the checkpoint (file pages)"] = loaded * FILE_BYTES / GIB
     if m.optimizer.kind == "cpu_offload":
-        # torchao keeps a pinned host copy of each weight and of its gradient (each rounded up to a power of two by
-        # the pinned allocator) and AdamW's two moments, all in the weight's dtype (sdxl-full-8gb: 24.1 GiB RSS)
-        pinned = sum(parts[p].get("pinned_elements", parts[p]["total"]) for p in hints["trained_parts"] if p in parts)
-        pinned = pinned if t.method == "full" and pinned else trainable
-        e.host["optimizer state"] = (2 * pinned + 2 * trainable) * BYTES[compute] / GIB
+        # torchao keeps a pinned host copy of each weight and of its gradient and AdamW's two moments, all in the
+        # weight's dtype (sdxl-full-8gb: 24.1 GiB RSS with each copy rounded up to a power of two, before packing)
+        e.host["optimizer state"] = 4 * trainable * BYTES[compute] / GIB
     else:
         e.host["optimizer state"] = trainable * host_state / GIB
     if swapped_bytes:
-        e.host["swapped blocks (pinned)"] = pinned_bytes / GIB
+        e.host["swapped blocks (pinned)"] = swapped_bytes / GIB
+    if swapped_bytes or m.optimizer.kind == "cpu_offload":
+        # pinned copies are packed into slabs (memory/pinned.py): on average half a slab is left unused
+        e.host["pinned slabs' free tail"] = SLAB / 2 / GIB
     if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
         # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
         e.host["load (one high-precision copy, freed)"] = max(0.0, loaded * BYTES[compute] - swapped_bytes) / GIB
@@ -150,27 +172,29 @@ def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float
 
 def _block_swap(
     cfg: Config, hints: dict, part_bytes: dict[str, float], weights: float, e: Estimate
-) -> tuple[float, float, float]:
-    """(weight bytes on the GPU once block swap has moved its blocks out, bytes of the blocks, and what their pinned
-    host copies take: torch's pinned allocator rounds each tensor up to a power of two)."""
+) -> tuple[float, float]:
+    """(weight bytes on the GPU once block swap has moved its blocks out, bytes of the blocks in host RAM)."""
     m = cfg.memory
-    swapped_bytes = pinned_bytes = 0.0
+    swapped_bytes = 0.0
     if m.offload.kind == "block_swap" and hints.get("swap_units"):
         # the N largest units live in host RAM (as BlockSwap picks them); prefetch + 1 of them are on the GPU at a time
         den = hints["denoiser"]
         per_param = part_bytes[den] / hints["parts"][den]["total"]
         sizes = hints["swap_units"]
         order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i))[: m.offload.blocks_to_swap]
-        units = [sizes[i] for i in order]
-        swapped_bytes = sum(units) * per_param
-        pinned_units = hints.get("swap_units_pinned") or sizes
-        pinned_bytes = sum(pinned_units[i] for i in order) * per_param
+        swapped_bytes = sum(sizes[i] for i in order) * per_param
+        # the peak is where backward starts (the most activations saved): the units on the GPU then are the last
+        # prefetch + 1 in forward order, where they are swapped ones (measured on the H100: SDXL's peak over its
+        # loaded weights is the same with and without block swap, 0.85-0.89 GiB, as its last units are small or
+        # not swapped; SD3's is 0.30 GiB higher, its last two blocks)
+        tail = set(range(len(sizes) - m.offload.prefetch - 1, len(sizes)))
+        in_flight = sum(sizes[i] for i in order if i in tail) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
         kept = 1 - 1 / m.activations.every if m.activations.kind == "checkpoint" else 1.0
-        weights -= swapped_bytes * (1 - kept) - min(len(units), m.offload.prefetch + 1) * units[0] * per_param
+        weights -= swapped_bytes * (1 - kept) - in_flight
     elif m.offload.kind == "block_swap":
         e.notes.append("no block list for this architecture: block swap not counted")
-    return weights, swapped_bytes, pinned_bytes
+    return weights, swapped_bytes
 
 
 def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_bytes: int, e: Estimate) -> int:
@@ -179,7 +203,8 @@ def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_byte
     m = cfg.memory
     if m.fused_backward:
         # one gradient at a time in principle; measured: gradients and optimizer temporaries in flight
-        e.gpu["gradients"] = (hints["largest_param"] * grad_bytes + hints.get("fused_backward_extra", 0)) / GIB
+        extra = hints.get("fused_backward_extra") or FUSED_TEMP_BYTES * hints["largest_param"]
+        e.gpu["gradients"] = (hints["largest_param"] * grad_bytes + extra) / GIB
     elif m.optimizer.kind == "cpu_offload" and m.optimizer.offload_gradients:
         e.gpu["gradients"] = hints["largest_param"] * grad_bytes * 2 / GIB  # in flight to the host
     else:
@@ -192,11 +217,24 @@ def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_byte
         gpu_state, host_state = (0, 16) if e_.offload_optimizer_device != "none" else (16, 0)
         e.gpu["gradients"] = trainable * 2 / GIB
         if e_.stage == 3 and e_.offload_param_device != "none":
-            # weights fetched layer by layer: a prefetch bucket and the largest layer are on the GPU
-            resident = hints["largest_param"] * 2 + 5e7 * 2
+            # weights fetched layer by layer and kept while DeepSpeed's live-parameter budget allows
+            # (stage3_max_live_parameters, 1e9 by default) plus a prefetch bucket; gradients leave for the host
+            # through a reduce bucket as each layer's backward ends (SDXL full, H100: 2.83 GiB allocated, this 2.83)
+            numel = e.gpu["weights"] * GIB / 2
+            resident = min(numel, ZERO3_MAX_LIVE) * 2 + ZERO_BUCKET * 2
             e.host["weights (ZeRO-3 offload)"] = e.gpu["weights"] - resident / GIB
             e.gpu["weights"] = resident / GIB
-        e.notes.append("DeepSpeed's terms are a first estimate (ZeRO buckets not modelled)")
+            e.gpu["gradients"] = (hints["largest_param"] + ZERO_BUCKET) * 2 / GIB
+        elif e_.stage == 2 and e_.offload_optimizer_device != "none":
+            # ZeRO-2 with the optimizer on the CPU: torch's allocator held about the weights again beyond the
+            # allocated peak (SDXL full, H100: 14.75 GiB reserved for 9.63 allocated; with expandable segments, with
+            # overlap_comm off, and with the cache emptied after DeepSpeed's set-up alike); whether a card's cap
+            # reclaims it is not measured
+            e.slack += e.gpu["weights"]
+        e.notes.append(
+            "DeepSpeed's terms are fitted to three SDXL cases on one GPU (docs/benchmarks.md); its host RAM with the "
+            "optimizer offloaded was measured 35 % above this plan's"
+        )
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
     if m.optimizer.kind == "adafactor" and cfg.train.method == "full":
         # fp32 factored second moments: a row and a column vector for each matrix (families/common.py)

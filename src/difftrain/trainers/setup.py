@@ -60,7 +60,7 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
     # freed host blocks above 1 MiB go back to the system: the host copy a load or block swap lets go of leaves the
     # RSS instead of staying in the C heap (measured: +0.7-1.6 GiB on the block swap recipes without it)
     fix_malloc_mmap_threshold()
-    if cfg.memory.expandable_segments and device.type == "cuda":
+    if cfg.memory.expandable and device.type == "cuda":
         # the allocator reads PYTORCH_CUDA_ALLOC_CONF once, at its first use, which may be behind us (a context
         # made earlier in this process); torch's setter applies to the segments made from now on
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
