@@ -108,6 +108,37 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
 }
 
 
+# torch's CPU kernels take another path per instruction set (torch.backends.cpu.get_cpu_capability()). On a CPU
+# with AVX2 only (an AMD EPYC, 2026-11-25) the bf16 cases differ from the pins above by up to 0.3 % (sdxl
+# checkpoint losses), beyond their tolerance, while every fp32 case agrees: the bf16 cases have their own pins there,
+# measured on that machine (DIFFTRAIN_REPIN=1 prints the values of the machine it runs on).
+PINS_AVX2: dict[tuple[str, str], tuple[list[float], list[float]]] = {
+    ("sdxl", "checkpoint"): ([1.1098866, 1.0691056, 0.98874676, 0.81938791], [17095.81811, 2549.787844, 31.49045886]),
+    ("sdxl", "fp8"): ([1.1106352, 1.066793, 0.99280119, 0.82209247], [17103.95129, 2549.760189, 32.00345928]),
+    ("sd3", "checkpoint"): ([1.6921747, 1.5091393, 1.632601, 1.5215149], [683.403519, 92.08044161, 4.848466153]),
+    ("sd3", "fp8"): ([1.6921177, 1.5092134, 1.6321862, 1.5212817], [683.4894164, 92.09778349, 4.84734481]),
+    ("cogvideox", "checkpoint"): (
+        [0.70578021, 0.44856888, 0.5542962, 0.5155136],
+        [210.8969347, 31.94455227, 0.02100009108],
+    ),
+    ("cogvideox", "fp8"): ([0.70550603, 0.4485226, 0.55386871, 0.51588845], [210.8948789, 31.94640773, 0.02099761522]),
+    ("cogvideox-i2v", "checkpoint"): (
+        [0.72221458, 0.95783669, 1.1452824, 1.1233224],
+        [210.5248548, 31.97215434, 0.01875958278],
+    ),
+    ("cogvideox-i2v", "fp8"): (
+        [0.72145784, 0.95681012, 1.1446387, 1.1226108],
+        [210.5150369, 31.9713621, 0.01880484426],
+    ),
+}
+
+
+def _pins(key: tuple[str, str]) -> tuple[list[float], list[float]]:
+    if torch.backends.cpu.get_cpu_capability() == "AVX2" and key in PINS_AVX2:
+        return PINS_AVX2[key]
+    return PINS[key]
+
+
 def _build(spec: str, folder: Path) -> Path:
     import importlib
 
@@ -174,7 +205,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
     if REPIN:
         print(f"\n    {key!r}: ({[float(f'{x:.8g}') for x in losses]}, {[float(f'{x:.10g}') for x in sums]}),")
         pytest.fail("DIFFTRAIN_REPIN=1: printed the measured values instead of checking them")
-    want_losses, want_sums = PINS[key]
+    want_losses, want_sums = _pins(key)
     assert losses == pytest.approx(want_losses, rel=tol, abs=1e-7), key
     assert sums == pytest.approx(want_sums, rel=tol, abs=1e-7), key
 
