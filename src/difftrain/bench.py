@@ -25,7 +25,7 @@ from .families.tokenizers import tiny_clip_vocab
 from .memory.card import Overhead, allocator_budget, measure_overhead
 from .memory.planner import Estimate
 from .planning import plan_memory, plan_parts
-from .speed import peak_matmul_tflops
+from .speed import peak_matmul_tflops, recompile_limit_hits
 from .trainers.loop import Hooks, Trainer
 from .utils import pick_device
 
@@ -55,6 +55,7 @@ class BenchResult:
     stats: dict = field(default_factory=dict)
     card: CardFit | None = None
     planned_host_gib: float | None = None  # the planner's host RAM (compare with stats' peak RSS)
+    speed: str | None = None  # what speed auto chose, and why (SpeedChoice.line)
 
 
 def synthetic_tokenizers(folder: Path) -> Path:
@@ -70,20 +71,34 @@ def _architecture(cfg: Config) -> str:
     return cfg.model.config
 
 
-def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] | None = None) -> Path:
-    """``size`` (height, width): a non-square shape (CogVideoX's 480x720); default the square resolution."""
+def synthetic_cache(
+    cfg: Config,
+    root: Path,
+    n: int = 4,
+    size: tuple[int, int] | None = None,
+    buckets: list[tuple[int, int]] | None = None,
+) -> Path:
+    """``size`` (height, width): a non-square shape (CogVideoX's 480x720); default the square resolution.
+    ``buckets`` (image families): ``n`` items of each (height, width), which the sampler draws in random order
+    as it does a real dataset's aspect buckets."""
     family = get_family(cfg.family)
     video = {"frames": cfg.data.frames} if family.video else {}
     # a (height, width) size is given only for the video families, whose cache_shapes take one
     shapes = family.cache_shapes(_architecture(cfg), size or cfg.data.resolution, **video)  # type: ignore[arg-type]
+    if buckets and family.video:
+        raise UsageError("--buckets is for the image families; a video's size is --size HxW")
     cache = DataCache(root)
     g = torch.Generator().manual_seed(0)
     items = []
     side = cfg.data.resolution
-    for i in range(n):
+    sizes = [b for b in buckets for _ in range(n)] if buckets else [(side, side)] * n
+    for i, (h, w) in enumerate(sizes):
+        lat_shapes = dict(shapes["latent"])
+        if buckets:
+            lat_shapes["latents"] = (*shapes["latent"]["latents"][:-2], h // 8, w // 8)
         lat = {
             k: torch.zeros(v, dtype=torch.int64) if k == "crop" else torch.randn(v, generator=g)
-            for k, v in shapes["latent"].items()
+            for k, v in lat_shapes.items()
         }
         cache.put(f"lat{i}", lat)
         texts = {}
@@ -95,8 +110,8 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] |
                 key=f"img{i}",
                 image=f"img{i}.png",
                 caption=f"a photo of a cat, number {i}",
-                bucket=(side, side),
-                original_size=(side, side),
+                bucket=(w, h),
+                original_size=(h, w),
                 latent=f"lat{i}",
                 texts=texts,
             )
@@ -106,7 +121,14 @@ def synthetic_cache(cfg: Config, root: Path, n: int = 4, size: tuple[int, int] |
     return root
 
 
-def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, run: str = "run") -> Config:
+def _prepare(
+    cfg: Config,
+    work: Path,
+    steps: int,
+    size: tuple[int, int] | None,
+    run: str = "run",
+    buckets: list[tuple[int, int]] | None = None,
+) -> Config:
     """The config on a random-weight model of its architecture and a random cache of its shapes, for ``steps``."""
     family = get_family(cfg.family)
     device = pick_device(cfg.train.device)
@@ -120,7 +142,11 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
         tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
     tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
-    cache_dir = synthetic_cache(cfg, work / f"cache-{tag}-{cfg.data.frames}", size=size)
+    if buckets:
+        tag = "buckets-" + "-".join(f"{h}x{w}" for h, w in buckets)
+    cache_dir = synthetic_cache(
+        cfg, work / f"cache-{tag}-{cfg.data.frames}", size=size, buckets=buckets, n=2 if buckets else 4
+    )
     update["data"] = cfg.data.model_copy(update={"cache_dir": cache_dir})
     update["train"] = cfg.train.model_copy(
         update={"max_steps": steps, "output_dir": work / run, "checkpoint_every": None, "device": str(device)}
@@ -130,13 +156,19 @@ def _prepare(cfg: Config, work: Path, steps: int, size: tuple[int, int] | None, 
 
 
 def bench_memory(
-    cfg: Config, work: Path, steps: int = 6, size: tuple[int, int] | None = None, card_gib: float | None = None
+    cfg: Config,
+    work: Path,
+    steps: int = 6,
+    size: tuple[int, int] | None = None,
+    card_gib: float | None = None,
+    planned_steps: int | None = None,
+    buckets: list[tuple[int, int]] | None = None,
 ) -> BenchResult:
     """Train ``cfg`` for ``steps`` on random data of its shapes; with ``card_gib``, under the allocator cap such a
     card leaves (the context and libraries measured on this GPU now, and the display margin, taken off)."""
     work = Path(work)
     device = pick_device(cfg.train.device)
-    run_cfg = _prepare(cfg, work, steps, size)
+    run_cfg = _prepare(cfg, work, steps, size, buckets=buckets)
     plan = plan_memory(run_cfg)
     card = None
     if card_gib is not None:
@@ -154,7 +186,7 @@ def bench_memory(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
-    trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set()))
+    trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set(), planned_steps=planned_steps))
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:
@@ -176,6 +208,7 @@ def bench_memory(
         stats=s,
         card=card,
         planned_host_gib=round(plan.host_total, 2),
+        speed=trainer.speed.line(),
     )
 
 
@@ -212,7 +245,9 @@ def largest_term(plan: Estimate) -> str:
 
 
 # ------------------------------------------------------------------ speed
-EAGER = SpeedConfig(sync_seconds=0, pin_memory=False, optimizer_kernels="foreach")  # the diffusers scripts' way
+EAGER = SpeedConfig(  # the diffusers scripts' way
+    compile=False, cuda_graphs=False, sync_seconds=0, pin_memory=False, optimizer_kernels="foreach"
+)
 
 
 def baseline_config(base: Config, speed_keys: set[str]) -> Config:
@@ -245,16 +280,20 @@ class SpeedRow:
     first_step_s: float  # set-up of the loop to the end of step 1: compiling, when compiled
     warmup_overhead_s: float  # the warm-up steps' time beyond as many timed steps: compile and autotuning
     peak_alloc_gib: float | None
+    peak_reserved_gib: float | None = None
     profile: dict | None = None
     compile: dict | None = None  # torch's own compile-time phases (s) and graph count, compiled runs only
     tflops: float | None = None
     mfu: float | None = None
+    speed: str = ""  # what speed auto chose, and why
 
 
-def _timed_run(cfg: Config, warmup: int, profile: Path | None = None) -> tuple[Trainer, dict[int, float], dict]:
+def _timed_run(
+    cfg: Config, warmup: int, profile: Path | None = None, planned_steps: int | None = None
+) -> tuple[Trainer, dict[int, float], dict]:
     """Train; with ``profile``, two steps run after the timed ones (the profiler's warm-up and the profiled step, the
     GPU synchronised at their edges so the profiled step holds its own kernels only) and its summary comes back."""
-    hooks = Hooks(flush_steps={1, warmup})  # read back (and so wait for the GPU) exactly here
+    hooks = Hooks(flush_steps={1, warmup}, planned_steps=planned_steps)  # read back (the GPU waited for) exactly here
     trainer = Trainer(cfg, hooks=hooks)
     end = cfg.train.max_steps
     assert end is not None, "a benchmark trains a set number of steps"
@@ -432,6 +471,8 @@ def bench_speed(
     baseline: Config | None = None,
     size: tuple[int, int] | None = None,
     profile: bool = False,
+    planned_steps: int | None = None,
+    buckets: list[tuple[int, int]] | None = None,
 ) -> dict:
     """Time ``cfg`` (and ``baseline``, by default the same config run eagerly) for ``warmup`` + ``steps`` steps on
     random weights and data of the real shapes; FLOPs counted once on the eager run, MFU against the dense matmul
@@ -441,7 +482,7 @@ def bench_speed(
     peak = peak_matmul_tflops(device)
     # the baseline runs eagerly unless it was given speed options (baseline_config), e.g. float8 against compiled bf16
     runs = (
-        [("compiled baseline" if baseline.speed.compile else "eager baseline", baseline)]
+        [("compiled baseline" if baseline.speed.compile is True else "eager baseline", baseline)]
         if baseline is not None
         else []
     )
@@ -454,19 +495,22 @@ def bench_speed(
                 "validation": c.validation.model_copy(update={"prompts": [], "loss_items": 0}),
             }
         )
-        run_cfg = _prepare(c, work, warmup + steps + (2 if profile else 0), size, run=name.split()[0])
+        run_cfg = _prepare(c, work, warmup + steps + (2 if profile else 0), size, run=name.split()[0], buckets=buckets)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prof = work / f"profile-{name.split()[0]}.txt" if profile else None
         compile_before = _compile_totals()
-        trainer, times, summary = _timed_run(run_cfg, warmup, prof)
+        trainer, times, summary = _timed_run(run_cfg, warmup, prof, planned_steps)
+        compiled = trainer.speed.compile
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
         peak_mem = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+        peak_res = round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if device.type == "cuda" else None
         if flops is None and (
             not c.speed.float8 or name == runs[-1][0]
         ):  # model FLOPs: bf16 matmuls if any run has them
             flops = (step_flops(trainer), bs)
+        compiled = trainer.speed.compile
         rows.append(
             SpeedRow(
                 name,
@@ -475,12 +519,14 @@ def bench_speed(
                 round(times[1] - times[0], 2),
                 round(max(0.0, times[warmup] - times[0] - warmup * per), 2),
                 peak_mem,
+                peak_reserved_gib=peak_res,
                 profile=summary or None,
-                compile=compile_phases(since=compile_before) if c.speed.compile else None,
+                compile=compile_phases(since=compile_before) if compiled else None,
+                speed=trainer.speed.line(),
             )
         )
         del trainer
-        if c.speed.compile:  # dynamo's per-code caches are process-wide: the next run's blocks (same forward code,
+        if compiled:  # dynamo's per-code caches are process-wide: the next run's blocks (same forward code,
             from torch import _dynamo  # other layers, e.g. float8's) would hit its recompile limit and run eagerly
 
             _dynamo.reset()
@@ -496,6 +542,7 @@ def bench_speed(
         "flops_per_step": flops[0][0] if flops else None,
         "flops_exact": flops[0][1] if flops else None,
         "rows": [r.__dict__ for r in rows],
+        "recompile_limit_hits": recompile_limit_hits(),  # blocks dynamo left eager (speed.configure_compile's watch)
     }
     if len(rows) == 2:
         out["speedup"] = round(rows[0].s_per_step / rows[1].s_per_step, 3)

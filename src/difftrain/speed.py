@@ -10,21 +10,233 @@ and nothing for SD3's or CogVideoX's transformers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config.schema import SpeedConfig
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, DifftrainError
 
 _SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
 
+# ----------------------------------------------------------------- speed: auto
+@dataclass(frozen=True)
+class CompileCost:
+    """What compiling a family's denoiser costs and saves, measured on an H100 at the family's usual case (SDXL
+    1024 batch 1, SD3-medium 1024 batch 1, CogVideoX-2b 49x480x720; docs/benchmarks.md "Speed"). On a slower GPU a
+    step takes longer and compiling (mostly CPU work) about as long, so the H100's break-even is the cautious one."""
+
+    cold_s: float  # the first step's extra time with an empty inductor cache (CUDA graphs recorded)
+    warm_s: float  # the same with this config's kernels already in the cache
+    saved_s: float  # seconds a step saves compiled with CUDA graphs
+    saved_s_no_graphs: float  # ... compiled without them
+
+
+#: at least this many times the compile time must come back in saved step time (auto)
+PAYBACK = 1.25
+#: auto turns CUDA graphs off past this many bucket shapes. Measured on an H100 (docs/benchmarks.md, "Fast by
+#: default"): sdxl-lora-8gb compiled with CUDA graphs over six SDXL buckets in random order ran 0.999 s/step, no
+#: faster than the plain eager loop (1.001), where one bucket ran 0.11-0.16 s/step; compiled without graphs, the
+#: same buckets ran 0.53 s/step (sdxl-lora-4gb, block swap included). torch's CUDA graph trees record a path of
+#: graphs per shape and, switching paths, restore the memory pool's state: with shapes changing every step that
+#: costs more than the launches it saves.
+MAX_GRAPH_SHAPES = 1
+#: each bucket shape past the first adds this share of the first shape's compile time (dynamic recompiles, graph
+#: recordings; sdxl-lora-8gb over six buckets: 194 s of warm-up for 140 s of first step on the H100)
+EXTRA_SHAPE_COMPILE = 0.08
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the automatic choice reads of the machine (``platform_facts``); tests build their own."""
+
+    device: str  # torch device type
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    triton: str | None = None  # Triton's version, None when it does not import
+    triton_error: str = ""
+    windows: bool = False
+    tracer: str | None = None  # a debugger (or other sys.settrace/sys.monitoring tool) attached
+    dynamo_disabled: bool = False  # TORCHDYNAMO_DISABLE=1
+
+
+def platform_facts(device: torch.device) -> Platform:
+    import sys
+
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    triton, err = None, ""
+    if device.type == "cuda":
+        try:
+            import triton as triton_mod
+
+            triton = str(getattr(triton_mod, "__version__", "?"))
+        except Exception as e:  # noqa: BLE001  # an ImportError, or a broken install raising anything on import
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    tracer = None
+    if sys.gettrace() is not None:
+        tracer = f"sys.settrace ({type(sys.gettrace()).__name__})"
+    elif hasattr(sys, "monitoring") and sys.monitoring.get_tool(sys.monitoring.DEBUGGER_ID):
+        tracer = f"sys.monitoring ({sys.monitoring.get_tool(sys.monitoring.DEBUGGER_ID)})"
+    return Platform(
+        device=device.type,
+        capability=cap,
+        triton=triton,
+        triton_error=err,
+        windows=sys.platform == "win32",
+        tracer=tracer,
+        dynamo_disabled=os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"),
+    )
+
+
+@dataclass(frozen=True)
+class SpeedChoice:
+    compile: bool
+    cuda_graphs: bool
+    reason: str  # one line: what was chosen and why
+    compile_s: float = 0.0  # the expected first-step compile time (0: eager, or unknown)
+
+    def line(self) -> str:
+        what = "compiled + CUDA graphs" if self.cuda_graphs else "compiled" if self.compile else "eager"
+        return f"speed: {what}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the automatic choice reads of the run: planned steps, bucket shapes, processes, the warm cache."""
+
+    steps: int
+    shapes: int = 1
+    processes: int = 1
+    warm: bool = False
+    block_swap: bool = False
+    deepspeed_stage: int | None = None  # None: not DeepSpeed
+    quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
+
+
+def _stay_eager(p: Platform, run: RunFacts) -> str | None:
+    """Why compiling would not work or not pay here, whatever the step count; None when nothing stands in the way."""
+    if p.device != "cuda":
+        return f"the device is {p.device}: compiled kernels pay on CUDA GPUs"
+    if p.dynamo_disabled:
+        return "TORCHDYNAMO_DISABLE is set"
+    if p.tracer:
+        return f"a debugger or tracer is attached ({p.tracer}): compiled blocks cannot be stepped through"
+    if p.triton is None:
+        if p.windows:
+            return "Windows without Triton: torch.compile's GPU kernels need it (pip install triton-windows)"
+        return f"Triton does not import ({p.triton_error or 'not installed'}): torch.compile's GPU kernels need it"
+    if p.capability is not None and p.capability < (7, 0):
+        return f"compute capability {p.capability[0]}.{p.capability[1]}: Triton needs 7.0 (Volta) or newer"
+    if run.quantized:
+        return f"memory.weights {run.quantized}: bitsandbytes' quantized layers do not compile"
+    if run.deepspeed_stage == 3:
+        return "ZeRO-3 gathers each weight in hooks inside every layer, which compiled blocks cannot trace"
+    return None
+
+
+def _graphs_off(speed: SpeedConfig, platform: Platform, run: RunFacts) -> str | None:
+    """Why CUDA graphs stay off beside compile (auto), or None."""
+    if speed.cuda_graphs is False:
+        return "speed.cuda_graphs: false"
+    if platform.device != "cuda":
+        return f"no CUDA graphs on {platform.device}"
+    if run.block_swap:
+        return "no CUDA graphs: block swap brings weights back to new addresses every step"
+    if run.deepspeed_stage is not None:
+        return "no CUDA graphs: not measured under DeepSpeed's hooks"
+    if run.processes > 1:
+        return "no CUDA graphs: not measured with several processes"
+    if run.shapes > MAX_GRAPH_SHAPES:
+        return (
+            f"no CUDA graphs: {run.shapes} bucket shapes (measured: graphs replayed across changing shapes were no "
+            "faster than eager; compiled alone, 1.9x)"
+        )
+    return None
+
+
+def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFacts) -> SpeedChoice:
+    """speed.compile / speed.cuda_graphs as this run uses them: explicit values stand; ``auto`` compiles where the
+    platform can and the planned steps earn the compile time back (``PAYBACK`` times), with CUDA graphs unless
+    something in ``_graphs_off`` stands in the way."""
+    if speed.compile is not True and speed.compile is not False:  # auto
+        graphs_reason = None if speed.cuda_graphs is True else _graphs_off(speed, platform, run)
+        graphs = graphs_reason is None
+        why_not = _stay_eager(platform, run)
+        if why_not is None:
+            cost_s = (cost.warm_s if run.warm else cost.cold_s) * (1 + EXTRA_SHAPE_COMPILE * (max(1, run.shapes) - 1))
+            saved = run.steps * (cost.saved_s if graphs else cost.saved_s_no_graphs)
+            cache = "cache warm" if run.warm else "cold cache"
+            if saved < PAYBACK * cost_s:
+                why_not = (
+                    f"{run.steps} steps would save ~{saved:.0f} s for ~{cost_s:.0f} s of compiling ({cache}); "
+                    "set speed.compile: true to compile anyway"
+                )
+            else:
+                where = (
+                    f"CUDA {platform.capability[0]}.{platform.capability[1]}, " if platform.capability else ""
+                ) + f"Triton {platform.triton}"
+                return SpeedChoice(
+                    True,
+                    graphs,
+                    f"auto ({where}); ~{cost_s:.0f} s compiling on the first step ({cache}) to save ~{saved:.0f} s "
+                    f"over {run.steps} steps" + (f"; {graphs_reason}" if graphs_reason else ""),
+                    compile_s=cost_s,
+                )
+        if speed.cuda_graphs is True:
+            raise BackendUnavailable(
+                f"speed.cuda_graphs: true replays compiled blocks, and speed.compile auto stays eager here: {why_not}.",
+                hint="Set speed.compile: true as well, or speed.cuda_graphs: auto.",
+            )
+        return SpeedChoice(False, False, f"auto: {why_not}")
+    if not speed.compile:
+        return SpeedChoice(False, False, "speed.compile: false")
+    if speed.cuda_graphs is True:
+        return SpeedChoice(True, True, "speed.compile and speed.cuda_graphs: true", compile_s=cost.cold_s)
+    reason = _graphs_off(speed, platform, run)
+    if speed.cuda_graphs is False or reason is not None:
+        return SpeedChoice(True, False, f"speed.compile: true; {reason}", compile_s=cost.cold_s)
+    return SpeedChoice(True, True, "speed.compile: true; CUDA graphs auto", compile_s=cost.cold_s)
+
+
 def compile_cache_dir(speed: SpeedConfig) -> Path:
     return Path(speed.compile_cache_dir or Path.home() / ".cache" / "difftrain" / "torch-compile").expanduser()
+
+
+class _RecompileLimitWatch(logging.Handler):
+    """Dynamo answers a block past its recompile limit by running it eagerly from then on, with one log warning
+    among many: this names it as difftrain's own warning, once per function, and keeps the count."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "hit config." not in msg or "recompile_limit" not in msg:
+            return
+        lines = msg.splitlines()
+        func = next((ln.split("function:", 1)[1].strip() for ln in lines if "function:" in ln), "?")
+        self.hits.append(func)
+        from .console import warn
+
+        warn(
+            f"torch.compile reached its recompile limit ({lines[0].split('(')[-1].rstrip(')')}) for {func}: "
+            "that block now runs eagerly (slower, same result). Many bucket shapes or changing options cause it; "
+            "set speed.dynamic: true, or report it with TORCH_LOGS=recompiles"
+        )
+
+
+_WATCH = _RecompileLimitWatch()
+
+
+def recompile_limit_hits() -> list[str]:
+    """The functions that dynamo left eager at its recompile limit in this process (``configure_compile`` on)."""
+    return list(_WATCH.hits)
 
 
 def configure_compile(speed: SpeedConfig) -> None:
@@ -41,17 +253,35 @@ def configure_compile(speed: SpeedConfig) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(64, getattr(cfg, name)))
+    # ... and each shape of each of them once more for every bucket (dynamic after the second): the limit over
+    # all blocks together (256 by default) would leave the blocks seen last eager, silently
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(4096, cfg.accumulated_recompile_limit)
+    log = logging.getLogger("torch._dynamo.convert_frame")  # where dynamo reports a recompile limit hit
+    if _WATCH not in log.handlers:
+        log.addHandler(_WATCH)
+    import torch._inductor.config as inductor_cfg
+
+    # CUDA graphs record one graph per block shape and bucket: a warning past 8 sizes per block is noise here
+    if hasattr(inductor_cfg.triton, "cudagraph_dynamic_shape_warn_limit"):
+        inductor_cfg.triton.cudagraph_dynamic_shape_warn_limit = None
 
 
 def compile_blocks(
-    module: torch.nn.Module, block_classes: tuple[str, ...], speed: SpeedConfig, checkpoint_every: int = 0
+    module: torch.nn.Module,
+    block_classes: tuple[str, ...],
+    speed: SpeedConfig,
+    checkpoint_every: int = 0,
+    hooks_outside: bool = False,
 ) -> int:
     """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
 
     ``Module.compile`` keeps the module's parameters and state-dict names (no ``_orig_mod`` wrapper), so
     checkpoints, LoRA export and EMA see the same module. With ``checkpoint_every`` k > 0 (gradient
     checkpointing), every k-th block is checkpointed *inside* its compiled region instead of by diffusers around
-    it (see ``checkpoint_inside``).
+    it (see ``checkpoint_inside``). ``hooks_outside``: only each block's ``forward`` is compiled, so the module
+    hooks around it (block swap's, which move weights) run eagerly; the compiled forward reads the parameters
+    as inputs (dynamo lifts them), so a weight that block swap brought back to a new address needs no recompile.
     """
     configure_compile(speed)
     mode = compile_mode(speed)
@@ -59,8 +289,61 @@ def compile_blocks(
     if checkpoint_every:
         checkpoint_inside(module, blocks[::checkpoint_every])
     for sub in blocks:
-        sub.compile(mode=mode, dynamic=speed.dynamic)
+        if hooks_outside:
+            sub.forward = torch.compile(sub.forward, mode=mode, dynamic=speed.dynamic)
+        else:
+            sub.compile(mode=mode, dynamic=speed.dynamic)
     return len(blocks)
+
+
+def warm_key(cfg) -> str:
+    """What decides whether inductor's cache holds this run's compiled blocks: the model, what is trained and
+    how the blocks compute (an estimate for ``auto``: inductor's own cache keys on the graphs themselves)."""
+    import hashlib
+    import json
+
+    m, sp = cfg.memory, cfg.speed
+    parts = {
+        "family": cfg.family,
+        "architecture": cfg.model.config,
+        "torch": torch.__version__,
+        "method": cfg.train.method,
+        "lora": [cfg.lora.rank, list(cfg.lora.targets or [])] if cfg.train.method == "lora" else None,
+        "weights": m.weights.kind,
+        "activations": m.activations.kind,
+        "mode": sp.compile_mode,
+        "precision": cfg.train.mixed_precision,
+        "hooks_outside": m.offload.kind == "block_swap",  # only the blocks' forward compiles
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_WARM_FILE = "difftrain-compiled.json"
+
+
+def is_warm(speed: SpeedConfig, key: str) -> bool:
+    """Whether a run with this ``warm_key`` compiled into this cache before (``mark_warm``)."""
+    from .utils import read_json_object
+
+    return key in read_json_object(compile_cache_dir(speed) / _WARM_FILE)  # {} when missing or damaged
+
+
+def mark_warm(speed: SpeedConfig, key: str) -> None:
+    """Record that the blocks of a run with this key compiled into the cache (after its first step)."""
+    from .utils import atomic_write_text, read_json_object
+
+    path = compile_cache_dir(speed) / _WARM_FILE
+    try:
+        seen = read_json_object(path)
+        seen[key] = time.strftime("%Y-%m-%d %H:%M:%S")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        import json
+
+        atomic_write_text(path, json.dumps(seen, indent=1) + "\n")
+    except (OSError, ValueError, DifftrainError) as e:  # a marker that cannot be written is only a guess lost
+        from .console import warn
+
+        warn(f"could not note the compiled blocks in {path}: {e}")
 
 
 def compile_mode(speed: SpeedConfig) -> str | None:

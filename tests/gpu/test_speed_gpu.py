@@ -84,3 +84,37 @@ def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
 
     n = sum(isinstance(m, Float8Linear) for m in t.parts.comps["unet"].modules())
     assert n > 10 and all(x == x for x in out.losses)
+
+
+def test_speed_auto_compiles_a_long_run_on_cuda_and_trains_as_eager(tiny_model, dataset, tmp_path):
+    """The default (speed auto) on a CUDA GPU, weighed as a 5,000-step run: compiled (CUDA graphs only with one
+    bucket shape), the losses of the eager run; a 6-step run stays eager."""
+    from difftrain.trainers.loop import Hooks
+
+    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a")
+    precompute(eager_cfg)
+    short = Trainer(eager_cfg)
+    ref = short.run()
+    assert not short.speed.compile and "steps would save" in short.speed.reason
+    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b"), hooks=Hooks(planned_steps=5000))
+    out = t.run()
+    assert t.speed.compile and t.speed.cuda_graphs == (len(set(t.feed.bucket_keys())) == 1), t.speed.reason
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
+
+
+def test_speed_auto_compiles_under_block_swap_without_graphs(tiny_model, dataset, tmp_path):
+    """Block swap with speed auto on a CUDA GPU: each block's forward compiled, the swap hooks eager around it,
+    no CUDA graphs; the losses of the eager block-swap run."""
+    from difftrain.trainers.loop import Hooks
+
+    common = {
+        "memory.offload": "{kind: block_swap, blocks_to_swap: 4}",
+        "memory.activations.kind": "checkpoint",
+    }
+    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
+    precompute(eager_cfg)
+    ref = train(eager_cfg)
+    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **common), hooks=Hooks(planned_steps=50000))
+    out = t.run()
+    assert t.speed.compile and not t.speed.cuda_graphs and "block swap" in t.speed.reason
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)

@@ -107,11 +107,12 @@ def test_speed_options_that_cannot_work_together_are_refused():
     from difftrain.config.load import validate
 
     bad = [
-        ({"speed": {"cuda_graphs": True}}, "set speed.compile: true"),
+        ({"speed": {"compile": False, "cuda_graphs": True}}, "set speed.compile: true"),
         (
-            {"speed": {"compile": True}, "memory": {"offload": {"kind": "block_swap", "blocks_to_swap": 2}}},
-            "block swap",
+            {"speed": {"cuda_graphs": True}, "memory": {"offload": {"kind": "block_swap", "blocks_to_swap": 2}}},
+            "block swap brings weights back to new ones",
         ),
+        ({"speed": {"compile": True}, "memory": {"weights": {"kind": "nf4"}}}, "do not compile"),
         ({"speed": {"float8": True}}, "train.method: full"),
         ({"family": "sd3", "speed": {"channels_last": True}}, "channels_last"),
         ({"speed": {"compile": True}, "memory": {"engine": {"kind": "deepspeed", "stage": 3}}}, "stage 2"),

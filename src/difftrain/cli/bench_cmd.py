@@ -34,6 +34,22 @@ def memory(
             "less the CUDA context and libraries (measured now) and a display margin; exit 1 if it does not fit",
         ),
     ] = None,
+    planned_steps: Annotated[
+        int,
+        typer.Option(
+            "--planned-steps",
+            help="speed auto weighs the compile time against a run of this many steps (the few steps "
+            "measured here stand for a real run's)",
+        ),
+    ] = 2000,
+    buckets: Annotated[
+        str | None,
+        typer.Option(
+            "--buckets",
+            help="HxW,HxW,...: random latents of several aspect buckets drawn in random order (image families), "
+            "e.g. 1024x1024,896x1152,1152x896,832x1216,1216x832,768x1344",
+        ),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the figures here too")] = None,
 ) -> None:
     """Train a config for a few steps on random data of the real shapes; print peak memory, step time and the plan."""
@@ -47,7 +63,7 @@ def memory(
         raise UsageError(f"--card: {e}.") from None
     cfg = resolved_config(recipe, config, set_).config
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
-    r = bench_memory(cfg, folder, steps, card_gib=card_gib)
+    r = bench_memory(cfg, folder, steps, card_gib=card_gib, planned_steps=planned_steps, buckets=_buckets(buckets))
     t = Table(title=f"bench memory: {recipe or config or 'config'} ({steps} steps)")
     t.add_column("what")
     t.add_column("measured", justify="right")
@@ -59,6 +75,8 @@ def memory(
     t.add_row("with validation / after testing", "n/a (validation samples are not available yet)", "")
     t.add_row("step time", "did not finish" if r.s_per_step is None else f"{r.s_per_step:.3f} s", "")
     t.add_row("host RSS peak", f"{r.stats.get('peak_rss_gib_train', 0):.2f} GiB", "")
+    if r.speed:
+        t.add_row("speed", r.speed, "")
     if r.card is not None:
         c = r.card
         t.add_row("CUDA context + libraries (measured now)", f"{c.overhead.total_gib:.2f} GiB", "")
@@ -110,6 +128,22 @@ def speed(
             help="HxW of the random latents' images (default: the square data.resolution), e.g. 480x720 for CogVideoX",
         ),
     ] = None,
+    planned_steps: Annotated[
+        int,
+        typer.Option(
+            "--planned-steps",
+            help="speed auto weighs the compile time against a run of this many steps (the few steps "
+            "measured here stand for a real run's)",
+        ),
+    ] = 2000,
+    buckets: Annotated[
+        str | None,
+        typer.Option(
+            "--buckets",
+            help="HxW,HxW,...: random latents of several aspect buckets drawn in random order (image families), "
+            "e.g. 1024x1024,896x1152,1152x896,832x1216,1216x832,768x1344",
+        ),
+    ] = None,
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
@@ -126,11 +160,35 @@ def speed(
         baseline = baseline_config(resolved_config(recipe, config, base_sets).config, named)
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
     hw = _size(size)
-    r = bench_speed(cfg, folder, steps, warmup, baseline, size=hw, profile=profile)
+    r = bench_speed(
+        cfg,
+        folder,
+        steps,
+        warmup,
+        baseline,
+        size=hw,
+        profile=profile,
+        planned_steps=planned_steps,
+        buckets=_buckets(buckets),
+    )
     _print_speed(r, recipe or config or "config", steps, warmup, folder)
 
 
-def _size(size: str | None) -> tuple[int, int] | None:
+def _buckets(text: str | None) -> list[tuple[int, int]] | None:
+    """--buckets HxW,HxW,... as (height, width) pairs; None when not given."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        hw = _size(part.strip(), "--buckets")
+        assert hw is not None
+        if hw[0] % 8 or hw[1] % 8:
+            raise UsageError(f"--buckets: {part.strip()} is not a multiple of 8 on both sides (latents are 1/8).")
+        out.append(hw)
+    return out
+
+
+def _size(size: str | None, option: str = "--size") -> tuple[int, int] | None:
     """--size HxW as (height, width); None when not given."""
     if not size:
         return None
@@ -138,7 +196,7 @@ def _size(size: str | None) -> tuple[int, int] | None:
         parsed = tuple(int(v) for v in size.lower().split("x"))
         assert len(parsed) == 2 and min(parsed) > 0
     except (ValueError, AssertionError):
-        raise typer.BadParameter(f"--size {size!r}: give height x width in pixels, e.g. 480x720") from None
+        raise typer.BadParameter(f"{option} {size!r}: give height x width in pixels, e.g. 480x720") from None
     return parsed  # two ints: mypy narrows the tuple by the len test
 
 
@@ -164,6 +222,9 @@ def _print_speed(r: dict, what: str | Path, steps: int, warmup: int, folder: Pat
             na(row["peak_alloc_gib"], "{:.2f}"),
         )
     console.print(t)
+    for row in r["rows"]:
+        if row.get("speed"):
+            console.print(f"{row['name']}: {row['speed']}", markup=False)
     for row in r["rows"]:
         if row["profile"] and row["profile"]["gpu_ms"]:
             p = row["profile"]

@@ -528,10 +528,12 @@ class SpeedConfig(Strict):
     """How fast a step runs, not what it computes: compilation, attention and optimizer kernels, host syncs.
     Each option is measured in docs/benchmarks.md ("Speed"); `difftrain bench speed` measures a config."""
 
-    compile: bool = Field(
-        default=False,
-        description="torch.compile each repeated block of the denoiser (regional compilation: "
-        "one compiled block serves every repeat, so compiling takes seconds to a minute, not many)",
+    compile: bool | Literal["auto"] = Field(
+        default="auto",
+        description="torch.compile each repeated block of the denoiser (regional compilation: one compiled "
+        "block serves every repeat, so compiling takes seconds to a minute, not many); auto: on where it pays "
+        "(a CUDA GPU with a working Triton, no debugger, enough planned steps to earn the compile time back), "
+        "the reason printed at start",
     )
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         default="default",
@@ -540,10 +542,11 @@ class SpeedConfig(Strict):
         "and measured no faster, since cuBLAS/cuDNN win the large shapes; CUDA graphs still follow "
         "speed.cuda_graphs (max-autotune-no-cudagraphs is the same choice, kept for torch's name)",
     )
-    cuda_graphs: bool = Field(
-        default=False,
-        description="replay each compiled block as a CUDA graph (torch.compile's "
-        "reduce-overhead): fewer launches when shapes repeat; needs compile and one bucket shape",
+    cuda_graphs: bool | Literal["auto"] = Field(
+        default="auto",
+        description="replay each compiled block as a CUDA graph (torch.compile's reduce-overhead): fewer "
+        "launches; one graph per block and bucket shape. auto: on with compile unless block swap, DeepSpeed, "
+        "several processes or too many bucket shapes stand in the way",
     )
     dynamic: bool | None = Field(
         default=None,
@@ -859,15 +862,16 @@ class Config(Strict):
             )
 
     def _speed(self, facts: FamilyFacts | None) -> None:
+        # only what is set explicitly is refused here; "auto" decides at start (difftrain.speed.decide) and says why
         sp, m, t = self.speed, self.memory, self.train
-        if sp.cuda_graphs and not sp.compile:
-            raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true")
-        if sp.compile:
-            if m.offload.kind == "block_swap":
-                raise ValueError(
-                    "speed.compile with memory.offload block_swap: block swap moves weights in hooks around "
-                    "each block, which compiled blocks cannot trace; set speed.compile: false"
-                )
+        if sp.cuda_graphs is True and sp.compile is False:
+            raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true (or auto)")
+        if sp.cuda_graphs is True and m.offload.kind == "block_swap":
+            raise ValueError(
+                "speed.cuda_graphs with memory.offload block_swap: a graph replays the addresses it recorded, and "
+                "block swap brings weights back to new ones every step; set speed.cuda_graphs: false (or auto)"
+            )
+        if sp.compile is True:
             if m.engine.kind == "deepspeed" and m.engine.stage == 3:
                 raise ValueError(
                     "speed.compile with ZeRO stage 3: DeepSpeed gathers each weight in hooks around every "

@@ -53,6 +53,9 @@ class ModelFamily(ABC):
     trainable_text_encoders: ClassVar[tuple[str, ...]]  # what train_text_encoders / full.train_text_encoder_N train
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]]  # per part: layers kept out of fp8/nf4/int8
     repeated_blocks: ClassVar[tuple[str, ...]]  # class names of the denoiser blocks speed.compile compiles one by one
+    #: speed auto's estimate (difftrain.speed.CompileCost's fields): the first step's compile time, cold and from a
+    #: warm cache, and the seconds a step saves compiled with and without CUDA graphs, measured on an H100
+    compile_cost: ClassVar[Mapping[str, float]]
 
     # ------------------------------------------------------------ optional capabilities (defaults: none)
     #: a video family: cached latents have a frame axis, ``memory_hints`` and ``cache_shapes`` take a frame count

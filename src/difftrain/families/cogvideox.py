@@ -240,6 +240,14 @@ class CogVideoX(ModelFamily):
     parts = PARTS
     objective = "ddpm"  # v-prediction (the scheduler config's prediction_type)
     repeated_blocks = ("CogVideoXBlock",)  # speed.compile: the blocks compiled one by one
+    # CogVideoX-2b 49x480x720 b1 (docs/benchmarks.md "Speed"): first step 16-22 s cold; eager 1.03-1.07 s/step,
+    # compiled 0.83-0.85 (attention-bound: CUDA graphs not measured to add anything)
+    compile_cost: ClassVar[Mapping[str, float]] = {
+        "cold_s": 22.0,
+        "warm_s": 8.0,
+        "saved_s": 0.2,
+        "saved_s_no_graphs": 0.2,
+    }
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoder_lora_targets = ()

@@ -145,6 +145,14 @@ class SD3(ModelFamily):
     single_file_prefixes: ClassVar[Mapping[str, str]] = single_file.PREFIXES
     objective = "flow"
     repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
+    # SD3-medium 1024 b1 (docs/benchmarks.md "Speed"): first step 19-24 s cold; eager 0.300 s/step, compiled
+    # 0.150, compiled + CUDA graphs 0.063
+    compile_cost: ClassVar[Mapping[str, float]] = {
+        "cold_s": 24.0,
+        "warm_s": 10.0,
+        "saved_s": 0.237,
+        "saved_s_no_graphs": 0.15,
+    }
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     text_encoder_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj")

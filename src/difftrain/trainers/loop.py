@@ -41,7 +41,7 @@ from .feed import Accumulation, Feed, Position
 from .guards import Guards, check_replicas
 from .objectives import Draws, Objective
 from .readback import Pending, Readback, Sink, rss_peak_gib
-from .setup import build_parts, prepare_process, training_device
+from .setup import build_parts, choose_speed, prepare_process, training_device
 
 if TYPE_CHECKING:
     from .validation import ValidationInputs
@@ -70,6 +70,9 @@ class Hooks:
 
     flush_steps: set[int] = field(default_factory=set)
     after_step: Callable[[], None] | None = None
+    #: the step count speed auto weighs the compile time against, instead of this run's (a benchmark's few steps
+    #: stand for a real run's many)
+    planned_steps: int | None = None
 
 
 class Trainer:
@@ -103,6 +106,14 @@ class Trainer:
                 f"text encoders are trained: captions are encoded on the fly each step ({', '.join(live)}); "
                 "those cached embeddings are not used"
             )
+        self._steps()
+        shapes = len(set(self.feed.bucket_keys()))
+        self.cfg, self.speed = choose_speed(
+            cfg, fam, self.world, self.device, self.hooks.planned_steps or self.total_steps, shapes
+        )
+        cfg = self.cfg
+        if self.world.main:
+            info(self.speed.line())
         self.parts = build_parts(cfg, fam, self.world, self.device, parts, lrs, live, init)
         self.feed.live_stages = live
         self.feed.encode_live = self._encode_live
@@ -130,13 +141,17 @@ class Trainer:
         comps = {**self.parts.comps, **self.parts.wrapped}
         return self.family.encode_prompts(comps, captions, stage, self.cfg.text_encoders)
 
-    def _schedules(self) -> None:
-        """Step counts, learning-rate schedule, noise scheduler and objective, precisions, the generator."""
-        cfg, t = self.cfg, self.cfg.train
+    def _steps(self) -> None:
+        """The sampler and the step count (before the parts: speed auto weighs the compile time against it)."""
+        t = self.cfg.train
         # the global batch: batch_size per process (as the diffusers scripts and sd-scripts count it)
         sampler = self.feed.start(t.batch_size * self.world.size)
         per_epoch = math.ceil(len(sampler) / t.grad_accum)
         self.total_steps = t.max_steps or per_epoch * t.epochs
+
+    def _schedules(self) -> None:
+        """Learning-rate schedule, noise scheduler and objective, precisions, the generator."""
+        cfg, t = self.cfg, self.cfg.train
         from diffusers.optimization import get_scheduler
 
         self.lr_scheduler = get_scheduler(
@@ -217,7 +232,9 @@ class Trainer:
         pos = self.pos
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
         with progress(loss_col, RateColumn()) as bar:
-            task = bar.add_task("training", total=self.total_steps, completed=pos.step, loss=float("nan"), mem="")
+            compiling = self.speed.compile and self.device.type == "cuda"
+            first = f"compiling (~{self.speed.compile_s:.0f} s)" if compiling else "training"
+            task = bar.add_task(first, total=self.total_steps, completed=pos.step, loss=float("nan"), mem="")
             self.sink = Sink(metrics, result.losses, bar, task, t0)
             self.readback.start(pos.step)
             acc = Accumulation()
@@ -227,6 +244,11 @@ class Trainer:
                     if self._micro_batch(batches[pos.batch_pos], acc):
                         acc = Accumulation()
                         self._after_step(result, metrics, stats, end)
+                        if compiling:  # the first step compiled the blocks: the next run of this config starts warm
+                            compiling = False
+                            bar.update(task, description="training")
+                            if self.world.main:
+                                speed_.mark_warm(self.cfg.speed, speed_.warm_key(self.cfg))
                 if pos.batch_pos >= len(batches):
                     self._end_epoch(result)
         if pos.step >= self.total_steps:

@@ -193,7 +193,8 @@ def _offload(b: Build, part: str, module: torch.nn.Module) -> None:
 
 
 def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
-    """The speed section's changes to the denoiser, after the memory plan placed it."""
+    """The speed section's changes to the denoiser, after the memory plan placed it (``b.cfg.speed`` as
+    :func:`choose_speed` resolved it: no ``auto`` left)."""
     if part != b.family.denoiser:
         return
     sp = b.cfg.speed
@@ -202,11 +203,37 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if sp.compile:
         act = b.cfg.memory.activations
         every = act.every if act.kind == "checkpoint" else 0
-        n = speed_.compile_blocks(module, b.family.repeated_blocks, sp, checkpoint_every=every)
+        # block swap's hooks run around each block: only the block's forward is compiled, the hooks stay eager
+        hooks_outside = b.block_swap is not None
+        n = speed_.compile_blocks(
+            module, b.family.repeated_blocks, sp, checkpoint_every=every, hooks_outside=hooks_outside
+        )
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
-            f"{', checkpointed inside the compiled region' if every else ''} (cache: {speed_.compile_cache_dir(sp)})"
+            f"{', checkpointed inside the compiled region' if every else ''}"
+            f"{' (their forward only: block swap hooks around them)' if hooks_outside else ''}"
+            f" (cache: {speed_.compile_cache_dir(sp)})"
         )
+
+
+def choose_speed(
+    cfg: Config, family: ModelFamily, world: dist_.World, device: torch.device, steps: int, shapes: int
+) -> tuple[Config, speed_.SpeedChoice]:
+    """speed.compile and speed.cuda_graphs decided for this run (``auto`` resolved, explicit values kept), and
+    the config with them set: everything after this reads plain booleans."""
+    m = cfg.memory
+    run = speed_.RunFacts(
+        steps=steps,
+        shapes=shapes,
+        processes=world.size,
+        warm=speed_.is_warm(cfg.speed, speed_.warm_key(cfg)),
+        block_swap=m.offload.kind == "block_swap",
+        deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
+        quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
+    )
+    choice = speed_.decide(cfg.speed, speed_.CompileCost(**family.compile_cost), speed_.platform_facts(device), run)
+    resolved = cfg.speed.model_copy(update={"compile": choice.compile, "cuda_graphs": choice.cuda_graphs})
+    return cfg.model_copy(update={"speed": resolved}), choice
 
 
 #: the techniques in the order they apply to each part (see the module's docstring)

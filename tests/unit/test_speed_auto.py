@@ -1,0 +1,177 @@
+"""speed auto (issue 24): every reason to stay eager, when compiling pays, when CUDA graphs go with it, and that
+explicit options override it. The platform is a :class:`Platform` the test builds, so each GPU case runs here."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from difftrain.config.schema import SpeedConfig
+from difftrain.errors import BackendUnavailable
+from difftrain.speed import (
+    EXTRA_SHAPE_COMPILE,
+    MAX_GRAPH_SHAPES,
+    PAYBACK,
+    CompileCost,
+    Platform,
+    RunFacts,
+    decide,
+    is_warm,
+    mark_warm,
+    platform_facts,
+)
+
+COST = CompileCost(cold_s=120.0, warm_s=30.0, saved_s=0.8, saved_s_no_graphs=0.3)
+H100 = Platform(device="cuda", capability=(9, 0), triton="3.5.0")
+AUTO = SpeedConfig()
+LONG = RunFacts(steps=2000)
+
+
+def test_auto_is_the_default():
+    assert AUTO.compile == "auto" and AUTO.cuda_graphs == "auto"
+
+
+def test_auto_compiles_with_cuda_graphs_on_a_capable_gpu_for_a_long_run():
+    c = decide(AUTO, COST, H100, LONG)
+    assert c.compile and c.cuda_graphs
+    assert c.compile_s == COST.cold_s
+    assert "Triton 3.5.0" in c.reason and "9.0" in c.reason
+    assert c.line().startswith("speed: compiled + CUDA graphs: auto")
+
+
+@pytest.mark.parametrize(
+    ("platform", "run", "words"),
+    [
+        (Platform(device="cpu"), LONG, "the device is cpu"),
+        (Platform(device="mps"), LONG, "the device is mps"),
+        (Platform(device="cuda", capability=(9, 0), triton="3.5", dynamo_disabled=True), LONG, "TORCHDYNAMO_DISABLE"),
+        (Platform(device="cuda", capability=(9, 0), triton="3.5", tracer="sys.settrace (pdb)"), LONG, "debugger"),
+        (Platform(device="cuda", capability=(8, 6), triton=None, windows=True), LONG, "pip install triton-windows"),
+        (Platform(device="cuda", capability=(8, 6), triton=None, triton_error="ImportError: x"), LONG, "ImportError"),
+        (Platform(device="cuda", capability=(6, 1), triton="3.5"), LONG, "compute capability 6.1"),
+        (H100, RunFacts(steps=2000, quantized="nf4"), "bitsandbytes"),
+        (H100, RunFacts(steps=2000, deepspeed_stage=3), "ZeRO-3"),
+        (H100, RunFacts(steps=50), "50 steps would save"),
+    ],
+)
+def test_every_reason_to_stay_eager_is_named(platform, run, words):
+    c = decide(AUTO, COST, platform, run)
+    assert not c.compile and not c.cuda_graphs
+    assert words in c.reason
+    assert c.line().startswith("speed: eager: auto: ")
+
+
+def test_the_step_count_weighs_the_compile_time_and_a_warm_cache_lowers_it():
+    # with CUDA graphs a step saves 0.8 s: the cold compile (120 s) pays back PAYBACK times from 188 steps
+    need = int(PAYBACK * COST.cold_s / COST.saved_s) + 1
+    assert decide(AUTO, COST, H100, RunFacts(steps=need)).compile
+    assert not decide(AUTO, COST, H100, RunFacts(steps=need - 2)).compile
+    # the same short run compiles when this config's kernels are already in the cache
+    assert decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).compile
+    assert "cache warm" in decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).reason
+    # without CUDA graphs (block swap) a step saves less, so more steps are needed
+    assert not decide(AUTO, COST, H100, RunFacts(steps=need, block_swap=True)).compile
+    swap_need = int(PAYBACK * COST.cold_s / COST.saved_s_no_graphs) + 1
+    c = decide(AUTO, COST, H100, RunFacts(steps=swap_need, block_swap=True))
+    assert c.compile and not c.cuda_graphs and "block swap" in c.reason
+
+
+@pytest.mark.parametrize(
+    ("run", "words"),
+    [
+        (RunFacts(steps=5000, block_swap=True), "block swap"),
+        (RunFacts(steps=5000, deepspeed_stage=2), "DeepSpeed"),
+        (RunFacts(steps=5000, processes=2), "several processes"),
+        (RunFacts(steps=5000, shapes=MAX_GRAPH_SHAPES + 1), f"{MAX_GRAPH_SHAPES + 1} bucket shapes"),
+    ],
+)
+def test_cuda_graphs_stay_off_where_they_do_not_fit_and_say_why(run, words):
+    c = decide(AUTO, COST, H100, run)
+    assert c.compile and not c.cuda_graphs
+    assert words in c.reason
+
+
+def test_several_bucket_shapes_compile_without_cuda_graphs_and_take_longer_to_compile():
+    one = decide(AUTO, COST, H100, RunFacts(steps=5000, shapes=1))
+    six = decide(AUTO, COST, H100, RunFacts(steps=5000, shapes=6))
+    assert one.cuda_graphs and six.compile and not six.cuda_graphs
+    assert "6 bucket shapes" in six.reason
+    assert six.compile_s == pytest.approx(COST.cold_s * (1 + EXTRA_SHAPE_COMPILE * 5)) and six.compile_s > one.compile_s
+
+
+def test_explicit_options_override_auto():
+    # false stays eager on the best platform, true compiles even where auto would not (a short run, the CPU)
+    assert not decide(SpeedConfig(compile=False), COST, H100, LONG).compile
+    assert decide(SpeedConfig(compile=True), COST, H100, RunFacts(steps=10)).compile
+    cpu = decide(SpeedConfig(compile=True), COST, Platform(device="cpu"), LONG)
+    assert cpu.compile and not cpu.cuda_graphs and "no CUDA graphs on cpu" in cpu.reason
+    # auto compile with graphs switched off by hand
+    c = decide(SpeedConfig(cuda_graphs=False), COST, H100, LONG)
+    assert c.compile and not c.cuda_graphs and "speed.cuda_graphs: false" in c.reason
+    # graphs asked for by hand: kept even past the shape limit
+    c = decide(SpeedConfig(cuda_graphs=True), COST, H100, RunFacts(steps=5000, shapes=40))
+    assert c.compile and c.cuda_graphs
+    # ... and named as impossible where auto stays eager
+    with pytest.raises(BackendUnavailable, match=r"speed\.compile auto stays eager here: the device is cpu"):
+        decide(SpeedConfig(cuda_graphs=True), COST, Platform(device="cpu"), LONG)
+
+
+def test_platform_facts_see_a_tracer_and_the_cpu():
+    import torch
+
+    p = platform_facts(torch.device("cpu"))
+    assert p.device == "cpu" and p.capability is None and p.triton is None
+    before = sys.gettrace()
+
+    def tracer(frame, event, arg):
+        return None
+
+    sys.settrace(tracer)
+    try:
+        traced = platform_facts(torch.device("cpu"))
+    finally:
+        sys.settrace(before)
+    assert traced.tracer is not None and (before is not None or p.tracer is None)
+
+
+def test_platform_facts_read_torchdynamo_disable(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert platform_facts(torch.device("cpu")).dynamo_disabled
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    assert not platform_facts(torch.device("cpu")).dynamo_disabled
+
+
+def test_the_warm_marker_is_per_config_and_survives_damage(tmp_path):
+    speed = SpeedConfig(compile_cache_dir=tmp_path / "cache")
+    assert not is_warm(speed, "abc")
+    mark_warm(speed, "abc")
+    assert is_warm(speed, "abc") and not is_warm(speed, "def")
+    mark_warm(speed, "def")
+    assert is_warm(speed, "abc") and is_warm(speed, "def")
+    (tmp_path / "cache" / "difftrain-compiled.json").write_text("{not json")
+    assert not is_warm(speed, "abc")  # a damaged marker only makes the estimate cold
+    mark_warm(speed, "abc")
+    assert is_warm(speed, "abc")
+
+
+def test_the_warm_key_follows_what_compiles():
+    from difftrain.config.load import resolve
+    from difftrain.speed import warm_key
+
+    a = resolve(recipe="sdxl-lora-8gb").config
+    b = resolve(recipe="sdxl-lora-8gb", sets=["train.learning_rate=3e-4"]).config
+    c = resolve(recipe="sdxl-lora-8gb", sets=["lora.rank=32"]).config
+    d = resolve(recipe="sdxl-lora-8gb", sets=["memory.weights.kind=fp8"]).config
+    assert warm_key(a) == warm_key(b)  # the learning rate is not in the compiled graphs
+    assert len({warm_key(a), warm_key(c), warm_key(d)}) == 3
+
+
+def test_every_family_states_its_compile_cost():
+    from difftrain.families.registry import get_family, names
+
+    for name in names():
+        cost = CompileCost(**get_family(name).compile_cost)
+        assert cost.cold_s > cost.warm_s > 0 and cost.saved_s >= cost.saved_s_no_graphs > 0, name
