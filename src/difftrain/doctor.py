@@ -55,13 +55,16 @@ def host_ram_gib() -> tuple[float | None, float | None]:
 def checks(platform_name: str = sys.platform) -> list[Check]:
     import torch
 
+    from . import __version__
+
     out = [
+        Check("difftrain", "ok", __version__),
         Check(
             "python",
             "ok" if sys.version_info >= (3, 10) else "fail",
             platform.python_version(),
             "" if sys.version_info >= (3, 10) else "Use Python 3.10 or newer.",
-        )
+        ),
     ]
     cuda = torch.cuda.is_available()
     out.append(Check("torch", "ok", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'none'})"))

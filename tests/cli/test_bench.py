@@ -13,6 +13,9 @@ def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
     r = cli("bench", "memory", "--recipe", "tiny-sdxl-lora", "--steps", "4", "--work", tmp_path)
     assert r.code == 0, r
     assert "step time" in r.err and "planned" in r.err
+    assert "not available yet" not in r.err  # validation exists: no stale row saying otherwise (issue 25)
+    # speed auto's choice is a row of its own (the CPU: eager, and why)
+    assert "speed: eager: auto: the device is cpu" in " ".join(r.err.split())
     # a random single file of the bundled architecture, and a cache of the shapes precompute writes
     with safe_open(str(tmp_path / "random-sdxl-tiny-unet.safetensors"), "pt") as f:  # only what training loads
         assert f.get_tensor("model.diffusion_model.input_blocks.0.0.weight").shape == (32, 4, 3, 3)

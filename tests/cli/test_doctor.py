@@ -13,6 +13,9 @@ def test_doctor_lists_the_machine_and_a_recipe_fit(cli):
     for needle in ("python", "torch", "diffusers", "gloo", "libuv", "fits", "plan:"):
         assert needle in r.err, needle
     found = {c.name: c for c in doctor.checks()}
+    from difftrain import __version__
+
+    assert found["difftrain"].found == __version__  # the version, as `difftrain --version` prints it
     if found["bitsandbytes"].status == "warn":  # not installed here: the line says how to get it
         assert found["bitsandbytes"].fix.startswith("pip install 'difftrain[bnb]'")
 

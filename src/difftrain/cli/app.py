@@ -28,7 +28,7 @@ app = typer.Typer(
     help="Fine-tune SDXL, SD3 and CogVideoX (LoRA or full) on the GPU you own.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion, the usual typer way
 )
 
 
@@ -63,6 +63,59 @@ def _register() -> None:
 
 
 _register()
+
+
+def _version(value: bool) -> None:
+    if value:
+        import platform
+
+        import torch
+
+        from .. import __version__
+
+        print(  # plain, never wrapped: scripts read it
+            f"difftrain {__version__} (Python {platform.python_version()}, torch {torch.__version__}, "
+            f"typer {_dist_version('typer')}, diffusers {_dist_version('diffusers')})"
+        )
+        raise typer.Exit()
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print difftrain's version (and torch's) and exit"
+    ),
+) -> None:
+    """Fine-tune SDXL, SD3 and CogVideoX (LoRA or full) on the GPU you own."""
+
+
+def _cli_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(exit, usage/click errors, abort) exception classes of the click that typer runs on: typer 0.29 bundles its
+    own copy (``typer._click``), whose exceptions are not click's; older typers raise click's own. Both are
+    matched, so a usage error is shown as click shows it (usage line, problem, exit code 2) with either."""
+    import importlib
+
+    exits: list[type] = [typer.Exit]
+    errors: list[type] = []
+    aborts: list[type] = [typer.Abort]
+    for name in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        errors.append(mod.ClickException)
+        exits += [mod.Exit] if hasattr(mod, "Exit") else []
+        aborts += [mod.Abort] if hasattr(mod, "Abort") else []
+    return tuple(exits), tuple(errors), tuple(aborts)
 
 
 def report_error(e: BaseException) -> int:
@@ -115,14 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - the top of the program: every error ends here
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        if isinstance(e, click.exceptions.Abort):
+        exits, errors, aborts = _cli_exceptions()
+        if isinstance(e, exits):
+            sys.exit(getattr(e, "exit_code", 0))
+        if isinstance(e, errors):
+            e.show()  # type: ignore[attr-defined]  # click's and typer's ClickException both have show()
+            sys.exit(getattr(e, "exit_code", 1))
+        if isinstance(e, aborts):
             console.print("[yellow]aborted[/yellow]")
             sys.exit(1)
         sys.exit(report_error(e))

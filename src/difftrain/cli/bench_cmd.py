@@ -72,7 +72,6 @@ def memory(
     t.add_row("peak before training (weights loaded)", fmt(r.peak_after_load_gib), "")
     t.add_row("peak of training, allocated", fmt(r.peak_train_alloc_gib), f"{r.planned_alloc_gib:.2f} GiB")
     t.add_row("peak of training, reserved", fmt(r.peak_train_reserved_gib), f"{r.planned_reserved_gib:.2f} GiB")
-    t.add_row("with validation / after testing", "n/a (validation samples are not available yet)", "")
     t.add_row("step time", "did not finish" if r.s_per_step is None else f"{r.s_per_step:.3f} s", "")
     t.add_row("host RSS peak", f"{r.stats.get('peak_rss_gib_train', 0):.2f} GiB", "")
     if r.speed:

@@ -1,0 +1,71 @@
+"""Usage errors as click means them, through the real console script (issue 25): whatever click typer runs on
+(typer 0.29 bundles its own copy, whose exceptions are not click's), an unknown option or command, a missing or
+badly typed argument prints the usage line and the problem and exits 2, never "an unexpected ..."; --version."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _script() -> str:
+    """The installed console script beside this interpreter (pip's entry point), else the one on PATH."""
+    here = Path(sys.executable).parent / "difftrain"
+    found = str(here) if here.exists() else shutil.which("difftrain")
+    assert found, "the difftrain console script is not installed (pip install -e .)"
+    return found
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([_script(), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "problem"),
+    [
+        (["badcmd"], "Usage: difftrain [OPTIONS] COMMAND [ARGS]...", "No such command 'badcmd'"),
+        (
+            ["train", "--recipe", "tiny-sdxl-lora", "--bogus"],
+            "Usage: difftrain train [OPTIONS]",
+            "--bogus",
+        ),
+        (["merge-tags"], "Usage: difftrain merge-tags", "Missing argument"),
+        (["bench", "speed", "--steps", "abc"], "Usage: difftrain bench speed", "Invalid value for '--steps'"),
+        (["lora", "nothing"], "Usage: difftrain lora", "No such command 'nothing'"),
+    ],
+)
+def test_usage_errors_show_the_usage_and_exit_2(args, usage, problem):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert usage in r.stderr and problem in r.stderr, r.stderr  # click's wording varies between releases
+    assert "Error: No such" in r.stderr or "Error: Missing" in r.stderr or "Error: Invalid" in r.stderr, r.stderr
+    assert "unexpected" not in r.stderr + r.stdout and "Traceback" not in r.stderr + r.stdout
+
+
+def test_version():
+    from difftrain import __version__
+
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"difftrain {__version__} (Python ") and "torch " in r.stdout
+
+
+def test_help_exits_0_and_lists_the_commands():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("train", "precompute", "merge-tags", "recipes", "bench"):
+        assert command in r.stdout
+
+
+def test_shell_completion_installs_the_typer_way_and_completes_commands():
+    r = run("--show-completion", "bash")
+    assert r.returncode == 0 and "complete -o default -F _difftrain_completion difftrain" in r.stdout, r
+    import os
+
+    env = {**os.environ, "_DIFFTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "difftrain rec", "COMP_CWORD": "1"}
+    r = subprocess.run([_script()], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.split() == ["recipes"], (r.stdout, r.stderr)
