@@ -69,3 +69,24 @@ def test_shell_completion_installs_the_typer_way_and_completes_commands():
     env = {**os.environ, "_DIFFTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "difftrain rec", "COMP_CWORD": "1"}
     r = subprocess.run([_script()], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["recipes"], (r.stdout, r.stderr)
+
+
+@pytest.mark.slow
+def test_train_alone_is_the_whole_flow_and_no_precompute_refuses(tiny_model, dataset, tmp_path):
+    """One command: train on a new dataset encodes what the cache lacks first (saying so), a second run reuses it
+    all; --no-precompute refuses on an empty cache with precompute's message."""
+    from conftest import set_args, tiny_sets
+
+    sets = tiny_sets(tiny_model, dataset, tmp_path, **{"train.max_steps": 2, "train.checkpoint_every": 1000})
+    r = run("train", "--recipe", "tiny-sdxl-lora", *set_args(sets))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = " ".join((r.stdout + r.stderr).split())
+    assert "precompute: latents 8 encoded, 0 reused" in text, text[-3000:]
+    assert (tmp_path / "run" / "pytorch_lora_weights.safetensors").exists()
+    again = run("train", "--recipe", "tiny-sdxl-lora", *set_args(sets), "--set", f"train.output_dir={tmp_path / 'b'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "precompute: latents 0 encoded, 8 reused" in " ".join((again.stdout + again.stderr).split())
+    other = tiny_sets(tiny_model, dataset, tmp_path / "fresh", **{"train.max_steps": 2})
+    refused = run("train", "--recipe", "tiny-sdxl-lora", "--no-precompute", *set_args(other))
+    assert refused.returncode != 0 and "No precomputed data" in refused.stderr, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr

@@ -30,6 +30,14 @@ def train(
         bool, typer.Option("--strict-memory", help="refuse to start when the plan exceeds free GPU memory")
     ] = False,
     print_config_: PrintConfigOpt = False,
+    no_precompute: Annotated[
+        bool,
+        typer.Option(
+            "--no-precompute",
+            help="train from the cache as it is: refuse when it lacks something, instead of encoding what is missing "
+            "first (as `difftrain precompute` would)",
+        ),
+    ] = False,
     gpus: Annotated[int, typer.Option("--gpus", help="processes (GPUs) on this machine, started through torchrun")] = 1,
     nodes: Annotated[
         int,
@@ -45,7 +53,8 @@ def train(
         typer.Option("--rdzv-endpoint", help="HOST:PORT of torchrun's c10d rendezvous (instead of --master-addr)"),
     ] = None,
 ) -> None:
-    """Train (LoRA or full) from the precompute cache: a recipe plus your overrides."""
+    """Train (LoRA or full): a recipe plus your overrides. What the precompute cache lacks for the config (latents,
+    caption embeddings) is encoded first, as `difftrain precompute` would (--no-precompute refuses instead)."""
     import os
 
     from ..trainers.loop import train as run
@@ -59,7 +68,9 @@ def train(
             raise UsageError(
                 f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
             )
-        resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors once, here
+        res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors, once
+        if not no_precompute:
+            precompute_missing(res.config)  # once, here, before the processes start
         launch(
             gpus,
             invoked_argv(),
@@ -81,6 +92,8 @@ def train(
     if print_config_:
         print_config(res)
         return
+    if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
+        precompute_missing(res.config)
     check_memory(res.config, strict_memory)
     r = run(res.config, resume=resume, config_yaml=res.to_yaml())
     last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
@@ -109,6 +122,21 @@ def export(
         dest = dest / LORA_FILE
     atomic_write_bytes(dest, (folder / LORA_FILE).read_bytes())
     info(f"exported {folder.name} -> {dest}")
+
+
+def precompute_missing(cfg) -> None:
+    """The one-command flow: encode what the cache lacks for ``cfg`` (nothing when it is complete: every latent and
+    caption is found by its content key) and say so; a config without data.dir trains from its cache as it is."""
+    if cfg.data.dir is None:
+        return
+    from ..precompute.run import precompute
+
+    info("precompute: the cache is checked against the data and the model, and what it lacks is encoded first")
+    r = precompute(cfg)
+    info(
+        f"precompute: latents {r.latents_encoded} encoded, {r.latents_reused} reused; captions {r.texts_encoded} "
+        f"encoded, {r.texts_reused} reused; {len(r.skipped)} skipped -> {r.cache_dir}"
+    )
 
 
 def check_memory(cfg, strict: bool) -> None:
