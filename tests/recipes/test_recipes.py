@@ -39,3 +39,40 @@ def test_recipes_cli(cli, tmp_path):
     assert r.code == 2 and "already exists" in r.err
     cfg = resolve(config_file=tmp_path / "sdxl-lora-8gb.yaml").config
     assert cfg == resolve(recipe="sdxl-lora-8gb").config
+
+
+def test_every_gpu_recipe_has_its_measurements_for_the_chooser():
+    from difftrain.config.recipes import recipe_measurements, recipe_names, recipe_tier
+
+    measured = recipe_measurements()["recipes"]
+    gpu = {n for n in recipe_names() if recipe_tier(n) is not None}
+    assert gpu and set(measured) == gpu  # every GPU tier recipe, and nothing else
+    for name, m in measured.items():
+        assert 0 < m["gpu_reserved_gib"] < recipe_tier(name), name  # the reserved peak is inside its card
+        assert m["host_rss_gib"] > 0 and m["s_per_step"] > 0, name
+
+
+def test_recipes_list_chooses_by_card_ram_and_family_through_the_console_script():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(sys.executable).parent / "difftrain")
+    env = {**__import__("os").environ, "COLUMNS": "80"}  # a plain terminal: no name may be cut
+
+    def rows(*args):
+        r = subprocess.run([script, "recipes", "list", *args], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        from difftrain.config.recipes import recipe_names
+
+        text = r.stdout + r.stderr
+        return {n for n in recipe_names() if re.search(rf"^\s*{re.escape(n)}\s", text, re.M)}
+
+    small = rows("--vram", "4GiB", "--ram", "8GiB")
+    assert small == {"sdxl-lora-3gb", "sdxl-lora-4gb", "sd3-lora-4gb"}  # sdxl-full-3gb needs 26 GiB of host RAM
+    assert rows("--family", "sd3") == {"sd3-lora-4gb", "sd3-lora-8gb", "sd3-lora-16gb", "tiny-sd3-lora"}
+    everything = rows()
+    assert "tiny-sdxl-lora" in everything and "cogvideox-5b-full-12gb" in everything
+    bad = subprocess.run([script, "recipes", "list", "--vram", "lots"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "Cannot read the size 'lots'" in bad.stderr and "Traceback" not in bad.stderr

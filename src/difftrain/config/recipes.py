@@ -119,6 +119,21 @@ def recipe_header(name: str) -> str:
     return "\n".join(lines).strip()
 
 
+def recipe_tier(name: str) -> float | None:
+    """The card a recipe promises, from its header's ``Tier: N GiB`` line; None for the CPU (tiny) recipes."""
+    import re
+
+    found = re.search(r"^Tier: ([0-9.]+) GiB", recipe_header(name), re.M)
+    return float(found.group(1)) if found else None
+
+
+def recipe_measurements() -> dict:
+    """recipes/measured.json: each GPU recipe's measured peaks and step time, and where they were measured."""
+    import json
+
+    return json.loads((_recipe_dir() / "measured.json").read_text(encoding="utf-8"))
+
+
 def load_recipe(name: str) -> dict:
     data = parse_yaml(recipe_text(name), f"recipe {name!r}")
     if not isinstance(data, dict):
