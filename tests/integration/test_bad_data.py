@@ -97,3 +97,32 @@ def test_caption_fallback_empty_is_counted(tiny_model, dataset, tmp_path):
     cfg = resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path)).config
     r = precompute(cfg)
     assert r.captions == {"caption": 6, "tags": 1, "empty": 1}
+
+
+def test_files_difftrain_does_not_read_are_counted_and_listed(tiny_model, dataset, tmp_path):
+    """A .gif, a multi-page .tif, a video and an animated WebP beside the images: merge-tags' and precompute's
+    summaries count them (through the console script) and precompute-report.json lists each with its reason."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    frames = [_noise(128, 128), _noise(128, 128).rotate(90)]
+    frames[0].save(dataset / "anim.gif", save_all=True, append_images=frames[1:])
+    frames[0].save(dataset / "pages.tif", save_all=True, append_images=frames[1:])
+    frames[0].save(dataset / "anim.webp", save_all=True, append_images=frames[1:])
+    (dataset / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    script = str(Path(sys.executable).parent / "difftrain")
+    merged = subprocess.run(
+        [script, "merge-tags", str(dataset), str(tmp_path / "meta.json")], capture_output=True, text=True
+    )
+    assert merged.returncode == 0, merged.stderr
+    text = " ".join(merged.stderr.split())
+    assert "3 files not used (1 .gif, 1 .mp4, 1 .tif)" in text, text
+    r = subprocess.run([script, *_args(tiny_model, dataset, tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 skipped" in " ".join(r.stderr.split()), r.stderr[-3000:]
+    report = json.loads((tmp_path / "cache" / "precompute-report.json").read_text())
+    why = {item["path"].rsplit("/", 1)[-1]: item["reason"] for item in report["skipped"]}
+    assert set(why) == {"anim.gif", "pages.tif", "clip.mp4", "anim.webp"}
+    assert ".gif is not a format difftrain reads" in why["anim.gif"] and "convert it to PNG" in why["pages.tif"]
+    assert "a video" in why["clip.mp4"] and "2 frames" in why["anim.webp"]

@@ -107,6 +107,24 @@ def _print_merge(r: MergeReport, dry_run: bool) -> None:
         )
     if r.missing_captions:
         info(f"{len(r.missing_captions)} without a caption file")
+    _say_unused(r.unused)
+
+
+def _say_unused(unused: list) -> None:
+    """Files with image or video extensions that the dataset leaves out, counted by extension, the first named."""
+    if not unused:
+        return
+    from collections import Counter
+
+    from rich.markup import escape
+
+    by_ext = Counter(p.suffix.lower() for p, _ in unused)
+    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items()))
+    path, why = unused[0]
+    info(
+        f"[yellow]{len(unused)} files not used[/yellow] ({escape(kinds)}), e.g. {escape(str(path))}: {escape(why)}",
+        markup=True,
+    )
 
 
 def precompute(

@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 from PIL import Image
 
 from ..errors import DataError
-from .tags import IMAGE_EXTS, list_images, load_metadata, normalize_ext, normalize_tags, read_text_file
+from .tags import IMAGE_EXTS, list_images, load_metadata, normalize_ext, normalize_tags, read_text_file, unused_media
 
 CaptionSource = Literal["caption_then_tags", "caption_and_tags", "tags"]
 CAPTION_SOURCES: tuple[str, ...] = ("caption_then_tags", "caption_and_tags", "tags")
@@ -204,12 +204,25 @@ def read_image_size(path: Path) -> tuple[int, int]:
     return read_image_header(path)[:2]
 
 
+class MultiFrame(ValueError):
+    """An image file holding several frames (an animated WebP, a multi-page TIFF): which one is meant is unknown."""
+
+    def __init__(self, frames: int):
+        super().__init__(
+            f"it holds {frames} frames (an animation or several pages): save the frame you mean as its own PNG"
+        )
+
+
 def read_image_header(path: Path) -> tuple[int, int, str]:
-    """Upright ``(width, height, mode)`` from the file header. Raises what Pillow raises on a bad file."""
+    """Upright ``(width, height, mode)`` from the file header. Raises what Pillow raises on a bad file, and
+    :class:`MultiFrame` for a file of several frames."""
     with Image.open(path) as image:
         width, height = image.size
         orientation = _exif_orientation(image)
         mode = image.mode
+        frames = getattr(image, "n_frames", 1)
+    if frames > 1:
+        raise MultiFrame(frames)
     if width <= 0 or height <= 0:
         raise ValueError(f"header gives an empty size {width}x{height}")
     return ((height, width) if orientation in _SWAPS_SIDES else (width, height)) + (mode,)
@@ -277,7 +290,7 @@ def scan_dataset(
     index = MetadataIndex.load(metadata, root) if metadata is not None else None
 
     records: list[ImageRecord] = []
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Path, str]] = unused_media(data_dir, recursive)  # formats difftrain does not read
     seen: dict[str, Path] = {}
     for path in images:
         key = record_key(path, data_dir)
@@ -286,6 +299,9 @@ def scan_dataset(
             continue
         try:
             width, height, mode = read_image_header(path)
+        except MultiFrame as exc:
+            skipped.append((path, str(exc)))
+            continue
         except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
             skipped.append((path, _unreadable_reason(path, exc)))
             continue

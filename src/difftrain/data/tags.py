@@ -190,6 +190,8 @@ class MergeReport:
     """(key, fields before, fields after) of every entry that changed."""
     tags_removed: int = 0
     """Tags dropped by the rules (threshold, drop list, duplicates, ratings)."""
+    unused: list[tuple[Path, str]] = field(default_factory=list)
+    """Files with an image or video extension difftrain does not read (:func:`unused_media`), with the reason."""
     written: bool = True
 
 
@@ -230,6 +232,48 @@ def list_images(data_dir: Path, recursive: bool = False, allow_outside: bool = F
     for p in images if not allow_outside else ():
         check_inside(p, data_dir)
     return images
+
+
+#: image and video formats people keep beside their training images that difftrain does not read: found and said
+#: (precompute's and merge-tags' summaries, precompute-report.json), never silently passed over
+OTHER_MEDIA_EXTS = (
+    ".gif",
+    ".tif",
+    ".tiff",
+    ".avif",
+    ".heic",
+    ".heif",
+    ".jxl",
+    ".jp2",
+    ".psd",
+    ".tga",
+    ".ico",
+    ".svg",
+    ".mp4",
+    ".webm",
+    ".mov",
+    ".mkv",
+    ".avi",
+)
+
+
+def unused_media(data_dir: Path, recursive: bool = False) -> list[tuple[Path, str]]:
+    """Files in ``data_dir`` with an image or video extension difftrain's image datasets do not read, each with
+    the reason (``list_images``' rules for hidden files)."""
+    data_dir = Path(data_dir)
+    candidates = data_dir.rglob("*") if recursive else data_dir.iterdir()
+    found = sorted(
+        p for p in candidates if p.suffix.lower() in OTHER_MEDIA_EXTS and _visible(p, data_dir) and p.is_file()
+    )
+    read = ", ".join(e.lstrip(".") for e in IMAGE_EXTS)
+    videos = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+
+    def why(p: Path) -> str:
+        if p.suffix.lower() in videos:
+            return f"a video: image datasets read stills ({read}); the video families (cogvideox) read clips"
+        return f"{p.suffix.lower()} is not a format difftrain reads ({read}): convert it to PNG"
+
+    return [(p, why(p)) for p in found]
 
 
 OUTSIDE_HINT = (
@@ -390,7 +434,7 @@ def merge_tags(
     read_from = Path(in_json) if in_json is not None else (out_json if out_json.is_file() else None)
     metadata = load_metadata(read_from) if read_from is not None else {}
 
-    report = MergeReport(len(keyed), 0, 0, [], [], out_json, read_from)
+    report = MergeReport(len(keyed), 0, 0, [], [], out_json, read_from, unused=unused_media(data_dir, recursive))
     for key, img in keyed:
         entry = _entry(metadata, key, read_from or out_json)
         before = {k: entry[k] for k in ("caption", "tags") if k in entry}
