@@ -14,6 +14,25 @@ def resolved_config(recipe, config_file: Path | None, sets, extra: dict | None =
     return resolve(recipe=recipe, config_file=config_file, sets=sets, extra=extra)
 
 
+def with_hub_model(res: Resolved) -> Resolved:
+    """model.path given as a Hugging Face Hub id (``org/name[@revision]`` or ``org/name/file.safetensors``): fetched,
+    or found in the local HF cache, and the config then names the local snapshot (its folder is the commit), so the
+    run's config.yaml says exactly which weights trained."""
+    from ..console import info
+    from ..families.registry import get_family
+    from ..hub import resolve_model_path
+
+    cfg = res.config
+    path, ref = resolve_model_path(cfg.model.path, get_family(cfg.family).parts)
+    if ref is None or path is None:
+        return res
+    commit = path.name if path.is_dir() else path.parent.name
+    info(f"model: {ref} from the Hugging Face Hub, snapshot {commit} -> {path}")
+    res.config = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
+    res.sources["model.path"] = f"{res._source_of('model.path')}: Hub {ref}, snapshot {commit}"
+    return res
+
+
 def print_config(res: Resolved) -> None:
     """One line per value, `key: value  # source`, on standard output."""
     rows = res.rows()

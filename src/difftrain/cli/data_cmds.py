@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..console import console, info
-from .common import print_config, resolved_config
+from .common import print_config, resolved_config, with_hub_model
 from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
 
 if TYPE_CHECKING:  # an annotation only: data.tags loads torch (through utils), which the CLI imports when it runs
@@ -164,6 +164,7 @@ def precompute(
         for path, why in r.skipped:
             info(f"dropped {path}: {why}")
         return
+    with_hub_model(res)  # before the processes start: they find it in the cache
     if gpus > 1 and "LOCAL_RANK" not in os.environ:
         from ..distributed import launch
         from .common import invoked_argv

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..console import info
-from .common import print_config, resolved_config
+from .common import print_config, resolved_config, with_hub_model
 from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
 
 
@@ -69,6 +69,7 @@ def train(
                 f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
             )
         res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors, once
+        with_hub_model(res)  # fetched once here: the processes find it in the cache
         if not no_precompute:
             precompute_missing(res.config)  # once, here, before the processes start
         launch(
@@ -92,6 +93,7 @@ def train(
     if print_config_:
         print_config(res)
         return
+    with_hub_model(res)
     if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
         precompute_missing(res.config)
     check_memory(res.config, strict_memory)

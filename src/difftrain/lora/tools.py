@@ -117,7 +117,14 @@ def _family_of(base: Path, keys: list[str] | None) -> ModelFamily:
 def _base(base: Path, family: str | None, config: str | None):
     """(family, model config, parts present, weight files) of a single-file checkpoint or a diffusers folder."""
     from ..families.registry import get_family
+    from ..hub import parse_hub_id, resolve_model_path
 
+    if not Path(base).expanduser().exists() and parse_hub_id(base) is not None:
+        # a Hub id: the parts a merge writes into (the denoiser and text encoders), from the cache or downloaded
+        wanted = (
+            get_family(family).parts if family else ("unet", "transformer", "text_encoder", "text_encoder_2", "vae")
+        )
+        base = resolve_model_path(base, wanted)[0] or Path(base)
     base = Path(base).expanduser()
     if not base.exists():
         raise ModelLoadError(
