@@ -110,3 +110,16 @@ def test_a_single_file_in_a_repo_resolves_to_that_file(tmp_path):
     code = "from difftrain.hub import resolve_model_path; resolve_model_path('org/single/other.safetensors', [])"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(cache))
     assert r.returncode != 0 and "not in the local Hugging Face cache" in r.stderr
+
+
+def test_the_library_path_resolves_a_hub_id_too(tiny_model, tmp_path):
+    """A sweep's trials and library callers reach the family loader with the id itself: it resolves there."""
+    cache = tmp_path / "hf"
+    snap = hub_cache(cache, "tiny-org/tiny-sdxl", {p.name: p for p in tiny_model.iterdir()})
+    code = (
+        "from difftrain.families.sdxl import SDXL; from difftrain.config.schema import ModelConfig; "
+        "print(SDXL()._source(ModelConfig(path='tiny-org/tiny-sdxl')))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(cache))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(("diffusers", snap))

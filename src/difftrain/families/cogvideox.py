@@ -302,6 +302,7 @@ class CogVideoX(ModelFamily):
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
         return common.resolve_source(
             mcfg,
+            parts=self.parts,
             no_model_hint="Set model.path to a diffusers CogVideoX folder (--set model.path=/path/to/CogVideoX-5b), "
             "or to a transformer .safetensors a difftrain full fine-tune exported.",
             missing_hint="Point model.path at a diffusers CogVideoX folder (with transformer/, vae/, text_encoder/, tokenizer/).",

@@ -82,6 +82,7 @@ def resolve_source(
     missing_hint: str,
     check_folder: Callable[[Path], None],
     unrecognised_hint: str = "Use a .safetensors checkpoint or a diffusers folder.",
+    parts: Sequence[str] = (),
 ) -> tuple[str, Path]:
     """model.path -> ("diffusers" | "single" | "pickle", path).
 
@@ -91,6 +92,11 @@ def resolve_source(
     if mcfg.path is None:
         raise ModelLoadError("No model was given.", hint=no_model_hint)
     p = Path(mcfg.path).expanduser()
+    if not p.exists():
+        from ..hub import parse_hub_id, resolve_model_path
+
+        if parse_hub_id(mcfg.path) is not None:  # a Hub id (the CLI resolved it already; a sweep's trial, a library
+            p = resolve_model_path(mcfg.path, parts)[0] or p  # caller reach it here): the HF cache, or fetched
     if not p.exists():
         raise ModelLoadError(f"The model path {p} does not exist.", hint=missing_hint)
     if p.is_dir():

@@ -170,6 +170,7 @@ class SD3(ModelFamily):
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
         return common.resolve_source(
             mcfg,
+            parts=self.parts,
             no_model_hint="Set model.path to a diffusers SD3 folder or an SD3 .safetensors file "
             "(--set model.path=/path/to/sd3_medium_incl_clips_t5xxlfp8.safetensors).",
             missing_hint="Point model.path at a diffusers folder (with transformer/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",

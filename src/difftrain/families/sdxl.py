@@ -94,6 +94,7 @@ class SDXL(ModelFamily):
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
         return common.resolve_source(
             mcfg,
+            parts=self.parts,
             no_model_hint="Set model.path to a diffusers folder or an SDXL .safetensors file "
             "(--set model.path=/path/to/sd_xl_base_1.0.safetensors).",
             missing_hint="Point model.path at a diffusers folder (with unet/, vae/, text_encoder/ ...) or a .safetensors checkpoint.",
