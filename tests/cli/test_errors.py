@@ -73,7 +73,8 @@ def test_corrupt_only_image_fails_cleanly(cli, tiny_model, tmp_path):
 
 
 def test_train_before_precompute_says_what_to_run(cli, tiny_model, dataset, tmp_path):
-    r = cli("train", "--recipe", "tiny-sdxl-lora", *_sets(tiny_sets(tiny_model, dataset, tmp_path)))
+    """With --no-precompute (without it, train encodes the cache itself)."""
+    r = cli("train", "--recipe", "tiny-sdxl-lora", "--no-precompute", *_sets(tiny_sets(tiny_model, dataset, tmp_path)))
     assert r.code == 1 and "difftrain precompute" in r.err
     _no_traceback(r)
 

@@ -75,6 +75,7 @@ def test_training_refuses_a_cache_that_does_not_match(tiny_model, dataset, tmp_p
         "train",
         "--recipe",
         "tiny-sdxl-lora",
+        "--no-precompute",  # without it, train encodes what this config lacks first (tests/cli/test_usage_errors.py)
         *[a for s in tiny_sets(tiny_model, dataset, tmp_path, **change) for a in ("--set", s)],
     )
     assert r.code != 0 and needle in r.err and "Traceback" not in r.err

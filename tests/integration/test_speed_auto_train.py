@@ -77,7 +77,7 @@ def test_compiled_blocks_over_three_bucket_shapes_stop_compiling_after_the_first
     torch._dynamo.reset()
 
 
-def test_a_recompile_limit_hit_is_named_not_silent(monkeypatch):
+def test_a_recompile_limit_hit_is_named_not_silent():
     """A function recompiled past dynamo's limit runs eagerly from then on: difftrain says so, naming it."""
     import torch._dynamo
 
@@ -85,16 +85,17 @@ def test_a_recompile_limit_hit_is_named_not_silent(monkeypatch):
     from difftrain.speed import configure_compile
 
     configure_compile(SpeedConfig(compile=True))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
 
     def block(x):
         return torch.nn.functional.gelu(x) * 2
 
-    f = torch.compile(block, dynamic=False, backend="eager")
-    before = len(recompile_limit_hits())
-    for n in (3, 4, 5):
-        f(torch.ones(n))
+    # dynamo's own patch (monkeypatch's undo would delete the config entry: later compiles then fail)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        f = torch.compile(block, dynamic=False, backend="eager")
+        before = len(recompile_limit_hits())
+        for n in (3, 4, 5):
+            f(torch.ones(n))
     hits = recompile_limit_hits()[before:]
     assert hits and "block" in hits[0]
     torch._dynamo.reset()
