@@ -5,9 +5,11 @@ buckets, each case in its own process (a fresh torch.compile state), within one 
     python benchmarks/fast_default.py --out $OUT [--cases plain-sdxl,sdxl-lora-8gb,...] [--budget 540]
 
 Each difftrain case is `difftrain bench speed --recipe R --no-baseline --buckets SIX --planned-steps 2000`:
-speed auto decides as for a 2,000-step run; the warm-up steps (one epoch: every bucket shape once) hold the
-compiling and the CUDA graph recording, the timed steps are the next epoch. Writes $OUT/fast_default.json (every
-case's figures) and $OUT/failures.log; prints a short table last.
+speed auto decides as for a 2,000-step run. The warm-up is two epochs (24 steps): torch's CUDA graph trees run a
+shape's first call to warm up and record on its second, so one epoch of warm-up left six recordings inside the
+timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pass); the timed steps are the next
+two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
+Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 """
 
 from __future__ import annotations
@@ -28,12 +30,23 @@ BUCKETS = ",".join(f"{h}x{w}" for h, w in SIX)
 CASES: dict[str, tuple[list[str], str]] = {
     "sdxl-lora-8gb": (["--recipe", "sdxl-lora-8gb"], "SDXL LoRA r16 b1 as shipped (speed auto), six buckets"),
     "sdxl-lora-4gb": (["--recipe", "sdxl-lora-4gb"], "SDXL LoRA r16 b1, block swap 60, as shipped, six buckets"),
+    "sdxl-lora-8gb-graphs": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "speed.cuda_graphs=true"],
+        "sdxl-lora-8gb with CUDA graphs named (auto keeps them for one bucket shape only), six buckets",
+    ),
     "sdxl-lora-8gb-off": (
         ["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=false"],
         "sdxl-lora-8gb with speed off (eager), six buckets",
     ),
-    "sd3-lora-8gb": (["--recipe", "sd3-lora-8gb"], "SD3-medium LoRA as shipped, six buckets"),
+    "sd3-lora-8gb": (["--recipe", "sd3-lora-8gb"], "SD3-medium LoRA as shipped, six buckets, vs its eager run"),
+    "cogvideox-2b-lora-24gb": (
+        ["--recipe", "cogvideox-2b-lora-24gb", "--size", "480x720"],
+        "CogVideoX-2b LoRA as shipped, 49x480x720, vs its eager run",
+    ),
 }
+#: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
+#: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
+WITH_BASELINE = {"sd3-lora-8gb": (BUCKETS, None, None), "cogvideox-2b-lora-24gb": (None, 6, 4)}
 
 
 def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
@@ -93,13 +106,22 @@ def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
         "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
         "first_step_s": round(times[0], 2),
+        "step_s": [round(t, 4) for t in times],
     }
 
 
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
     folder = work / name.split("-")[0]  # one random model and cache per family
-    cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--no-baseline", "--planned-steps", "2000"]
-    cmd += ["--buckets", BUCKETS, "--steps", str(steps), "--warmup", str(warmup), "--work", str(folder)]
+    buckets: str | None = BUCKETS
+    cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000", "--step-times"]
+    if name in WITH_BASELINE:
+        buckets, steps_, warmup_ = WITH_BASELINE[name]
+        steps, warmup = steps_ or steps, warmup_ or warmup
+    else:
+        cmd.append("--no-baseline")
+    if buckets:
+        cmd += ["--buckets", buckets]
+    cmd += ["--steps", str(steps), "--warmup", str(warmup), "--work", str(folder)]
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     res = json.loads((folder / "bench_speed.json").read_text()) if p.returncode == 0 else {}
@@ -112,6 +134,9 @@ def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, ti
         "peak_reserved_gib": row.get("peak_reserved_gib"),
         "compile": row.get("compile"),
         "mfu": row.get("mfu"),
+        "step_s": row.get("step_s"),
+        "warmup": warmup,
+        "eager_s_per_step": res["rows"][0]["s_per_step"] if len(res.get("rows", [])) == 2 else None,
         "log_tail": (p.stdout + p.stderr)[-3000:] if p.returncode else "",
     }
 
@@ -121,8 +146,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cases", default="plain-sdxl,sdxl-lora-8gb,sdxl-lora-4gb,sdxl-lora-8gb-off")
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-fast"))
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--budget", type=float, default=540)
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -160,13 +185,18 @@ def main() -> None:
         (a.out / "fast_default.json").write_text(json.dumps(rows, indent=1) + "\n")
         (a.out / "failures.log").write_text("".join(failures))
     plain = next((r.get("s_per_step") for r in rows if r["case"] == "plain-sdxl"), None)
-    print("\n| case | s/step | vs plain | step 1 s | warm-up extra s | peak alloc / reserved GiB | speed |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| case | s/step | timed median | vs plain | step 1 s | warm-up extra s | peak alloc / reserved GiB | speed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r.get("s_per_step")
         vs = f"{plain / s:.2f}x" if s and plain and r["case"].startswith("sdxl") else ""
+        if s and r.get("eager_s_per_step"):
+            vs = f"{r['eager_s_per_step'] / s:.2f}x its eager run ({r['eager_s_per_step']})"
+        med = round(statistics.median(r["step_s"][r.get("warmup", a.warmup) :]), 4) if r.get("step_s") else ""
         print(
-            f"| {r['case']} | {s if s else r.get('rc')} | {vs} | {r.get('first_step_s', '')} | "
+            f"| {r['case']} | {s if s else r.get('rc')} | {med} | {vs} | {r.get('first_step_s', '')} | "
             f"{r.get('warmup_overhead_s', '')} | {r.get('peak_alloc_gib', '')} / {r.get('peak_reserved_gib', '')} | "
             f"{(r.get('speed') or '')[:150]} |"
         )

@@ -286,17 +286,24 @@ class SpeedRow:
     tflops: float | None = None
     mfu: float | None = None
     speed: str = ""  # what speed auto chose, and why
+    step_s: list[float] | None = None  # every step's seconds (bench speed --step-times)
 
 
 def _timed_run(
-    cfg: Config, warmup: int, profile: Path | None = None, planned_steps: int | None = None
+    cfg: Config,
+    warmup: int,
+    profile: Path | None = None,
+    planned_steps: int | None = None,
+    step_times: bool = False,
 ) -> tuple[Trainer, dict[int, float], dict]:
     """Train; with ``profile``, two steps run after the timed ones (the profiler's warm-up and the profiled step, the
-    GPU synchronised at their edges so the profiled step holds its own kernels only) and its summary comes back."""
-    hooks = Hooks(flush_steps={1, warmup}, planned_steps=planned_steps)  # read back (the GPU waited for) exactly here
-    trainer = Trainer(cfg, hooks=hooks)
+    GPU synchronised at their edges so the profiled step holds its own kernels only) and its summary comes back.
+    ``step_times``: the numbers are read back (the GPU waited for) after every step, not only at 1 and ``warmup``."""
     end = cfg.train.max_steps
     assert end is not None, "a benchmark trains a set number of steps"
+    flush = set(range(1, end + 1)) if step_times else {1, warmup}
+    hooks = Hooks(flush_steps=flush, planned_steps=planned_steps)  # read back (the GPU waited for) exactly here
+    trainer = Trainer(cfg, hooks=hooks)
     if profile is None:
         trainer.run()
         return trainer, trainer.flush_times, {}
@@ -473,6 +480,7 @@ def bench_speed(
     profile: bool = False,
     planned_steps: int | None = None,
     buckets: list[tuple[int, int]] | None = None,
+    step_times: bool = False,
 ) -> dict:
     """Time ``cfg`` (and ``baseline``, by default the same config run eagerly) for ``warmup`` + ``steps`` steps on
     random weights and data of the real shapes; FLOPs counted once on the eager run, MFU against the dense matmul
@@ -500,7 +508,7 @@ def bench_speed(
             torch.cuda.reset_peak_memory_stats(device)
         prof = work / f"profile-{name.split()[0]}.txt" if profile else None
         compile_before = _compile_totals()
-        trainer, times, summary = _timed_run(run_cfg, warmup, prof, planned_steps)
+        trainer, times, summary = _timed_run(run_cfg, warmup, prof, planned_steps, step_times)
         compiled = trainer.speed.compile
         per = (times[warmup + steps] - times[warmup]) / steps
         bs = c.train.batch_size * c.train.grad_accum
@@ -523,6 +531,9 @@ def bench_speed(
                 profile=summary or None,
                 compile=compile_phases(since=compile_before) if compiled else None,
                 speed=trainer.speed.line(),
+                step_s=[round(times[i] - times[i - 1], 4) for i in range(1, warmup + steps + 1)]
+                if step_times
+                else None,
             )
         )
         del trainer

@@ -32,24 +32,24 @@ class CompileCost:
     1024 batch 1, SD3-medium 1024 batch 1, CogVideoX-2b 49x480x720; docs/benchmarks.md "Speed"). On a slower GPU a
     step takes longer and compiling (mostly CPU work) about as long, so the H100's break-even is the cautious one."""
 
-    cold_s: float  # the first step's extra time with an empty inductor cache (CUDA graphs recorded)
+    cold_s: float  # the first step's extra time with an empty inductor cache (compiling; no graph recorded yet)
     warm_s: float  # the same with this config's kernels already in the cache
     saved_s: float  # seconds a step saves compiled with CUDA graphs
     saved_s_no_graphs: float  # ... compiled without them
+    dynamic_s: float = 0.0  # once, at the second bucket shape: dynamo recompiles the blocks with symbolic shapes
+    shape_s: float = 0.0  # each bucket shape past the first: new kernels, guards
+    record_s: float = 0.0  # each bucket shape's CUDA graphs: torch's warm-up call, then the recording
 
 
 #: at least this many times the compile time must come back in saved step time (auto)
 PAYBACK = 1.25
-#: auto turns CUDA graphs off past this many bucket shapes. Measured on an H100 (docs/benchmarks.md, "Fast by
-#: default"): sdxl-lora-8gb compiled with CUDA graphs over six SDXL buckets in random order ran 0.999 s/step, no
-#: faster than the plain eager loop (1.001), where one bucket ran 0.11-0.16 s/step; compiled without graphs, the
-#: same buckets ran 0.53 s/step (sdxl-lora-4gb, block swap included). torch's CUDA graph trees record a path of
-#: graphs per shape and, switching paths, restore the memory pool's state: with shapes changing every step that
-#: costs more than the launches it saves.
-MAX_GRAPH_SHAPES = 1
-#: each bucket shape past the first adds this share of the first shape's compile time (dynamic recompiles, graph
-#: recordings; sdxl-lora-8gb over six buckets: 194 s of warm-up for 140 s of first step on the H100)
-EXTRA_SHAPE_COMPILE = 0.08
+#: auto keeps CUDA graphs up to this many bucket shapes (a real aspect-bucketed dataset has 5 to 15). Measured on
+#: an H100 (docs/benchmarks.md, "Fast by default", second pass): sdxl-lora-8gb over six SDXL buckets in random
+#: order, compiled with CUDA graphs, 0.159 s/step once every shape was recorded (6.3x the plain eager loop),
+#: compiled alone 0.614; torch's CUDA graph trees record each shape once (its second call, ~10 s each for SDXL)
+#: and keep the shapes' graphs in one memory pool (+0.36 GiB reserved over compiled alone at six shapes). Past
+#: this count the recordings and the pool are not measured, and auto compiles without graphs.
+MAX_GRAPH_SHAPES = 16
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class SpeedChoice:
     compile: bool
     cuda_graphs: bool
     reason: str  # one line: what was chosen and why
-    compile_s: float = 0.0  # the expected first-step compile time (0: eager, or unknown)
+    compile_s: float = 0.0  # the expected first step's compile time (0: eager); other shapes compile later
 
     def line(self) -> str:
         what = "compiled + CUDA graphs" if self.cuda_graphs else "compiled" if self.compile else "eager"
@@ -153,10 +153,20 @@ def _graphs_off(speed: SpeedConfig, platform: Platform, run: RunFacts) -> str | 
         return "no CUDA graphs: not measured with several processes"
     if run.shapes > MAX_GRAPH_SHAPES:
         return (
-            f"no CUDA graphs: {run.shapes} bucket shapes (measured: graphs replayed across changing shapes were no "
-            "faster than eager; compiled alone, 1.9x)"
+            f"no CUDA graphs: {run.shapes} bucket shapes (auto records graphs for up to {MAX_GRAPH_SHAPES}; "
+            "more are not measured)"
         )
     return None
+
+
+def compile_seconds(cost: CompileCost, run: RunFacts, graphs: bool) -> float:
+    """The expected extra time of compiling (and recording CUDA graphs) over the whole run: the first shape's
+    compile, the dynamic recompile at the second shape, each further shape's kernels, and with graphs one recording
+    per shape."""
+    shapes = max(1, run.shapes)
+    base = cost.warm_s if run.warm else cost.cold_s
+    dynamic = cost.dynamic_s if shapes > 1 else 0.0
+    return base + dynamic + (shapes - 1) * cost.shape_s + (shapes * cost.record_s if graphs else 0.0)
 
 
 def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFacts) -> SpeedChoice:
@@ -168,10 +178,16 @@ def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFa
         graphs = graphs_reason is None
         why_not = _stay_eager(platform, run)
         if why_not is None:
-            cost_s = (cost.warm_s if run.warm else cost.cold_s) * (1 + EXTRA_SHAPE_COMPILE * (max(1, run.shapes) - 1))
-            saved = run.steps * (cost.saved_s if graphs else cost.saved_s_no_graphs)
+            # compiled with graphs where they may be used, else (or where their recordings do not pay) without
+            options = [(True, cost.saved_s)] if graphs else []
+            if speed.cuda_graphs is not True:  # graphs named by hand stay
+                options.append((False, cost.saved_s_no_graphs))
             cache = "cache warm" if run.warm else "cold cache"
-            if saved < PAYBACK * cost_s:
+            net = [(run.steps * sv - PAYBACK * compile_seconds(cost, run, g), g, sv) for g, sv in options]
+            gain, use_graphs, saved_s = max(net, key=lambda n: n[0])
+            cost_s = compile_seconds(cost, run, use_graphs)
+            saved = run.steps * saved_s
+            if gain < 0:
                 why_not = (
                     f"{run.steps} steps would save ~{saved:.0f} s for ~{cost_s:.0f} s of compiling ({cache}); "
                     "set speed.compile: true to compile anyway"
@@ -180,12 +196,22 @@ def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFa
                 where = (
                     f"CUDA {platform.capability[0]}.{platform.capability[1]}, " if platform.capability else ""
                 ) + f"Triton {platform.triton}"
+                if graphs and not use_graphs:
+                    n = max(1, run.shapes)
+                    graphs_reason = (
+                        "no CUDA graphs: measured no faster than compiled alone on this model"
+                        if cost.saved_s <= cost.saved_s_no_graphs
+                        else f"no CUDA graphs: recording {n} bucket shape{'s' * (n > 1)} would not pay back in "
+                        f"{run.steps} steps"
+                    )
                 return SpeedChoice(
                     True,
-                    graphs,
-                    f"auto ({where}); ~{cost_s:.0f} s compiling on the first step ({cache}) to save ~{saved:.0f} s "
-                    f"over {run.steps} steps" + (f"; {graphs_reason}" if graphs_reason else ""),
-                    compile_s=cost_s,
+                    use_graphs,
+                    f"auto ({where}); ~{cost_s:.0f} s compiling"
+                    + (" and recording" if use_graphs else "")
+                    + f" over the first steps ({cache}) to save ~{saved:.0f} s over {run.steps} steps"
+                    + (f"; {graphs_reason}" if graphs_reason else ""),
+                    compile_s=cost.warm_s if run.warm else cost.cold_s,
                 )
         if speed.cuda_graphs is True:
             raise BackendUnavailable(

@@ -66,6 +66,7 @@ def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
         "3",
         "--warmup",
         "1",
+        "--step-times",
         "--work",
         tmp_path,
     )
@@ -73,6 +74,10 @@ def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
     assert "config vs eager baseline" in r.err and "MFU" in r.err
     out = json.loads((tmp_path / "bench_speed.json").read_text())
     base, cfg = out["rows"]
+    # --step-times: every step's seconds, the timed ones summing to the timed mean
+    for row in (base, cfg):
+        assert len(row["step_s"]) == 4 and all(t > 0 for t in row["step_s"])
+        assert sum(row["step_s"][1:]) / 3 == pytest.approx(row["s_per_step"], rel=1e-2)
     assert out["flops_exact"] is True and out["flops_per_step"] > 1e9  # the tiny UNet at batch 2, 128 px
     for row in (base, cfg):
         assert row["s_per_step"] > 0 and row["samples_per_s"] == pytest.approx(2 / row["s_per_step"], rel=1e-2)

@@ -473,3 +473,31 @@ def test_planner_within_ten_percent_of_deepspeed(case):
     e = plan_memory(cfg)
     assert abs(e.gpu_total - alloc) / alloc < 0.10, (e.gpu_total, alloc)
     assert abs(e.gpu_reserved - reserved) / reserved < 0.10, (e.gpu_reserved, reserved)
+
+
+def test_cuda_graphs_pool_is_reserved_where_graphs_may_be_recorded():
+    """sdxl-lora-8gb as shipped (speed auto) may record CUDA graphs: their pool (+0.3 GiB reserved over six buckets on
+    the H100) is in the reserved peak and the card's total, not in the allocated peak; graphs switched off, block swap
+    or the CPU leave it out."""
+    from difftrain.memory.planner import graphs_expected
+
+    def plan(*sets):
+        cfg = resolve(recipe="sdxl-lora-8gb", sets=list(sets)).config
+        return cfg, plan_memory(cfg)
+
+    cfg, auto = plan()
+    _, off = plan("speed.cuda_graphs=false")
+    assert graphs_expected(cfg) and auto.graph_pool == pytest.approx(0.3)
+    assert auto.gpu_total == pytest.approx(off.gpu_total)
+    assert auto.gpu_reserved - off.gpu_reserved == pytest.approx(0.3)
+    assert auto.card_total - off.card_total == pytest.approx(0.3)
+    assert any("CUDA graphs" in n for n in auto.notes) and not any("CUDA graphs" in n for n in off.notes)
+    for sets in (
+        ("speed.compile=false",),
+        ("train.device=cpu",),
+        ("memory.offload={kind: block_swap, blocks_to_swap: 8}",),
+    ):
+        c, e = plan(*sets)
+        assert not graphs_expected(c) and e.graph_pool == 0.0, sets
+    # the card's promise still holds with the pool counted (measured 6.60 GiB reserved capped as an 8 GB card)
+    assert auto.card_total < 8.0

@@ -10,7 +10,6 @@ import pytest
 from difftrain.config.schema import SpeedConfig
 from difftrain.errors import BackendUnavailable
 from difftrain.speed import (
-    EXTRA_SHAPE_COMPILE,
     MAX_GRAPH_SHAPES,
     PAYBACK,
     CompileCost,
@@ -22,7 +21,9 @@ from difftrain.speed import (
     platform_facts,
 )
 
-COST = CompileCost(cold_s=120.0, warm_s=30.0, saved_s=0.8, saved_s_no_graphs=0.3)
+COST = CompileCost(
+    cold_s=120.0, warm_s=30.0, saved_s=0.8, saved_s_no_graphs=0.3, dynamic_s=3.0, shape_s=1.0, record_s=10.0
+)
 H100 = Platform(device="cuda", capability=(9, 0), triton="3.5.0")
 AUTO = SpeedConfig()
 LONG = RunFacts(steps=2000)
@@ -63,8 +64,9 @@ def test_every_reason_to_stay_eager_is_named(platform, run, words):
 
 
 def test_the_step_count_weighs_the_compile_time_and_a_warm_cache_lowers_it():
-    # with CUDA graphs a step saves 0.8 s: the cold compile (120 s) pays back PAYBACK times from 188 steps
-    need = int(PAYBACK * COST.cold_s / COST.saved_s) + 1
+    # with CUDA graphs a step saves 0.8 s: the cold compile and one recording (130 s) pay back PAYBACK times from
+    # 204 steps
+    need = int(PAYBACK * (COST.cold_s + COST.record_s) / COST.saved_s) + 1
     assert decide(AUTO, COST, H100, RunFacts(steps=need)).compile
     assert not decide(AUTO, COST, H100, RunFacts(steps=need - 2)).compile
     # the same short run compiles when this config's kernels are already in the cache
@@ -92,12 +94,28 @@ def test_cuda_graphs_stay_off_where_they_do_not_fit_and_say_why(run, words):
     assert words in c.reason
 
 
-def test_several_bucket_shapes_compile_without_cuda_graphs_and_take_longer_to_compile():
+def test_several_bucket_shapes_record_cuda_graphs_each_and_take_longer_to_compile():
     one = decide(AUTO, COST, H100, RunFacts(steps=5000, shapes=1))
     six = decide(AUTO, COST, H100, RunFacts(steps=5000, shapes=6))
-    assert one.cuda_graphs and six.compile and not six.cuda_graphs
-    assert "6 bucket shapes" in six.reason
-    assert six.compile_s == pytest.approx(COST.cold_s * (1 + EXTRA_SHAPE_COMPILE * 5)) and six.compile_s > one.compile_s
+    assert one.cuda_graphs and six.compile and six.cuda_graphs
+    # the first step compiles the first shape; the reason counts every shape's recompile and recording
+    assert six.compile_s == one.compile_s == COST.cold_s
+    total = COST.cold_s + COST.dynamic_s + 5 * COST.shape_s + 6 * COST.record_s
+    assert f"~{total:.0f} s compiling and recording" in six.reason
+    # a run too short to pay back six recordings (~905 s of them here) compiles without graphs, and says so
+    slow_rec = CompileCost(**{**COST.__dict__, "record_s": 100.0})
+    c = decide(AUTO, slow_rec, H100, RunFacts(steps=1000, shapes=6))
+    assert c.compile and not c.cuda_graphs
+    assert "recording 6 bucket shapes would not pay back in 1000 steps" in c.reason
+    # ... and a longer one records them
+    assert decide(AUTO, slow_rec, H100, RunFacts(steps=3000, shapes=6)).cuda_graphs
+    # at 1200 steps both pay and compiled alone gains more; graphs named by hand are not weighed away
+    assert not decide(AUTO, slow_rec, H100, RunFacts(steps=1200, shapes=6)).cuda_graphs
+    assert decide(SpeedConfig(cuda_graphs=True), slow_rec, H100, RunFacts(steps=1200, shapes=6)).cuda_graphs
+    # a model whose graphs were measured to save nothing beyond compiling (CogVideoX) compiles without them
+    flat = CompileCost(**{**COST.__dict__, "saved_s": COST.saved_s_no_graphs})
+    c = decide(AUTO, flat, H100, RunFacts(steps=5000))
+    assert c.compile and not c.cuda_graphs and "measured no faster than compiled alone" in c.reason
 
 
 def test_explicit_options_override_auto():

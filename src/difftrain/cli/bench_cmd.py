@@ -143,6 +143,14 @@ def speed(
             "e.g. 1024x1024,896x1152,1152x896,832x1216,1216x832,768x1344",
         ),
     ] = None,
+    step_times: Annotated[
+        bool,
+        typer.Option(
+            "--step-times",
+            help="wait for the GPU after every step and write each step's seconds to WORK/bench_speed.json "
+            "(where a compile, a recompile or a CUDA graph recording falls; adds a sync per step)",
+        ),
+    ] = False,
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
@@ -169,6 +177,7 @@ def speed(
         profile=profile,
         planned_steps=planned_steps,
         buckets=_buckets(buckets),
+        step_times=step_times,
     )
     _print_speed(r, recipe or config or "config", steps, warmup, folder)
 

@@ -545,8 +545,9 @@ class SpeedConfig(Strict):
     cuda_graphs: bool | Literal["auto"] = Field(
         default="auto",
         description="replay each compiled block as a CUDA graph (torch.compile's reduce-overhead): fewer "
-        "launches; one graph per block and bucket shape. auto: on with compile unless block swap, DeepSpeed, "
-        "several processes or too many bucket shapes stand in the way",
+        "launches; one graph per block and bucket shape, each shape recorded on its second step. auto: on with "
+        "compile unless block swap, DeepSpeed, several processes or more than 16 bucket shapes stand in the way, "
+        "or the recordings would not pay back in the planned steps",
     )
     dynamic: bool | None = Field(
         default=None,

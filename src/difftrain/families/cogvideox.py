@@ -242,11 +242,16 @@ class CogVideoX(ModelFamily):
     repeated_blocks = ("CogVideoXBlock",)  # speed.compile: the blocks compiled one by one
     # CogVideoX-2b 49x480x720 b1 (docs/benchmarks.md "Speed"): first step 16-22 s cold; eager 1.03-1.07 s/step,
     # compiled 0.83-0.85 (attention-bound: CUDA graphs not measured to add anything)
+    # further frame buckets and graph recordings not measured on this family: a dynamic recompile as long as the
+    # cold compile (SD3's was 1.7x its own), SDXL's and SD3's shares for the rest
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 22.0,
         "warm_s": 8.0,
         "saved_s": 0.2,
         "saved_s_no_graphs": 0.2,
+        "dynamic_s": 22.0,
+        "shape_s": 0.3,
+        "record_s": 1.5,
     }
     # the one joint attention of each block: video and text tokens share to_q/to_k/to_v/to_out
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")

@@ -492,4 +492,5 @@ def measured_hints(data_file: Path) -> dict:
         "workspace": data.get("workspace_bytes", 0),
         "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
         "allocator_slack": data.get("allocator_slack_gib", 0.0),
+        "cuda_graph_pool": data.get("cuda_graph_pool_gib", 0.0),
     }

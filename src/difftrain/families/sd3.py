@@ -147,11 +147,16 @@ class SD3(ModelFamily):
     repeated_blocks = ("JointTransformerBlock",)  # speed.compile: the blocks compiled one by one
     # SD3-medium 1024 b1 (docs/benchmarks.md "Speed"): first step 19-24 s cold; eager 0.300 s/step, compiled
     # 0.150, compiled + CUDA graphs 0.063
+    # six buckets on the H100 ("Fast by default", second pass): a 40 s dynamic recompile at the second shape,
+    # nothing much at later ones, ~1.9 s recording each shape's graphs; compiled + CUDA graphs 0.093-0.106 s/step
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 24.0,
         "warm_s": 10.0,
         "saved_s": 0.237,
         "saved_s_no_graphs": 0.15,
+        "dynamic_s": 40.0,
+        "shape_s": 0.0,
+        "record_s": 1.9,
     }
     # joint attention: the image stream (to_*) and the text stream (add_*_proj, to_add_out)
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

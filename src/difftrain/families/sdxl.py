@@ -74,12 +74,17 @@ class SDXL(ModelFamily):
     # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
     # H100, 1024 b1 checkpointed (docs/benchmarks.md "Speed", "Fast by default"): first step 104-140 s cold, 29 s
-    # warm; eager 0.8-1.2 s/step, compiled + CUDA graphs 0.11-0.16 (one bucket), compiled alone 0.45
+    # warm; eager 0.8-1.2 s/step, compiled + CUDA graphs 0.11-0.16 (one bucket or six), compiled alone 0.45-0.61;
+    # over six buckets: ~4 s recompiling at the second shape, ~0.5 s at each later one, each shape's graphs recorded
+    # in ~9.6 s (the step times of "Fast by default", second pass)
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 140.0,
         "warm_s": 30.0,
         "saved_s": 0.85,
         "saved_s_no_graphs": 0.35,
+        "dynamic_s": 4.0,
+        "shape_s": 0.5,
+        "record_s": 9.6,
     }
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoder_lora_targets = ("q_proj", "k_proj", "v_proj", "out_proj")

@@ -63,6 +63,8 @@ class Estimate:
     #: memory.expandable_segments in effect (CogVideoX with them: 0.31 and 0.73 GiB slack at 3.8 and 7.2 GiB of
     #: activations, without: 1.19-1.97 at the same activations)
     expandable: bool = False
+    #: GiB CUDA graphs' private memory pool holds beyond the allocated peak (planner.graphs_expected)
+    graph_pool: float = 0.0
     #: on the card beside torch's reservation: the CUDA context, the libraries, the display margin (card.py)
     card: dict[str, float] = field(default_factory=card_terms)
 
@@ -77,7 +79,7 @@ class Estimate:
         Fitted to the 16 tier recipes and the DeepSpeed cases measured on the H100 (docs/benchmarks.md, "Tiers as
         cards")."""
         share = 0.05 if self.expandable else 0.1  # expandable segments reuse the freed activations' pages
-        return self.gpu_total * 1.04 + self.slack + share * self.gpu.get("activations", 0.0)
+        return self.gpu_total * 1.04 + self.slack + share * self.gpu.get("activations", 0.0) + self.graph_pool
 
     @property
     def card_total(self) -> float:
@@ -93,6 +95,23 @@ class Estimate:
     @property
     def host_total(self) -> float:
         return sum(self.host.values())
+
+
+def graphs_expected(cfg: Config) -> bool:
+    """Whether the run will record CUDA graphs as far as the config tells before the device is seen: named, or auto
+    where nothing in the config rules them out (speed auto may still stay eager on the device or for a short run,
+    and the plan then holds a little more than the run uses)."""
+    sp, m = cfg.speed, cfg.memory
+    if sp.cuda_graphs is not True and (sp.cuda_graphs is False or sp.compile is False):
+        return False
+    if sp.cuda_graphs is True:
+        return True
+    return (
+        cfg.train.device != "cpu"
+        and m.offload.kind != "block_swap"
+        and m.engine.kind != "deepspeed"
+        and m.weights.kind not in ("nf4", "int8")
+    )
 
 
 def estimate(cfg: Config, hints: dict) -> Estimate:
@@ -117,6 +136,14 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         )
     _activations(cfg, hints, e)
     e.gpu["workspace"] = hints.get("workspace", 0) / GIB
+    if hints.get("cuda_graph_pool") and graphs_expected(cfg):
+        # the recorded graphs' private pool: reserved beyond the allocated peak (which graphs did not raise), shared
+        # by every shape's graphs, so it stays bounded as shapes are added
+        e.graph_pool = hints["cuda_graph_pool"]
+        e.notes.append(
+            f"CUDA graphs (speed auto or named): their memory pool adds ~{e.graph_pool:.2f} GiB to the reserved "
+            "peak (measured over six SDXL buckets); speed.cuda_graphs: false saves it"
+        )
     # host (peak RSS; issue 23 measured the tier recipes, docs/benchmarks.md "Tiers as cards")
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
     e.host["training (batches, buffers)"] = TRAINING_HOST_GIB
