@@ -1,9 +1,14 @@
-"""difftrain quickstart: the whole flow on a tiny seeded SDXL, with no downloads.
+"""difftrain quickstart: the whole flow on a family's tiny seeded model, with no downloads.
 
-Generates a dozen synthetic images (shapes and colours, mixed aspect ratios)
-with captions and WD14-style tags, builds a tiny SDXL as a diffusers folder,
-then runs merge-tags -> precompute -> train (LoRA) -> export -> one sample.
-Running it again reuses the model, the data and the cache.
+Image families (SDXL, SD3): a dozen synthetic images (shapes and colours, mixed
+aspect ratios) with captions and WD14-style tags, a tiny model as a diffusers
+folder, then merge-tags -> precompute -> train (LoRA) -> export -> one sample
+(SDXL: the diffusers pipeline with the exported LoRA loaded; SD3: the trainer's
+validation sample). Video families (CogVideoX, CogVideoX image-to-video): short
+synthetic clips of a square moving over a colour, with captions, written
+through PyAV (the video extra), then precompute -> train -> export -> one mp4
+sample (image-to-video from a start image). Running it again reuses the model,
+the data and the cache.
 """
 
 from __future__ import annotations
@@ -25,8 +30,48 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SIZES = ((256, 256), (320, 192), (192, 320), (256, 128))
 
-#: the recipe the walk-through trains (its family builds the tiny model)
-RECIPE = "tiny-sdxl-lora"
+
+def quickstart_families() -> list[str]:
+    """The families ``quickstart --family`` runs: those with a tiny recipe, in the registry's order."""
+    from .families.registry import names
+
+    return [n for n in names() if get_family(n).tiny_recipe]
+
+
+def _flow_sets(family: str) -> tuple[str, list[str]]:
+    """(the family's tiny recipe, the settings that make it this family's tiny model when the recipe is another's)."""
+    fam = get_family(family)
+    recipe = fam.tiny_recipe
+    assert recipe is not None, family
+    if resolve(recipe=recipe).config.family == family:
+        return recipe, []
+    return recipe, [f"family={family}", f"model.config={fam.tiny_config}"]
+
+
+PROMPT = "a red circle on a white background"
+CLIP_PROMPT = "a white square moving over a red background"
+
+
+def make_clips(folder: Path, n: int = 3, frames: int = 12, size: int = 64, seed: int = 0) -> Path:
+    """Write ``n`` short mp4 clips (a white square moving over a plain colour) with a .caption each."""
+    import numpy as np
+
+    from .data.video import write_mp4
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for i in range(n):
+        name, colour = list(COLOURS.items())[i % len(COLOURS)]
+        arr = np.tile(np.array(colour, dtype=np.uint8), (frames, size, size, 1))
+        y = rng.randrange(0, size - 16)
+        for f in range(frames):
+            x = (4 * f + 8 * i) % (size - 16)
+            arr[f, y : y + 16, x : x + 16] = 255
+        write_mp4(folder / f"{i:02d}_{name}.mp4", arr, fps=8)
+        (folder / f"{i:02d}_{name}.caption").write_text(
+            f"a white square moving over a {name} background", encoding="utf-8"
+        )
+    return folder
 
 
 def make_dataset(folder: Path, n: int = 12, seed: int = 0) -> Path:
@@ -66,7 +111,11 @@ class QuickstartResult:
     losses: list[float] = field(default_factory=list)
 
 
-def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> QuickstartResult:
+def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: str | None = None) -> QuickstartResult:
+    from .families.registry import DEFAULT_FAMILY
+
+    family = family or DEFAULT_FAMILY
+    recipe, family_sets = _flow_sets(family)
     out = Path(out)
     res = QuickstartResult(out)
     t = time.time()
@@ -77,31 +126,45 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
         t = time.time()
 
     data, model, meta = out / "data", out / "model", out / "metadata.json"
-    family = get_family(resolve(recipe=RECIPE).config.family)
-    if not (data.is_dir() and any(data.glob("*.png"))):
+    fam = get_family(family)
+    video = fam.video
+    if video:
+        if not (data.is_dir() and any(data.glob("*.mp4"))):
+            make_clips(data, seed=seed)
+    elif not (data.is_dir() and any(data.glob("*.png"))):
         make_dataset(data, seed=seed)
     if not (model / "model_index.json").exists():
-        family.build_tiny(model, seed=seed)
+        fam.build_tiny(model, seed=seed)
     lap("data and tiny model")
-    report = merge_tags(data, meta, tag_ext=".txt", caption_ext=".caption")
-    info(f"merge-tags: {report.images} images, {report.with_tags} with tags -> {meta}")
-    lap("merge-tags")
-
     sets = [
+        *family_sets,
         f"model.path={model}",
         f"data.dir={data}",
-        f"data.metadata={meta}",
         f"data.cache_dir={out / 'cache'}",
         f"train.output_dir={out / 'run'}",
-        "data.caption_source=caption_and_tags",
     ]
+    if not video:  # WD14-style tags merged into metadata (merge-tags reads images)
+        report = merge_tags(data, meta, tag_ext=".txt", caption_ext=".caption")
+        info(f"merge-tags: {report.images} images, {report.with_tags} with tags -> {meta}")
+        lap("merge-tags")
+        sets += [f"data.metadata={meta}", "data.caption_source=caption_and_tags"]
+    if video:  # the trainer's own validation sample (an image family's is its stock pipeline with the LoRA loaded)
+        sets += [f"validation.prompts=[{CLIP_PROMPT}]", "validation.num_inference_steps=4"]
+    if fam.image_conditioned:
+        from PIL import Image
+
+        start = out / "start.png"
+        if not start.exists():
+            Image.new("RGB", (64, 64), COLOURS["red"]).save(start)
+        sets.append(f"validation.images=[{start}]")
     if steps:
         sets.append(f"train.max_steps={steps}")
-    resolved = resolve(recipe=RECIPE, sets=sets)
+    resolved = resolve(recipe=recipe, sets=sets)
     cfg = resolved.config
     pre = precompute(cfg)
+    what = "clips" if video else "latents"
     info(
-        f"precompute: {pre.latents_encoded} latents and {pre.texts_encoded} captions encoded, "
+        f"precompute: {pre.latents_encoded} {what} and {pre.texts_encoded} captions encoded, "
         f"{pre.latents_reused + pre.texts_reused} reused"
     )
     lap("precompute")
@@ -112,30 +175,26 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0) -> Quicks
     tr = train(cfg, config_yaml=resolved.to_yaml())
     res.losses = tr.losses
     lap("train")
-    res.outputs.update(
-        {
-            "data": data,
-            "model": model,
-            "metadata": meta,
-            "cache": out / "cache",
-            "run": out / "run",
-            "lora": tr.lora_path,
-        }
-    )
-    res.outputs["sample"] = sample(
-        cfg, out / "run" / LORA_FILE, out / "sample.png", prompt="a red circle on a white background"
-    )
+    res.outputs.update({"data": data, "model": model})
+    if not video:
+        res.outputs["metadata"] = meta
+    res.outputs.update({"cache": out / "cache", "run": out / "run", "lora": tr.lora_path})
+    if video:
+        final = out / "run" / "samples" / "final" / "00.mp4"
+        res.outputs["sample"] = final if final.exists() else None
+    else:
+        res.outputs["sample"] = sample(cfg, out / "run" / LORA_FILE, out / "sample.png", prompt=PROMPT)
     lap("sample")
     return res
 
 
 def sample(cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int = 0) -> Path:
-    """One image from the diffusers SDXL pipeline with the exported LoRA loaded."""
+    """One image from the family's stock diffusers pipeline with the exported LoRA loaded."""
     import torch
 
     family = get_family(cfg.family)
     # on the CPU, every family's default (named: ModelFamily.load declares none)
-    comps = family.load(cfg.model, ["unet", "vae", "text_encoder", "text_encoder_2"], dtype=torch.float32, device="cpu")
+    comps = family.load(cfg.model, list(family.parts), dtype=torch.float32, device="cpu")
     pipe = family.pipeline(comps, cfg.model)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     pipe.set_progress_bar_config(disable=True)

@@ -9,18 +9,43 @@ import typer
 from rich.table import Table
 
 from ..console import console
+from ..errors import BackendUnavailable, UsageError
 
 
 def quickstart(
-    out: Annotated[Path, typer.Option("--out", help="folder for everything quickstart makes")] = Path(
-        "difftrain-quickstart"
-    ),
+    family: Annotated[
+        str | None,
+        typer.Option(
+            "--family",
+            help="the family whose tiny model trains (default SDXL; also SD3, CogVideoX, CogVideoX-I2V: "
+            "difftrain quickstart --family cogvideox-i2v); video families train on synthetic clips, which needs "
+            "the video extra: pip install 'difftrain[video]'",
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="folder for everything quickstart makes (default ./difftrain-quickstart[-FAMILY])"),
+    ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="training steps (default: the recipe's)")] = None,
 ) -> None:
-    """Run the whole flow on a tiny seeded SDXL and synthetic images: no downloads, a few minutes on a CPU."""
-    from ..quickstart import run_quickstart
+    """Run the whole flow on a family's tiny seeded model and synthetic data: no downloads, a few minutes on a CPU."""
+    from ..families.registry import DEFAULT_FAMILY, get_family
+    from ..quickstart import quickstart_families, run_quickstart
 
-    r = run_quickstart(out, steps=steps)
+    family = family or DEFAULT_FAMILY
+    known = quickstart_families()
+    if family not in known:
+        raise UsageError(f"--family: {family!r} is not one of {', '.join(known)}.")
+    if get_family(family).video:
+        import importlib.util
+
+        if importlib.util.find_spec("av") is None:
+            raise BackendUnavailable(
+                f"quickstart --family {family} writes its synthetic clips with PyAV, which is not installed.",
+                hint="pip install 'difftrain[video]'",
+            )
+    folder = out or Path("difftrain-quickstart" + ("" if family == DEFAULT_FAMILY else f"-{family}"))
+    r = run_quickstart(folder, steps=steps, family=family)
     table = Table(title="difftrain quickstart: outputs")
     table.add_column("what", style="cyan")
     table.add_column("where")

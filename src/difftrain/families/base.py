@@ -62,6 +62,11 @@ class ModelFamily(ABC):
     video: ClassVar[bool] = False
     #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)
     image_conditioned: ClassVar[bool] = False
+    #: the recipe that trains the family's tiny seeded model (``build_tiny``): what ``difftrain quickstart --family``
+    #: runs; None: no quickstart. A family sharing another's recipe (image-to-video) sets its own config over it
+    tiny_recipe: ClassVar[str | None] = None
+    #: the bundled config of the tiny model, when the tiny recipe names another family's
+    tiny_config: ClassVar[str | None] = None
     #: its LoRAs can also be written as sd-scripts names them (lora.kohya, ``kohya_names``)
     kohya_layout: ClassVar[bool] = False
     #: what a LoRA file's header names the base model as: sd-scripts' ss_base_model_version (None: the family's

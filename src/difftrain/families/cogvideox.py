@@ -233,6 +233,7 @@ class CogVideoX(ModelFamily):
     image_conditioned = False
     default_config = DEFAULT_CONFIG
     tiny_config = "cogvideox-tiny"
+    tiny_recipe = "tiny-cogvideox-lora"  # quickstart --family (image-to-video too, with its tiny_config)
     image_encoder = "vae"
     text_encoders = ("text_encoder",)
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"t5": ("text_encoder",)}

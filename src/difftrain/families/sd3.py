@@ -149,6 +149,7 @@ class SD3(ModelFamily):
     # 0.150, compiled + CUDA graphs 0.063
     # six buckets on the H100 ("Fast by default", second pass): a 40 s dynamic recompile at the second shape,
     # nothing much at later ones, ~1.9 s recording each shape's graphs; compiled + CUDA graphs 0.093-0.106 s/step
+    tiny_recipe = "tiny-sd3-lora"  # quickstart --family
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 24.0,
         "warm_s": 10.0,

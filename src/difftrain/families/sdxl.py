@@ -77,6 +77,7 @@ class SDXL(ModelFamily):
     # warm; eager 0.8-1.2 s/step, compiled + CUDA graphs 0.11-0.16 (one bucket or six), compiled alone 0.45-0.61;
     # over six buckets: ~4 s recompiling at the second shape, ~0.5 s at each later one, each shape's graphs recorded
     # in ~9.6 s (the step times of "Fast by default", second pass)
+    tiny_recipe = "tiny-sdxl-lora"  # quickstart --family
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 140.0,
         "warm_s": 30.0,
