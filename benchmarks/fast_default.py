@@ -9,7 +9,8 @@ speed auto decides as for a 2,000-step run. The warm-up is two epochs (24 steps)
 shape's first call to warm up and record on its second, so one epoch of warm-up left six recordings inside the
 timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pass); the timed steps are the next
 two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
-Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+plain-sd3 and plain-cogvideox are the same plain loops for sd3-lora-8gb (six buckets) and cogvideox-2b-lora-24gb
+(49x480x720). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ CASES: dict[str, tuple[list[str], str]] = {
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
 WITH_BASELINE = {"sd3-lora-8gb": (BUCKETS, None, None), "cogvideox-2b-lora-24gb": (None, 6, 4)}
+#: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
+PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4)}
 
 
 def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
@@ -110,6 +113,85 @@ def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
     }
 
 
+def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
+    """Plain diffusers/peft/torch LoRA loop of a transformer family, no difftrain code in the step: the recipe's
+    set-up (bf16 transformer, diffusers' checkpointing, fp32 LoRA on its targets, fp32 AdamW, a ``.item()`` each
+    step), random inputs of the cache's shapes. plain-sd3: sd3-lora-8gb over the six buckets (r16, the joint
+    attention's both streams); plain-cogvideox: cogvideox-2b-lora-24gb at 49x480x720 (r64)."""
+    import torch
+    from peft import LoraConfig
+
+    here = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
+    if name == "plain-sd3":
+        from diffusers import SD3Transformer2DModel as cls
+
+        cfg = json.loads((here / "sd3-medium/transformer/config.json").read_text())
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+        rank, shapes = 16, [(16, h // 8, w // 8) for h, w in SIX]
+    else:
+        from diffusers import CogVideoXTransformer3DModel as cls
+
+        cfg = json.loads((here / "cogvideox-2b/transformer/config.json").read_text())
+        targets, rank, shapes = ["to_q", "to_k", "to_v", "to_out.0"], 64, [(16, 60, 90)]
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cls.from_config(cfg).to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    order = [b for b in shapes for _ in range(2)]
+    rng = random.Random(seed)
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        if i % len(order) == 0:
+            rng.shuffle(order)
+        c, h, w = order[i % len(order)]
+        t = time.time()
+        if name == "plain-sd3":
+            x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+            sig = torch.rand(1, device="cuda")
+            xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+            kw = {
+                "encoder_hidden_states": torch.randn(1, 333, 4096, **bf),
+                "pooled_projections": torch.randn(1, 2048, **bf),
+                "timestep": sig * 1000,
+            }
+            target = noise - x0
+        else:
+            x0 = torch.randn(1, 13, c, h, w, **bf)
+            xt, target = x0, x0
+            kw = {"encoder_hidden_states": torch.randn(1, 226, 4096, **bf), "timestep": torch.randint(0, 1000, (1,))}
+            kw["timestep"] = kw["timestep"].cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=xt, return_dict=False, **kw)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        torch.cuda.synchronize()
+        times.append(time.time() - t)
+    timed = times[warmup:]
+    return {
+        "case": name,
+        "s_per_step": round(sum(timed) / len(timed), 4),
+        "s_per_step_median": round(statistics.median(timed), 4),
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+        "first_step_s": round(times[0], 2),
+        "step_s": [round(t, 4) for t in times],
+        "warmup": warmup,
+    }
+
+
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
     folder = work / name.split("-")[0]  # one random model and cache per family
     buckets: str | None = BUCKETS
@@ -154,6 +236,10 @@ def main() -> None:
     if a.case == "plain-sdxl":
         print("RESULT " + json.dumps(plain_sdxl(a.steps, a.warmup)), flush=True)
         return
+    if a.case in PLAIN_DIT:
+        steps, warmup = PLAIN_DIT[a.case]
+        print("RESULT " + json.dumps(plain_dit(a.case, steps or a.steps, warmup or a.warmup)), flush=True)
+        return
     a.out.mkdir(parents=True, exist_ok=True)
     t0, rows, failures = time.time(), [], []
     for name in a.cases.split(","):
@@ -162,7 +248,7 @@ def main() -> None:
             rows.append({"case": name, "rc": "not run (time)"})
             continue
         try:
-            if name == "plain-sdxl":
+            if name == "plain-sdxl" or name in PLAIN_DIT:
                 cmd = [sys.executable, __file__, "--out", str(a.out), "--case", name]
                 p = subprocess.run(
                     cmd + ["--steps", str(a.steps), "--warmup", str(a.warmup)],
@@ -184,16 +270,17 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         (a.out / "fast_default.json").write_text(json.dumps(rows, indent=1) + "\n")
         (a.out / "failures.log").write_text("".join(failures))
-    plain = next((r.get("s_per_step") for r in rows if r["case"] == "plain-sdxl"), None)
+    plains = {r["case"].split("-")[1]: r.get("s_per_step") for r in rows if r["case"].startswith("plain-")}
     print(
         "\n| case | s/step | timed median | vs plain | step 1 s | warm-up extra s | peak alloc / reserved GiB | speed |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r.get("s_per_step")
-        vs = f"{plain / s:.2f}x" if s and plain and r["case"].startswith("sdxl") else ""
+        plain = plains.get(r["case"].split("-")[0])
+        vs = f"{plain / s:.2f}x the plain loop" if s and plain else ""
         if s and r.get("eager_s_per_step"):
-            vs = f"{r['eager_s_per_step'] / s:.2f}x its eager run ({r['eager_s_per_step']})"
+            vs += f"; {r['eager_s_per_step'] / s:.2f}x its eager run ({r['eager_s_per_step']})"
         med = round(statistics.median(r["step_s"][r.get("warmup", a.warmup) :]), 4) if r.get("step_s") else ""
         print(
             f"| {r['case']} | {s if s else r.get('rc')} | {med} | {vs} | {r.get('first_step_s', '')} | "
