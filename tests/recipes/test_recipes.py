@@ -67,7 +67,10 @@ def test_recipes_list_chooses_by_card_ram_and_family_through_the_console_script(
         from difftrain.config.recipes import recipe_names
 
         text = r.stdout + r.stderr
-        return {n for n in recipe_names() if re.search(rf"^\s*{re.escape(n)}\s", text, re.M)}
+        found = {n for n in recipe_names() if re.search(rf"^\s*{re.escape(n)}\s", text, re.M)}
+        table = [ln for ln in text.splitlines() if ln.strip().split(" ")[0] in found | {"recipe"}]
+        assert table and max(len(ln.rstrip()) for ln in table) <= 80, table  # the table fits the terminal
+        return found
 
     small = rows("--vram", "4GiB", "--ram", "8GiB")
     assert small == {"sdxl-lora-3gb", "sdxl-lora-4gb", "sd3-lora-4gb"}  # sdxl-full-3gb needs 26 GiB of host RAM

@@ -33,11 +33,13 @@ def list_(
     vram_gib = parse_size(vram) if vram else None
     ram_gib = parse_size(ram) if ram else None
     measured = recipe_measurements()
+    # the title on a line of its own (longer than the table); one space of padding, the box's column rule another:
+    # seven columns in 79 characters (two spaces of padding made 85)
+    title = f"recipes: GPU and host RAM peaks in GiB, measured on an {measured['measured_on']}"
     table = Table(
-        title=f"recipes: GPU and host RAM peaks in GiB, measured on an {measured['measured_on']}",
         box=box.SIMPLE_HEAD,  # no vertical rules and no edge padding: the seven columns fit an 80-column terminal
         pad_edge=False,
-        padding=(0, 2, 0, 0),
+        padding=(0, 1, 0, 0),
     )
     longest = max(len(n) for n in recipe_names())
     table.add_column("recipe", style="cyan", min_width=longest, no_wrap=True)  # a name is never cut
@@ -69,6 +71,7 @@ def list_(
             f"{m['s_per_step']:.2f}" if m else "-",
         )
         shown += 1
+    console.print(title)
     console.print(table)
     if not shown:
         info(
