@@ -4,7 +4,10 @@ SDXL step at batch 1 is bound by the host launching them, so extra operators per
 the CPU with the tiny SDXL (no GPU needed): the same techniques as sdxl-lora-8gb (LoRA r16 on the attention
 projections, checkpointing, AdamW, gradient clipping, noise offset, min-SNR).
 
-    python benchmarks/step_ops.py [--work DIR] [--set key=value ...]
+    python benchmarks/step_ops.py [--family sd3] [--work DIR] [--set key=value ...]
+
+--family sd3: the tiny SD3 with sd3-lora-8gb's techniques (LoRA r16 on both streams' attention projections,
+checkpointing, AdamW, clipping) against the plain SD3 loop of fast_default.py (flow matching, uniform sigmas).
 
 Prints both counts per step and the operators whose counts differ, most first.
 """
@@ -43,12 +46,24 @@ SETS = [
 ]
 
 
-def difftrain_step(work: Path, sets: list[str]) -> tuple[collections.Counter, object]:
+SD3_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+SD3_SETS = [
+    "lora.rank=16",
+    "lora.alpha=16",
+    f"lora.targets=[{', '.join(SD3_TARGETS)}]",
+    "memory.activations.kind=checkpoint",
+    "train.batch_size=1",
+    "speed.compile=false",
+]
+
+
+def difftrain_step(work: Path, sets: list[str], family: str = "sdxl") -> tuple[collections.Counter, object]:
     from difftrain.bench import _prepare
     from difftrain.config.load import resolve
     from difftrain.trainers.loop import Trainer
 
-    cfg = _prepare(resolve(recipe="tiny-sdxl-lora", sets=SETS + sets).config, work, 5, None)
+    recipe, base = ("tiny-sd3-lora", SD3_SETS) if family == "sd3" else ("tiny-sdxl-lora", SETS)
+    cfg = _prepare(resolve(recipe=recipe, sets=base + sets).config, work / family, 5, None)
     counts: list[collections.Counter] = []
     real = Trainer._micro_batch
 
@@ -102,13 +117,49 @@ def plain_step(trainer) -> collections.Counter:
     return counts[3]
 
 
+def plain_sd3_step(trainer) -> collections.Counter:
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    tcfg = trainer.parts.comps["transformer"].config
+    model = SD3Transformer2DModel.from_config(tcfg)
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=SD3_TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    b = trainer.feed.batch([trainer.feed.items[0]], 0)
+    counts = []
+    for _ in range(4):
+        m = Count()
+        with m:
+            x0 = b["latents"]
+            noise = torch.randn_like(x0)
+            sig = torch.rand(1)
+            xt = (1 - sig) * x0 + sig * noise
+            pred = model(
+                hidden_states=xt,
+                encoder_hidden_states=torch.randn_like(b["prompt_embeds"]),
+                pooled_projections=torch.randn_like(b["pooled_prompt_embeds"]),
+                timestep=sig * 1000,
+                return_dict=False,
+            )[0]
+            loss = torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+        counts.append(m.c)
+    return counts[3]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-step-ops"))
     ap.add_argument("--set", action="append", default=[], dest="sets")
+    ap.add_argument("--family", choices=["sdxl", "sd3"], default="sdxl")
     a = ap.parse_args()
-    dt, trainer = difftrain_step(a.work, a.sets)
-    pp = plain_step(trainer)
+    dt, trainer = difftrain_step(a.work, a.sets, a.family)
+    pp = plain_sd3_step(trainer) if a.family == "sd3" else plain_step(trainer)
     print(f"operators per step: difftrain {sum(dt.values())}, plain diffusers+peft {sum(pp.values())}")
     diff = {k: dt[k] - pp[k] for k in set(dt) | set(pp) if dt[k] != pp[k]}
     for k, v in sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0])):
