@@ -123,3 +123,40 @@ def test_the_library_path_resolves_a_hub_id_too(tiny_model, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(cache))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(("diffusers", snap))
+
+
+@pytest.mark.parametrize(
+    ("error", "words", "hint"),
+    [
+        ("GatedRepoError", "is a gated model: its licence must be accepted", "hf auth login"),
+        ("RepositoryNotFoundError", "No model org/name on the Hugging Face Hub (or it is private)", "org/name"),
+        ("RevisionNotFoundError", "has no revision 'v9'", "branch, tag or commit"),
+        ("EntryNotFoundError", "has no file", "model page"),
+    ],
+)
+def test_each_hub_refusal_names_the_next_step(monkeypatch, error, words, hint):
+    """What the Hub answers online (gated, no such repo, no such revision or file) becomes a message with the next
+    step; huggingface_hub's download is replaced by one raising that error (no network here)."""
+    import huggingface_hub
+    from huggingface_hub import errors as hub_errors
+
+    from difftrain.errors import ModelLoadError
+    from difftrain.hub import fetch, parse_hub_id
+
+    cls = getattr(hub_errors, error)
+
+    def refuse(*args, **kwargs):
+        err = cls.__new__(cls)  # without the HTTP response its constructor wants
+        Exception.__init__(err, error)
+        raise err
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", refuse)
+    ref = parse_hub_id("org/name@v9" if error == "RevisionNotFoundError" else "org/name")
+    if error == "EntryNotFoundError":
+        ref = parse_hub_id("org/name/unet.safetensors")
+    assert ref is not None
+    with pytest.raises(ModelLoadError) as got:
+        fetch(ref, ["unet"])
+    assert words in str(got.value) and hint in got.value.hint
