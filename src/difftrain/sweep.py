@@ -347,7 +347,15 @@ def parse_gpus(gpus: str | None) -> list[str]:
 
 
 def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: str | None = None) -> list[dict]:
-    """Run every unfinished trial of ``spec`` under ``out``; return the results rows (also written to disk)."""
+    """Run every unfinished trial of ``spec`` under ``out``; return the results rows (also written to disk). One
+    sweep at a time in a folder (its writer lock; each trial's run folder has its own)."""
+    from .locks import writer_lock
+
+    with writer_lock(Path(out), "sweep folder"):
+        return _run_sweep(spec, Path(out), gpus, sort)
+
+
+def _run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None, sort: str | None) -> list[dict]:
     out = Path(out)
     values_list = expand(spec)
     trials = []

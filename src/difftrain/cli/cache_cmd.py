@@ -66,7 +66,13 @@ def prune(
     from ..data.cache import prune_cache
 
     _check(folder)
-    r = prune_cache(folder, dry_run=dry_run)
+    if dry_run:  # reads only
+        r = prune_cache(folder, dry_run=True)
+    else:
+        from ..locks import writer_lock
+
+        with writer_lock(folder, "cache"):  # not while a precompute writes into it
+            r = prune_cache(folder, dry_run=False)
     verb = "would drop" if dry_run else "dropped"
     info(
         f"{verb} {r['entries_dropped']} entries, {r['shards_deleted']} shards and {r['stray_deleted']} stray files "

@@ -67,6 +67,17 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
         device = torch.device("cuda", world.local_rank)
     dist_init(world, device)
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
+    if plan_only or not world.main:  # a plan writes nothing; the first process holds the lock for all of them
+        return _precompute(cfg, family, world, device, cache, strict, plan_only)
+    from ..locks import writer_lock
+
+    with writer_lock(cache.root, "cache"):
+        return _precompute(cfg, family, world, device, cache, strict, plan_only)
+
+
+def _precompute(
+    cfg: Config, family, world, device, cache: DataCache, strict: bool, plan_only: bool
+) -> PrecomputeReport:
     report = PrecomputeReport(cache_dir=cache.root)
     t_start = time.perf_counter()
     fix_malloc_mmap_threshold()  # host RAM flat however many images pass through (see its docstring)

@@ -189,7 +189,17 @@ class Trainer:
 
     # ---------------------------------------------------------------- the run
     def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
-        """Train to the configured step count; ``stop_at`` ends early (with a checkpoint), as an interruption would."""
+        """Train to the configured step count; ``stop_at`` ends early (with a checkpoint), as an interruption would.
+        The first process holds the run folder's writer lock throughout (``locks.writer_lock``): a second run into
+        the same folder refuses before loading anything."""
+        if not self.world.main:
+            return self._run(resume, stop_at)
+        from ..locks import writer_lock
+
+        with writer_lock(self.out, "run folder"):
+            return self._run(resume, stop_at)
+
+    def _run(self, resume: str | None, stop_at: int | None) -> TrainResult:
         t0 = time.time()
         self.setup()
         stats = {"load_seconds": round(time.time() - t0, 2), "peak_rss_gib_load": round(rss_peak_gib(), 3)}
