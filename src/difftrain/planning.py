@@ -60,5 +60,9 @@ def memory_hints(cfg: Config) -> dict:
 def plan_memory(cfg: Config) -> Estimate:
     """The planner's estimate for a config: no weight is loaded."""
     from .memory.planner import estimate
+    from .speed import graphs_possible
 
-    return estimate(cfg, memory_hints(cfg))
+    hints = memory_hints(cfg)
+    if not graphs_possible(cfg):  # no CUDA graphs, no pool of theirs
+        hints["cuda_graph_pool"] = 0.0
+    return estimate(cfg, hints)

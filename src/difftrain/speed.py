@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config.schema import SpeedConfig
+from .config.schema import Config, SpeedConfig
 from .errors import BackendUnavailable, DifftrainError
 
 _SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -116,6 +116,34 @@ class RunFacts:
     block_swap: bool = False
     deepspeed_stage: int | None = None  # None: not DeepSpeed
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
+
+
+def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm: bool = False) -> RunFacts:
+    """What the config tells the automatic choice (block swap, DeepSpeed, quantized weights), with the run's counts."""
+    m = cfg.memory
+    return RunFacts(
+        steps=steps,
+        shapes=shapes,
+        processes=processes,
+        warm=warm,
+        block_swap=m.offload.kind == "block_swap",
+        deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
+        quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
+    )
+
+
+def graphs_possible(cfg: Config) -> bool:
+    """Whether the run may record CUDA graphs as far as the config tells before the device and the step count are
+    known (the memory plan counts their pool): named, or auto where nothing in the config rules them out (auto may
+    still stay eager on the device or for a short run, and the plan then holds a little more than the run uses)."""
+    sp = cfg.speed
+    if sp.cuda_graphs is True:
+        return True
+    if sp.cuda_graphs is False or sp.compile is False:
+        return False
+    platform = Platform(device="cpu" if cfg.train.device == "cpu" else "cuda", triton="?")
+    run = run_facts(cfg, steps=0)
+    return _stay_eager(platform, run) is None and _graphs_off(sp, platform, run) is None
 
 
 def _stay_eager(p: Platform, run: RunFacts) -> str | None:

@@ -479,7 +479,7 @@ def test_cuda_graphs_pool_is_reserved_where_graphs_may_be_recorded():
     """sdxl-lora-8gb as shipped (speed auto) may record CUDA graphs: their pool (+0.3 GiB reserved over six buckets on
     the H100) is in the reserved peak and the card's total, not in the allocated peak; graphs switched off, block swap
     or the CPU leave it out."""
-    from difftrain.memory.planner import graphs_expected
+    from difftrain.speed import graphs_possible as graphs_expected
 
     def plan(*sets):
         cfg = resolve(recipe="sdxl-lora-8gb", sets=list(sets)).config

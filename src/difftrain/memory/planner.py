@@ -63,7 +63,7 @@ class Estimate:
     #: memory.expandable_segments in effect (CogVideoX with them: 0.31 and 0.73 GiB slack at 3.8 and 7.2 GiB of
     #: activations, without: 1.19-1.97 at the same activations)
     expandable: bool = False
-    #: GiB CUDA graphs' private memory pool holds beyond the allocated peak (planner.graphs_expected)
+    #: GiB CUDA graphs' private memory pool holds beyond the allocated peak (where speed.graphs_possible)
     graph_pool: float = 0.0
     #: on the card beside torch's reservation: the CUDA context, the libraries, the display margin (card.py)
     card: dict[str, float] = field(default_factory=card_terms)
@@ -97,23 +97,6 @@ class Estimate:
         return sum(self.host.values())
 
 
-def graphs_expected(cfg: Config) -> bool:
-    """Whether the run will record CUDA graphs as far as the config tells before the device is seen: named, or auto
-    where nothing in the config rules them out (speed auto may still stay eager on the device or for a short run,
-    and the plan then holds a little more than the run uses)."""
-    sp, m = cfg.speed, cfg.memory
-    if sp.cuda_graphs is not True and (sp.cuda_graphs is False or sp.compile is False):
-        return False
-    if sp.cuda_graphs is True:
-        return True
-    return (
-        cfg.train.device != "cpu"
-        and m.offload.kind != "block_swap"
-        and m.engine.kind != "deepspeed"
-        and m.weights.kind not in ("nf4", "int8")
-    )
-
-
 def estimate(cfg: Config, hints: dict) -> Estimate:
     m, t = cfg.memory, cfg.train
     e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
@@ -136,7 +119,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
         )
     _activations(cfg, hints, e)
     e.gpu["workspace"] = hints.get("workspace", 0) / GIB
-    if hints.get("cuda_graph_pool") and graphs_expected(cfg):
+    if hints.get("cuda_graph_pool"):  # zero where the config rules graphs out (planning.plan_memory)
         # the recorded graphs' private pool: reserved beyond the allocated peak (which graphs did not raise), shared
         # by every shape's graphs, so it stays bounded as shapes are added
         e.graph_pool = hints["cuda_graph_pool"]

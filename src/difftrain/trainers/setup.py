@@ -221,16 +221,8 @@ def choose_speed(
 ) -> tuple[Config, speed_.SpeedChoice]:
     """speed.compile and speed.cuda_graphs decided for this run (``auto`` resolved, explicit values kept), and
     the config with them set: everything after this reads plain booleans."""
-    m = cfg.memory
-    run = speed_.RunFacts(
-        steps=steps,
-        shapes=shapes,
-        processes=world.size,
-        warm=speed_.is_warm(cfg.speed, speed_.warm_key(cfg)),
-        block_swap=m.offload.kind == "block_swap",
-        deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
-        quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
-    )
+    warm = speed_.is_warm(cfg.speed, speed_.warm_key(cfg))
+    run = speed_.run_facts(cfg, steps, shapes=shapes, processes=world.size, warm=warm)
     choice = speed_.decide(cfg.speed, speed_.CompileCost(**family.compile_cost), speed_.platform_facts(device), run)
     resolved = cfg.speed.model_copy(update={"compile": choice.compile, "cuda_graphs": choice.cuda_graphs})
     return cfg.model_copy(update={"speed": resolved}), choice
