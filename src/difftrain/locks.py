@@ -25,8 +25,8 @@ from .errors import DifftrainError
 LOCK_NAME = ".difftrain.lock"
 NOTE_NAME = ".difftrain.lock.json"
 
-#: folders this process holds: resolved path -> (filelock object, depth)
-_HELD: dict[Path, tuple[object, int]] = {}
+#: folders this process holds: resolved path -> how many blocks hold it now
+_HELD: dict[Path, int] = {}
 
 
 class FolderBusy(DifftrainError):
@@ -60,13 +60,11 @@ def writer_lock(folder: Path, what: str) -> Iterator[None]:
     folder.mkdir(parents=True, exist_ok=True)
     key = folder.resolve()
     if key in _HELD:
-        lock, depth = _HELD[key]
-        _HELD[key] = (lock, depth + 1)
+        _HELD[key] += 1
         try:
             yield
         finally:
-            lock, depth = _HELD[key]
-            _HELD[key] = (lock, depth - 1)
+            _HELD[key] -= 1
         return
     lock = FileLock(str(folder / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True)
     try:
@@ -91,7 +89,7 @@ def writer_lock(folder: Path, what: str) -> Iterator[None]:
         tmp = folder / f".{NOTE_NAME}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
         os.replace(tmp, folder / NOTE_NAME)
-        _HELD[key] = (lock, 1)
+        _HELD[key] = 1
         try:
             yield
         finally:

@@ -3,11 +3,12 @@
 Image families (SDXL, SD3): a dozen synthetic images (shapes and colours, mixed
 aspect ratios) with captions and WD14-style tags, a tiny model as a diffusers
 folder, then merge-tags -> precompute -> train (LoRA) -> export -> one sample
-(SDXL: the diffusers pipeline with the exported LoRA loaded; SD3: the trainer's
-validation sample). Video families (CogVideoX, CogVideoX image-to-video): short
+from the family's stock diffusers pipeline with the exported LoRA loaded.
+Video families (CogVideoX, CogVideoX image-to-video): short
 synthetic clips of a square moving over a colour, with captions, written
 through PyAV (the video extra), then precompute -> train -> export -> one mp4
-sample (image-to-video from a start image). Running it again reuses the model,
+sample, the trainer's validation video (image-to-video from a start image).
+Running it again reuses the model,
 the data and the cache.
 """
 
@@ -40,10 +41,12 @@ def quickstart_families() -> list[str]:
 
 def _flow_sets(family: str) -> tuple[str, list[str]]:
     """(the family's tiny recipe, the settings that make it this family's tiny model when the recipe is another's)."""
+    from .config.recipes import load_recipe
+
     fam = get_family(family)
     recipe = fam.tiny_recipe
     assert recipe is not None, family
-    if resolve(recipe=recipe).config.family == family:
+    if load_recipe(recipe).get("family") == family:
         return recipe, []
     return recipe, [f"family={family}", f"model.config={fam.tiny_config}"]
 
@@ -143,13 +146,13 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: s
         f"data.cache_dir={out / 'cache'}",
         f"train.output_dir={out / 'run'}",
     ]
-    if not video:  # WD14-style tags merged into metadata (merge-tags reads images)
+    if video:  # the trainer's own validation sample (an image family's is its stock pipeline with the LoRA loaded)
+        sets += [f"validation.prompts=[{CLIP_PROMPT}]", "validation.num_inference_steps=4"]
+    else:  # WD14-style tags merged into metadata (merge-tags reads images)
         report = merge_tags(data, meta, tag_ext=".txt", caption_ext=".caption")
         info(f"merge-tags: {report.images} images, {report.with_tags} with tags -> {meta}")
         lap("merge-tags")
         sets += [f"data.metadata={meta}", "data.caption_source=caption_and_tags"]
-    if video:  # the trainer's own validation sample (an image family's is its stock pipeline with the LoRA loaded)
-        sets += [f"validation.prompts=[{CLIP_PROMPT}]", "validation.num_inference_steps=4"]
     if fam.image_conditioned:
         from PIL import Image
 

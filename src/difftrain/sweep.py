@@ -356,7 +356,6 @@ def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: s
 
 
 def _run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None, sort: str | None) -> list[dict]:
-    out = Path(out)
     values_list = expand(spec)
     trials = []
     for values in values_list:

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..console import console
-from ..errors import BackendUnavailable, UsageError
+from ..errors import UsageError
 
 
 def quickstart(
@@ -36,14 +36,10 @@ def quickstart(
     known = quickstart_families()
     if family not in known:
         raise UsageError(f"--family: {family!r} is not one of {', '.join(known)}.")
-    if get_family(family).video:
-        import importlib.util
+    if get_family(family).video:  # before anything is built
+        from ..data.video import require_pyav
 
-        if importlib.util.find_spec("av") is None:
-            raise BackendUnavailable(
-                f"quickstart --family {family} writes its synthetic clips with PyAV, which is not installed.",
-                hint="pip install 'difftrain[video]'",
-            )
+        require_pyav(f"quickstart --family {family} (writing its synthetic clips)")
     folder = out or Path("difftrain-quickstart" + ("" if family == DEFAULT_FAMILY else f"-{family}"))
     r = run_quickstart(folder, steps=steps, family=family)
     table = Table(title="difftrain quickstart: outputs")

@@ -110,12 +110,13 @@ class VideoRecord:
 # ``read_video`` decodes the whole clip into memory); decord is unmaintained. We decode
 # sequentially and count frames, rather than seek by timestamp, because keyframe seeking is not
 # frame-exact across containers (variable frame rate, edit lists, files without an index).
-def _av() -> Any:
+def require_pyav(what: str = "reading videos") -> Any:
+    """PyAV, or a refusal naming ``what`` needs it and how to install it."""
     try:
         import av
     except ImportError as exc:
         raise BackendUnavailable(
-            "reading videos needs PyAV, which is not installed",
+            f"{what} needs PyAV, which is not installed",
             hint="pip install 'difftrain[video]'  (or: pip install av)",
         ) from exc
     return av
@@ -160,7 +161,7 @@ def probe_video(path: Path, *, exact_frames: bool = False) -> tuple[int, int, in
     packets; with ``exact_frames`` every frame is decoded and counted. Raises ``ValueError`` when
     there is no video stream or no frame decodes, and what PyAV raises for an unreadable file.
     """
-    av = _av()
+    av = require_pyav()
     with av.open(str(path)) as container:
         if not container.streams.video:
             raise ValueError("no video stream")
@@ -506,7 +507,7 @@ def _check_indices(indices: Sequence[int]) -> list[int]:
 
 def _decode_frames(record: VideoRecord, indices: list[int]) -> list[np.ndarray]:
     """The upright RGB frames at ``indices``, decoding sequentially up to the last one."""
-    av = _av()
+    av = require_pyav()
     wanted, last = set(indices), indices[-1]
     out: list[np.ndarray] = []
     decoded = 0
@@ -585,7 +586,7 @@ def write_mp4(path: Path, frames, fps: int) -> Path:
 
     import numpy as np
 
-    av = _av()
+    av = require_pyav()
     arr = np.asarray(frames)
     if arr.dtype != np.uint8:
         arr = (np.clip(arr, 0, 1) * 255).round().astype(np.uint8)

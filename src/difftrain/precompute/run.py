@@ -26,6 +26,7 @@ from ..distributed import World, world_from_env
 from ..distributed import barrier as dist_barrier
 from ..distributed import init as dist_init
 from ..errors import DataError, UsageError
+from ..families.base import ModelFamily
 from ..families.registry import get_family
 from ..utils import fix_malloc_mmap_threshold, pick_device
 from .encode import encode_latents, encode_texts, gather, merge_shards
@@ -76,7 +77,13 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
 
 
 def _precompute(
-    cfg: Config, family, world, device, cache: DataCache, strict: bool, plan_only: bool
+    cfg: Config,
+    family: ModelFamily,
+    world: World,
+    device: torch.device,
+    cache: DataCache,
+    strict: bool,
+    plan_only: bool,
 ) -> PrecomputeReport:
     report = PrecomputeReport(cache_dir=cache.root)
     t_start = time.perf_counter()
