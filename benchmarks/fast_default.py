@@ -52,91 +52,13 @@ WITH_BASELINE = {"sd3-lora-8gb": (BUCKETS, None, None), "cogvideox-2b-lora-24gb"
 PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4)}
 
 
-def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
-    """Plain diffusers/peft/torch SDXL LoRA loop (no difftrain code in the step), bf16 UNet, checkpointing,
-    LoRA r16 on the attention projections, fp32 AdamW: memory_tiers.py's E-lora over the six buckets."""
-    import torch
-    from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
-
-    here = Path(__file__).resolve().parents[1]
-    cfg = json.loads((here / "src/difftrain/families/configs/sdxl-base-1.0/unet/config.json").read_text())
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        unet = UNet2DConditionModel.from_config(cfg).to(torch.bfloat16)
-    unet.requires_grad_(False)
-    unet.enable_gradient_checkpointing()
-    unet.add_adapter(
-        LoraConfig(
-            r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
-        )
-    )
-    params = [p for p in unet.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    order = [b for b in SIX for _ in range(2)]
-    rng = random.Random(seed)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(warmup + steps):
-        if i % len(order) == 0:
-            rng.shuffle(order)
-        h, w = order[i % len(order)]
-        t = time.time()
-        x = torch.randn(1, 4, h // 8, w // 8, device="cuda", dtype=torch.bfloat16)
-        enc = torch.randn(1, 77, 2048, device="cuda", dtype=torch.bfloat16)
-        added = {
-            "text_embeds": torch.randn(1, 1280, device="cuda", dtype=torch.bfloat16),
-            "time_ids": torch.tensor([[h, w, 0, 0, h, w]], device="cuda", dtype=torch.bfloat16),
-        }
-        ts = torch.randint(0, 1000, (1,), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = unet(x, ts, encoder_hidden_states=enc, added_cond_kwargs=added).sample
-        loss = torch.nn.functional.mse_loss(pred.float(), x.float())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
-        torch.cuda.synchronize()
-        times.append(time.time() - t)
-    timed = times[warmup:]
-    return {
-        "case": "plain-sdxl",
-        "s_per_step": round(sum(timed) / len(timed), 4),
-        "s_per_step_median": round(statistics.median(timed), 4),
-        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
-        "first_step_s": round(times[0], 2),
-        "step_s": [round(t, 4) for t in times],
-    }
-
-
-def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
-    """Plain diffusers/peft/torch LoRA loop of a transformer family, no difftrain code in the step: the recipe's
-    set-up (bf16 transformer, diffusers' checkpointing, fp32 LoRA on its targets, fp32 AdamW, a ``.item()`` each
-    step), random inputs of the cache's shapes. plain-sd3: sd3-lora-8gb over the six buckets (r16, the joint
-    attention's both streams); plain-cogvideox: cogvideox-2b-lora-24gb at 49x480x720 (r64)."""
+def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup: int, seed: int = 0) -> dict:
+    """The plain loops' shared part: ``model`` (bf16 on the GPU) frozen with diffusers' checkpointing, fp32 LoRA
+    (peft) of ``rank`` on ``targets``, fp32 AdamW; each step draws a shape of ``shapes`` (each twice an epoch, in
+    random order) and trains on ``loss_of(model, *shape)``, with a ``.item()`` and a sync, timed one by one."""
     import torch
     from peft import LoraConfig
 
-    here = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
-    if name == "plain-sd3":
-        from diffusers import SD3Transformer2DModel as cls
-
-        cfg = json.loads((here / "sd3-medium/transformer/config.json").read_text())
-        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-        rank, shapes = 16, [(16, h // 8, w // 8) for h, w in SIX]
-    else:
-        from diffusers import CogVideoXTransformer3DModel as cls
-
-        cfg = json.loads((here / "cogvideox-2b/transformer/config.json").read_text())
-        targets, rank, shapes = ["to_q", "to_k", "to_v", "to_out.0"], 64, [(16, 60, 90)]
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = cls.from_config(cfg).to(torch.bfloat16)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets))
@@ -146,33 +68,15 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4)
     order = [b for b in shapes for _ in range(2)]
     rng = random.Random(seed)
-    bf = {"device": "cuda", "dtype": torch.bfloat16}
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(warmup + steps):
         if i % len(order) == 0:
             rng.shuffle(order)
-        c, h, w = order[i % len(order)]
+        shape = order[i % len(order)]
         t = time.time()
-        if name == "plain-sd3":
-            x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
-            sig = torch.rand(1, device="cuda")
-            xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
-            kw = {
-                "encoder_hidden_states": torch.randn(1, 333, 4096, **bf),
-                "pooled_projections": torch.randn(1, 2048, **bf),
-                "timestep": sig * 1000,
-            }
-            target = noise - x0
-        else:
-            x0 = torch.randn(1, 13, c, h, w, **bf)
-            xt, target = x0, x0
-            kw = {"encoder_hidden_states": torch.randn(1, 226, 4096, **bf), "timestep": torch.randint(0, 1000, (1,))}
-            kw["timestep"] = kw["timestep"].cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = model(hidden_states=xt, return_dict=False, **kw)[0]
-        loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+        loss = loss_of(model, *shape)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -190,6 +94,78 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         "step_s": [round(t, 4) for t in times],
         "warmup": warmup,
     }
+
+
+def _bundled(name: str, cls):
+    """A random model of a bundled architecture config, bf16 on the GPU (seeded)."""
+    import torch
+
+    here = Path(__file__).resolve().parents[1] / "src/difftrain/families/configs"
+    cfg = {k: v for k, v in json.loads((here / name / "config.json").read_text()).items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return cls.from_config(cfg).to(torch.bfloat16)
+
+
+def plain_sdxl(steps: int, warmup: int, seed: int = 0) -> dict:
+    """Plain diffusers/peft/torch SDXL LoRA loop (no difftrain code in the step), bf16 UNet, checkpointing,
+    LoRA r16 on the attention projections, fp32 AdamW: memory_tiers.py's E-lora over the six buckets."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+
+    def loss_of(unet, h: int, w: int):
+        x = torch.randn(1, 4, h // 8, w // 8, **bf)
+        enc = torch.randn(1, 77, 2048, **bf)
+        added = {"text_embeds": torch.randn(1, 1280, **bf), "time_ids": torch.tensor([[h, w, 0, 0, h, w]], **bf)}
+        ts = torch.randint(0, 1000, (1,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = unet(x, ts, encoder_hidden_states=enc, added_cond_kwargs=added).sample
+        return torch.nn.functional.mse_loss(pred.float(), x.float())
+
+    unet = _bundled("sdxl-base-1.0/unet", UNet2DConditionModel)
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    return _plain_loop("plain-sdxl", unet, targets, 16, SIX, loss_of, steps, warmup, seed)
+
+
+def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
+    """Plain diffusers/peft/torch LoRA loop of a transformer family, no difftrain code in the step: the recipe's
+    set-up (bf16 transformer, diffusers' checkpointing, fp32 LoRA on its targets, fp32 AdamW, a ``.item()`` each
+    step), random inputs of the cache's shapes. plain-sd3: sd3-lora-8gb over the six buckets (r16, the joint
+    attention's both streams); plain-cogvideox: cogvideox-2b-lora-24gb at 49x480x720 (r64)."""
+    import torch
+
+    bf = {"device": "cuda", "dtype": torch.bfloat16}
+
+    def sd3_loss(model, c: int, h: int, w: int):
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        enc, pooled = torch.randn(1, 333, 4096, **bf), torch.randn(1, 2048, **bf)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(
+                hidden_states=xt, encoder_hidden_states=enc, pooled_projections=pooled, timestep=sig * 1000
+            ).sample
+        return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+
+    def cog_loss(model, c: int, h: int, w: int):
+        x0 = torch.randn(1, 13, c, h, w, **bf)
+        enc, ts = torch.randn(1, 226, 4096, **bf), torch.randint(0, 1000, (1,)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=x0, encoder_hidden_states=enc, timestep=ts).sample
+        return torch.nn.functional.mse_loss(pred.float(), x0.float())
+
+    if name == "plain-sd3":
+        from diffusers import SD3Transformer2DModel
+
+        model = _bundled("sd3-medium/transformer", SD3Transformer2DModel)
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+        return _plain_loop(name, model, targets, 16, [(16, h // 8, w // 8) for h, w in SIX], sd3_loss, steps, warmup)
+    from diffusers import CogVideoXTransformer3DModel
+
+    model = _bundled("cogvideox-2b/transformer", CogVideoXTransformer3DModel)
+    return _plain_loop(name, model, ["to_q", "to_k", "to_v", "to_out.0"], 64, [(16, 60, 90)], cog_loss, steps, warmup)
 
 
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:

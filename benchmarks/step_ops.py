@@ -83,73 +83,68 @@ def difftrain_step(work: Path, sets: list[str], family: str = "sdxl") -> tuple[c
     return counts[3], trainer
 
 
-def plain_step(trainer) -> collections.Counter:
-    from diffusers import UNet2DConditionModel
+def _plain_counts(model, targets: list[str], loss_of) -> collections.Counter:
+    """The plain loops' shared part: ``model`` frozen with diffusers' checkpointing, LoRA r16 (peft) on ``targets``,
+    AdamW; the operators of the fourth step (``loss_of()``, backward, the optimizer step, a ``.item()``)."""
     from peft import LoraConfig
 
-    ucfg = trainer.parts.comps["unet"].config
-    unet = UNet2DConditionModel.from_config(ucfg)
-    unet.requires_grad_(False)
-    unet.enable_gradient_checkpointing()
-    unet.add_adapter(
-        LoraConfig(
-            r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=["to_q", "to_k", "to_v", "to_out.0"]
-        )
-    )
+    model.requires_grad_(False)
+    model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=targets))
     # foreach: what AdamW picks on CUDA (the CPU default is its for-loop); difftrain takes foreach here, fused on CUDA
-    opt = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-4, foreach=True)
-    lat = trainer.feed.batch([trainer.feed.items[0]], 0)["latents"]
-    pooled = ucfg.projection_class_embeddings_input_dim - 6 * ucfg.addition_time_embed_dim
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     counts = []
     for _ in range(4):
         m = Count()
         with m:
-            x = torch.randn_like(lat)
-            enc = torch.randn(1, 77, ucfg.cross_attention_dim)
-            added = {"text_embeds": torch.randn(1, pooled), "time_ids": torch.tensor([[128.0, 128, 0, 0, 128, 128]])}
-            pred = unet(x, torch.randint(0, 1000, (1,)), encoder_hidden_states=enc, added_cond_kwargs=added).sample
-            loss = torch.nn.functional.mse_loss(pred.float(), x.float())
+            loss = loss_of()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss.item()
         counts.append(m.c)
     return counts[3]
+
+
+def plain_step(trainer) -> collections.Counter:
+    from diffusers import UNet2DConditionModel
+
+    ucfg = trainer.parts.comps["unet"].config
+    unet = UNet2DConditionModel.from_config(ucfg)
+    lat = trainer.feed.batch([trainer.feed.items[0]], 0)["latents"]
+    pooled = ucfg.projection_class_embeddings_input_dim - 6 * ucfg.addition_time_embed_dim
+
+    def loss_of():
+        x = torch.randn_like(lat)
+        enc = torch.randn(1, 77, ucfg.cross_attention_dim)
+        added = {"text_embeds": torch.randn(1, pooled), "time_ids": torch.tensor([[128.0, 128, 0, 0, 128, 128]])}
+        pred = unet(x, torch.randint(0, 1000, (1,)), encoder_hidden_states=enc, added_cond_kwargs=added).sample
+        return torch.nn.functional.mse_loss(pred.float(), x.float())
+
+    return _plain_counts(unet, ["to_q", "to_k", "to_v", "to_out.0"], loss_of)
 
 
 def plain_sd3_step(trainer) -> collections.Counter:
     from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
 
-    tcfg = trainer.parts.comps["transformer"].config
-    model = SD3Transformer2DModel.from_config(tcfg)
-    model.requires_grad_(False)
-    model.enable_gradient_checkpointing()
-    model.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights="gaussian", target_modules=SD3_TARGETS))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    model = SD3Transformer2DModel.from_config(trainer.parts.comps["transformer"].config)
     b = trainer.feed.batch([trainer.feed.items[0]], 0)
-    counts = []
-    for _ in range(4):
-        m = Count()
-        with m:
-            x0 = b["latents"]
-            noise = torch.randn_like(x0)
-            sig = torch.rand(1)
-            xt = (1 - sig) * x0 + sig * noise
-            pred = model(
-                hidden_states=xt,
-                encoder_hidden_states=torch.randn_like(b["prompt_embeds"]),
-                pooled_projections=torch.randn_like(b["pooled_prompt_embeds"]),
-                timestep=sig * 1000,
-                return_dict=False,
-            )[0]
-            loss = torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
-        counts.append(m.c)
-    return counts[3]
+
+    def loss_of():
+        x0 = b["latents"]
+        noise = torch.randn_like(x0)
+        sig = torch.rand(1)
+        xt = (1 - sig) * x0 + sig * noise
+        pred = model(
+            hidden_states=xt,
+            encoder_hidden_states=torch.randn_like(b["prompt_embeds"]),
+            pooled_projections=torch.randn_like(b["pooled_prompt_embeds"]),
+            timestep=sig * 1000,
+            return_dict=False,
+        )[0]
+        return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+
+    return _plain_counts(model, SD3_TARGETS, loss_of)
 
 
 def main() -> None:
