@@ -188,7 +188,7 @@ def bench_memory(
     warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
     trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set(), planned_steps=planned_steps))
     try:
-        result = trainer.run()
+        result = trainer.run(overwrite=True)  # its own scratch folder
     except torch.OutOfMemoryError as e:
         if card is None:
             raise
@@ -305,7 +305,7 @@ def _timed_run(
     hooks = Hooks(flush_steps=flush, planned_steps=planned_steps)  # read back (the GPU waited for) exactly here
     trainer = Trainer(cfg, hooks=hooks)
     if profile is None:
-        trainer.run()
+        trainer.run(overwrite=True)
         return trainer, trainer.flush_times, {}
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
@@ -321,7 +321,7 @@ def _timed_run(
             prof.step()
 
         hooks.after_step = hook
-        trainer.run()
+        trainer.run(overwrite=True)
     times = trainer.flush_times
     return trainer, times, {**_profile_summary(prof, profile), "step_ms": round((times[end] - times[end - 1]) * 1e3, 1)}
 

@@ -103,7 +103,27 @@ def init(world: World, device: torch.device) -> None:
     kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     # the other processes wait at their next collective while the first one alone samples validation videos or
     # writes a full checkpoint: minutes, past NCCL's default 10-minute watchdog
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=PG_TIMEOUT_MINUTES), **kwargs)
+    timeout = datetime.timedelta(minutes=PG_TIMEOUT_MINUTES)
+    store = attempt_store(world, timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=world.rank, world_size=world.size)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def attempt_store(world: World, timeout, env=os.environ) -> Any:
+    """The process group's store under torchrun's agent, with this attempt's own key prefix; None elsewhere.
+
+    The agent keeps one store for the group across its restarts (its c10d rendezvous shares the store's server,
+    TORCHELASTIC_USE_AGENT_STORE), and torch's env:// rendezvous puts the process group's keys in it without a
+    prefix per attempt: a restarted group read the dead group's addresses (gloo: "connectFullMesh failed ...
+    Connection refused", measured on torch 2.13 CPU) and failed every restart. Keys under
+    ``difftrain/attempt_<TORCHELASTIC_RESTART_COUNT>`` keep each attempt's apart."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or "MASTER_ADDR" not in env:
+        return None
+    import torch.distributed as dist
+
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world.size, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"difftrain/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def barrier(world: World) -> None:
@@ -111,6 +131,18 @@ def barrier(world: World) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def broadcast_object(obj: Any, world: World) -> Any:
+    """The first process's ``obj`` on every process (torch's pickled broadcast: objects difftrain made, between its
+    own processes)."""
+    if not world.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if world.main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown(world: World) -> None:
@@ -155,6 +187,7 @@ LAUNCH_OPTIONS = {
     "--master-addr": True,
     "--master-port": True,
     "--rdzv-endpoint": True,
+    "--max-restarts": True,
 }
 
 
@@ -181,15 +214,25 @@ def torchrun_args(
     master_addr: str | None = None,
     master_port: int | None = None,
     rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
-    """torchrun's arguments for ``python -m difftrain <argv>`` on ``nproc`` processes per node."""
-    args = [f"--nproc-per-node={nproc}", f"--nnodes={nodes}"]
+    """torchrun's arguments for ``python -m difftrain <argv>`` on ``nproc`` processes per node.
+
+    Several machines meet at a c10d rendezvous (``--rdzv-endpoint``, or ``--master-addr:--master-port``), hosted by
+    the machine with ``--node-rank 0``: with it, the agents of all machines restart the group together when a
+    process dies on any of them (a static rendezvous restarts only the machine that lost it, and the others wait
+    at their collective until it times out)."""
+    args = [f"--nproc-per-node={nproc}", f"--nnodes={nodes}", f"--max-restarts={max_restarts}"]
+    if nodes > 1 and not rdzv_endpoint:
+        rdzv_endpoint = f"{master_addr or '127.0.0.1'}:{master_port or 29500}"
     if rdzv_endpoint:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=difftrain"]
-    elif nodes > 1 or master_addr:
+        if nodes > 1:
+            args += [f"--rdzv-conf=is_host={1 if node_rank == 0 else 0}"]
+    elif master_addr:
         args += [
             f"--node-rank={node_rank}",
-            f"--master-addr={master_addr or '127.0.0.1'}",
+            f"--master-addr={master_addr}",
             f"--master-port={master_port or 29500}",
         ]
     else:
@@ -197,13 +240,35 @@ def torchrun_args(
     return args + ["--module", "difftrain", *argv]
 
 
-def launch(nproc: int, argv: list[str], **where) -> None:
-    """Run ``difftrain <argv>`` on ``nproc`` processes through torchrun's elastic agent; every worker's
-    own error is printed by the worker (``rank N: error: ...``); a failure here names the ranks."""
+def failure_cause(exitcode: int, message: str = "") -> str:
+    """What ended a process, in words: a signal by name (SIGKILL: the out-of-memory killer or a kill -9), or its
+    exit code."""
+    import signal
+
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = {
+            "SIGKILL": " (the out-of-memory killer, or kill -9)",
+            "SIGSEGV": " (a crash in native code)",
+            "SIGABRT": " (aborted: often a CUDA or NCCL error)",
+        }
+        return f"killed by {name}{why.get(name, '')}"
+    return f"exit code {exitcode}" + (f": {message}" if message and not message.startswith("To enable") else "")
+
+
+def launch(nproc: int, argv: list[str], failure_note=None, **where) -> None:
+    """Run ``difftrain <argv>`` on ``nproc`` processes through torchrun's elastic agent (``max_restarts`` restarts
+    of the group after a process dies); every worker's own error is printed by the worker (``rank N: error:
+    ...``); a failure here, the restarts used up, names each failed rank and what ended it. ``failure_note``: the
+    file a worker leaves when it ended with a user error (see ``trainers.run_folder.note_failure``)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     from .errors import DifftrainError
+    from .utils import read_json_object
 
     env = launcher_env(dict(os.environ))
     os.environ.update(env)
@@ -211,7 +276,16 @@ def launch(nproc: int, argv: list[str], **where) -> None:
         run(get_args_parser().parse_args(torchrun_args(nproc, worker_argv(argv), **where)))
     except ChildFailedError as e:
         ranks = sorted(e.failures)
+        causes = "; ".join(
+            f"rank {r}: {failure_cause(e.failures[r].exitcode, str(e.failures[r].message))}" for r in ranks
+        )
+        restarts = where.get("max_restarts", 0)
+        after = f", after {restarts} restart{'s' if restarts != 1 else ''} of the group" if restarts else ""
+        note = read_json_object(failure_note) if failure_note is not None else {}
+        hint = "Each process's own error is printed above it (rank N: error: ...)."
+        if note:
+            hint = f"The error: {note.get('message', '?')}" + (f"\n{note['hint']}" if note.get("hint") else "")
         raise DifftrainError(
-            f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes (global ranks {', '.join(map(str, ranks))}).",
-            hint="Each process's own error is printed above it (rank N: error: ...).",
+            f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes{after} ({causes}).",
+            hint=hint,
         ) from None

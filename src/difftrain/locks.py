@@ -51,9 +51,10 @@ def _who(note: dict) -> str:
 
 
 @contextlib.contextmanager
-def writer_lock(folder: Path, what: str) -> Iterator[None]:
+def writer_lock(folder: Path, what: str, wait_s: float = 0) -> Iterator[None]:
     """Hold ``folder``'s writer lock for the block; ``what`` names the folder in messages ("run folder", "cache",
-    "sweep folder"). Raises :class:`FolderBusy` at once when another process holds it."""
+    "sweep folder"). Raises :class:`FolderBusy` when another process holds it: at once, or after waiting ``wait_s``
+    seconds for it (the machines of a multi-node run, sharing one cache, take turns at its precompute)."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
@@ -68,7 +69,15 @@ def writer_lock(folder: Path, what: str) -> Iterator[None]:
         return
     lock = FileLock(str(folder / LOCK_NAME), timeout=0, thread_local=False, preserve_lock_file=True)
     try:
-        lock.acquire()
+        try:
+            lock.acquire()
+        except Timeout:
+            if not wait_s:
+                raise
+            from .console import info
+
+            info(f"waiting for the {what} {folder}: {_who(_note(folder))} holds it")
+            lock.acquire(timeout=wait_s)
     except Timeout:
         raise FolderBusy(
             f"The {what} {folder} is in use by another difftrain process: {_who(_note(folder))}.",

@@ -171,11 +171,7 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: s
         f"{pre.latents_reused + pre.texts_reused} reused"
     )
     lap("precompute")
-    if (out / "run" / "checkpoints").exists():  # a rerun trains afresh over the reused cache
-        import shutil
-
-        shutil.rmtree(out / "run")
-    tr = train(cfg, config_yaml=resolved.to_yaml())
+    tr = train(cfg, config_yaml=resolved.to_yaml(), overwrite=True)  # a rerun trains afresh over the reused cache
     res.losses = tr.losses
     lap("train")
     res.outputs.update({"data": data, "model": model})

@@ -536,7 +536,8 @@ def run_trial(folder: Path) -> dict:
     t0 = time.time()
     res: dict[str, Any] = {"values": values, "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
     try:
-        train(cfg, resume=resume, config_yaml=text)
+        # the sweep owns its trial folders: a trial with no checkpoint to continue starts over
+        train(cfg, resume=resume, config_yaml=text, overwrite=resume is None)
         res["status"] = "ok"
     except LossNotFinite as e:
         res.update(status="nan", error=_error_text(e))

@@ -64,7 +64,7 @@ def read_json_object(path: Path) -> dict:
     (run files a killed process may have left half-written)."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
         return {}
     return obj if isinstance(obj, dict) else {}
 

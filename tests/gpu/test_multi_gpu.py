@@ -215,3 +215,61 @@ def test_zero3_lora_on_two_gpus_trains_as_one_gpu(cache, tiny_model, _dataset_ma
             json.loads(x)["loss"] for x in (cache / f"z3l{n}" / "run" / "metrics.jsonl").read_text().splitlines()
         ]
     assert runs[2] == pytest.approx(runs[1], rel=0.02)
+
+
+def test_a_killed_rank_on_two_gpus_restarts_the_group_and_ends_as_the_uninterrupted_run(
+    cache, tiny_model, _dataset_master
+):
+    """Issue 26, item 3 on NCCL: rank 1 SIGKILLed after step 4 (last checkpoint: step 3); the group restarts and
+    continues from step 3, ending with the uninterrupted run's LoRA (fp32: exact up to NCCL's reduction order)."""
+    extra = {"train.batch_size": 2, "train.mixed_precision": "no", "memory.weights.kind": "fp32"}
+    plain = _run(
+        "train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
+        *_args(tiny_model, _dataset_master, cache / "plain", cache / "cache", **extra),
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "DIFFTRAIN_TEST_KILL": "1:4"}
+    killed = subprocess.run(
+        [sys.executable, "-m", "difftrain", "train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
+         *_args(tiny_model, _dataset_master, cache / "killed", cache / "cache", **extra)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    assert "restart 1 of 3" in killed.stderr and "(step 3)" in " ".join(killed.stderr.split())
+    a, b = load_file(cache / "killed" / "run" / LORA), load_file(cache / "plain" / "run" / LORA)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_two_nodes_of_one_gpu_on_one_host_train_as_one_node_of_two(cache, tiny_model, _dataset_master):
+    """Issue 26, item 4 on NCCL: two node launchers (one GPU each, CUDA_VISIBLE_DEVICES 0 and 1) at a c10d
+    rendezvous on 127.0.0.1 train as --gpus 2 on one node does."""
+    import socket
+
+    extra = {"train.batch_size": 2, "train.mixed_precision": "no", "memory.weights.kind": "fp32"}
+    one_node = cache / "plain"
+    if not (one_node / "run" / LORA).exists():
+        r = _run(
+            "train", "--recipe", "tiny-sdxl-lora", "--gpus", "2",
+            *_args(tiny_model, _dataset_master, one_node, cache / "cache", **extra),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = _args(tiny_model, _dataset_master, cache / "nodes", cache / "cache", **extra)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "difftrain", "train", "--recipe", "tiny-sdxl-lora", "--gpus", "1", "--nodes", "2",
+             "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", port, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "DIFFTRAIN_PROGRESS": "0", "CUDA_VISIBLE_DEVICES": str(n)},
+        )
+        for n in (0, 1)
+    ]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-4000:]
+    la = [json.loads(x)["loss"] for x in (cache / "nodes" / "run" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (one_node / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -21,8 +22,8 @@ pytestmark = pytest.mark.slow
 LORA = "pytorch_lora_weights.safetensors"
 
 
-def _difftrain(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+def _difftrain(*args: str, timeout: int = 600, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1", **env_extra}
     return subprocess.run(
         [sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
@@ -69,6 +70,9 @@ def two_procs(tmp_path_factory, tiny_model, _dataset_master):
         *_sets(tiny_model, _dataset_master, root / "two", cache, **{"train.batch_size": 2}),
     )
     assert two.returncode == 0, two.stderr[-4000:]
+    # the run's LoRA and metrics as it left them (a later test resumes into its folder)
+    shutil.copy(root / "two" / "run" / LORA, root / "two.safetensors")
+    shutil.copy(root / "two" / "run" / "metrics.jsonl", root / "two-metrics.jsonl")
     one = _difftrain(
         "train",
         "--recipe",
@@ -82,11 +86,11 @@ def two_procs(tmp_path_factory, tiny_model, _dataset_master):
 def test_two_processes_train_as_one_with_the_same_global_batch(two_procs):
     root, two, _ = two_procs
     assert "the 2 processes' trained weights agree" in two.stderr  # both ranks: bit-identical weights
-    a, b = load_file(root / "two" / "run" / LORA), load_file(root / "one" / "run" / LORA)
+    a, b = load_file(root / "two.safetensors"), load_file(root / "one" / "run" / LORA)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)  # AdamW magnifies summation-order noise
-    la = [json.loads(x)["loss"] for x in (root / "two" / "run" / "metrics.jsonl").read_text().splitlines()]
+    la = [json.loads(x)["loss"] for x in (root / "two-metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (root / "one" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert la == pytest.approx(lb, rel=1e-4)  # the logged loss is the global batch's
     # one writer: rank 1 wrote its memory figures and nothing else
@@ -195,3 +199,118 @@ def test_precompute_on_two_processes_builds_the_same_cache(tiny_model, _dataset_
             for name, t in a.get(key).items():
                 torch.testing.assert_close(b.get(key)[name], t)
     assert "latents: 8 encoded" in r.stderr  # the first process reports the whole job
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_rank_restarts_the_group_which_ends_as_the_uninterrupted_run(two_procs, tiny_model, _dataset_master):
+    """Issue 26, item 3: rank 1 is SIGKILLed after step 3 (the last checkpoint: step 2); torchrun's agent restarts
+    the group, which continues from step-00000002 by itself, says so in one line, and ends with the LoRA of the
+    uninterrupted run."""
+    root, _, _ = two_procs
+    r = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        *_sets(tiny_model, _dataset_master, root / "killed", root / "cache", **{"train.batch_size": 2}),
+        DIFFTRAIN_TEST_KILL="1:3",
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    text = " ".join(r.stderr.split())
+    assert "restart 1 of 3: a process of the group ended" in text
+    assert f"training continues from {root / 'killed' / 'run' / 'checkpoints' / 'step-00000002'} (step 2)" in text
+    a, b = load_file(root / "killed" / "run" / LORA), load_file(root / "two.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # exact, as a resume is
+    steps = [json.loads(x)["step"] for x in (root / "killed" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # step 3's first row went with the restart
+    history = json.loads((root / "killed" / "run" / "run.json").read_text())["history"]
+    assert [h["kind"] for h in history] == ["new", "restart"] and history[1]["step"] == 2
+
+
+def test_a_killed_rank_with_no_restarts_left_is_named_with_its_cause(two_procs, tiny_model, _dataset_master):
+    root, _, _ = two_procs
+    r = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--gpus",
+        "2",
+        "--max-restarts",
+        "0",
+        *_sets(tiny_model, _dataset_master, root / "dead", root / "cache", **{"train.batch_size": 2}),
+        DIFFTRAIN_TEST_KILL="1:1",
+    )
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "rank 1: killed by SIGKILL (the out-of-memory killer, or kill -9)" in text
+
+
+def test_two_nodes_on_one_host_train_as_one_node_and_resume_on_one(two_procs, tiny_model, _dataset_master):
+    """Issue 26, item 4: two node launchers (--nodes 2, --node-rank 0 and 1, one process each) meet at a c10d
+    rendezvous on localhost and train as the one-node run on two processes; a checkpoint of theirs resumes on a
+    single process."""
+    root, _, _ = two_procs
+    port = str(_free_port())
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    sets = _sets(tiny_model, _dataset_master, root / "nodes", root / "cache", **{"train.batch_size": 2})
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "difftrain",
+                "train",
+                "--recipe",
+                "tiny-sdxl-lora",
+                "--gpus",
+                "1",
+                "--nodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                *sets,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for n in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    run = root / "nodes" / "run"
+    a, b = load_file(run / LORA), load_file(root / "two.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
+    la = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (root / "two-metrics.jsonl").read_text().splitlines()]
+    assert la == pytest.approx(lb, rel=1e-4)
+    state = json.loads((run / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2
+    # its checkpoint on one node, one process with the same global batch (a new folder: a fork)
+    r = _difftrain(
+        "train",
+        "--recipe",
+        "tiny-sdxl-lora",
+        "--resume",
+        str(run / "checkpoints" / "step-00000002"),
+        *_sets(tiny_model, _dataset_master, root / "nodes-resumed", root / "cache", **{"train.batch_size": 4}),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(root / "nodes-resumed" / "run" / LORA), load_file(root / "one" / "run" / LORA)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)

@@ -35,12 +35,15 @@ def runs(tiny_model, _dataset_master, tmp_path_factory):
     """Reference runs: plain bf16 LoRA and plain fp32 full fine-tune, cached once for the module."""
     root = tmp_path_factory.mktemp("mem")
     cache = root / "cache"
+    done: dict = {}
 
     def run(name, *sets):
-        cfg = _cfg(tiny_model, _dataset_master, root / name, cache, *sets)
-        precompute(cfg)
-        t = Trainer(cfg)
-        return t, t.run()
+        if (name, sets) not in done:  # each run folder holds one run
+            cfg = _cfg(tiny_model, _dataset_master, root / name, cache, *sets)
+            precompute(cfg)
+            t = Trainer(cfg)
+            done[name, sets] = (t, t.run())
+        return done[name, sets]
 
     return run
 

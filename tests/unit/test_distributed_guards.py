@@ -52,13 +52,62 @@ def test_workers_run_the_users_command_without_the_launcher_options():
         "1",
         "--master-addr",
         "h",
+        "--max-restarts=2",
         "--set",
         "a=1",
     ]
     assert d.worker_argv(argv) == ["train", "--recipe", "r", "--set", "a=1"]
-    one = d.torchrun_args(4, ["train"])
-    assert "--standalone" in one and one[-3:] == ["--module", "difftrain", "train"]
+    one = d.torchrun_args(4, ["train"], max_restarts=3)
+    assert "--standalone" in one and one[-3:] == ["--module", "difftrain", "train"] and "--max-restarts=3" in one
+    # several machines: a c10d rendezvous at --master-addr:--master-port, hosted by node rank 0 (so that every
+    # machine's agent restarts its workers when a process dies on any of them)
     multi = d.torchrun_args(8, ["train"], nodes=2, node_rank=1, master_addr="10.0.0.1")
-    assert "--node-rank=1" in multi and "--master-addr=10.0.0.1" in multi and "--nnodes=2" in multi
+    assert "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=10.0.0.1:29500" in multi and "--nnodes=2" in multi
+    assert "--rdzv-conf=is_host=0" in multi and "--master-addr=10.0.0.1" not in multi
+    host = d.torchrun_args(8, ["train"], nodes=2, node_rank=0, master_addr="10.0.0.1", master_port=1234)
+    assert "--rdzv-conf=is_host=1" in host and "--rdzv-endpoint=10.0.0.1:1234" in host
     rdzv = d.torchrun_args(8, ["train"], nodes=2, rdzv_endpoint="h:29400")
     assert "--rdzv-endpoint=h:29400" in rdzv and "--standalone" not in rdzv
+    # one machine with an address given: torchrun's static rendezvous, as before
+    static = d.torchrun_args(2, ["train"], master_addr="127.0.0.1", master_port=2345)
+    assert "--master-addr=127.0.0.1" in static and "--master-port=2345" in static
+
+
+def test_a_failed_processs_cause_is_named():
+    assert d.failure_cause(-9) == "killed by SIGKILL (the out-of-memory killer, or kill -9)"
+    assert d.failure_cause(-6).startswith("killed by SIGABRT")
+    assert d.failure_cause(1, "RuntimeError: boom") == "exit code 1: RuntimeError: boom"
+    assert d.failure_cause(1, "To enable traceback see: https://...") == "exit code 1"
+
+
+def test_a_process_that_lost_its_peer_says_so_not_that_it_found_a_bug(monkeypatch, capsys):
+    from difftrain.cli.app import report_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    err = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:34738. This is ...")
+    assert report_error(err) == 1
+    text = " ".join(capsys.readouterr().err.split())
+    assert "rank 0: error: lost a process of the group (" in text and "report it" not in text
+    assert "restarts the group while train.max_restarts allows" in text
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: no peer to lose, the message as any unexpected error
+    report_error(err)
+    assert "an unexpected RuntimeError" in capsys.readouterr().err
+
+
+def test_each_restart_of_the_group_keeps_its_keys_apart_in_the_agents_store():
+    """torchrun's agent keeps one store across the group's restarts: a restarted group must not read the dead
+    group's keys (its gloo addresses)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=10))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
+    world = d.World(rank=0, size=1)
+    first = d.attempt_store(world, datetime.timedelta(seconds=10), {**env, "TORCHELASTIC_RESTART_COUNT": "0"})
+    again = d.attempt_store(world, datetime.timedelta(seconds=10), {**env, "TORCHELASTIC_RESTART_COUNT": "1"})
+    first.set("rank_0", "dead address")
+    assert not again.check(["rank_0"])  # the restarted group does not see it
+    assert server.get("difftrain/attempt_0/rank_0") == b"dead address"
+    assert d.attempt_store(world, datetime.timedelta(seconds=10), {}) is None  # not under the agent: torch's own

@@ -118,6 +118,16 @@ def _cli_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, .
     return tuple(exits), tuple(errors), tuple(aborts)
 
 
+#: what gloo and NCCL say when another process of the group died
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "Broken pipe",
+)
+
+
 def report_error(e: BaseException) -> int:
     """Print an error the user can act on; return the exit code."""
     # several processes: say which one failed, on the same line (their lines interleave)
@@ -144,6 +154,15 @@ def report_error(e: BaseException) -> int:
         console.print(
             "[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
             "GPU tier (`difftrain plan` predicts the peak)."
+        )
+        code = 1
+    elif who and any(m in str(e) for m in PEER_LOST):
+        # another process of the group died first (the OOM killer, a kill -9, a lost GPU): this one lost its peer
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        console.print(f"{who}[bold red]error:[/bold red] lost a process of the group ({escape(first)})")
+        console.print(
+            "[bold]next:[/bold] the process that ended first is named above or below; torchrun's agent restarts the "
+            "group while train.max_restarts allows."
         )
         code = 1
     else:

@@ -23,6 +23,14 @@ def train(
     ] = None,
     allow_pickle: AllowPickleOpt = False,
     resume: Annotated[str | None, typer.Option("--resume", help="a checkpoint folder, or 'latest'")] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="the output folder holds an earlier run: remove its checkpoints, metrics and exports, then start "
+            "this run there",
+        ),
+    ] = False,
     save_precision: Annotated[
         str | None, typer.Option("--save-precision", help="fp16 | bf16 | fp32: shortcut for --set save.precision=...")
     ] = None,
@@ -52,6 +60,14 @@ def train(
         str | None,
         typer.Option("--rdzv-endpoint", help="HOST:PORT of torchrun's c10d rendezvous (instead of --master-addr)"),
     ] = None,
+    max_restarts: Annotated[
+        int | None,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="shortcut for --set train.max_restarts=...: restarts of the process group after a process dies",
+        ),
+    ] = None,
 ) -> None:
     """Train (LoRA or full): a recipe plus your overrides. What the precompute cache lacks for the config (latents,
     caption embeddings) is encoded first, as `difftrain precompute` would (--no-precompute refuses instead)."""
@@ -60,7 +76,6 @@ def train(
     from ..trainers.loop import train as run
 
     if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
-        from ..distributed import launch
         from ..errors import UsageError
         from .common import invoked_argv
 
@@ -68,28 +83,33 @@ def train(
             raise UsageError(
                 f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
             )
-        res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))  # config errors, once
+        extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
+        res = resolved_config(recipe, config, set_, extra)  # config errors, once
         with_hub_model(res)  # fetched once here: the processes find it in the cache
-        if not no_precompute:
-            precompute_missing(res.config)  # once, here, before the processes start
-        launch(
-            gpus,
-            invoked_argv(),
-            nodes=nodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            rdzv_endpoint=rdzv_endpoint,
-        )
+        if not no_precompute:  # once, here, before the processes start
+            if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
+                from ..data.cache import cache_dir_for
+                from ..locks import writer_lock
+
+                with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
+                    precompute_missing(res.config)
+            else:
+                precompute_missing(res.config)
+        where = {
+            "nodes": nodes,
+            "node_rank": node_rank,
+            "master_addr": master_addr,
+            "master_port": master_port,
+            "rdzv_endpoint": rdzv_endpoint,
+            "max_restarts": res.config.train.max_restarts,
+        }
+        launch_claimed(res.config.train.output_dir, gpus, invoked_argv(), resume, overwrite, node_rank, where)
         info(f"trained on {gpus * nodes} processes")
         return
 
-    extra = shortcuts(data_dir, model, allow_pickle)
-    if output_dir is not None:
-        extra.setdefault("train", {})["output_dir"] = str(output_dir)
-    if save_precision is not None:
-        extra.setdefault("save", {})["precision"] = save_precision
-    res = resolved_config(recipe, config, set_, extra)
+    res = resolved_config(
+        recipe, config, set_, _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts)
+    )
     if print_config_:
         print_config(res)
         return
@@ -97,7 +117,7 @@ def train(
     if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
         precompute_missing(res.config)
     check_memory(res.config, strict_memory)
-    r = run(res.config, resume=resume, config_yaml=res.to_yaml())
+    r = run(res.config, resume=resume, config_yaml=res.to_yaml(), overwrite=overwrite)
     last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
     info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
     if r.lora_path:
@@ -106,6 +126,51 @@ def train(
         info(f"model: {p}")
     if r.checkpoints:
         info(f"checkpoint: {r.checkpoints[-1]}")
+
+
+def _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts) -> dict:
+    """The train command's shortcut options as config values."""
+    extra = shortcuts(data_dir, model, allow_pickle)
+    t = extra.setdefault("train", {})
+    if output_dir is not None:
+        t["output_dir"] = str(output_dir)
+    if max_restarts is not None:
+        t["max_restarts"] = max_restarts
+    if save_precision is not None:
+        extra.setdefault("save", {})["precision"] = save_precision
+    if not t:
+        extra.pop("train")
+    return extra
+
+
+def launch_claimed(out, gpus: int, argv: list[str], resume, overwrite: bool, node_rank: int, where: dict) -> None:
+    """``--gpus N`` / ``--nodes``: the first machine's launcher takes the run folder's lock and claims it for this
+    run (``run_folder.claim``: refusals, ``--overwrite``) once, before any process starts, and holds the lock while
+    torchrun's agent runs the processes, across its restarts; the workers are told so (DIFFTRAIN_CLAIMED) and an
+    elastic restart continues from the newest checkpoint. Another machine's launcher (``--node-rank`` above 0)
+    leaves the folder to the first one (on several machines it is one shared folder)."""
+    import contextlib
+    import os
+
+    from ..distributed import launch
+    from ..locks import writer_lock
+    from ..trainers import run_folder as rf
+
+    first = node_rank == 0
+    with writer_lock(out, "run folder") if first else contextlib.nullcontext():
+        if first:
+            claim = rf.claim(out, resume, overwrite)
+            rf.clear_failure(out)
+            rf.take(out, claim)
+        before = os.environ.get(rf.ENV_CLAIMED)
+        os.environ[rf.ENV_CLAIMED] = "1"
+        try:
+            launch(gpus, argv, failure_note=out / rf.FAILED_FILE, **where)
+        finally:
+            if before is None:
+                os.environ.pop(rf.ENV_CLAIMED, None)
+            else:
+                os.environ[rf.ENV_CLAIMED] = before
 
 
 def export(

@@ -624,6 +624,12 @@ class TrainConfig(Strict):
         "stop after 5 in a row",
     )
     train_text_encoders: bool = Field(default=False, description="LoRA on the text encoders too (not cached)")
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="several processes (--gpus/--nodes): times torchrun's agent restarts the group after a process "
+        "dies (OOM killer, a lost GPU); each restart continues from the newest checkpoint (train.checkpoint_every)",
+    )
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -46,7 +46,12 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     done = [
         p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "trainer_state.json").exists()
     ]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(done, key=step_of)
+
+
+def step_of(folder: Path) -> int:
+    """A checkpoint folder's step, from its name (step-NNNNNNNN)."""
+    return int(Path(folder).name[len(PREFIX) :])
 
 
 def resolve_resume(output_dir: Path, resume: str) -> Path:
@@ -112,6 +117,8 @@ class Checkpointer:
     ) -> None:
         self.cfg, self.out, self.world, self.device = cfg, out, world, device
         self.parts, self.exporter, self.config_yaml = parts, exporter, config_yaml
+        #: the run that owns the folder (run_folder.claim): recorded in every checkpoint
+        self.run_id: str | None = None
 
     # ---------------------------------------------------------------- save
     def save(self, pos: Position, sched: Schedule) -> Path:
@@ -210,6 +217,8 @@ class Checkpointer:
             "global_batch": sched.global_batch,
             "world_size": self.world.size,
         }
+        if self.run_id is not None:
+            state["run_id"] = self.run_id
         if pos.plan is not None and pos.plan[0] == pos.epoch:
             state["epoch_plan"] = pos.plan[1]  # an epoch re-cut for another process count: its batches
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1), encoding="utf-8")

@@ -29,12 +29,13 @@ from .. import speed as speed_
 from ..config.schema import Config
 from ..console import RateColumn, info, progress, warn
 from ..data.index import IndexItem
-from ..errors import Interrupted
+from ..errors import DifftrainError, Interrupted
 from ..families.registry import get_family
 from ..memory.plan import weights_dtype
 from ..planning import live_stages, plan_parts
 from ..utils import atomic_write_text, read_json_object
 from . import checkpoint as ckpt
+from . import run_folder as rf
 from .cache_check import check_cache
 from .export import LORA_FILE, Exporter
 from .feed import Accumulation, Feed, Position
@@ -188,26 +189,63 @@ class Trainer:
         return held_out_loss(self.loss, self.feed, denoiser, self.cfg.validation, self.device)
 
     # ---------------------------------------------------------------- the run
-    def run(self, resume: str | None = None, stop_at: int | None = None) -> TrainResult:
+    def run(self, resume: str | None = None, stop_at: int | None = None, overwrite: bool = False) -> TrainResult:
         """Train to the configured step count; ``stop_at`` ends early (with a checkpoint), as an interruption would.
-        The first process holds the run folder's writer lock throughout (``locks.writer_lock``): a second run into
-        the same folder refuses before loading anything."""
-        if not self.world.main:
-            return self._run(resume, stop_at)
-        from ..locks import writer_lock
+        The first process holds the run folder's writer lock throughout (``locks.writer_lock``) and claims the
+        folder for this run before anything loads (``run_folder.claim``): a new run into another run's folder is
+        refused unless ``overwrite``, and a checkpoint of another run is not resumed into it. Under ``difftrain
+        train --gpus N`` the launcher did both, once, and an elastic restart of the group continues from the newest
+        checkpoint by itself."""
+        import os
 
-        with writer_lock(self.out, "run folder"):
-            return self._run(resume, stop_at)
+        try:
+            if not self.world.main:
+                rf.check_failure(self.out)  # a restart after a user error: the same error, at once
+                return self._run(None, stop_at)  # the first process's claim reaches it after the group forms
+            from ..locks import writer_lock
 
-    def _run(self, resume: str | None, stop_at: int | None) -> TrainResult:
+            by_launcher = os.environ.get(rf.ENV_CLAIMED) == "1"
+            with contextlib.nullcontext() if by_launcher else writer_lock(self.out, "run folder"):
+                if by_launcher or rf.restarted_by_same_agent(self.out):
+                    rf.check_failure(self.out)  # a restart after a user error: the same error, at once
+                    claim = rf.claimed(self.out, resume)
+                    if claim.kind == "restart":
+                        rf.take(self.out, claim)
+                        self._say_restart(claim)
+                else:
+                    claim = rf.claim(self.out, resume, overwrite)
+                    rf.take(self.out, claim)
+                return self._run(claim, stop_at)
+        except DifftrainError as e:
+            if not isinstance(e, Interrupted):
+                rf.note_failure(self.out, e)
+            raise
+
+    def _say_restart(self, claim: Any) -> None:
+        import os
+
+        n, most = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+        where = (
+            f"from {claim.resume} (step {ckpt.step_of(claim.resume)})"
+            if claim.resume is not None
+            else "from step 0 (no checkpoint yet: train.checkpoint_every sets how often one is written)"
+        )
+        warn(f"restart {n} of {most}: a process of the group ended (its error is above); training continues {where}")
+
+    def _run(self, claim: Any, stop_at: int | None) -> TrainResult:
         t0 = time.time()
         self.setup()
         stats = {"load_seconds": round(time.time() - t0, 2), "peak_rss_gib_load": round(rss_peak_gib(), 3)}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             stats["gpu_alloc_gib_after_load"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
-        if resume:
-            self.checkpointer.load(ckpt.resolve_resume(self.out, resume), self.pos, self.schedule, self.feed)
+        if self.world.distributed:
+            claim = dist_.broadcast_object(claim, self.world)
+            if not self.world.main and self.world.local_rank == 0:
+                rf.check_shared(self.out, claim.run_id)  # another machine: the same folder?
+        self.checkpointer.run_id = claim.run_id
+        if claim.resume is not None:
+            self.checkpointer.load(claim.resume, self.pos, self.schedule, self.feed)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.world.main:  # before this run writes any checkpoint of its own
             for p in ckpt.remove_unfinished(self.out):
@@ -340,6 +378,7 @@ class Trainer:
             result.saved += self.export_model(f"step-{step:08d}")
         if stop:
             self._stop_now()
+        rf.injected_kill(self.world.rank, step)  # the tests' and benchmarks' fault (DIFFTRAIN_TEST_KILL), if any
 
     def _end_epoch(self, result: TrainResult) -> None:
         pos, t = self.pos, self.cfg.train
@@ -515,6 +554,10 @@ class Trainer:
 
 
 def train(
-    cfg: Config, resume: str | None = None, config_yaml: str | None = None, stop_at: int | None = None
+    cfg: Config,
+    resume: str | None = None,
+    config_yaml: str | None = None,
+    stop_at: int | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
-    return Trainer(cfg, config_yaml).run(resume, stop_at=stop_at)
+    return Trainer(cfg, config_yaml).run(resume, stop_at=stop_at, overwrite=overwrite)
