@@ -154,12 +154,31 @@ def restart(work: Path, steps: int, every: int, kill: int) -> dict:
     killed = float(note.read_text())
     stats = json.loads((run_dir / "stats.json").read_text())
     rows = _rows(run_dir)
+    # the agent's line when it saw the dead process ("failed (exitcode: -9) ... local_rank: 1"), its clock
+    noticed = None
+    for ln in err.splitlines():
+        if "failed (exitcode" in ln and len(ln.split()) > 1:
+            hms = ln.split()[1]
+            day = time.strftime("%Y-%m-%d", time.localtime(killed))
+            noticed = time.mktime(time.strptime(f"{day} {hms.split('.')[0]}", "%Y-%m-%d %H:%M:%S")) + float(
+                "0." + hms.split(".")[1]
+            )
+            break
+    restarted = next(
+        (h.get("t") for h in json.loads((run_dir / "run.json").read_text())["history"] if h["kind"] == "restart"), None
+    )
     return {
         "case": "restart",
         "wall_s": round(time.time() - t, 1),
         "killed_after_step": kill,
         "resumed_from_step": resumed_at,
         "kill_to_next_step_s": seen and round(seen - killed, 2),
+        # kill -> the agent saw it and stopped the group; -> the restarted first process claimed the folder (its
+        # interpreter, torch and difftrain imported); -> the first step after the checkpoint logged (the model
+        # loaded, the checkpoint read, one step)
+        "kill_to_agent_s": noticed and round(noticed - killed, 2),
+        "agent_to_restarted_s": noticed and restarted and round(restarted - noticed, 2),
+        "restarted_to_step_s": restarted and seen and round(seen - restarted, 2),
         "restarted_load_s": stats.get("load_seconds"),
         "steps_logged": [r["step"] for r in rows],
         "restart_line": next((ln for ln in err.splitlines() if "restart 1 of" in ln), None),
@@ -190,7 +209,10 @@ def main() -> None:
     print("\ncase     s/step   wall s  kill->next step s  note")
     for r in results:
         extra = r.get("error", "")[:80] or (
-            f"resumed from {r['resumed_from_step']}, load {r['restarted_load_s']} s" if r["case"] == "restart" else ""
+            f"resumed from {r['resumed_from_step']}: kill->agent {r['kill_to_agent_s']} s, agent->restarted process "
+            f"{r['agent_to_restarted_s']} s, ->next step {r['restarted_to_step_s']} s (load {r['restarted_load_s']} s)"
+            if r["case"] == "restart"
+            else ""
         )
         print(
             f"{r['case']:<8} {r.get('s_per_step') or '-':>7} {r.get('wall_s', '-'):>7} "

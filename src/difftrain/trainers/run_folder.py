@@ -240,6 +240,7 @@ def take(out: Path, c: Claim) -> None:
     entry: dict = {
         "kind": c.kind,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "t": round(time.time(), 3),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "command": sys.argv,
