@@ -38,7 +38,12 @@ def test_quickstart_twice(cli, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "sample"),
-    [("sd3", "sample.png"), ("cogvideox", "run/samples/final/00.mp4"), ("cogvideox-i2v", "run/samples/final/00.mp4")],
+    [
+        ("sd3", "sample.png"),
+        ("flux", "sample.png"),
+        ("cogvideox", "run/samples/final/00.mp4"),
+        ("cogvideox-i2v", "run/samples/final/00.mp4"),
+    ],
 )
 def test_quickstart_of_every_family(cli, tmp_path, family, sample):
     """quickstart --family: the family's tiny model, synthetic images (clips for video), precompute, train, the
@@ -73,6 +78,6 @@ def test_quickstart_of_every_family(cli, tmp_path, family, sample):
 
 
 def test_quickstart_refuses_an_unknown_family(cli, tmp_path):
-    r = cli("quickstart", "--family", "flux", "--out", tmp_path / "qs")
-    assert r.code == 2 and "--family" in r.err and "cogvideox-i2v" in r.err and "Traceback" not in r.err
+    r = cli("quickstart", "--family", "pixart", "--out", tmp_path / "qs")
+    assert r.code == 2 and "--family" in r.err and "flux" in r.err and "Traceback" not in r.err
     assert not (tmp_path / "qs").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -229,7 +231,9 @@ def test_flow_matching_inputs_follow_the_formulas():
             timestep_sampling=sampling, logit_mean=0.3, logit_std=0.7, mode_scale=1.29, loss_weighting="cosmap"
         )
         draws = Draws(torch.Generator().manual_seed(1), torch.device("cpu"))
-        fake = SimpleNamespace(cfg=SimpleNamespace(flow=flow), flow_shift=3.0, draws=draws, device=draws.device)
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(flow=flow), flow_shift=3.0, dynamic=False, draws=draws, device=draws.device
+        )
         x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
         noisy, t, target, w = Objective.flow_inputs(fake, x0, noise)
         s = t / 1000
@@ -247,3 +251,17 @@ def test_flow_matching_inputs_follow_the_formulas():
         torch.testing.assert_close(noisy, (1 - sb) * x0 + sb * noise)
         torch.testing.assert_close(target, noise - x0)
         torch.testing.assert_close(w, 2 / (torch.pi * (1 - 2 * s + 2 * s**2)))
+    # a scheduler that shifts by image size (Flux.1 [dev]): the shift of a 2x2-patch count of h * w / 4
+    sched = SimpleNamespace(
+        config={"base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+    )
+    draws = Draws(torch.Generator().manual_seed(1), torch.device("cpu"))
+    flow = FlowConfig(timestep_sampling="uniform")
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(flow=flow), flow_shift=3.0, dynamic=True, scheduler=sched, draws=draws, device=draws.device
+    )
+    x0 = torch.randn(8, 16, 64, 64)  # 1024 patches
+    _, t, _, _ = Objective.flow_inputs(fake, x0, torch.randn_like(x0))
+    u = torch.rand(8, generator=torch.Generator().manual_seed(1)).clamp(1e-5, 1 - 1e-5)
+    shift = math.exp(0.5 + 0.65 * (1024 - 256) / (4096 - 256))
+    torch.testing.assert_close(t / 1000, shift * u / (1 + (shift - 1) * u))

@@ -156,7 +156,7 @@ class TextEncodersConfig(Strict):
 
 
 class FlowConfig(Strict):
-    """Rectified-flow training (SD3): how timesteps are drawn and how the loss is weighted (diffusers' names)."""
+    """Rectified-flow training (SD3, Flux): how timesteps are drawn and how the loss is weighted (diffusers' names)."""
 
     timestep_sampling: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
     logit_mean: float = 0.0
@@ -164,7 +164,16 @@ class FlowConfig(Strict):
     mode_scale: float = Field(default=1.29, description="for timestep_sampling: mode")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     shift: float | None = Field(
-        default=None, gt=0, description="sigma shift; default: the model's scheduler (SD3: 3.0)"
+        default=None,
+        gt=0,
+        description="sigma shift; default: the model's scheduler (SD3: 3.0; Flux.1 [dev]: by the image's size, "
+        "e^0.5 at 256 patches to e^1.15 at 4096)",
+    )
+    guidance_scale: float = Field(
+        default=1.0,
+        ge=0,
+        description="the guidance value a guidance-distilled model is trained with (Flux.1 [dev]; 1.0 as "
+        "ai-toolkit and sd-scripts train it)",
     )
 
 

@@ -58,6 +58,9 @@ class ModelFamily(ABC):
     compile_cost: ClassVar[Mapping[str, float]]
 
     # ------------------------------------------------------------ optional capabilities (defaults: none)
+    #: the guidance value a guidance-distilled denoiser is trained with (Flux.1 [dev]; flow.guidance_scale, set by
+    #: the objective); the others take none
+    guidance_scale: float = 1.0
     #: a video family: cached latents have a frame axis, ``memory_hints`` and ``cache_shapes`` take a frame count
     video: ClassVar[bool] = False
     #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)

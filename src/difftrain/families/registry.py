@@ -41,6 +41,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("sd3", "sd3", "SD3", "sd3-medium"),
     Registered("cogvideox", "cogvideox", "CogVideoX", "cogvideox-5b"),
     Registered("cogvideox-i2v", "cogvideox", "CogVideoXI2V", "cogvideox-5b-i2v"),
+    Registered("flux", "flux", "Flux", "flux-dev"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

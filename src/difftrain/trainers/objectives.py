@@ -40,6 +40,17 @@ def sample_sigmas(flow: FlowConfig, n: int, shift: float, gen: torch.Generator, 
     return shift * u / (1 + (shift - 1) * u)
 
 
+def dynamic_shift(sched_config: Any, image_tokens: int) -> float:
+    """The shift of a scheduler with ``use_dynamic_shifting`` (Flux.1 [dev]) for an image of ``image_tokens`` 2x2
+    patches: mu linear from base_shift at base_image_seq_len tokens to max_shift at max_image_seq_len, shift = e^mu
+    (the pipelines' calculate_shift and time_shift with sigma 1, which is s' = e^mu s / (1 + (e^mu - 1) s))."""
+    c = sched_config
+    lo, hi = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    b0, b1 = c.get("base_shift", 0.5), c.get("max_shift", 1.15)
+    mu = b0 + (b1 - b0) * (image_tokens - lo) / (hi - lo)
+    return math.exp(mu)
+
+
 def flow_loss_weight(kind: str, sigmas: torch.Tensor) -> torch.Tensor | None:
     """SD3's loss weightings (diffusers' compute_loss_weighting_for_sd3)."""
     if kind == "sigma_sqrt":
@@ -87,6 +98,9 @@ class Objective:
         self.device = draws.device
         if family.objective == "flow":
             self.flow_shift = cfg.flow.shift or float(scheduler.config.get("shift", 1.0))
+            #: the shift follows each batch's image size (Flux.1 [dev]'s scheduler), unless flow.shift fixes it
+            self.dynamic = not cfg.flow.shift and bool(scheduler.config.get("use_dynamic_shifting", False))
+            family.guidance_scale = cfg.flow.guidance_scale
 
     def loss(
         self,
@@ -145,9 +159,11 @@ class Objective:
         return noisy, timesteps, target, weight
 
     def flow_inputs(self, latents: torch.Tensor, noise: torch.Tensor, q: torch.Tensor | None = None):
-        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3). A given quantile q is shifted
-        as the scheduler shifts its sigmas."""
+        """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3, Flux). A given quantile q is shifted
+        as the scheduler shifts its sigmas (by the latent's 2x2 patch count where the scheduler shifts dynamically)."""
         shift = self.flow_shift
+        if self.dynamic:
+            shift = dynamic_shift(self.scheduler.config, latents.shape[-2] * latents.shape[-1] // 4)
         if q is None:
             gen, dev = self.draws.gen, self.device
             sigmas = self.draws(lambda k: sample_sigmas(self.cfg.flow, k, shift, gen, dev), latents.shape[0])

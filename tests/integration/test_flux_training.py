@@ -1,0 +1,107 @@
+"""Flux.1 (issue 27, first slice): the tiny seeded Flux of the real layout, through the family protocol: packing and
+position ids as the pipeline makes them, the size-dependent shift against diffusers' formula, the bundled
+architectures' parameter counts on the meta device, and a LoRA that trains, resumes exactly and loads into
+FluxPipeline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.families import flux
+from difftrain.families.registry import get_family
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import train
+from difftrain.trainers.objectives import dynamic_shift
+
+
+def test_packing_and_position_ids_are_the_pipelines():
+    from diffusers import FluxPipeline
+
+    x = torch.randn(2, 16, 6, 10)
+    packed = flux.pack(x)
+    assert torch.equal(packed, FluxPipeline._pack_latents(x, 2, 16, 6, 10))
+    assert torch.equal(flux.unpack(packed, 6, 10), x)
+    assert torch.equal(
+        flux.image_ids(6, 10, "cpu", torch.float32),
+        FluxPipeline._prepare_latent_image_ids(2, 3, 5, "cpu", torch.float32),
+    )
+
+
+def test_the_shift_follows_the_image_size_as_the_dev_pipeline_computes_it():
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    cfg = flux.Flux().scheduler_config(resolve(recipe="tiny-flux-lora", sets=["model.config=flux-dev"]).config.model)
+    assert cfg["use_dynamic_shifting"] is True
+    for tokens in (256, 1024, 4096, 6000):  # 512, 1024, 2048 px and beyond the range
+        mu = calculate_shift(
+            tokens, cfg["base_image_seq_len"], cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"]
+        )
+        assert dynamic_shift(cfg, tokens) == pytest.approx(math.exp(mu))
+    assert dynamic_shift(cfg, 4096) == pytest.approx(math.exp(1.15))
+
+
+def test_the_bundled_flux_architectures_have_the_real_parameter_counts():
+    counts = {}
+    for name in ("flux-dev", "flux-schnell"):
+        cfgdir = flux.bundled_config_dir(name)
+        with torch.device("meta"):
+            for part in flux.PARTS:
+                m = flux._new_module(part, flux._read_json(cfgdir / part / "config.json"))
+                counts[name, part] = sum(p.numel() for p in m.parameters())
+    assert counts["flux-dev", "transformer"] == 11_901_408_320
+    assert counts["flux-dev", "vae"] == 83_819_683
+    assert counts["flux-dev", "text_encoder"] == 123_060_480
+    assert counts["flux-dev", "text_encoder_2"] == 4_762_310_656
+    assert counts["flux-schnell", "transformer"] < counts["flux-dev", "transformer"]  # no guidance embedder
+
+
+@pytest.fixture(scope="module")
+def tiny_flux(tmp_path_factory):
+    return get_family("flux").build_tiny(tmp_path_factory.mktemp("flux") / "tiny-flux", seed=0)
+
+
+def _cfg(model, data, out, **extra):
+    sets = tiny_sets(
+        model, data, out, **{"train.max_steps": 4, "train.checkpoint_every": 2, "report.to": "[]", **extra}
+    )
+    return resolve(recipe="tiny-flux-lora", sets=sets)
+
+
+def test_a_tiny_flux_lora_trains_resumes_exactly_and_loads_into_the_pipeline(tiny_flux, _dataset_master, tmp_path):
+    from diffusers import FluxPipeline
+
+    res = _cfg(tiny_flux, _dataset_master, tmp_path / "a")
+    precompute(res.config)
+    whole = train(res.config, config_yaml=res.to_yaml())
+    assert len(whole.losses) == 4 and all(math.isfinite(x) for x in whole.losses)
+    # 2 steps, then resumed for 2 more: the same losses and LoRA as 4 in one go
+    b = _cfg(tiny_flux, _dataset_master, tmp_path / "b", **{"data.cache_dir": tmp_path / "a" / "cache"}).config
+    train(b, stop_at=2)
+    resumed = train(b, resume="latest")
+    assert resumed.losses == pytest.approx(whole.losses[2:], rel=1e-6)
+    from safetensors.torch import load_file
+
+    la, lb = load_file(whole.lora_path), load_file(resumed.lora_path)
+    assert la.keys() == lb.keys() and all(torch.equal(la[k], lb[k]) for k in la)
+    # the single blocks' output projections are trained, the transformer's final projection is not
+    assert any("single_transformer_blocks.0.proj_out.lora_A" in k for k in la)
+    assert not any(k.startswith("transformer.proj_out.") for k in la)
+
+    fam = get_family("flux")
+    comps = fam.load(res.config.model, list(fam.parts), dtype=torch.float32, device="cpu")
+    pipe = fam.pipeline(comps, res.config.model)
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        out = pipe("a red square", num_inference_steps=2, height=64, width=64, output_type="pt",
+                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return out.images
+
+    before = image()
+    pipe.load_lora_weights(str(whole.lora_path.parent), weight_name=whole.lora_path.name)
+    assert isinstance(pipe, FluxPipeline) and not torch.allclose(image(), before)  # the LoRA acts
