@@ -432,12 +432,17 @@ def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) ->
         block.forward = forward
 
 
-def attention_context(speed: SpeedConfig, device: torch.device):
+def attention_context(speed: SpeedConfig, device: torch.device, avoid_cudnn: bool = False):
     """A context choosing the scaled-dot-product-attention kernel (held over forward and backward: checkpointed
-    blocks recompute their forward inside backward). ``auto`` leaves torch's choice."""
-    if speed.attention == "auto":
-        return contextlib.nullcontext()
+    blocks recompute their forward inside backward). ``auto`` leaves torch's choice, but for a family whose shapes
+    cuDNN's kernel fails on (``avoid_cudnn``: Flux) it lets torch choose among the others."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if speed.attention == "auto":
+        if avoid_cudnn and device.type == "cuda":
+            others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+            return sdpa_kernel(others, set_priority=True)
+        return contextlib.nullcontext()
 
     if device.type != "cuda" and speed.attention in ("cudnn", "efficient"):
         raise BackendUnavailable(

@@ -120,3 +120,19 @@ def test_speed_auto_compiles_under_block_swap_without_graphs(tiny_model, dataset
     out = t.run()
     assert t.speed.compile and not t.speed.cuda_graphs and "block swap" in t.speed.reason
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
+
+
+def test_auto_attention_leaves_cudnn_out_for_a_family_that_asks():
+    """Flux's shapes failed in cuDNN's attention backward (H100, torch 2.11 + CUDA 13): speed.attention auto lets
+    torch choose among the other kernels for it, and attention still runs forward and backward."""
+    from difftrain.config.schema import SpeedConfig
+    from difftrain.families.registry import get_family
+    from difftrain.speed import attention_context
+
+    dev = torch.device("cuda")
+    assert get_family("flux").avoid_cudnn_attention and not get_family("sd3").avoid_cudnn_attention
+    q = torch.randn(1, 24, 4608, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)  # Flux at 1024 px
+    with attention_context(SpeedConfig(attention="auto"), dev, avoid_cudnn=True):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

@@ -61,6 +61,10 @@ class ModelFamily(ABC):
     #: the guidance value a guidance-distilled denoiser is trained with (Flux.1 [dev]; flow.guidance_scale, set by
     #: the objective); the others take none
     guidance_scale: float = 1.0
+    #: speed.attention auto leaves cuDNN's attention out (torch picks among flash, efficient, math): its backward
+    #: failed on the family's shapes ("mha_graph.execute ... is_good()": Flux.1 [dev] LoRA at 1024 px, 4 608 tokens,
+    #: H100, torch 2.11 + CUDA 13, 2026-11-25)
+    avoid_cudnn_attention: ClassVar[bool] = False
     #: a video family: cached latents have a frame axis, ``memory_hints`` and ``cache_shapes`` take a frame count
     video: ClassVar[bool] = False
     #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)

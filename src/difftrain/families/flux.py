@@ -105,6 +105,7 @@ class Flux(ModelFamily):
     objective = "flow"
     repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     tiny_recipe = "tiny-flux-lora"
+    avoid_cudnn_attention = True  # cuDNN's attention backward failed at 1024 px (H100, torch 2.11 + CUDA 13)
     # not measured on Flux yet: SD3's figures scaled by the transformer's size (12B against 2B), to be replaced by
     # the H100 measurement (issue 27's Measure)
     compile_cost: ClassVar[Mapping[str, float]] = {

@@ -332,7 +332,7 @@ class Trainer:
         sync = self.parts.no_sync() if acc.micro + 1 < t.grad_accum else contextlib.nullcontext()
         if cfg.speed.cuda_graphs:  # a new step: the graphs' earlier outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
-        with sync, speed_.attention_context(cfg.speed, self.device):
+        with sync, speed_.attention_context(cfg.speed, self.device, self.family.avoid_cudnn_attention):
             loss, prior_value = self._micro_step(batch, prior, scale)
         acc.prior = acc.prior + prior_value
         acc.loss = acc.loss + loss
