@@ -41,6 +41,8 @@ CASES = {
     "bf16-ckpt-flash": ["memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "speed.attention=flash"],
     "fp8-ckpt-flash": ["memory.weights.kind=fp8", "memory.activations.kind=checkpoint", "speed.attention=flash"],
     "bf16-none": ["memory.weights.kind=bf16", "memory.activations.kind=none"],
+    # speed auto as a user gets it (weighed against --planned-steps)
+    "bf16-ckpt-auto": ["memory.weights.kind=bf16", "memory.activations.kind=checkpoint", "speed.compile=auto"],
 }
 
 
@@ -52,6 +54,7 @@ def main() -> None:
     ap.add_argument("--cases", default="bf16-ckpt,fp8-ckpt")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--work", type=Path, default=Path("/tmp/flux-bench"))
+    ap.add_argument("--planned-steps", type=int, default=None, help="passed to bench memory (speed auto)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     targets = "lora.targets=[" + ", ".join(Flux.default_lora_targets) + "]"
