@@ -209,20 +209,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_with_a_kill(model, data, root, name: str, kill: str, *extra: str) -> subprocess.CompletedProcess:
+    """The two_procs run (2 processes x batch 2, its cache) into ``root/name``, process RANK killing itself once
+    step STEP is done (``kill`` "RANK:STEP", DIFFTRAIN_TEST_KILL)."""
+    sets = _sets(model, data, root / name, root / "cache", **{"train.batch_size": 2})
+    return _difftrain("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2", *extra, *sets, DIFFTRAIN_TEST_KILL=kill)
+
+
 def test_a_killed_rank_restarts_the_group_which_ends_as_the_uninterrupted_run(two_procs, tiny_model, _dataset_master):
     """Issue 26, item 3: rank 1 is SIGKILLed after step 3 (the last checkpoint: step 2); torchrun's agent restarts
     the group, which continues from step-00000002 by itself, says so in one line, and ends with the LoRA of the
     uninterrupted run."""
     root, _, _ = two_procs
-    r = _difftrain(
-        "train",
-        "--recipe",
-        "tiny-sdxl-lora",
-        "--gpus",
-        "2",
-        *_sets(tiny_model, _dataset_master, root / "killed", root / "cache", **{"train.batch_size": 2}),
-        DIFFTRAIN_TEST_KILL="1:3",
-    )
+    r = _two_with_a_kill(tiny_model, _dataset_master, root, "killed", "1:3")
     assert r.returncode == 0, r.stderr[-4000:]
     text = " ".join(r.stderr.split())
     assert "restart 1 of 3: a process of the group ended" in text
@@ -237,17 +236,7 @@ def test_a_killed_rank_restarts_the_group_which_ends_as_the_uninterrupted_run(tw
 
 def test_a_killed_rank_with_no_restarts_left_is_named_with_its_cause(two_procs, tiny_model, _dataset_master):
     root, _, _ = two_procs
-    r = _difftrain(
-        "train",
-        "--recipe",
-        "tiny-sdxl-lora",
-        "--gpus",
-        "2",
-        "--max-restarts",
-        "0",
-        *_sets(tiny_model, _dataset_master, root / "dead", root / "cache", **{"train.batch_size": 2}),
-        DIFFTRAIN_TEST_KILL="1:1",
-    )
+    r = _two_with_a_kill(tiny_model, _dataset_master, root, "dead", "1:1", "--max-restarts", "0")
     text = " ".join(r.stderr.split())
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "rank 1: killed by SIGKILL (the out-of-memory killer, or kill -9)" in text

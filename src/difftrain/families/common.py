@@ -494,3 +494,56 @@ def measured_hints(data_file: Path) -> dict:
         "allocator_slack": data.get("allocator_slack_gib", 0.0),
         "cuda_graph_pool": data.get("cuda_graph_pool_gib", 0.0),
     }
+
+
+def image_memory_hints(
+    family,
+    new_module: Callable[[str, dict], torch.nn.Module],
+    base: Path,
+    bundled: Path,
+    parts: Sequence[str],
+    loaded: Sequence[str],
+    trained: Sequence[str],
+    method: str,
+    lora_targets: Sequence[str],
+    lora_rank: int,
+    resolution: int,
+) -> dict:
+    """An image family's numbers for the memory planner (SDXL, SD3, Flux: their VAEs downsample 8x): the parameter
+    counts of ``parts`` from ``base``'s configs (the model's diffusers folder, else the bundled architecture), the
+    largest bucket's latent area, and the activation data measured for the bundled architecture
+    (``bundled``/memory.json), which is per latent pixel, so the planner's arithmetic is the same for every family."""
+    return {
+        **parameter_hints(
+            family,
+            new_module,
+            lambda part: base / part / "config.json",
+            parts,
+            loaded,
+            trained,
+            method,
+            lora_targets,
+            lora_rank,
+        ),
+        "latent_pixels": (resolution // 8) ** 2,
+        **measured_hints(bundled / "memory.json"),
+        "encode_captions": any(p.startswith("text_encoder") for p in trained),
+    }
+
+
+def vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """pixels in [-1, 1] -> the VAE's posterior mean (deterministic, so a cache entry depends on its inputs only),
+    shifted by the VAE's shift_factor where it has one (SD3, Flux) and scaled by its scaling_factor, as float32."""
+    latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+    shift = vae.config.get("shift_factor") or 0.0
+    if shift:
+        latents = latents - shift
+    return (latents * vae.config.scaling_factor).float()
+
+
+def t5_stage_tag(stage: str, options) -> str:
+    """What besides weights decides a T5 stage's output (its precision and length; "t5:off" when disabled): part of
+    its cache key. The CLIP stages have none."""
+    if stage == "t5":
+        return f"t5:{options.t5.precision}:{options.t5.max_length}" if options.t5.enabled else "t5:off"
+    return ""

@@ -263,33 +263,17 @@ class Flux(ModelFamily):
         method: str,
     ) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and the activation data."""
-        if mcfg.path is not None and Path(mcfg.path).is_dir() and (Path(mcfg.path) / "transformer").is_dir():
-            base = Path(mcfg.path)
-        else:
-            base = bundled_config_dir(mcfg.config)
-        return {
-            **common.parameter_hints(
-                self,
-                _new_module,
-                lambda part: base / part / "config.json",
-                PARTS,
-                loaded,
-                trained,
-                method,
-                lora_targets,
-                lora_rank,
-            ),
-            "latent_pixels": (resolution // 8) ** 2,
-            **common.measured_hints(bundled_config_dir(mcfg.config) / "memory.json"),
-            "encode_captions": any(p.startswith("text_encoder") for p in trained),
-        }
+        bundled = bundled_config_dir(mcfg.config)
+        p = Path(mcfg.path) if mcfg.path is not None else None
+        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        return common.image_memory_hints(
+            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """The posterior mean, shifted and scaled as FluxPipeline decodes it back (shift 0.1159, scale 0.3611)."""
-        vae = comps["vae"]
-        latents = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
-        return ((latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float()
+        return common.vae_latents(comps["vae"], pixels)
 
     def encode_prompts(
         self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
@@ -319,9 +303,7 @@ class Flux(ModelFamily):
         raise ConfigError(f"Flux has no text stage {stage!r}.", hint=f"Stages: {', '.join(self.text_stages)}.")
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
-        if stage == "t5":
-            return f"t5:{options.t5.precision}:{options.t5.max_length}" if options.t5.enabled else "t5:off"
-        return ""
+        return common.t5_stage_tag(stage, options)
 
     def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
         return {"text_encoder_2": options.t5.precision} if stage == "t5" else None

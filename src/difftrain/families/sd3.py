@@ -504,30 +504,15 @@ class SD3(ModelFamily):
         trained: list[str],
         method: str,
     ) -> dict:
-        """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
-        if mcfg.path is not None and Path(mcfg.path).is_dir() and (Path(mcfg.path) / "transformer").is_dir():
-            base = Path(mcfg.path)
-        else:
-            base = bundled_config_dir(mcfg.config)
-        return {
-            **common.parameter_hints(
-                self,
-                _new_module,
-                lambda part: base / part / "config.json",
-                PARTS,
-                loaded,
-                trained,
-                method,
-                lora_targets,
-                lora_rank,
-            ),
-            # the largest bucket's latent area (SD3's VAE downsamples 8x). The MMDiT then patchifies 2x2, so it
-            # attends over latent_pixels / 4 image tokens plus 77 + 256 text tokens; activation data per latent
-            # pixel (memory.json) is measured on that real shape, so the planner's arithmetic stays the same.
-            "latent_pixels": (resolution // 8) ** 2,
-            **common.measured_hints(bundled_config_dir(mcfg.config) / "memory.json"),
-            "encode_captions": any(p.startswith("text_encoder") for p in trained),
-        }
+        """Parameter counts of the real architecture (built on the meta device) and measured activation data.
+        The MMDiT patchifies the latent 2x2, so it attends over latent_pixels / 4 image tokens plus 77 + 256 text
+        tokens; the activation data per latent pixel (memory.json) is measured on that real shape."""
+        bundled = bundled_config_dir(mcfg.config)
+        p = Path(mcfg.path) if mcfg.path is not None else None
+        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        return common.image_memory_hints(
+            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(
@@ -581,12 +566,7 @@ class SD3(ModelFamily):
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
-        vae = comps["vae"]
-        pixels = pixels.to(vae.device, vae.dtype)
-        # the posterior mean: deterministic, so a cache entry depends on its inputs only
-        latents = vae.encode(pixels).latent_dist.mean
-        shift = vae.config.shift_factor or 0.0
-        return ((latents - shift) * vae.config.scaling_factor).float()
+        return common.vae_latents(comps["vae"], pixels)
 
     @staticmethod
     def _clip(comps: dict[str, Any], which: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -647,9 +627,7 @@ class SD3(ModelFamily):
         raise ConfigError(f"SD3 has no text stage {stage!r}.", hint=f"Stages: {', '.join(self.text_stages)}.")
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
-        if stage == "t5":
-            return f"t5:{options.t5.precision}:{options.t5.max_length}" if options.t5.enabled else "t5:off"
-        return ""
+        return common.t5_stage_tag(stage, options)
 
     def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
         return {"text_encoder_3": options.t5.precision} if stage == "t5" else None

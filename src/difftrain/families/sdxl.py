@@ -292,26 +292,11 @@ class SDXL(ModelFamily):
         method: str,
     ) -> dict:
         """Parameter counts of the real architecture (built on the meta device) and measured activation data."""
-        if mcfg.path is not None and Path(mcfg.path).is_dir():
-            base = Path(mcfg.path)
-        else:
-            base = bundled_config_dir(_arch(mcfg))
-        return {
-            **common.parameter_hints(
-                self,
-                _new_module,
-                lambda part: base / part / "config.json",
-                PARTS,
-                loaded,
-                trained,
-                method,
-                lora_targets,
-                lora_rank,
-            ),
-            "latent_pixels": (resolution // 8) ** 2,  # the largest bucket's latent area, SDXL's VAE downsamples 8x
-            **common.measured_hints(bundled_config_dir(_arch(mcfg)) / "memory.json"),
-            "encode_captions": any(p.startswith("text_encoder") for p in trained),
-        }
+        bundled = bundled_config_dir(_arch(mcfg))
+        base = Path(mcfg.path) if mcfg.path is not None and Path(mcfg.path).is_dir() else bundled
+        return common.image_memory_hints(
+            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
 
     # ------------------------------------------------------------ random stand-ins (benchmarks)
     def build_random(
@@ -354,11 +339,7 @@ class SDXL(ModelFamily):
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
-        vae = comps["vae"]
-        pixels = pixels.to(vae.device, vae.dtype)
-        # the posterior mean: deterministic, so a cache entry depends on its inputs only
-        latents = vae.encode(pixels).latent_dist.mean
-        return (latents * vae.config.scaling_factor).float()
+        return common.vae_latents(comps["vae"], pixels)
 
     def tokenize(self, comps: dict[str, Any], captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = []
