@@ -46,6 +46,9 @@ ORDER = [
     "cogvideox-2b-lora-24gb",
     "cogvideox-5b-lora-24gb",
     "cogvideox-5b-i2v-lora-24gb",
+    "flux-lora-8gb",
+    "flux-lora-16gb",
+    "flux-lora-24gb",
 ]
 
 OVERHEAD = """

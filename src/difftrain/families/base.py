@@ -78,6 +78,8 @@ class ModelFamily(ABC):
     kohya_layout: ClassVar[bool] = False
     #: what a LoRA file's header names the base model as: sd-scripts' ss_base_model_version (None: the family's
     #: name) and the SAI model spec's modelspec.architecture (None: "<name>/lora"), which A1111 and ComfyUI show
+    #: the kohya name prefix of each part, where the family's differ from sd-scripts' SD ones (lora.kohya.PREFIXES)
+    kohya_prefixes: ClassVar[Mapping[str, str] | None] = None
     kohya_base_version: ClassVar[str | None] = None
     modelspec_lora_architecture: ClassVar[str | None] = None
     #: ``difftrain lora merge`` can bake its LoRAs into a single file: it has a single-file layout, whose parts'
@@ -88,6 +90,10 @@ class ModelFamily(ABC):
     def recognises_single_file(self, keys: Sequence[str]) -> bool:
         """The tensor names of a single-file checkpoint are this family's layout."""
         return False
+
+    def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
+        """The parts a single file's tensors hold (by ``single_file_prefixes``)."""
+        return [p for p in self.parts if any(k.startswith(self.single_file_prefixes[p]) for k in keys)]
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         """A diffusers folder (its model_index.json's ``_class_name``) holds this family."""
@@ -136,6 +142,11 @@ class ModelFamily(ABC):
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """For each Linear/Conv module of ``part`` (diffusers path), the path its kohya LoRA name is made of
         (SDXL's UNet: the original LDM path); raises ConfigError for a family without that layout."""
+
+    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+        """Modules the kohya layout names as one (Flux's fused q/k/v): kohya path -> ((diffusers module, output
+        width) in the order the fused weight stacks them, whether the output's two halves are swapped). {}: none."""
+        return {}
 
     @abstractmethod
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
@@ -220,6 +231,11 @@ class ModelFamily(ABC):
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
         """Write a full model as one file in the layout the family's checkpoints are distributed in."""
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        """The parts a full fine-tune's single file holds, given the trained ones: all (the distributed layout
+        is one file with every part) unless the family's layout keeps parts in files of their own."""
+        return (self.denoiser, self.image_encoder, *self.text_encoders)
 
     @abstractmethod
     def save_diffusers(

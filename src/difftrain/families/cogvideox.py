@@ -258,8 +258,6 @@ class CogVideoX(ModelFamily):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_encoder_lora_targets = ()
     trainable_text_encoders = ()
-    #: what a single-file export holds: the transformer (the VAE and T5 never change in fine-tuning)
-    single_file_parts = ("transformer",)
     #: memory hint: layers that stay in high precision when the frozen weights go to fp8 (the patch and text
     #: embeddings, the timestep and ofs embeddings, the final norms and the projection out)
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
@@ -566,6 +564,10 @@ class CogVideoX(ModelFamily):
     @staticmethod
     def _clean_diffusers_config(cfg: dict) -> dict:
         return {k: v for k, v in cfg.items() if not k.startswith("_") or k == "_class_name"}
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        """What a single-file export holds: the transformer (the VAE and T5 never change in fine-tuning)."""
+        return ("transformer",)
 
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None

@@ -325,6 +325,42 @@ def bnb_config(prec: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
+def quantized_t5_from_state_dict(sd: dict, config: dict, prec: str, dtype: torch.dtype, device):
+    """T5 from converted tensors (host memory) quantized by transformers' bitsandbytes integration (a single file's
+    T5: SD3's, Flux's t5xxl file).
+
+    Host RAM holds T5 in 16 bits while it loads (about 9.5 GB for T5-XXL); a
+    diffusers folder avoids that (transformers then reads shard by shard).
+    """
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel.from_pretrained(
+        None,
+        config=T5Config(**hf_config(config)),
+        state_dict=sd,
+        torch_dtype=dtype,
+        quantization_config=bnb_config(prec, dtype),
+        device_map={"": str(device)},
+    )
+
+
+def single_file_reader(get: Callable[[str], torch.Tensor], dtype: torch.dtype, device, quantized: bool, t5_fp16: bool):
+    """A reader of one part's tensors from a memory-mapped file: each goes to ``device`` in ``dtype`` on its own (fp8-
+    stored files become ``dtype``); integer tensors keep their type. A part bitsandbytes quantizes stays in host
+    memory, 16-bit as stored (others bf16), until transformers quantizes it on the GPU. ``t5_fp16``: T5 in fp16
+    overflows in its feed-forward output, so ``.wo.`` weights stay fp32 (as transformers keeps them)."""
+
+    def read(k: str) -> torch.Tensor:
+        t = get(k)
+        if not t.is_floating_point():
+            return t.to("cpu" if quantized else device)
+        if quantized:
+            return t if t.dtype in (torch.float16, torch.bfloat16) else t.to(torch.bfloat16)
+        return t.to(device=device, dtype=torch.float32 if t5_fp16 and ".wo." in k else dtype)
+
+    return read
+
+
 # ------------------------------------------------------------------ saving
 def write_part(
     folder: Path,

@@ -1,9 +1,11 @@
 """FLUX.1 [dev] and [schnell]: a 12B MMDiT (19 double-stream and 38 single-stream blocks) on 16-channel VAE latents,
 conditioned by CLIP-L's pooled output and T5-XXL's token embeddings.
 
-First slice (issue 27): loads offline from a diffusers folder (or a Hub id) with the architecture configs bundled
-in ``configs/`` (flux-dev, flux-schnell; flux-tiny for tests); the Black Forest Labs single-file layouts are not
-read yet, nor written (a full fine-tune exports a diffusers folder). Trained with rectified flow
+Loads offline from a diffusers folder (or a Hub id), or from the single files people download
+(``flux_single_file``): the transformer alone in Black Forest Labs' names (``flux1-dev.safetensors``, fp8-stored
+copies too) as model.path, with the VAE, CLIP-L and T5-XXL as their own files (model.ae / model.clip_l /
+model.t5xxl, sd-scripts' option names), or ComfyUI's one-file checkpoint; the architecture configs are bundled in
+``configs/`` (flux-dev, flux-schnell; flux-tiny for tests). Trained with rectified flow
 (``objective = "flow"``) exactly as the Flux pipelines run the transformer:
 
 - the latents ``[B, 16, h, w]`` are packed into 2x2 patches, ``[B, h/2 * w/2, 64]``, with the pipeline's position
@@ -23,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import CheckpointError, ConfigError, ModelLoadError
+from ..errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
 from . import common
+from . import flux_single_file as single_file
 from .base import CachedItem, ModelFamily
 from .common import hf_config as _hf_config
 from .common import read_json as _read_json
@@ -144,22 +147,122 @@ class Flux(ModelFamily):
     }
 
     # ------------------------------------------------------------ loading
+    mergeable = True
+    single_file_prefixes: ClassVar[Mapping[str, str]] = single_file.PREFIXES
+    kohya_layout = True
+    #: sd-scripts' Flux LoRA prefixes (networks/lora_flux.py): the transformer is "lora_unet", T5 "lora_te3"
+    kohya_prefixes: ClassVar[Mapping[str, str]] = {
+        "transformer": "lora_unet",
+        "text_encoder": "lora_te1",
+        "text_encoder_2": "lora_te3",
+    }
+    kohya_base_version = "flux1"
+    modelspec_lora_architecture = "flux-1-dev/lora"
+
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        kind, p = common.resolve_source(
+        return common.resolve_source(
             mcfg,
             parts=self.parts,
-            no_model_hint="Set model.path to a diffusers Flux folder or a Hub id "
-            "(--set model.path=black-forest-labs/FLUX.1-dev).",
-            missing_hint="Point model.path at a diffusers Flux folder (with transformer/, vae/, text_encoder/ ...).",
+            no_model_hint="Set model.path to a diffusers Flux folder, a Hub id "
+            "(--set model.path=black-forest-labs/FLUX.1-dev) or the transformer file (flux1-dev.safetensors, with "
+            "model.ae, model.clip_l and model.t5xxl for the other parts).",
+            missing_hint="Point model.path at a diffusers Flux folder (with transformer/, vae/, text_encoder/ ...) or "
+            "a Flux .safetensors file.",
             check_folder=lambda p: common.require_subfolder(p, "transformer", "Flux"),
         )
-        if kind != "diffusers":
-            raise ModelLoadError(
-                f"{p.name}: difftrain reads Flux from a diffusers folder (or a Hub id) so far; the Black Forest Labs "
-                "single-file layout (flux1-dev.safetensors with separate VAE and text-encoder files) is not read yet.",
-                hint="Use a diffusers folder: black-forest-labs/FLUX.1-dev as a Hub id, or its download.",
-            )
-        return kind, p
+
+    def _file_keys(self, p: Path, memo: dict[Path, list[str]] | None = None) -> list[str]:
+        if memo is not None and p in memo:
+            return memo[p]
+        kind = "pickle" if p.suffix.lower() in common.PICKLE_EXTS else "single"
+        keys = common.open_checkpoint(kind, p)[0]
+        if memo is not None:
+            memo[p] = keys
+        return keys
+
+    def part_files(self, mcfg: ModelConfig, parts: Sequence[str]) -> dict[str, tuple[str, Path, str]]:
+        """Where each part comes from: ("diffusers", folder, "") or (file kind, file, the prefix of its tensors).
+
+        model.ae / model.clip_l / model.t5xxl name a part's own file (over a folder's part too); else model.path's
+        folder, or the part's tensors in model.path's file (a ComfyUI checkpoint has them all). What is missing is
+        said before anything is read, with the option that gives it."""
+        kind, p = self._source(mcfg)
+        memo: dict[Path, list[str]] = {}
+        out: dict[str, tuple[str, Path, str]] = {}
+        for part in parts:
+            option = single_file.FILE_OPTION.get(part)
+            own = getattr(mcfg, option) if option else None
+            if own is not None:
+                f = Path(own).expanduser()
+                if not f.is_file():
+                    raise ModelLoadError(
+                        f"model.{option} {f} does not exist.",
+                        hint=f"Give the {single_file.LABELS[part]} .safetensors file.",
+                    )
+                if f.suffix.lower() != ".safetensors" and not (
+                    mcfg.allow_pickle and f.suffix.lower() in common.PICKLE_EXTS
+                ):
+                    raise UnsafeCheckpoint(
+                        f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a "
+                        "checkpoint by default.",
+                        hint="Use the .safetensors file, or pass --allow-pickle (read with torch.load(weights_only=True)).",
+                    )
+                out[part] = self._file_part(part, f, self._file_keys(f, memo), f"model.{option}")
+            elif kind == "diffusers":
+                out[part] = ("diffusers", p, "")
+            else:
+                keys = self._file_keys(p, memo)
+                if single_file.detect_prefix(keys) is None:
+                    raise ModelLoadError(
+                        f"{p.name} does not look like a Flux transformer (no double_blocks / single_blocks tensors).",
+                        hint="Give flux1-dev.safetensors (or schnell, or an fp8 copy), a ComfyUI Flux checkpoint or "
+                        "a diffusers Flux folder; an SDXL or SD3 file needs family: sdxl / sd3.",
+                    )
+                if part == "transformer" or part in single_file.parts_in_file(keys):
+                    out[part] = self._file_part(part, p, keys, "model.path")
+                else:
+                    raise ModelLoadError(
+                        f"{p.name} holds no {single_file.LABELS[part]} weights (it is the transformer alone).",
+                        hint=f"Set model.{option} to the {single_file.LABELS[part]} file "
+                        f"({ {'vae': 'ae.safetensors', 'text_encoder': 'clip_l.safetensors'}.get(part, 't5xxl_fp16.safetensors') }"
+                        "), as ComfyUI users have it, or model.path to a diffusers Flux folder.",
+                    )
+        return out
+
+    def _file_part(self, part: str, f: Path, keys: list[str], label: str) -> tuple[str, Path, str]:
+        """(kind, file, prefix) of ``part`` in the file ``f`` (its tensors under ComfyUI's prefix, or the file alone)."""
+        single_file.refuse_scaled_fp8(keys, f.name)
+        kind = "pickle" if f.suffix.lower() in common.PICKLE_EXTS else "single"
+        prefix = single_file.PREFIXES[part]
+        if any(k.startswith(prefix) for k in keys):
+            return kind, f, prefix
+        if part == "transformer" and single_file.detect_prefix(keys) == "":
+            return kind, f, ""
+        found = single_file.parts_in_file(keys)
+        if part in found and len(found) == 1:
+            return kind, f, ""
+        has = ", ".join(single_file.LABELS[x] for x in single_file.PARTS if x in found) or "nothing Flux knows"
+        raise ModelLoadError(
+            f"{label} {f.name} holds no {single_file.LABELS[part]} weights (it holds {has}).",
+            hint=f"Give the {single_file.LABELS[part]} file there.",
+        )
+
+    def architecture(self, mcfg: ModelConfig) -> str:
+        """The bundled config: model.config, else what a single file's transformer looks like, else flux-dev."""
+        if mcfg.config or mcfg.path is None:
+            return mcfg.config or DEFAULT_CONFIG
+        kind, p = self._source(mcfg)
+        if kind == "diffusers":
+            return DEFAULT_CONFIG
+        return single_file.guess_architecture(self._file_keys(p)) or DEFAULT_CONFIG
+
+    def _config_dir(self, mcfg: ModelConfig, part: str = "transformer") -> Path:
+        """Where ``part``'s config.json is read: model.path's folder, else the bundled architecture."""
+        if mcfg.path is not None:
+            kind, p = self._source(mcfg)
+            if kind == "diffusers" and (p / part).is_dir():
+                return p
+        return bundled_config_dir(self.architecture(mcfg))
 
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
         if mcfg.prediction_type:
@@ -169,27 +272,39 @@ class Flux(ModelFamily):
                 hint="Remove model.prediction_type; the flow section (flow.shift, flow.timestep_sampling, "
                 "flow.guidance_scale) tunes Flux's training.",
             )
-        if mcfg.path is None:
-            base = bundled_config_dir(mcfg.config)
-        else:
-            p = self._source(mcfg)[1]
-            base = p if (p / "scheduler").is_dir() else bundled_config_dir(mcfg.config)
-        return _read_json(base / "scheduler" / "scheduler_config.json")
+        return _read_json(self._config_dir(mcfg, "scheduler") / "scheduler" / "scheduler_config.json")
 
     def training_scheduler(self, mcfg: ModelConfig):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
 
-    def _tokenizers(self, p: Path, names: Sequence[str]) -> dict[str, Any]:
+    def _tokenizers(self, mcfg: ModelConfig, names: Sequence[str]) -> dict[str, Any]:
+        """From model.path's folder, else model.tokenizer_path; CLIP-L's is derived offline when neither has it."""
         from transformers import CLIPTokenizer, T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
+        kind, p = self._source(mcfg)
+        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
         out: dict[str, Any] = {}
         for name in names:
-            folder = p / name
+            folder = base / name if base is not None else None
+            if name == "tokenizer_2":
+                if folder is None or not folder.is_dir():
+                    raise ModelLoadError(
+                        "T5's tokenizer is in no file, and its vocabulary cannot be built offline"
+                        + (f": no tokenizer_2/ in {base}." if base is not None else "."),
+                        hint="Set model.tokenizer_path to a folder with tokenizer_2/ (the tokenizer folders of a "
+                        "diffusers FLUX.1 download), or set text_encoders.t5.enabled: false to train without T5.",
+                    )
+                out[name] = T5TokenizerFast.from_pretrained(folder)
+                continue
+            if folder is None or (kind != "diffusers" and not folder.is_dir()):
+                folder = common.offline_clip_tokenizers() / name  # CLIP-L's real vocabulary, shared with SDXL/SD3
             if not folder.is_dir():
-                raise ModelLoadError(f"No {name}/ folder in {p}.", hint="Is it a complete diffusers Flux folder?")
-            out[name] = (T5TokenizerFast if name == "tokenizer_2" else CLIPTokenizer).from_pretrained(folder)
+                raise ModelLoadError(
+                    f"No {name}/ folder in {folder.parent}.", hint="Is it a complete diffusers Flux folder?"
+                )
+            out[name] = CLIPTokenizer.from_pretrained(folder)
         return out
 
     def load(
@@ -206,29 +321,92 @@ class Flux(ModelFamily):
         from diffusers import AutoencoderKL, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
-        _, p = self._source(mcfg)
         parts = list(parts)
         common.check_parts("Flux", parts, PARTS)
         dtypes, quant = common.t5_precisions(
             parts, dtype, precision, device, t5="text_encoder_2", label="Flux", loaded_before="the transformer"
         )
-        toks = self._tokenizers(p, [TOKENIZER_OF[x] for x in parts if x in TOKENIZER_OF]) if tokenizers else {}
+        # what can be wrong is said before gigabytes are read: each part's file, then the tokenizers
+        sources = self.part_files(mcfg, parts)
+        toks = self._tokenizers(mcfg, [TOKENIZER_OF[x] for x in parts if x in TOKENIZER_OF]) if tokenizers else {}
         classes = {
             "transformer": FluxTransformer2DModel,
             "vae": AutoencoderKL,
             "text_encoder": CLIPTextModel,
             "text_encoder_2": T5EncoderModel,
         }
-        comps = common.load_diffusers_parts(p, parts, classes, dtypes, device, lambda _: "Is it a Flux folder?", quant)
+        from_folder = [x for x in parts if sources[x][0] == "diffusers"]
+        comps = (
+            common.load_diffusers_parts(
+                sources[from_folder[0]][1],
+                from_folder,
+                classes,
+                dtypes,
+                device,
+                lambda _: "Is it a Flux folder?",
+                quant,
+            )
+            if from_folder
+            else {}
+        )
+        for part in parts:
+            if part not in comps:
+                comps[part] = self._load_from_file(mcfg, part, sources[part], dtypes[part], quant.get(part), device)
         if "transformer" in comps:
             self.joint_attention_dim = int(comps["transformer"].config.joint_attention_dim)
         common.freeze(comps, parts, device, quant)
         comps.update(toks)
         return comps
 
+    def _load_from_file(self, mcfg: ModelConfig, part: str, source, dtype, quant: str | None, device):
+        """One part from a single file: its tensors read one at a time to ``device`` (fp8-stored ones cast to
+        ``dtype``), renamed, and assigned to the part built on the meta device."""
+        from accelerate import init_empty_weights
+
+        kind, f, prefix = source
+        arch = self.architecture(mcfg)
+        config = _read_json(bundled_config_dir(arch) / part / "config.json")
+        keys, get, _, _ = common.open_checkpoint(kind, f)
+        part_keys = [k for k in keys if k.startswith(prefix)]
+        if prefix == "" and part == "transformer":
+            part_keys = [k for k in keys if not k.startswith(tuple(single_file.PREFIXES.values()))]
+        read = common.single_file_reader(
+            get, dtype, device, quant is not None, part == "text_encoder_2" and dtype == torch.float16
+        )
+        ckpt = {k: read(k) for k in part_keys}
+        if part == "transformer":
+            sd = single_file.transformer_to_diffusers({k[len(prefix) :]: v for k, v in ckpt.items()}, config)
+        elif part == "vae":
+            sd = single_file.vae_to_diffusers(ckpt, config)
+        elif part == "text_encoder":
+            sd = single_file.clip_to_diffusers(ckpt, prefix)
+        else:
+            sd = single_file.t5_to_diffusers(ckpt, prefix)
+        del ckpt
+        if quant is not None:
+            return common.quantized_t5_from_state_dict(sd, config, quant, dtype, device)
+
+        def mismatch(what: str) -> ModelLoadError:
+            guess = single_file.guess_architecture(keys) if part == "transformer" else None
+            hint = f"Set model.config to the file's architecture (bundled: {', '.join(known_configs())})."
+            if guess and guess != arch:
+                hint = f"The file's transformer looks like {guess}: set model.config: {guess}."
+            return ModelLoadError(
+                f"{f.name} does not fit the bundled architecture {arch!r} for the {single_file.LABELS[part]}: {what}",
+                hint=hint,
+            )
+
+        with init_empty_weights(include_buffers=False):
+            module = _new_module(part, config)
+        if part == "text_encoder" and not hasattr(module, "text_model"):  # transformers >= 5.6: no wrapper
+            sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+        common.assign_state_dict(module, sd, mismatch)
+        if part == "text_encoder_2":  # assign=True replaced shared.weight: re-tie the encoder's embedding
+            module.encoder.embed_tokens.weight = module.shared.weight
+        return module
+
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        base = self._source(mcfg)[1] if mcfg.path is not None else bundled_config_dir(mcfg.config)
-        module = _new_module(part, _read_json(base / part / "config.json"))
+        module = _new_module(part, _read_json(self._config_dir(mcfg, part) / part / "config.json"))
         if part == "transformer":
             self.joint_attention_dim = int(module.config.joint_attention_dim)
         return module
@@ -236,16 +414,51 @@ class Flux(ModelFamily):
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name.startswith("Flux")
 
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        return single_file.is_flux_file(keys)
+
+    def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        return single_file.guess_architecture(keys)
+
+    def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
+        found = single_file.parts_in_file(keys)
+        return [p for p in PARTS if p in found]
+
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
-        raise ConfigError(
-            "Flux LoRAs are written in the diffusers layout only so far (the sd-scripts / ComfyUI layout is to come).",
-            hint="Leave lora.kohya off for family flux.",
-        )
+        """sd-scripts' Flux names: the transformer's modules by their BFL paths (``double_blocks.0.img_attn.proj``),
+        CLIP-L's by transformers' (``text_model.encoder...``). A module fused in the BFL layout (q/k/v, and the
+        single blocks' q/k/v/MLP) is named by ``kohya_fused``."""
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        if part != "transformer":
+            return common.adaptable_paths(module, common.clip_kohya_path)
+        return {
+            pair.members[0]: pair.bfl
+            for pair in single_file.kohya_groups(cast(Mapping, module.config))
+            if len(pair.members) == 1 and not pair.swap
+        }
+
+    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+        """The transformer's modules that one sd-scripts LoRA name covers: BFL path -> ((module, output width)
+        in the order the fused weight stacks them, whether the output's halves are swapped)."""
+        if part != "transformer":
+            return {}
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        mods = dict(module.named_modules())
+        return {
+            pair.bfl: (tuple((m, int(mods[m].weight.shape[0])) for m in pair.members), pair.swap)
+            for pair in single_file.kohya_groups(cast(Mapping, module.config))
+            if len(pair.members) > 1 or pair.swap
+        }
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        _, p = self._source(mcfg)
-        files = common.weight_files(p / part) if (p / part).is_dir() else []
-        return common.split_fingerprint(self.name, part, "diffusers", files, memo, {})
+        """A content hash of the part's weights: a folder's part files, or only the part's tensors of a file."""
+        kind, f, prefix = self.part_files(mcfg, [part])[part]
+        if kind == "diffusers":
+            files = common.weight_files(f / part) if (f / part).is_dir() else []
+            return common.split_fingerprint(self.name, part, kind, files, memo, {})
+        return common.split_fingerprint(self.name, part, kind, [f], memo, {part: prefix})
 
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
@@ -266,6 +479,8 @@ class Flux(ModelFamily):
         bundled = bundled_config_dir(mcfg.config)
         p = Path(mcfg.path) if mcfg.path is not None else None
         base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        if p is not None and p.is_file() and not mcfg.config:
+            base = bundled = bundled_config_dir(single_file.guess_architecture(self._file_keys(p)) or DEFAULT_CONFIG)
         return common.image_memory_hints(
             self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
         )
@@ -395,10 +610,23 @@ class Flux(ModelFamily):
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
-        raise CheckpointError(
-            "Flux's Black Forest Labs single-file layout is not written yet.",
-            hint="Set save.formats: [diffusers] for a Flux full fine-tune.",
+        """The transformer alone in Black Forest Labs' layout (what flux1-dev.safetensors is: ComfyUI's "Load
+        Diffusion Model", sd-scripts and the BFL code read it), or, given other parts too, ComfyUI's one-file
+        checkpoint layout. Tensors are written one at a time, atomically; a fused projection is concatenated only
+        while it is written."""
+        from ..utils import stream_save_safetensors
+        from .sd3_single_file import LazyTensors
+
+        tensors = LazyTensors(single_file.to_single_file(sds, configs))
+        arch = "flux-1-dev" if (configs.get("transformer") or {}).get("guidance_embeds", True) else "flux-1-schnell"
+        return stream_save_safetensors(
+            path, tensors, metadata={"format": "pt", "modelspec.architecture": arch}, dtype=dtype
         )
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        """A full fine-tune of the transformer alone is written as the BFL transformer file (the VAE and text
+        encoders are the user's unchanged files); one that also trained CLIP-L as a whole ComfyUI checkpoint."""
+        return ("transformer",) if set(trained) <= {"transformer"} else PARTS
 
     def save_diffusers(
         self,
@@ -414,16 +642,38 @@ class Flux(ModelFamily):
 
         from ..utils import atomic_dir
 
-        _, src = self._source(mcfg)
+        kind, src = self._source(mcfg)
+        if kind != "diffusers":
+            missing = [x for x in PARTS if x not in sds]
+            if missing:
+                raise CheckpointError(f"A diffusers folder from Flux single files needs every part; missing {missing}.")
+            tok_base = Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None
+            toks = {
+                name: (tok_base / name if tok_base is not None and (tok_base / name).is_dir() else None)
+                for name in ("tokenizer", "tokenizer_2")
+            }
+            toks["tokenizer"] = toks["tokenizer"] or common.offline_clip_tokenizers() / "tokenizer"
+            if toks["tokenizer_2"] is None:
+                raise CheckpointError(
+                    "A diffusers Flux folder needs T5's tokenizer, which no single file carries.",
+                    hint="Set model.tokenizer_path to a folder with tokenizer_2/, or save.formats: [single_file].",
+                )
+            src = bundled_config_dir(self.architecture(mcfg))
         with atomic_dir(Path(folder)) as tmp:
             for part in PARTS:
                 if part in sds:
                     common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
                 elif (src / part).is_dir():
                     shutil.copytree(src / part, tmp / part)
-            for extra in ("tokenizer", "tokenizer_2", "scheduler"):
-                if (src / extra).is_dir():
-                    shutil.copytree(src / extra, tmp / extra)
+            if kind == "diffusers":
+                for extra in ("tokenizer", "tokenizer_2"):
+                    if (src / extra).is_dir():
+                        shutil.copytree(src / extra, tmp / extra)
+            else:
+                for name, tok in toks.items():
+                    assert tok is not None  # checked above
+                    shutil.copytree(tok, tmp / name)
+            shutil.copytree(src / "scheduler", tmp / "scheduler")
             shutil.copy(src / "model_index.json", tmp / "model_index.json")
         return Path(folder)
 

@@ -364,17 +364,9 @@ class SD3(ModelFamily):
             part_keys = [k for k in keys if k.startswith(prefix)]
             dt = dtypes[part]
             # T5 in fp16 overflows in its feed-forward output: transformers keeps `wo` in fp32 then (so do we)
-            keep32 = part == "text_encoder_3" and dt == torch.float16
-
-            def read(k: str, dt=dt, keep32=keep32, quantized=part in quant) -> torch.Tensor:
-                t = get(k)
-                if not t.is_floating_point():
-                    return t.to("cpu" if quantized else device)
-                if quantized:
-                    # host memory until bitsandbytes quantizes it on the GPU: 16-bit tensors stay as stored
-                    # (transformers casts them), fp8/fp32 ones become bf16, so T5-XXL holds at most 9.5 GB of RAM
-                    return t if t.dtype in (torch.float16, torch.bfloat16) else t.to(torch.bfloat16)
-                return t.to(device=device, dtype=torch.float32 if keep32 and ".wo." in k else dt)
+            read = common.single_file_reader(
+                get, dt, device, part in quant, part == "text_encoder_3" and dt == torch.float16
+            )
 
             # each tensor goes from the memory-mapped file to the device on its own; diffusers' converters
             # then rename (and split the fused qkv) on the device
@@ -385,7 +377,7 @@ class SD3(ModelFamily):
                 raise mismatch(part, f"the converter found no {e}") from None
             del ckpt
             if part in quant:
-                out[part] = self._quantized_t5_from_state_dict(sd, config, quant[part], dt, device)
+                out[part] = common.quantized_t5_from_state_dict(sd, config, quant[part], dt, device)
                 continue
             # the MMDiT's one buffer (pos_embed, seconds of CPU work to compute) is in the file: build it
             # on the meta device too; the text encoders' non-persistent buffers (position ids) are built
@@ -396,23 +388,6 @@ class SD3(ModelFamily):
                 module.encoder.embed_tokens.weight = module.shared.weight
             out[part] = module
         return out
-
-    def _quantized_t5_from_state_dict(self, sd: dict, config: dict, prec: str, dtype: torch.dtype, device):
-        """T5 from converted tensors (host memory) quantized by transformers' bitsandbytes integration.
-
-        Host RAM holds T5 in 16 bits while it loads (about 9.5 GB for T5-XXL); a
-        diffusers folder avoids that (transformers then reads shard by shard).
-        """
-        from transformers import T5Config, T5EncoderModel
-
-        return T5EncoderModel.from_pretrained(
-            None,
-            config=T5Config(**_hf_config(config)),
-            state_dict=sd,
-            torch_dtype=dtype,
-            quantization_config=common.bnb_config(prec, dtype),
-            device_map={"": str(device)},
-        )
 
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:

@@ -78,8 +78,11 @@ def write_kohya(
     from safetensors.torch import save
 
     names = {part: family.kohya_names(cfg.model, part) for part in layers}
+    fused = {part: family.kohya_fused(cfg.model, part) for part in layers}
     try:
-        sd = kohya.to_kohya(layers, names, {p: alphas(peft_meta[p], layers[p]) for p in layers})
+        sd = kohya.to_kohya(
+            layers, names, {p: alphas(peft_meta[p], layers[p]) for p in layers}, fused, family.kohya_prefixes
+        )
     except kohya.UnmappedKeys as e:
         raise CheckpointError(
             f"The kohya LoRA was not written: {e}.",
@@ -151,9 +154,11 @@ def read_lora_file(
 
 def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str], label: str):
     if kohya.is_kohya(sd):
-        names = {part: family.kohya_names(mcfg, part) for part in parts if part in kohya.PREFIXES}
+        prefixes = family.kohya_prefixes or kohya.PREFIXES
+        names = {part: family.kohya_names(mcfg, part) for part in parts if part in prefixes}
+        fused = {part: family.kohya_fused(mcfg, part) for part in parts if part in prefixes}
         try:
-            return kohya.from_kohya(sd, names)
+            return kohya.from_kohya(sd, names, fused, family.kohya_prefixes)
         except kohya.UnmappedKeys as e:
             raise CheckpointError(
                 f"{label} {path.name} does not fit this model: {e}.",

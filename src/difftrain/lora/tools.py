@@ -155,7 +155,7 @@ def _base(base: Path, family: str | None, config: str | None):
                 hint="CogVideoX has no single-file layout: load its LoRA with the pipeline's load_lora_weights.",
             )
         fam = get_family(family)
-    all_parts, prefixes = fam.parts, fam.single_file_prefixes
+    all_parts = fam.parts
     if keys is None:
         parts = [p for p in all_parts if (base / p).is_dir()]
         pickled = [p for p in parts if not any((base / p).glob("*.safetensors"))]
@@ -166,19 +166,19 @@ def _base(base: Path, family: str | None, config: str | None):
                 hint="Save the folder with safe_serialization=True (or convert it) first.",
             )
     else:
-        parts = [p for p in all_parts if any(k.startswith(prefixes[p]) for k in keys)]
+        parts = fam.parts_in_single_file(keys)
         if config is None:
             config = fam.single_file_architecture(keys)
     return fam, ModelConfig(path=base, config=config), parts, files
 
 
-def _lora_parts(sd: dict[str, torch.Tensor], layout: str) -> set[str]:
-    """The parts (unet, text_encoder, ...) a LoRA file's keys adapt."""
+def _lora_parts(sd: dict[str, torch.Tensor], layout: str, prefixes=None) -> set[str]:
+    """The parts (unet, text_encoder, ...) a LoRA file's keys adapt (``prefixes``: the family's kohya ones)."""
     if layout == "diffusers":
         return {k.partition(".")[0] for k in sd}
     found = set()
     for k in sd:
-        hit = [part for part, prefix in kohya.PREFIXES.items() if k.startswith(prefix + "_")]
+        hit = [part for part, prefix in (prefixes or kohya.PREFIXES).items() if k.startswith(prefix + "_")]
         found.add(hit[0] if hit else k.partition(".")[0])
     return found
 
@@ -255,7 +255,7 @@ def merge(
     layout = _layout(sd, lora)
     fam, mcfg, parts, files = _base(base, family, config)
     adaptable = [p for p in parts if p == fam.denoiser or p in fam.text_encoders]
-    stray = sorted(_lora_parts(sd, layout) - set(adaptable))
+    stray = sorted(_lora_parts(sd, layout, fam.kohya_prefixes) - set(adaptable))
     if stray:
         made_for = [_DENOISER_OF[p] for p in stray if p in _DENOISER_OF and p != fam.denoiser]
         why = f"it looks made for {made_for[0]}" if made_for else f"the base has no {', '.join(stray)} weights"

@@ -140,6 +140,8 @@ class Exporter:
         dest = self.out if tag is None else self.out / "saved" / tag
         dtype = to_dtype(sv.precision)
         names = (fam.denoiser, fam.image_encoder, *fam.text_encoders)
+        if "diffusers" not in sv.formats:  # only the parts the single file holds (Flux: the transformer alone)
+            names = fam.single_file_parts(list(self.parts.trained))
         comps = self.parts.comps
         missing = [p for p in names if p not in comps]
         extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
@@ -148,7 +150,12 @@ class Exporter:
         configs = fam.module_configs(modules)
         out = []
         if "single_file" in sv.formats:
-            out.append(fam.save_single_file(sds, configs, dest / "model.safetensors", dtype=dtype))
+            keep = fam.single_file_parts(list(self.parts.trained))
+            out.append(
+                fam.save_single_file(
+                    {p: sd for p, sd in sds.items() if p in keep}, configs, dest / "model.safetensors", dtype=dtype
+                )
+            )
         if "diffusers" in sv.formats:
             out.append(fam.save_diffusers(sds, configs, dest / "diffusers", self.cfg.model, dtype=dtype))
         del extra, sds
