@@ -49,6 +49,7 @@ ORDER = [
     "flux-lora-8gb",
     "flux-lora-16gb",
     "flux-lora-24gb",
+    "flux-full-24gb",
 ]
 
 OVERHEAD = """

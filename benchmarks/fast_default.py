@@ -9,8 +9,8 @@ speed auto decides as for a 2,000-step run. The warm-up is two epochs (24 steps)
 shape's first call to warm up and record on its second, so one epoch of warm-up left six recordings inside the
 timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pass); the timed steps are the next
 two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
-plain-sd3 and plain-cogvideox are the same plain loops for sd3-lora-8gb (six buckets) and cogvideox-2b-lora-24gb
-(49x480x720). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-8gb (six buckets),
+cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 """
 
 from __future__ import annotations
@@ -44,12 +44,20 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--recipe", "cogvideox-2b-lora-24gb", "--size", "480x720"],
         "CogVideoX-2b LoRA as shipped, 49x480x720, vs its eager run",
     ),
+    "flux-lora-24gb": (
+        ["--recipe", "flux-lora-24gb", "--size", "1024x1024"],
+        "FLUX.1 [dev] LoRA r16 as shipped (fp8 base), 1024x1024, vs its eager run",
+    ),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
-WITH_BASELINE = {"sd3-lora-8gb": (BUCKETS, None, None), "cogvideox-2b-lora-24gb": (None, 6, 4)}
+WITH_BASELINE = {
+    "sd3-lora-8gb": (BUCKETS, None, None),
+    "cogvideox-2b-lora-24gb": (None, 6, 4),
+    "flux-lora-24gb": (None, 8, 6),
+}
 #: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
-PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4)}
+PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4), "plain-flux": (8, 3)}
 
 
 def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup: int, seed: int = 0) -> dict:
@@ -156,6 +164,32 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
             pred = model(hidden_states=x0, encoder_hidden_states=enc, timestep=ts).sample
         return torch.nn.functional.mse_loss(pred.float(), x0.float())
 
+    def flux_loss(model, c: int, h: int, w: int):
+        from diffusers import FluxPipeline
+
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = FluxPipeline._pack_latents(((1 - sig) * x0 + sig * noise).to(torch.bfloat16), 1, c, h, w)
+        enc, pooled = torch.randn(1, 512, 4096, **bf), torch.randn(1, 768, **bf)
+        img_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, "cuda", torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=xt, encoder_hidden_states=enc, pooled_projections=pooled, timestep=sig,
+                         img_ids=img_ids, txt_ids=torch.zeros(512, 3, **bf), guidance=torch.ones(1, device="cuda"),
+                         ).sample  # fmt: skip
+        return torch.nn.functional.mse_loss(pred.float(), FluxPipeline._pack_latents((noise - x0), 1, c, h, w).float())
+
+    if name == "plain-flux":
+        from diffusers import FluxTransformer2DModel
+
+        # the diffusers Flux LoRA script's way: bf16 transformer on the GPU, checkpointing; our recipe's targets.
+        # cuDNN's attention off: with torch's default choice this loop's backward hit an illegal memory access at
+        # 4 608 tokens (H100, torch 2.11 + CUDA 13, 2026-11-25), the failure the Flux family avoids (avoid_cudnn)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        model = _bundled("flux-dev/transformer", FluxTransformer2DModel)
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                   "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                   *[f"single_transformer_blocks.{i}.proj_out" for i in range(38)]]  # fmt: skip
+        return _plain_loop(name, model, targets, 16, [(16, 128, 128)], flux_loss, steps, warmup)
     if name == "plain-sd3":
         from diffusers import SD3Transformer2DModel
 

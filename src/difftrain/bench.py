@@ -83,6 +83,10 @@ def synthetic_cache(
     as it does a real dataset's aspect buckets."""
     family = get_family(cfg.family)
     video = {"frames": cfg.data.frames} if family.video else {}
+    if size is not None and not family.video:  # an image family: one bucket of that shape
+        if buckets:
+            raise UsageError("--size and --buckets both give the image shape", hint="Give one of them.")
+        buckets, size = [size], None
     # a (height, width) size is given only for the video families, whose cache_shapes take one
     shapes = family.cache_shapes(_architecture(cfg), size or cfg.data.resolution, **video)  # type: ignore[arg-type]
     if buckets and family.video:

@@ -180,3 +180,19 @@ def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     p = row["profile"]
     assert p["step_ms"] > 0 and isinstance(p["by_kind"], dict)
     assert (tmp_path / "profile-config.txt").read_text().strip()
+
+
+def test_bench_speed_size_of_an_image_family_is_one_bucket(cli, tmp_path):
+    """--size HxW on an image family trains that shape (it was an unexpected TypeError: the image families'
+    cache shapes take a square side); with --buckets too it is a usage error."""
+    args = ("bench", "speed", "--recipe", "tiny-sdxl-lora", "--no-baseline", "--steps", "2", "--warmup", "1")
+    r = cli(*args, "--size", "64x96", "--work", tmp_path)
+    assert r.code == 0, r
+    from difftrain.data.cache import DataCache
+
+    caches = [p for p in tmp_path.iterdir() if p.name.startswith("cache-64x96")]
+    assert len(caches) == 1
+    entry = DataCache(caches[0]).get("lat0")
+    assert entry["latents"].shape == (4, 8, 12)
+    r = cli(*args, "--size", "64x96", "--buckets", "64x64", "--work", tmp_path)
+    assert r.code == 2 and "--size and --buckets" in r.err, r
