@@ -1,4 +1,4 @@
-"""Flux.1 [dev] on a GPU, first figures (issue 27): LoRA r16 at 1024x1024 on random weights of the bundled flux-dev
+"""Flux.1 [dev] on a GPU, first figures (issue 27): LoRA r16 at 1024x1024, batch 2, on random weights of the bundled flux-dev
 architecture (`difftrain bench memory`, which builds them once and a random cache of the real shapes), eager
 (speed off), each case in its own process: peak allocated / reserved, s/step, and the planner's prediction.
 
@@ -28,6 +28,9 @@ BASE = [
     "lora.rank=16",
     "lora.alpha=16",
     "train.mixed_precision=bf16",
+    # batch 2: the base recipe's (tiny-flux-lora), which the first figures ran with (docs/benchmarks.md; the Flux
+    # recipes' card figures are batch 1)
+    "train.batch_size=2",
     "train.device=cuda",
     "train.learning_rate=1e-4",
     "speed.compile=false",

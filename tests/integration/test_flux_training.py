@@ -105,3 +105,45 @@ def test_a_tiny_flux_lora_trains_resumes_exactly_and_loads_into_the_pipeline(tin
     before = image()
     pipe.load_lora_weights(str(whole.lora_path.parent), weight_name=whole.lora_path.name)
     assert isinstance(pipe, FluxPipeline) and not torch.allclose(image(), before)  # the LoRA acts
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_tiny_flux_as_one_with_the_same_global_batch(tiny_flux, _dataset_master, tmp_path):
+    """Flux through `difftrain train --gpus 2` (DDP on gloo, torchrun's agent): 2 processes x batch 2 train the same
+    LoRA as 1 process x batch 4 (the multi-GPU path a family gets from the trainer, checked for Flux on the CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    res = _cfg(tiny_flux, _dataset_master, tmp_path / "p")
+    precompute(res.config)
+    cache = tmp_path / "p" / "cache"
+
+    def run(out: str, batch: int, *extra: str) -> subprocess.CompletedProcess:
+        sets = tiny_sets(tiny_flux, _dataset_master, tmp_path / out, **{"train.max_steps": 3, "train.device": "cpu",
+                         "train.batch_size": batch, "data.cache_dir": cache, "report.to": "[]",
+                         "report.html": "false", "train.checkpoint_every": "null"})  # fmt: skip
+        cmd = [sys.executable, "-m", "difftrain", "train", "--recipe", "tiny-flux-lora", *extra]
+        cmd += [a for s in sets for a in ("--set", s)]
+        env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r
+
+    two = run("two", 2, "--gpus", "2")
+    run("one", 4)
+    assert "the 2 processes' trained weights agree" in two.stderr
+    name = "pytorch_lora_weights.safetensors"
+    a, b = load_file(tmp_path / "two" / "run" / name), load_file(tmp_path / "one" / "run" / name)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)  # AdamW magnifies summation-order noise
+
+    def losses(out: str) -> list[float]:
+        rows = (tmp_path / out / "run" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)]
+
+    assert losses("two") == pytest.approx(losses("one"), rel=1e-4) and len(losses("one")) == 3

@@ -83,19 +83,18 @@ def test_single_file_reads_each_tensor_once_and_initialises_nothing(single_file,
         )
 
 
-def test_diffusers_folder_builds_on_meta_and_reads_each_file_once(tiny_model, init_calls, monkeypatch):
-    import safetensors.torch
+def test_diffusers_folder_builds_on_meta_and_reads_each_tensor_once(tiny_model, init_calls, monkeypatch):
+    from difftrain.utils import SafetensorsReader
 
-    files: Counter = Counter()
-    load_file = safetensors.torch.load_file
+    reads: Counter = Counter()
+    get = SafetensorsReader.get_tensor
 
-    def counting(filename, *args, **kwargs):
-        files[str(filename)] += 1
-        return load_file(filename, *args, **kwargs)
+    def counting(self, key):
+        reads[key] += 1
+        return get(self, key)
 
-    monkeypatch.setattr(safetensors.torch, "load_file", counting)
+    monkeypatch.setattr(SafetensorsReader, "get_tensor", counting)
     unet = SDXL().load(ModelConfig(path=tiny_model), ["unet"])["unet"]
-    weight_files = {str(p) for p in (tiny_model / "unet").glob("*.safetensors")}
-    assert set(files) == weight_files and set(files.values()) == {1}
+    assert set(reads) == set(unet.state_dict()) and set(reads.values()) == {1}  # every tensor, each once
     assert init_calls == []
     assert not any(t.is_meta for t in unet.state_dict().values())

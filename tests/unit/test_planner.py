@@ -62,10 +62,18 @@ def test_terms_by_hand():
     assert "reading the checkpoint (file pages)" not in e.host  # a single file is read a tensor at a time
 
 
-def test_a_diffusers_folder_counts_its_file_pages(tmp_path):
-    """diffusers reads a folder through safetensors' mapping: the loaded parts' pages count while it loads."""
+def test_a_diffusers_folder_counts_the_file_pages_of_mapped_reads_only(tmp_path):
+    """A folder's diffusers models are read with private reads (no file pages); transformers' text encoders and
+    ZeRO-3's partitioned denoiser through safetensors' mapping, whose pages count while they load."""
+    h = _hints(parts={"unet": {"total": 1000}, "text_encoder": {"total": 300}, "vae": {"total": 80, "loaded": False}},
+               denoiser="unet")  # fmt: skip
     folder = resolve(sets=[f"model.path={tmp_path}"]).config
-    assert estimate(folder, _hints()).host["reading the checkpoint (file pages)"] * GIB == pytest.approx(1000 * 2)
+    assert estimate(folder, h).host["reading the checkpoint (file pages)"] * GIB == pytest.approx(300 * 2)
+    alone = _hints(parts={"unet": {"total": 1000}}, denoiser="unet")
+    assert "reading the checkpoint (file pages)" not in estimate(folder, alone).host
+    zero3 = resolve(sets=[f"model.path={tmp_path}", "train.method=full", "memory.weights.kind=bf16",
+                          "memory.engine={kind: deepspeed, stage: 3}"]).config  # fmt: skip
+    assert estimate(zero3, alone).host["reading the checkpoint (file pages)"] * GIB == pytest.approx(1000 * 2)
 
 
 def test_block_swap_terms_by_hand():
@@ -415,20 +423,35 @@ MEASURED_CARD = {
     "cogvideox-2b-lora-24gb": (7.75, 9.076),
     "cogvideox-5b-lora-24gb": (18.66, 20.561),
     "cogvideox-5b-i2v-lora-24gb": (18.762, 20.734),
+    # Flux as shipped (speed auto: compiled, no CUDA graphs with fp8 or block swap), 2026-11-25; flux-lora-24gb from
+    # benchmarks/fast_default.py (same H100, uncapped: it used 15.65 of its 24 GiB). The eager runs (14.71 / 15.42,
+    # 10.35 / 11.28, 3.94 / 4.75, 3.88 / 6.18) are within 10 % of the plan too (test below)
+    "flux-lora-24gb": (14.37, 15.65),
+    "flux-lora-16gb": (10.01, 11.07),
+    "flux-lora-8gb": (3.60, 4.55),
+    "flux-full-24gb": (3.70, 5.86),
+}
+
+MEASURED_FLUX_EAGER = {
+    "flux-lora-24gb": (14.71, 15.42),
+    "flux-lora-16gb": (10.35, 11.28),
+    "flux-lora-8gb": (3.94, 4.75),
+    "flux-full-24gb": (3.88, 6.18),
 }
 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 17 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 21 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
 
-@pytest.mark.parametrize("name", sorted(MEASURED_CARD))
+@pytest.mark.parametrize("name", sorted(MEASURED_CARD) + [f"{n} eager" for n in sorted(MEASURED_FLUX_EAGER)])
 def test_planner_within_ten_percent_of_the_card_measurement(name):
-    alloc, reserved = MEASURED_CARD[name]
-    e = plan_memory(resolve(recipe=name).config)
+    recipe = name.removesuffix(" eager")
+    alloc, reserved = (MEASURED_FLUX_EAGER if name.endswith(" eager") else MEASURED_CARD)[recipe]
+    e = plan_memory(resolve(recipe=recipe).config)
     assert abs(e.gpu_total - alloc) / alloc < 0.10, (e.gpu_total, alloc)
     assert abs(e.gpu_reserved - reserved) / reserved < 0.10, (e.gpu_reserved, reserved)
 

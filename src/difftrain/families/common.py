@@ -7,12 +7,13 @@ arguments, so every family's messages keep naming that family.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import importlib.util
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,11 @@ def load_diffusers_parts(
         require(part)
         for f in sorted((p / part).glob("*.safetensors")):
             open_safetensors(f).close()  # each file's header checked (and named) before the loaders read it
+        if part not in quant and not _MAPPED_READS[0]:
+            read = read_diffusers_model(p / part, classes[part], dtypes[part], device)
+            if read is not None:
+                out[part] = read
+                continue
         extra: dict[str, Any] = {}
         if torch.device(device).type == "cuda":
             # device_map: weights go to the GPU as they are read (no full host copy first)
@@ -218,6 +224,90 @@ def load_diffusers_parts(
         except OSError as e:
             raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
     return out
+
+
+#: whether ``load_diffusers_parts`` leaves every part to from_pretrained (safetensors' mapping): see mapped_reads
+_MAPPED_READS = [False]
+
+
+@contextlib.contextmanager
+def mapped_reads() -> Iterator[None]:
+    """Within it, diffusers folders are read through safetensors' mapping (from_pretrained), as before
+    :func:`read_diffusers_model`. ZeRO-3's partitioned build wants that: its main process copies the weights to
+    every GPU share from file pages the system can take back, instead of holding a private copy of the model."""
+    _MAPPED_READS[0] = True
+    try:
+        yield
+    finally:
+        _MAPPED_READS[0] = False
+
+
+def _diffusers_weight_files(sub: Path) -> list[Path] | None:
+    """The safetensors files of a diffusers model folder (one file, or the shards its index names), else None."""
+    one = sub / "diffusion_pytorch_model.safetensors"
+    index = sub / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # from_pretrained words what is wrong with it
+        files = [sub / n for n in names]
+        return files if all(f.is_file() for f in files) else None
+    return [one] if one.is_file() else None
+
+
+def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> torch.nn.Module | None:
+    """A diffusers model from its folder ``sub`` with difftrain's :class:`SafetensorsReader`: built on the meta
+    device, then each tensor read with plain reads, cast, moved to ``device`` and assigned.
+
+    Why not from_pretrained: diffusers reads the files through safetensors' mapping, and on the CPU the weights it
+    returns are views of that mapping, which lives until the last of them is dropped. Every page read stays in the
+    RSS: FLUX.1's transformer loaded on the host for fp8 or block swap kept its 22 GiB of file pages beside the 11 GiB
+    of fp8 copies made from them (35.2 GiB peak RSS for flux-lora-8gb on the H100). Read here, the model is private
+    memory that each layer's fp8 copy or pinned copy frees as it is made (benchmarks/host_load.py).
+
+    Returns None (the caller uses from_pretrained, which also words its errors) for anything this does not cover:
+    no safetensors weights, classes that are not diffusers models, or keys that are not exactly the model's (older
+    layouts from_pretrained renames on load)."""
+    files = _diffusers_weight_files(sub)
+    if files is None or not hasattr(cls, "load_config") or not (sub / "config.json").is_file():
+        return None
+    from accelerate import init_empty_weights
+
+    try:
+        config = cls.load_config(sub)
+        with init_empty_weights(include_buffers=False):
+            module = cls.from_config(config)
+    except Exception:  # noqa: BLE001 (a config this diffusers cannot build: from_pretrained says why)
+        return None
+    expected = set(module.state_dict())
+    handles = [open_safetensors(f) for f in files]
+    try:
+        keys = [h.keys() for h in handles]
+        if {k for ks in keys for k in ks} != expected:
+            return None
+        keep32 = getattr(cls, "_keep_in_fp32_modules", None) or []
+        sd = {}
+        for h, ks in zip(handles, keys):
+            for k in ks:
+                t = h.get_tensor(k)
+                if t.is_floating_point():
+                    want = torch.float32 if any(m in k.split(".") for m in keep32) else dtype
+                    t = t.to(device=device, dtype=want)
+                else:
+                    t = t.to(device)
+                sd[k] = t
+    finally:
+        for h in handles:
+            h.close()
+
+    def mismatch(what: str) -> ModelLoadError:
+        return ModelLoadError(f"The weights in {sub} do not fit its config.json: {what}")
+
+    assign_state_dict(module, sd, mismatch)
+    module.register_to_config(_name_or_path=sub.parent)  # as from_pretrained records it (model folder, subfolder)
+    module.eval()
+    return module
 
 
 def freeze(comps: Mapping[str, Any], parts: Iterable[str], device, quant: Mapping[str, str] | None = None) -> None:
@@ -528,6 +618,7 @@ def measured_hints(data_file: Path) -> dict:
         "workspace": data.get("workspace_bytes", 0),
         "fused_backward_extra": data.get("fused_backward_extra_bytes", 0),
         "allocator_slack": data.get("allocator_slack_gib", 0.0),
+        "write_back_slack": data.get("write_back_slack_gib", 0.0),
         "cuda_graph_pool": data.get("cuda_graph_pool_gib", 0.0),
     }
 

@@ -133,9 +133,18 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     parts = hints["parts"]
     loaded = sum(p["total"] for p in parts.values() if p.get("loaded", True))
     if cfg.model.path is not None and Path(cfg.model.path).is_dir():
-        # a diffusers folder is read by diffusers through safetensors' mapping: its pages count while it loads (a
-        # single file is read by difftrain's SafetensorsReader, which holds one tensor at a time)
-        e.host["reading the checkpoint (file pages)"] = loaded * FILE_BYTES / GIB
+        # a diffusers folder's models are read by difftrain's SafetensorsReader like a single file (private reads,
+        # families.common.read_diffusers_model); transformers' text encoders, and the denoiser of ZeRO-3's
+        # partitioned build, through safetensors' mapping: their pages count while they are loaded
+        e_ = m.engine
+        zero3 = e_.kind == "deepspeed" and e_.stage == 3 and cfg.train.method == "full"
+        mapped = [
+            name
+            for name, p in parts.items()
+            if p.get("loaded", True) and (name.startswith("text_encoder") or (zero3 and name == hints.get("denoiser")))
+        ]
+        if mapped:
+            e.host["reading the checkpoint (file pages)"] = sum(parts[x]["total"] for x in mapped) * FILE_BYTES / GIB
     if m.optimizer.kind == "cpu_offload":
         # torchao keeps a pinned host copy of each weight and of its gradient and AdamW's two moments, all in the
         # weight's dtype (sdxl-full-8gb: 24.1 GiB RSS with each copy rounded up to a power of two, before packing)
@@ -198,6 +207,11 @@ def _block_swap(
         # loaded weights is the same with and without block swap, 0.85-0.89 GiB, as its last units are small or
         # not swapped; SD3's is 0.30 GiB higher, its last two blocks)
         tail = set(range(len(sizes) - m.offload.prefetch - 1, len(sizes)))
+        if cfg.train.method == "full" and m.fused_backward and den in hints["trained_parts"]:
+            # stepped on the GPU in backward and copied home (write-back): what the family measured the caching
+            # allocator holding beyond its usual slack then (its memory.json's write_back_slack_gib: Flux's, with
+            # every block swapped; SDXL's and CogVideoX's, with part of them, fit without it)
+            e.slack += hints.get("write_back_slack", 0.0)
         in_flight = sum(sizes[i] for i in order if i in tail) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
         kept = 1 - 1 / m.activations.every if m.activations.kind == "checkpoint" else 1.0

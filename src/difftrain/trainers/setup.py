@@ -26,6 +26,7 @@ from ..config.schema import Config
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
+from ..families.common import mapped_reads
 from ..lora.adapters import adapter_metadata, add_lora
 from ..memory import pinned as pinned_
 from ..memory.plan import (
@@ -283,7 +284,8 @@ def _partitioned_denoiser(cfg: Config, family: ModelFamily, world: dist_.World) 
         p = Path(cfg.model.path)  # type: ignore[arg-type]  # the model was loaded from it
         files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
         dtype = stored_float_dtype(files) or weights_dtype(cfg.memory)  # None: not safetensors
-        return family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
+        with mapped_reads():  # from_pretrained's mapped pages, not difftrain's private reads (common.mapped_reads)
+            return family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
 
     try:
         return build_partitioned(cfg, lambda: family.empty_part(cfg.model, den), read, world.main)
