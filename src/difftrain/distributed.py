@@ -62,6 +62,25 @@ def world_from_env(env=os.environ) -> World:
     return World(rank=rank, size=size, local_rank=int(env.get("LOCAL_RANK", str(rank)) or 0))
 
 
+def engine_problem(cfg: Any, processes: int) -> str | None:
+    """What in ``cfg`` cannot train on ``processes`` processes, as a sentence (None: nothing). Said by the launcher
+    before any process starts, and again by each process (torchrun started directly)."""
+    m = cfg.memory
+    if processes > 1 and m.fused_backward and m.engine.kind in ("single", "ddp"):
+        # found on 2 gloo processes: the run trained to its end and then stopped on "different weights"
+        return (
+            f"memory.fused_backward on {processes} processes: it steps each weight inside the backward pass, before "
+            "DDP has averaged that weight's gradient over the processes, so their weights drift apart."
+        )
+    return None
+
+
+ENGINE_HINT = (
+    "Set memory.fused_backward: false (with a memory.optimizer whose state fits without it, e.g. adamw8bit), or "
+    "memory.engine: {kind: deepspeed, stage: 2}, which shards the optimizer state over the processes instead."
+)
+
+
 def backend_for(device: torch.device) -> str:
     """nccl for CUDA where this torch has it, else gloo."""
     import torch.distributed as dist

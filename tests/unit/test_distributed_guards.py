@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from difftrain import distributed as d
@@ -111,3 +115,35 @@ def test_each_restart_of_the_group_keeps_its_keys_apart_in_the_agents_store():
     assert not again.check(["rank_0"])  # the restarted group does not see it
     assert server.get("difftrain/attempt_0/rank_0") == b"dead address"
     assert d.attempt_store(world, datetime.timedelta(seconds=10), {}) is None  # not under the agent: torch's own
+
+
+def test_fused_backward_on_several_ddp_processes_is_refused_before_any_process_starts(tiny_model, dataset, tmp_path):
+    """fused_backward steps each weight inside backward, before DDP averages its gradient: on 2 gloo processes the
+    run trained to its end, then stopped on "different weights". The launcher now refuses it at once, and so does
+    each process (torchrun started directly); one process, or DeepSpeed, is unaffected."""
+    from pathlib import Path
+
+    from difftrain.config.load import resolve
+    from difftrain.distributed import engine_problem
+
+    full = ["train.method=full", "memory.fused_backward=true", "memory.optimizer.kind=adafactor",
+            "train.max_grad_norm=null"]  # fmt: skip
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=full).config
+    assert "memory.fused_backward on 2 processes" in engine_problem(cfg, 2)
+    assert engine_problem(cfg, 1) is None
+    assert engine_problem(resolve(recipe="tiny-sdxl-lora").config, 2) is None  # a LoRA without it trains on 2
+    from difftrain.errors import ConfigError
+    from difftrain.trainers.setup import prepare_process
+
+    with pytest.raises(ConfigError, match="fused_backward on 2 processes"):  # a process under torchrun, before init
+        prepare_process(cfg, d.World(rank=1, size=2, local_rank=1), torch.device("cpu"))
+    script = Path(sys.executable).parent / "difftrain"
+    out = tmp_path / "run"
+    args = [str(script), "train", "--recipe", "tiny-sdxl-lora", "--gpus", "2", "--set", f"model.path={tiny_model}",
+            "--set", f"data.dir={dataset}", "--set", f"train.output_dir={out}", "--set", "train.device=cpu"]  # fmt: skip
+    for s in full:
+        args += ["--set", s]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "memory.fused_backward on 2 processes" in r.stderr and "memory.engine: {kind: deepspeed" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()  # refused before the run folder or a process

@@ -85,6 +85,12 @@ def train(
             )
         extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
         res = resolved_config(recipe, config, set_, extra)  # config errors, once
+        from ..distributed import ENGINE_HINT, engine_problem
+        from ..errors import ConfigError
+
+        problem = engine_problem(res.config, gpus * nodes)
+        if problem:
+            raise ConfigError(problem, hint=ENGINE_HINT)
         with_hub_model(res)  # fetched once here: the processes find it in the cache
         if not no_precompute:  # once, here, before the processes start
             if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns

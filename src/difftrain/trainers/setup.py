@@ -56,6 +56,9 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
     """The process group, the GPU memory cap, and the seeds, before anything random happens (the LoRA init
     draws from the global RNG)."""
     t = cfg.train
+    problem = dist_.engine_problem(cfg, world.size)
+    if problem:
+        raise ConfigError(problem, hint=dist_.ENGINE_HINT)
     dist_.init(world, device)
     pinned_.configure(cfg.memory.pinned_limit_gib)  # this run's pinned host memory starts at zero
     # freed host blocks above 1 MiB go back to the system: the host copy a load or block swap lets go of leaves the
