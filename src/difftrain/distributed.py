@@ -63,21 +63,31 @@ def world_from_env(env=os.environ) -> World:
 
 
 def engine_problem(cfg: Any, processes: int) -> str | None:
-    """What in ``cfg`` cannot train on ``processes`` processes, as a sentence (None: nothing). Said by the launcher
-    before any process starts, and again by each process (torchrun started directly)."""
+    """What in ``cfg`` cannot train on ``processes`` processes under DDP, as a sentence (None: nothing). The config
+    validator refuses these with ``memory.engine: ddp`` named; a plain config launched on several processes runs as
+    DDP too, which is checked here: by the launcher before any process starts, and by each process (torchrun started
+    directly)."""
     m = cfg.memory
-    if processes > 1 and m.fused_backward and m.engine.kind in ("single", "ddp"):
+    if processes < 2 or m.engine.kind not in ("auto", "single", "ddp"):  # auto: as DDP would run it
+        return None
+    if m.fused_backward:
         # found on 2 gloo processes: the run trained to its end and then stopped on "different weights"
         return (
             f"memory.fused_backward on {processes} processes: it steps each weight inside the backward pass, before "
             "DDP has averaged that weight's gradient over the processes, so their weights drift apart."
         )
+    if m.optimizer.kind == "cpu_offload" and getattr(m.optimizer, "offload_gradients", False):
+        return (
+            f"memory.optimizer cpu_offload with offload_gradients on {processes} processes: each gradient leaves the "
+            "GPU before DDP has averaged it over the processes."
+        )
     return None
 
 
 ENGINE_HINT = (
-    "Set memory.fused_backward: false (with a memory.optimizer whose state fits without it, e.g. adamw8bit), or "
-    "memory.engine: {kind: deepspeed, stage: 2}, which shards the optimizer state over the processes instead."
+    "Set memory.fused_backward: false / memory.optimizer.offload_gradients: false (with a memory.optimizer whose "
+    "state fits without it, e.g. adamw8bit), or memory.engine: {kind: deepspeed, stage: 2}, which shards the "
+    "optimizer state over the processes instead; `difftrain plan --gpus N --vram XGiB` searches what fits."
 )
 
 

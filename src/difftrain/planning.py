@@ -57,12 +57,118 @@ def memory_hints(cfg: Config) -> dict:
     )
 
 
-def plan_memory(cfg: Config) -> Estimate:
-    """The planner's estimate for a config: no weight is loaded."""
+def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
+    """The planner's estimate for a config, per GPU of ``processes``: no weight is loaded."""
     from .memory.planner import estimate
     from .speed import graphs_possible
 
     hints = memory_hints(cfg)
     if not graphs_possible(cfg):  # no CUDA graphs, no pool of theirs
         hints["cuda_graph_pool"] = 0.0
-    return estimate(cfg, hints)
+    return estimate(cfg, hints, processes)
+
+
+#: the ZeRO configurations engine auto tries for a full fine-tune a replica of which does not fit, in this order:
+#: stage 2 before 3 (ZeRO-3 gathers every weight each step: 4.5x slower than one GPU on SDXL, issue 28), and the
+#: optimizer offloaded before the weights
+ZERO_ORDER: tuple[dict, ...] = (
+    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
+    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+)
+
+
+def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None:
+    """``cfg`` with these memory (and train) fields, validated again; None where the validator refuses the pair."""
+    from pydantic import ValidationError
+
+    data = cfg.model_dump(mode="python")
+    data["memory"].update(memory)
+    if train:
+        data["train"].update(train)
+    try:
+        return Config.model_validate(data)
+    except ValidationError:
+        return None
+
+
+def choose_engine(
+    cfg: Config, processes: int, gpu_gib: float | None, recorded: dict | None = None
+) -> tuple[Config, str | None]:
+    """memory.engine ``auto`` resolved for ``processes`` processes on GPUs of ``gpu_gib`` (None: no CUDA GPU), and
+    the line that says why (None: nothing to say). ``recorded``: the engine a resumed checkpoint was made with.
+    Another engine named in the config is kept as it is; the config returned never says ``auto``."""
+    from .config.schema import EngineDDP, EngineDeepSpeed, EngineSingle
+    from .distributed import engine_problem
+
+    if cfg.memory.engine.kind != "auto":
+        return cfg, None
+    single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
+    if recorded is not None and recorded.get("kind") == "deepspeed":
+        engine = EngineDeepSpeed.model_validate(recorded)
+        kept = _with(cfg, _zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})
+        if kept is not None:
+            return kept, f"engine auto: DeepSpeed ZeRO-{engine.stage}, as the checkpoint resumed was made"
+    if processes < 2:
+        return single, None
+    problem = engine_problem(single, processes)
+    ddp = None if problem else _with(cfg, {"engine": EngineDDP().model_dump()})
+    if ddp is not None and recorded is not None:  # torch's optimizer state: DDP reads it on any process count
+        return ddp, "engine auto: DDP, as the checkpoint resumed was made (torch's optimizer state)"
+    if ddp is not None and gpu_gib is None:
+        return ddp, "engine auto: DDP (no CUDA GPU to weigh the plan against)"
+    ddp_card = plan_memory(ddp, processes).card_total if ddp is not None else None
+    if ddp is not None and ddp_card is not None and gpu_gib is not None and ddp_card <= gpu_gib:
+        return ddp, f"engine auto: DDP: a replica fits each GPU ({ddp_card:.1f} of {gpu_gib:.0f} GiB planned)"
+    if ddp_card is not None:
+        why = f"a replica does not fit ({ddp_card:.1f} GiB planned per GPU of {gpu_gib:.0f})"
+    else:
+        why = f"DDP cannot train it ({(problem or '').rstrip('.')})"
+    if cfg.train.method == "full" and gpu_gib is not None and recorded is None:
+        for z in ZERO_ORDER:
+            c = _with(cfg, _zero_memory(z), {"mixed_precision": "bf16"})
+            if c is None:
+                continue
+            card = plan_memory(c, processes).card_total
+            if card <= gpu_gib:
+                off = " with the optimizer in host RAM" if z["offload_optimizer_device"] != "none" else ""
+                off += " and the weights" if z.get("offload_param_device") == "cpu" else ""
+                replaced = cfg.memory.optimizer.kind != "adamw"
+                return c, (
+                    f"engine auto: DeepSpeed ZeRO-{z['stage']}{off}: {why}; this is planned at {card:.1f} GiB"
+                    + (f" (its AdamW replaces memory.optimizer {cfg.memory.optimizer.kind})" if replaced else "")
+                )
+    if ddp is None:  # what DDP cannot train: said by the caller (distributed.engine_problem) with what to do
+        return single, None
+    return ddp, f"engine auto: DDP, though nothing is planned to fit {gpu_gib:.0f} GiB per GPU: {why}"
+
+
+def _zero_memory(engine: dict) -> dict:
+    """What DeepSpeed needs beside its engine (config/schema.py's _deepspeed): its AdamW, bf16 weights, no
+    fused backward or block swap."""
+    return {
+        "engine": engine,
+        "optimizer": {"kind": "adamw"},
+        "weights": {"kind": "bf16"},
+        "fused_backward": False,
+        "offload": {"kind": "none"},
+    }
+
+
+def launch_problem(cfg: Config, processes: int) -> str | None:
+    """What the launcher of ``processes`` processes refuses before any starts: what DDP cannot train
+    (distributed.engine_problem), unless engine auto can still take ZeRO for it (a full fine-tune on CUDA GPUs,
+    whose processes choose once they see their GPU)."""
+    import torch
+
+    from .config.schema import EngineSingle
+    from .distributed import engine_problem
+
+    if cfg.memory.engine.kind != "auto":
+        return engine_problem(cfg, processes)
+    single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
+    problem = engine_problem(single, processes)
+    zero_possible = cfg.train.method == "full" and cfg.train.device != "cpu" and torch.cuda.is_available()
+    return None if zero_possible else problem

@@ -171,12 +171,14 @@ def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
     cfg = resolve(recipe="cogvideox-2b-lora-6gb").config
     assert cfg.memory.expandable_segments  # the 6 GB tier measured to need it
     no_cap = cfg.model_copy(update={"train": cfg.train.model_copy(update={"gpu_memory_limit_gib": None})})
-    setup.prepare_process(no_cap, None, torch.device("cpu"))
+    setup.prepare_process(no_cap, setup.dist_.World(), torch.device("cpu"))
     assert calls == []
-    setup.prepare_process(no_cap, None, torch.device("cuda", 0))  # nothing else in it touches the GPU without a cap
+    setup.prepare_process(
+        no_cap, setup.dist_.World(), torch.device("cuda", 0)
+    )  # nothing else in it touches the GPU without a cap
     assert calls == ["expandable_segments:True"]
     off = no_cap.model_copy(update={"memory": cfg.memory.model_copy(update={"expandable_segments": False})})
-    setup.prepare_process(off, None, torch.device("cuda", 0))
+    setup.prepare_process(off, setup.dist_.World(), torch.device("cuda", 0))
     assert calls == ["expandable_segments:True"]
 
 

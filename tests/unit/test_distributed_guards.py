@@ -132,11 +132,23 @@ def test_fused_backward_on_several_ddp_processes_is_refused_before_any_process_s
     assert "memory.fused_backward on 2 processes" in engine_problem(cfg, 2)
     assert engine_problem(cfg, 1) is None
     assert engine_problem(resolve(recipe="tiny-sdxl-lora").config, 2) is None  # a LoRA without it trains on 2
+    offload = ["train.method=full", "memory.optimizer={kind: cpu_offload, offload_gradients: true}",
+               "train.max_grad_norm=null"]  # fmt: skip
+    assert "offload_gradients on 2 processes" in engine_problem(
+        resolve(recipe="tiny-sdxl-lora", sets=offload).config, 2
+    )
     from difftrain.errors import ConfigError
+    from difftrain.trainers import setup
     from difftrain.trainers.setup import prepare_process
 
+    named = resolve(recipe="tiny-sdxl-lora", sets=[*full, "memory.engine.kind=single"]).config
     with pytest.raises(ConfigError, match="fused_backward on 2 processes"):  # a process under torchrun, before init
-        prepare_process(cfg, d.World(rank=1, size=2, local_rank=1), torch.device("cpu"))
+        prepare_process(named, d.World(rank=1, size=2, local_rank=1), torch.device("cpu"))
+    # engine auto (the default) decides after the group forms: no CUDA GPU, so DDP, which cannot train it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(setup.dist_, "broadcast_object", lambda obj, world: obj)
+        with pytest.raises(ConfigError, match="fused_backward on 2 processes"):
+            setup.choose_engine(cfg, d.World(rank=1, size=2, local_rank=1), torch.device("cpu"), None)
     script = Path(sys.executable).parent / "difftrain"
     out = tmp_path / "run"
     args = [str(script), "train", "--recipe", "tiny-sdxl-lora", "--gpus", "2", "--set", f"model.path={tiny_model}",

@@ -151,7 +151,7 @@ def test_the_setting_is_validated_and_configures_the_run(monkeypatch):
 
     cfg = resolve(recipe="tiny-sdxl-lora", sets=["memory.pinned_limit_gib=2.5"]).config
     monkeypatch.setattr(setup.dist_, "init", lambda world, device: None)
-    setup.prepare_process(cfg, None, torch.device("cpu"))
+    setup.prepare_process(cfg, setup.dist_.World(), torch.device("cpu"))
     assert pinned.budget().limit == int(2.5 * 2**30)
     with pytest.raises(Exception, match="pinned_limit_gib"):
         resolve(recipe="tiny-sdxl-lora", sets=["memory.pinned_limit_gib=0"])

@@ -8,7 +8,7 @@ import pytest
 
 from difftrain.config.load import resolve
 from difftrain.config.recipes import recipe_header, recipe_names
-from difftrain.memory.planner import GIB, estimate
+from difftrain.memory.planner import GIB, ZERO3_MAX_LIVE, ZERO_BUCKET, estimate
 from difftrain.planning import plan_memory
 
 
@@ -367,7 +367,7 @@ def test_deepspeed_terms_by_hand():
     """ZeRO-3 with the weights offloaded keeps DeepSpeed's live-parameter budget of them on the GPU plus a prefetch
     bucket, and its gradients leave through a reduce bucket; ZeRO-2 with the optimizer offloaded: the allocator holds
     about the weights again (both measured, docs/benchmarks.md)."""
-    from difftrain.memory.planner import ALLOCATOR_SLACK_GIB, ZERO3_MAX_LIVE, ZERO_BUCKET
+    from difftrain.memory.planner import ALLOCATOR_SLACK_GIB
 
     full = ["train.method=full", "memory.weights.kind=bf16", "memory.optimizer.kind=adamw"]
     z3 = resolve(
@@ -524,3 +524,95 @@ def test_cuda_graphs_pool_is_reserved_where_graphs_may_be_recorded():
         assert not graphs_expected(c) and e.graph_pool == 0.0, sets
     # the card's promise still holds with the pool counted (measured 6.60 GiB reserved capped as an 8 GB card)
     assert auto.card_total < 8.0
+
+
+def test_per_gpu_terms_on_several_processes():
+    """One GPU's share of N: DDP adds its gradient buckets (a second copy of the gradients); ZeRO-2 divides the
+    optimizer state and the gradients; ZeRO-3 the weights too, past what it gathers live."""
+    h = _hints(parts={"unet": {"total": 4 * 10**9}}, largest_param=10**7)
+    full = ["train.method=full", "memory.weights.kind=bf16", "train.mixed_precision=bf16"]
+    ddp = resolve(sets=full).config
+    one, two = estimate(ddp, h), estimate(ddp, h, processes=2)
+    assert "DDP gradient buckets" not in one.gpu
+    assert two.gpu["DDP gradient buckets"] == pytest.approx(one.gpu["gradients"])
+    assert two.gpu_total == pytest.approx(one.gpu_total + one.gpu["gradients"])
+    z2 = resolve(sets=[*full, "memory.engine={kind: deepspeed, stage: 2, offload_optimizer_device: none}"]).config
+    a, b = estimate(z2, h), estimate(z2, h, processes=4)
+    assert b.gpu["optimizer state"] == pytest.approx(a.gpu["optimizer state"] / 4)
+    assert b.gpu["gradients"] * GIB == pytest.approx(4e9 * 2 / 4 + ZERO_BUCKET * 2)
+    assert b.gpu["weights"] == pytest.approx(a.gpu["weights"])  # stage 2 keeps the weights whole
+    z3 = resolve(sets=[*full, "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: none}"]).config
+    c = estimate(z3, h, processes=4)
+    assert c.gpu["weights"] * GIB == pytest.approx(4e9 * 2 / 4 + ZERO3_MAX_LIVE * 2 + ZERO_BUCKET * 2)
+    assert "not measured" in " ".join(c.notes)
+
+
+def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_script():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(sys.executable).parent / "difftrain")
+    import os
+
+    env = {**os.environ, "COLUMNS": "200"}  # rich wraps the table's title at a pipe's 80 columns
+    r = subprocess.run([script, "plan", "--recipe", "sdxl-full", "--gpus", "2", "--vram", "16GiB"],
+                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "one of 2 GPUs (deepspeed)" in out and "engine auto: DeepSpeed ZeRO-2" in out  # what train would pick
+    assert "memory.engine={kind: deepspeed" in out and "fused_backward" not in out  # the search: no DDP fits 16 GiB
+    from difftrain.memory.planner import candidates
+
+    cfg = resolve(recipe="sdxl-full").config
+    engines = [c["memory"].get("engine") for c in candidates(cfg, processes=2)]
+    assert {e["stage"] for e in engines if e} == {2, 3}
+    assert not any(c["memory"].get("engine") for c in candidates(cfg))  # one GPU: ZeRO is not offered
+    fused = subprocess.run([script, "plan", "--recipe", "sdxl-full-12gb", "--gpus", "2"], capture_output=True,
+                           text=True, timeout=300, env=env)  # fmt: skip
+    assert fused.returncode == 0 and "memory.fused_backward on 2 processes" in fused.stdout + fused.stderr
+
+
+def test_engine_auto_chooses_ddp_where_a_replica_fits_else_the_first_zero_stage_that_does():
+    from difftrain.planning import choose_engine
+
+    full = resolve(recipe="sdxl-full").config  # AdamW8bit, checkpointing: ~22 GiB a replica on 2 GPUs
+    assert full.memory.engine.kind == "auto"
+    one, line = choose_engine(full, 1, 80.0)
+    assert one.memory.engine.kind == "single" and line is None
+    big, line = choose_engine(full, 2, 80.0)
+    assert big.memory.engine.kind == "ddp" and "a replica fits each GPU" in line
+    assert big.memory.optimizer.kind == "adamw8bit"  # the config's own techniques, untouched
+    small, line = choose_engine(full, 2, 16.0)
+    e = small.memory.engine
+    assert (e.kind, e.stage) == ("deepspeed", 2) and "a replica does not fit" in line
+    assert small.memory.optimizer.kind == "adamw" and "replaces memory.optimizer adamw8bit" in line
+    assert plan_memory(small, 2).card_total <= 16.0 < plan_memory(big, 2).card_total
+    # a config DDP cannot train on several processes (fused backward) goes to ZeRO where it fits
+    fused, line = choose_engine(resolve(recipe="sdxl-full-12gb").config, 2, 24.0)
+    assert fused.memory.engine.kind == "deepspeed" and not fused.memory.fused_backward
+    assert "DDP cannot train it (memory.fused_backward" in line
+    # without a CUDA GPU there is nothing to weigh: DDP; and for what DDP cannot train, no choice (the caller refuses)
+    lora = resolve(recipe="sdxl-lora-8gb").config
+    assert choose_engine(lora, 2, None)[0].memory.engine.kind == "ddp"
+    cpu_fused, line = choose_engine(resolve(recipe="sdxl-full-12gb").config, 2, None)
+    assert cpu_fused.memory.engine.kind == "single" and line is None
+    # a LoRA is never sharded: DDP, said to fit nowhere
+    tight, line = choose_engine(lora, 2, 2.0)
+    assert tight.memory.engine.kind == "ddp" and "nothing is planned to fit 2 GiB" in line
+    # a named engine is kept
+    named = resolve(recipe="sdxl-full", sets=["memory.engine.kind=single"]).config
+    assert choose_engine(named, 2, 16.0) == (named, None)
+
+
+def test_engine_auto_keeps_the_engine_a_resumed_checkpoint_was_made_with():
+    from difftrain.planning import choose_engine
+
+    full = resolve(recipe="sdxl-full").config
+    z3 = {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "none",
+          "config_file": None}  # fmt: skip
+    kept, line = choose_engine(full, 1, 80.0, recorded=z3)  # even on one process: its state is DeepSpeed's
+    assert (kept.memory.engine.kind, kept.memory.engine.stage) == ("deepspeed", 3) and "as the checkpoint" in line
+    ddp, line = choose_engine(full, 4, 16.0, recorded={"kind": "ddp", "bucket_cap_mb": 25.0})
+    assert ddp.memory.engine.kind == "ddp" and "torch's optimizer state" in line  # not ZeRO, though it would fit
+    assert choose_engine(full, 1, 80.0, recorded={"kind": "single"})[0].memory.engine.kind == "single"

@@ -54,29 +54,55 @@ def plan(
         ),
     ] = None,
     ram: Annotated[str | None, typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
+    gpus: Annotated[
+        int,
+        typer.Option(
+            "--gpus",
+            min=1,
+            help="GPUs training together (train --gpus N): the plan is one GPU's; with --vram the search also "
+            "tries DeepSpeed's ZeRO stages for full fine-tunes",
+        ),
+    ] = 1,
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
+    from ..distributed import engine_problem
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..planning import memory_hints, plan_memory
+    from ..planning import choose_engine, launch_problem, memory_hints, plan_memory
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config
-    e = plan_memory(cfg)
+    line = None
+    if gpus > 1 and cfg.memory.engine.kind == "auto":
+        if vram is None:
+            info("engine auto chooses at start from each GPU's memory: --vram XGiB shows what it would choose")
+        else:  # the choice train --gpus N makes on GPUs of that size, and the plan of what it chose
+            cfg, line = choose_engine(cfg, gpus, parse_size(vram))
+    e = plan_memory(cfg, gpus)
+    where = f", one of {gpus} GPUs ({cfg.memory.engine.kind})" if gpus > 1 else ""
     console.print(
-        _table(f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px", e)
+        _table(
+            f"plan: {cfg.family} {cfg.train.method}, batch {cfg.train.batch_size}, {cfg.data.resolution}px{where}", e
+        )
     )
+    if line:
+        info(line)
+    problem = engine_problem(cfg, gpus) if line else launch_problem(cfg, gpus)
+    if problem:
+        info(f"[yellow]note:[/yellow] {problem}", markup=True)
     for n in e.notes:
         info(f"[yellow]note:[/yellow] {n}", markup=True)
     if vram is None:
         return
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
     fits = []
-    for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", []))):
+    for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", [])), processes=gpus):
         try:
             c = resolve(recipe=recipe, config_file=config, sets=set_, extra=override).config
         except ConfigError:
             continue  # an incompatible pair: the validator says no
-        est = plan_memory(c)
+        if engine_problem(c, gpus):
+            continue  # cannot train on this many processes (fused_backward under DDP)
+        est = plan_memory(c, gpus)
         if est.card_total <= limit and (host_limit is None or est.host_total <= host_limit):
             fits.append((speed_cost(c), est.card_total, override, est))
     if not fits:

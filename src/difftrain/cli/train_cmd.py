@@ -85,10 +85,11 @@ def train(
             )
         extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
         res = resolved_config(recipe, config, set_, extra)  # config errors, once
-        from ..distributed import ENGINE_HINT, engine_problem
+        from ..distributed import ENGINE_HINT
         from ..errors import ConfigError
+        from ..planning import launch_problem
 
-        problem = engine_problem(res.config, gpus * nodes)
+        problem = launch_problem(res.config, gpus * nodes)
         if problem:
             raise ConfigError(problem, hint=ENGINE_HINT)
         with_hub_model(res)  # fetched once here: the processes find it in the cache

@@ -398,7 +398,18 @@ class OffloadBlockSwap(Strict):
     prefetch: int = Field(default=1, ge=1, description="blocks copied ahead of the one computing")
 
 
+class EngineAuto(Strict):
+    """Not named: difftrain chooses at start. One process trains alone; on several (``train --gpus N``), DDP where a
+    replica fits each GPU as the planner sees it, else the first DeepSpeed ZeRO stage that fits a full fine-tune
+    (stage 2 before 3, the optimizer offloaded before the weights); one line says which and why. A resumed run keeps
+    the engine its checkpoint was made with (planning.choose_engine)."""
+
+    kind: Literal["auto"] = "auto"
+
+
 class EngineSingle(Strict):
+    """One process; launched on several it runs as ``ddp`` with its defaults."""
+
     kind: Literal["single"] = "single"
 
 
@@ -456,7 +467,7 @@ Optimizer = Annotated[
 ]
 Activations = Annotated[ActNone | ActCheckpoint, Field(discriminator="kind")]
 Offload = Annotated[OffloadNone | OffloadBlockSwap, Field(discriminator="kind")]
-Engine = Annotated[EngineSingle | EngineDDP | EngineDeepSpeed, Field(discriminator="kind")]
+Engine = Annotated[EngineAuto | EngineSingle | EngineDDP | EngineDeepSpeed, Field(discriminator="kind")]
 
 
 class MemoryConfig(Strict):
@@ -464,7 +475,7 @@ class MemoryConfig(Strict):
     optimizer: Optimizer = Field(default_factory=OptAdamW)
     activations: Activations = Field(default_factory=ActCheckpoint)
     offload: Offload = Field(default_factory=OffloadNone)
-    engine: Engine = Field(default_factory=EngineSingle)
+    engine: Engine = Field(default_factory=EngineAuto)
     fused_backward: bool = Field(
         default=False,
         description="step each parameter as soon as its gradient is ready and free the gradient (full fine-tuning)",

@@ -36,6 +36,13 @@ SPEED = {
     "adamw4bit": 1.05,
     "adafactor": 1.02,  # a step as cheap as AdamW's; a different optimizer, so AdamW wins where both fit
     "block_swap": 1.05,
+    # DeepSpeed against the single-GPU way of the same job (docs/benchmarks.md): ZeRO-2 LoRA L12 0.60 s vs L1 0.58;
+    # ZeRO-2 with the optimizer offloaded F6 1.63 vs torchao's offload F3 0.83; ZeRO-3 offloaded F7 2.38 vs F3; ZeRO-3
+    # on 2 H200s 3.81 s vs one H100 with AdamW8bit 0.85 (issue 28)
+    "zero2": 1.03,
+    "zero2_offload": 1.96,
+    "zero3_offload": 2.87,
+    "zero3": 4.5,
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 FILE_BYTES = 2  # checkpoints are distributed in fp16 / bf16
@@ -97,7 +104,8 @@ class Estimate:
         return sum(self.host.values())
 
 
-def estimate(cfg: Config, hints: dict) -> Estimate:
+def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
+    """The peak of one process (one GPU) of ``processes`` training together (DDP, or DeepSpeed's shards)."""
     m, t = cfg.memory, cfg.train
     e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
     wk = m.weights.kind
@@ -111,7 +119,7 @@ def estimate(cfg: Config, hints: dict) -> Estimate:
     else:
         grad_bytes = BYTES[compute]
     e.gpu["weights"] = weights / GIB
-    host_state = _gradients_and_optimizer(cfg, hints, trainable, grad_bytes, e)
+    host_state = _gradients_and_optimizer(cfg, hints, trainable, grad_bytes, e, processes)
     if wk == "int8":
         e.notes.append(
             "bitsandbytes int8 measured 11.3 GiB on SDXL LoRA where this plan says 3.8 (its backward holds "
@@ -221,10 +229,16 @@ def _block_swap(
     return weights, swapped_bytes
 
 
-def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_bytes: int, e: Estimate) -> int:
+def _gradients_and_optimizer(
+    cfg: Config, hints: dict, trainable: int, grad_bytes: int, e: Estimate, processes: int = 1
+) -> int:
     """The gradient and optimizer state terms (DeepSpeed's among them); returns the optimizer state's bytes per
-    trained parameter in host RAM."""
+    trained parameter in host RAM. On several processes: DDP's gradient buckets, DeepSpeed's shards."""
     m = cfg.memory
+    if processes > 1 and m.engine.kind in ("auto", "single", "ddp"):
+        # DDP all-reduces flat bucket copies of the gradients (gradient_as_bucket_view is off): a second copy of
+        # them on each GPU (torch's documentation of gradient_as_bucket_view; not measured here)
+        e.gpu["DDP gradient buckets"] = trainable * grad_bytes / GIB
     if m.fused_backward:
         # one gradient at a time in principle; measured: gradients and optimizer temporaries in flight
         extra = hints.get("fused_backward_extra") or FUSED_TEMP_BYTES * hints["largest_param"]
@@ -255,17 +269,33 @@ def _gradients_and_optimizer(cfg: Config, hints: dict, trainable: int, grad_byte
             # overlap_comm off, and with the cache emptied after DeepSpeed's set-up alike); whether a card's cap
             # reclaims it is not measured
             e.slack += e.gpu["weights"]
+        if processes > 1:
+            _zero_shards(e, e_, processes, trainable, hints)
         e.notes.append(
             "DeepSpeed's terms are fitted to three SDXL cases on one GPU (docs/benchmarks.md); its host RAM with the "
             "optimizer offloaded was measured 35 % above this plan's"
+            + (f"; the shards over {processes} GPUs are ZeRO's arithmetic, not measured" if processes > 1 else "")
         )
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
+    if m.engine.kind == "deepspeed" and processes > 1:
+        e.gpu["optimizer state"] /= processes  # ZeRO stages 2 and 3 keep each process's shard of it
     if m.optimizer.kind == "adafactor" and cfg.train.method == "full":
         # fp32 factored second moments: a row and a column vector for each matrix (families/common.py)
         parts = hints["parts"]
         factored = sum(parts[p].get("adafactor_state", parts[p]["total"]) for p in hints["trained_parts"] if p in parts)
         e.gpu["optimizer state"] = factored * 4 / GIB
     return host_state
+
+
+def _zero_shards(e: Estimate, e_: Any, processes: int, trainable: int, hints: dict) -> None:
+    """What ZeRO divides among ``processes`` GPUs (its paper's arithmetic): the optimizer state (stages 2 and 3), the
+    bf16 gradients past a reduce bucket (stage 2 and 3), and at stage 3 the weights past what is gathered live."""
+    n = processes
+    e.gpu["gradients"] = min(e.gpu["gradients"], (trainable * 2 / n + ZERO_BUCKET * 2) / GIB)
+    if e_.stage == 3 and e_.offload_param_device == "none":
+        numel = e.gpu["weights"] * GIB / 2
+        live = min(numel, ZERO3_MAX_LIVE) * 2 + ZERO_BUCKET * 2
+        e.gpu["weights"] = min(e.gpu["weights"], (numel * 2 / n + live) / GIB)
 
 
 def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
@@ -298,13 +328,18 @@ def speed_cost(cfg: Config) -> float:
     c *= SPEED.get(m.optimizer.kind, 1.0)
     if m.offload.kind == "block_swap":
         c *= SPEED["block_swap"]
+    e = m.engine
+    if e.kind == "deepspeed":
+        offloaded = e.offload_optimizer_device != "none" or e.offload_param_device != "none"
+        c *= SPEED[f"zero{e.stage}{'_offload' if offloaded else ''}"]
     return c
 
 
-def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
+def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dict]:
     """Overrides worth trying, as nested dicts (each validated before use).
 
-    ``swap_units``: how many blocks the denoiser has for block swap (0: none tried).
+    ``swap_units``: how many blocks the denoiser has for block swap (0: none tried). On several ``processes`` a
+    full fine-tune also tries DeepSpeed's ZeRO stages (bf16 weights, its own AdamW).
     """
     full = cfg.train.method == "full"
     weights = [{"kind": "bf16"}] if full else [{"kind": "bf16"}, {"kind": "fp8"}]
@@ -329,6 +364,17 @@ def candidates(cfg: Config, swap_units: int = 0) -> list[dict]:
             mem["offload"] = off
         train = {"max_grad_norm": None} if (x or o["kind"] == "cpu_offload") else {}
         out.append({"memory": mem, "train": train} if train else {"memory": mem})
+    if processes > 1 and full:
+        engines = [
+            {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
+            {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
+            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
+            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu"},
+            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+        ]
+        for eng, a in itertools.product(engines, acts):
+            mem = {"weights": {"kind": "bf16"}, "activations": a, "optimizer": {"kind": "adamw"}, "engine": eng}
+            out.append({"memory": mem, "train": {"mixed_precision": "bf16"}})
     return out
 
 

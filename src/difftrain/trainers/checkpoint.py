@@ -216,6 +216,7 @@ class Checkpointer:
             "total_steps": sched.total_steps,
             "global_batch": sched.global_batch,
             "world_size": self.world.size,
+            "engine": self.cfg.memory.engine.model_dump(mode="json"),  # engine auto's choice, kept on resume
         }
         if self.run_id is not None:
             state["run_id"] = self.run_id
@@ -226,6 +227,15 @@ class Checkpointer:
             (tmp / "config.yaml").write_text(self.config_yaml, encoding="utf-8")
 
     # ---------------------------------------------------------------- load
+    @staticmethod
+    def recorded_engine(folder: Path) -> dict | None:
+        """The memory.engine a checkpoint was made with (None: not recorded, or unreadable: load says why)."""
+        try:
+            engine = json.loads((Path(folder) / "trainer_state.json").read_text(encoding="utf-8")).get("engine")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return engine if isinstance(engine, dict) and isinstance(engine.get("kind"), str) else None
+
     def load(self, folder: Path, pos: Position, sched: Schedule, feed: Feed) -> None:
         """:meth:`_load`; a checkpoint whose files hold the wrong types or shapes (damaged, or crafted) is a
         CheckpointError naming it, not whatever the step that trips on it raises."""

@@ -42,7 +42,7 @@ from .feed import Accumulation, Feed, Position
 from .guards import Guards, check_replicas
 from .objectives import Draws, Objective
 from .readback import Pending, Readback, Sink, rss_peak_gib
-from .setup import build_parts, choose_speed, prepare_process, training_device
+from .setup import build_parts, choose_engine, choose_speed, prepare_process, training_device
 
 if TYPE_CHECKING:
     from .validation import ValidationInputs
@@ -91,11 +91,13 @@ class Trainer:
         self._val_seconds = 0.0
 
     # ---------------------------------------------------------------- set-up
-    def setup(self) -> None:
-        """Everything before the first step: the cache checked against the config, the parts built, the
-        schedules, the objective, and the rooms that save and export."""
+    def setup(self, resume: Path | None = None) -> None:
+        """Everything before the first step: the engine chosen (``resume``: the checkpoint this run continues, known to
+        the first process), the cache checked against the config, the parts built, the schedules, the objective,
+        and the rooms that save and export."""
         cfg, fam = self.cfg, self.family
         prepare_process(cfg, self.world, self.device)
+        self.cfg = cfg = choose_engine(cfg, self.world, self.device, resume)
         self.feed = Feed(cfg, fam, self.device)
         speed_.check_attention(cfg.speed, self.device)  # an attention kernel the device lacks, named before loading
         parts, lrs = plan_parts(cfg, fam)
@@ -234,7 +236,7 @@ class Trainer:
 
     def _run(self, claim: Any, stop_at: int | None) -> TrainResult:
         t0 = time.time()
-        self.setup()
+        self.setup(claim.resume if claim is not None else None)
         stats = {"load_seconds": round(time.time() - t0, 2), "peak_rss_gib_load": round(rss_peak_gib(), 3)}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

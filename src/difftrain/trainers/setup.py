@@ -56,7 +56,7 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
     """The process group, the GPU memory cap, and the seeds, before anything random happens (the LoRA init
     draws from the global RNG)."""
     t = cfg.train
-    problem = dist_.engine_problem(cfg, world.size)
+    problem = dist_.engine_problem(cfg, world.size) if cfg.memory.engine.kind != "auto" else None  # auto: chosen later
     if problem:
         raise ConfigError(problem, hint=dist_.ENGINE_HINT)
     dist_.init(world, device)
@@ -220,6 +220,31 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         )
 
 
+def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume: Path | None) -> Config:
+    """memory.engine ``auto`` resolved for this run (planning.choose_engine; the same choice on every process: the
+    first one reads the resumed checkpoint's engine and shares it), said in one line; what the chosen engine cannot
+    train on these processes is refused before anything loads."""
+    from ..planning import choose_engine as choose
+    from .checkpoint import Checkpointer
+
+    if cfg.memory.engine.kind != "auto":
+        return cfg
+    recorded = Checkpointer.recorded_engine(resume) if world.main and resume is not None else None
+    if world.distributed:
+        recorded = dist_.broadcast_object(recorded, world)
+    gpu_gib = None
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        gpu_gib = cfg.train.gpu_memory_limit_gib or torch.cuda.get_device_properties(idx).total_memory / 2**30
+    chosen, line = choose(cfg, world.size, gpu_gib, recorded)
+    problem = dist_.engine_problem(chosen, world.size)
+    if problem:
+        raise ConfigError(problem, hint=dist_.ENGINE_HINT)
+    if line and world.main:
+        info(line)
+    return chosen
+
+
 def choose_speed(
     cfg: Config, family: ModelFamily, world: dist_.World, device: torch.device, steps: int, shapes: int
 ) -> tuple[Config, speed_.SpeedChoice]:
@@ -333,7 +358,7 @@ def build_parts(
             technique(b, part, comps[part])
     out = Parts(comps, b.trained, [p for g in b.groups for p in g["params"]], b.groups, block_swap=b.block_swap)
     _optimizer(cfg, family, out)
-    if world.distributed and cfg.memory.engine.kind in ("single", "ddp"):
+    if world.distributed and cfg.memory.engine.kind in ("auto", "single", "ddp"):
         _wrap_ddp(cfg, world, device, out)
     e = cfg.memory.engine
     if (
