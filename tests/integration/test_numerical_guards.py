@@ -27,9 +27,9 @@ def _poison(monkeypatch, steps):
 
     real, real_setup, runs = Feed.batch, Trainer.setup, []
 
-    def setup(self):
+    def setup(self, *args, **kwargs):
         runs.append(self)  # the run whose position says which step a batch is for
-        real_setup(self)
+        real_setup(self, *args, **kwargs)
 
     def batch(self, items, epoch=0, augment=False):
         b = real(self, items, epoch, augment)
