@@ -68,18 +68,6 @@ def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
     return estimate(cfg, hints, processes)
 
 
-#: the ZeRO configurations engine auto tries for a full fine-tune a replica of which does not fit, in this order:
-#: stage 2 before 3 (ZeRO-3 gathers every weight each step: 4.5x slower than one GPU on SDXL, issue 28), and the
-#: optimizer offloaded before the weights
-ZERO_ORDER: tuple[dict, ...] = (
-    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
-    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
-    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
-    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu"},
-    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
-)
-
-
 def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None:
     """``cfg`` with these memory (and train) fields, validated again; None where the validator refuses the pair."""
     from pydantic import ValidationError
@@ -102,18 +90,19 @@ def choose_engine(
     Another engine named in the config is kept as it is; the config returned never says ``auto``."""
     from .config.schema import EngineDDP, EngineDeepSpeed, EngineSingle
     from .distributed import engine_problem
+    from .memory.planner import ZERO_ORDER, zero_memory
 
     if cfg.memory.engine.kind != "auto":
         return cfg, None
     single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
     if recorded is not None and recorded.get("kind") == "deepspeed":
         engine = EngineDeepSpeed.model_validate(recorded)
-        kept = _with(cfg, _zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})
+        kept = _with(cfg, zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})
         if kept is not None:
             return kept, f"engine auto: DeepSpeed ZeRO-{engine.stage}, as the checkpoint resumed was made"
     if processes < 2:
         return single, None
-    problem = engine_problem(single, processes)
+    problem = engine_problem(cfg, processes)  # auto is checked as DDP would run it
     ddp = None if problem else _with(cfg, {"engine": EngineDDP().model_dump()})
     if ddp is not None and recorded is not None:  # torch's optimizer state: DDP reads it on any process count
         return ddp, "engine auto: DDP, as the checkpoint resumed was made (torch's optimizer state)"
@@ -128,7 +117,7 @@ def choose_engine(
         why = f"DDP cannot train it ({(problem or '').rstrip('.')})"
     if cfg.train.method == "full" and gpu_gib is not None and recorded is None:
         for z in ZERO_ORDER:
-            c = _with(cfg, _zero_memory(z), {"mixed_precision": "bf16"})
+            c = _with(cfg, zero_memory(z), {"mixed_precision": "bf16"})
             if c is None:
                 continue
             card = plan_memory(c, processes).card_total
@@ -145,30 +134,16 @@ def choose_engine(
     return ddp, f"engine auto: DDP, though nothing is planned to fit {gpu_gib:.0f} GiB per GPU: {why}"
 
 
-def _zero_memory(engine: dict) -> dict:
-    """What DeepSpeed needs beside its engine (config/schema.py's _deepspeed): its AdamW, bf16 weights, no
-    fused backward or block swap."""
-    return {
-        "engine": engine,
-        "optimizer": {"kind": "adamw"},
-        "weights": {"kind": "bf16"},
-        "fused_backward": False,
-        "offload": {"kind": "none"},
-    }
-
-
 def launch_problem(cfg: Config, processes: int) -> str | None:
     """What the launcher of ``processes`` processes refuses before any starts: what DDP cannot train
     (distributed.engine_problem), unless engine auto can still take ZeRO for it (a full fine-tune on CUDA GPUs,
     whose processes choose once they see their GPU)."""
     import torch
 
-    from .config.schema import EngineSingle
     from .distributed import engine_problem
 
-    if cfg.memory.engine.kind != "auto":
-        return engine_problem(cfg, processes)
-    single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
-    problem = engine_problem(single, processes)
-    zero_possible = cfg.train.method == "full" and cfg.train.device != "cpu" and torch.cuda.is_available()
-    return None if zero_possible else problem
+    problem = engine_problem(cfg, processes)  # auto is checked as DDP would run it
+    if problem and cfg.memory.engine.kind == "auto":
+        zero_possible = cfg.train.method == "full" and cfg.train.device != "cpu" and torch.cuda.is_available()
+        return None if zero_possible else problem
+    return problem

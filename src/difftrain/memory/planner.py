@@ -247,6 +247,7 @@ def _gradients_and_optimizer(
         e.gpu["gradients"] = hints["largest_param"] * grad_bytes * 2 / GIB  # in flight to the host
     else:
         e.gpu["gradients"] = trainable * grad_bytes / GIB
+    gpu_state: float  # bytes per trained parameter on this GPU (ZeRO's share of them on several)
     gpu_state, host_state = OPT_STATE[m.optimizer.kind]
     if m.engine.kind == "deepspeed":
         # ZeRO keeps fp32 master weights and AdamW moments (12 bytes) with the optimizer, plus an fp32
@@ -271,14 +272,13 @@ def _gradients_and_optimizer(
             e.slack += e.gpu["weights"]
         if processes > 1:
             _zero_shards(e, e_, processes, trainable, hints)
+            gpu_state /= processes  # stages 2 and 3 keep each process's shard of the optimizer state
         e.notes.append(
             "DeepSpeed's terms are fitted to three SDXL cases on one GPU (docs/benchmarks.md); its host RAM with the "
             "optimizer offloaded was measured 35 % above this plan's"
             + (f"; the shards over {processes} GPUs are ZeRO's arithmetic, not measured" if processes > 1 else "")
         )
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
-    if m.engine.kind == "deepspeed" and processes > 1:
-        e.gpu["optimizer state"] /= processes  # ZeRO stages 2 and 3 keep each process's shard of it
     if m.optimizer.kind == "adafactor" and cfg.train.method == "full":
         # fp32 factored second moments: a row and a column vector for each matrix (families/common.py)
         parts = hints["parts"]
@@ -365,17 +365,34 @@ def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dic
         train = {"max_grad_norm": None} if (x or o["kind"] == "cpu_offload") else {}
         out.append({"memory": mem, "train": train} if train else {"memory": mem})
     if processes > 1 and full:
-        engines = [
-            {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
-            {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
-            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
-            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu"},
-            {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
-        ]
-        for eng, a in itertools.product(engines, acts):
+        for eng, a in itertools.product(ZERO_ORDER, acts):
             mem = {"weights": {"kind": "bf16"}, "activations": a, "optimizer": {"kind": "adamw"}, "engine": eng}
             out.append({"memory": mem, "train": {"mixed_precision": "bf16"}})
     return out
+
+
+#: the ZeRO configurations tried for a full fine-tune on several GPUs (engine auto, in this order; plan's search):
+#: stage 2 before 3 (ZeRO-3 gathers every weight each step: 4.5x slower than one GPU on SDXL, issue 28), and the
+#: optimizer offloaded before the weights
+ZERO_ORDER: tuple[dict, ...] = (
+    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
+    {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu"},
+    {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+)
+
+
+def zero_memory(engine: dict) -> dict:
+    """memory fields for DeepSpeed ``engine`` with what it needs beside it (config/schema.py's _deepspeed): its
+    AdamW, bf16 weights, no fused backward or block swap."""
+    return {
+        "engine": engine,
+        "optimizer": {"kind": "adamw"},
+        "weights": {"kind": "bf16"},
+        "fused_backward": False,
+        "offload": {"kind": "none"},
+    }
 
 
 def as_set_lines(override: dict, prefix: str = "") -> list[str]:

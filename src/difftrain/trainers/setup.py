@@ -52,6 +52,12 @@ def training_device(cfg: Config, world: dist_.World) -> torch.device:
     return device
 
 
+def _gpu_gib(device: torch.device) -> tuple[int, float]:
+    """(index, total memory in GiB) of a CUDA ``device``."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return idx, torch.cuda.get_device_properties(idx).total_memory / 2**30
+
+
 def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> None:
     """The process group, the GPU memory cap, and the seeds, before anything random happens (the LoRA init
     draws from the global RNG)."""
@@ -69,8 +75,7 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
         # made earlier in this process); torch's setter applies to the segments made from now on
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     if t.gpu_memory_limit_gib and device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(idx).total_memory / 2**30
+        idx, total = _gpu_gib(device)
         torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib / total), idx)
     random.seed(t.seed)
     torch.manual_seed(t.seed)
@@ -234,8 +239,7 @@ def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume:
         recorded = dist_.broadcast_object(recorded, world)
     gpu_gib = None
     if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        gpu_gib = cfg.train.gpu_memory_limit_gib or torch.cuda.get_device_properties(idx).total_memory / 2**30
+        gpu_gib = cfg.train.gpu_memory_limit_gib or _gpu_gib(device)[1]
     chosen, line = choose(cfg, world.size, gpu_gib, recorded)
     problem = dist_.engine_problem(chosen, world.size)
     if problem:
