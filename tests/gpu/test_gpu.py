@@ -573,3 +573,46 @@ def test_sweep_on_the_gpu_records_peak_memory_and_an_out_of_memory_trial(tiny_mo
     assert rows[0.001]["status"] == "oom" and "memory" in rows[0.001]["error"].lower()
     assert rows[64]["status"] == "ok" and 0 < rows[64]["gpu_peak_alloc_gib"] < 2
     assert json.loads((tmp_path / "sw" / "trials" / rows[64]["trial"] / "result.json").read_text())["gpu"] == "0"
+
+
+@pytest.mark.parametrize(("dtype", "planned"), [("fp32", 1), ("bf16", 2)])
+def test_precompute_vae_encodes_1024px_within_an_8gb_card(dtype, planned):
+    """SDXL's real-size VAE (random weights) with torch's allocator capped as an 8 GB card leaves it (6.95 GiB):
+    the configured batch of four 1024x1024 images runs out of memory as one batch; precompute's encode plans the
+    batch from free memory and gives the same latents."""
+    import json
+    from pathlib import Path
+
+    from diffusers import AutoencoderKL
+
+    import difftrain
+    from difftrain.families.sdxl import SDXL
+    from difftrain.precompute import encode
+    from difftrain.utils import to_dtype
+
+    cfg_file = Path(difftrain.__file__).parent / "families/configs/sdxl-base-1.0/vae/config.json"
+    cfg = {k: v for k, v in json.loads(cfg_file.read_text()).items() if not k.startswith("_")}
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    vae = AutoencoderKL.from_config(cfg).to(dev, to_dtype(dtype)).eval()
+    comps, fam = {"vae": vae}, SDXL()
+    pix = torch.rand(4, 3, 1024, 1024, generator=torch.Generator().manual_seed(0)).to(dev) * 2 - 1
+    with torch.no_grad():
+        ref = fam.encode_images(comps, pix[:1]).cpu()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(6.95 * 2**30 / total, dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        with torch.no_grad():
+            if dtype == "fp32":  # what precompute did before: the whole batch at once
+                with pytest.raises(torch.OutOfMemoryError):
+                    fam.encode_images(comps, pix)
+                torch.cuda.empty_cache()
+            chunk = encode._Chunk(4)
+            out = encode._encode_images(fam, comps, pix, dev, dtype, chunk)
+        assert chunk.size == planned and out.shape[0] == 4
+        assert torch.cuda.max_memory_reserved(dev) <= 6.95 * 2**30
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    assert torch.allclose(out[:1].cpu(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))

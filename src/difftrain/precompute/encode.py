@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..config.schema import Config
-from ..console import progress
+from ..console import info, progress
 from ..data.cache import DataCache, merge_manifests
 from ..distributed import World
 from ..distributed import barrier as dist_barrier
@@ -24,6 +24,41 @@ from ..families.base import ModelFamily
 from ..utils import to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .plan import Plan, PlanItem, Skipped
+
+#: Peak memory of an image VAE's encoder (SDXL's, SD3's and Flux's share the layout) per pixel of its batch, over its
+#: weights and input: 3.01 GiB in fp32 and 1.51 in bf16 for one 1024x1024 image, linear in the batch (1, 2, 4) and
+#: in the pixels (832x1216: 2.90 / 1.46), the same for the three VAEs; torch's allocator reserved up to 1.5x it
+#: (H100, benchmarks/vae_encode.py --peaks, 2026-11-25). precompute.batch_size 4 in fp32 needs ~12 GiB, so on a small
+#: card the batch is cut to what fits (an 8 GB card: one image in fp32, two in bf16).
+VAE_ENCODE_BYTES_PER_PIXEL = {"fp32": 3080, "bf16": 1546, "fp16": 1546}
+VAE_RESERVE_FACTOR = 1.5
+
+
+def gpu_room(device: torch.device) -> float:
+    """Bytes torch may still allocate on ``device``: what the GPU has free plus this process's cached blocks, within
+    a per-process cap (``set_per_process_memory_fraction``) where one is set."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    room = float(free + torch.cuda.memory_reserved(device) - allocated)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        room = min(room, fraction * total - allocated)
+    return max(room, 0.0)
+
+
+def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:
+    """How many images of ``pixels`` pixels to encode at once within ``room`` bytes (at least one, at most the
+    configured batch), with the allocator's measured overshoot and a tenth kept free."""
+    need = VAE_ENCODE_BYTES_PER_PIXEL[vae_dtype] * pixels * VAE_RESERVE_FACTOR
+    return max(1, min(batch_size, int(0.9 * room // need)))
+
+
+@dataclass
+class _Chunk:
+    """The VAE's batch on this device: planned from free memory, halved where the GPU still runs out."""
+
+    size: int
+    said: bool = False
 
 
 @dataclass
@@ -65,12 +100,13 @@ def encode_latents(
             pin=device.type == "cuda",
         )
         t_lat = time.perf_counter()
+        chunk = _Chunk(pc.batch_size)
         for b in batches:
             for key, path, why in b["errors"]:
                 done.skipped.append((path, why))
                 done.unreadable.add(key)
             if b["pixels"] is not None:
-                _encode_batch(family, comps, b, cache, device)
+                _encode_batch(family, comps, b, cache, device, pc.vae_dtype, chunk)
             bar.advance(task, len(b["keys"]) + len(b["errors"]))
     cache.flush()
     done.seconds = time.perf_counter() - t_lat
@@ -79,12 +115,53 @@ def encode_latents(
     return done
 
 
+def _encode_images(
+    family: ModelFamily, comps: dict[str, Any], pix: torch.Tensor, device: torch.device, vae_dtype: str, chunk: _Chunk
+) -> torch.Tensor:
+    """An image family's latents of ``pix`` in as many images at a time as the GPU holds: planned from its free
+    memory before the first batch, halved (and said once) if it runs out all the same."""
+    if device.type != "cuda" or family.video:  # the video VAE tiles its own encode (families/cogvideox.py)
+        return family.encode_images(comps, pix)
+    n = min(chunk.size, vae_chunk(chunk.size, vae_dtype, pix.shape[-1] * pix.shape[-2], gpu_room(device)))
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(pix):
+        try:
+            out.append(family.encode_images(comps, pix[i : i + n]))
+            i += n
+        except torch.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            if n == 1:
+                raise DataError(
+                    f"The VAE ran out of GPU memory encoding one {pix.shape[-2]}x{pix.shape[-1]} image in "
+                    f"{vae_dtype} on {device} ({gpu_room(device) / 2**30:.2f} GiB free).",
+                    hint="set precompute.vae_dtype: bf16 (half fp32's memory), close what else uses the GPU, or "
+                    "set precompute.device: cpu (slower).",
+                ) from e
+            n //= 2
+        chunk.size = min(chunk.size, n)  # what fitted once stands for the rest of the run
+    if len(pix) > n and not chunk.said:
+        chunk.said = True
+        need = VAE_ENCODE_BYTES_PER_PIXEL[vae_dtype] * pix.shape[-1] * pix.shape[-2] * len(pix) / 2**30
+        info(
+            f"precompute: the VAE encodes {n} image(s) at a time on {device}: a batch of {len(pix)} would need "
+            f"~{need:.1f} GiB in {vae_dtype}, {gpu_room(device) / 2**30:.1f} GiB is free"
+        )
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 def _encode_batch(
-    family: ModelFamily, comps: dict[str, Any], b: dict[str, Any], cache: DataCache, device: torch.device
+    family: ModelFamily,
+    comps: dict[str, Any],
+    b: dict[str, Any],
+    cache: DataCache,
+    device: torch.device,
+    vae_dtype: str,
+    chunk: _Chunk,
 ) -> None:
     """One decoded batch of :func:`~difftrain.precompute.pipeline.decoded_batches` into the cache."""
     pix = to_unit_range(b["pixels"].to(device, non_blocking=True))
-    lat = family.encode_images(comps, pix)
+    lat = _encode_images(family, comps, pix, device, vae_dtype, chunk)
     extra = {}
     if family.image_conditioned:
         # image-to-video: the noise-augmented first frame, seeded by the clip's content; only its
