@@ -561,7 +561,7 @@ def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_scri
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "one of 2 GPUs (deepspeed)" in out and "engine auto: DeepSpeed ZeRO-2" in out  # what train would pick
-    assert "memory.engine={kind: deepspeed" in out and "fused_backward" not in out  # the search: no DDP fits 16 GiB
+    assert "memory.engine={kind: deepspeed" in out and "fused_backward=true" not in out  # no DDP fits 16 GiB
     from difftrain.memory.planner import candidates
 
     cfg = resolve(recipe="sdxl-full").config
@@ -571,6 +571,12 @@ def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_scri
     fused = subprocess.run([script, "plan", "--recipe", "sdxl-full-12gb", "--gpus", "2"], capture_output=True,
                            text=True, timeout=300, env=env)  # fmt: skip
     assert fused.returncode == 0 and "memory.fused_backward on 2 processes" in fused.stdout + fused.stderr
+    # the search on a recipe with fused backward and block swap: its ZeRO candidates drop both (DeepSpeed refuses them)
+    r = subprocess.run([script, "plan", "--recipe", "sdxl-full-12gb", "--gpus", "2", "--vram", "12GiB"],
+                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    assert "memory.engine={kind: deepspeed" in r.stdout and "memory.fused_backward=false" in r.stdout
+    assert "memory.offload={kind: none}" in r.stdout
 
 
 def test_engine_auto_chooses_ddp_where_a_replica_fits_else_the_first_zero_stage_that_does():

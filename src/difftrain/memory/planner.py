@@ -366,8 +366,8 @@ def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dic
         out.append({"memory": mem, "train": train} if train else {"memory": mem})
     if processes > 1 and full:
         for eng, a in itertools.product(ZERO_ORDER, acts):
-            mem = {"weights": {"kind": "bf16"}, "activations": a, "optimizer": {"kind": "adamw"}, "engine": eng}
-            out.append({"memory": mem, "train": {"mixed_precision": "bf16"}})
+            # the whole of what the engine needs beside it: a recipe's fused backward or block swap would be refused
+            out.append({"memory": {**zero_memory(eng), "activations": a}, "train": {"mixed_precision": "bf16"}})
     return out
 
 
