@@ -8,6 +8,7 @@ ranks map, once per rank), Pss (shared pages split among the ranks that map them
 the node's real use) and Anonymous (private copies). "load" is until the first training step is logged.
 
     python benchmarks/multi_gpu.py --work /tmp/mg --out $OUT --cases L1,L2,L4,Z4
+    python benchmarks/multi_gpu.py --work /tmp/mg --out $OUT --cases F1,F2,Z2      # issue 28: per GPU vs one GPU
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/multi_gpu.py --work /tmp/mg --cases L1,L2   # CPU smoke run
 """
 
@@ -57,22 +58,44 @@ ZERO3 = [
     "train.method=full",
     "save.formats=[]",
 ]
-#: name: (what, family sets, gpus, extra sets)
+FULL = ["train.method=full", "save.formats=[]"]
+#: name: (what, family sets, gpus, extra sets, job). Each case's per-GPU throughput is printed against the 1-GPU
+#: case of its job run in the same call (the job's best single-GPU recipe where one is listed), so a sharded run
+#: slower than one GPU shows at once (issue 28, item 4).
 CASES = {
-    "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, []),
-    "L2": ("SDXL LoRA r16 1024, DDP, 2 GPUs", SDXL, 2, []),
-    "L4": ("SDXL LoRA r16 1024, DDP, 4 GPUs", SDXL, 4, []),
-    "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3),
-    "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3),
-    "Z2": ("SDXL full, ZeRO-3, 2 GPUs", SDXL, 2, ZERO3),
+    "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, [], "sdxl-lora"),
+    "L2": ("SDXL LoRA r16 1024, DDP, 2 GPUs", SDXL, 2, [], "sdxl-lora"),
+    "L4": ("SDXL LoRA r16 1024, DDP, 4 GPUs", SDXL, 4, [], "sdxl-lora"),
+    # the best single-GPU SDXL full fine-tune as shipped (recipe sdxl-full: AdamW8bit, checkpointing)
+    "F1": ("SDXL full, recipe sdxl-full, 1 GPU", SDXL, 1, FULL, "sdxl-full"),
+    # the same recipe on several GPUs with the engine left to auto (the default)
+    "F2": ("SDXL full, recipe sdxl-full, engine auto, 2 GPUs", SDXL, 2, FULL, "sdxl-full"),
+    "Z4": ("SDXL full, ZeRO-3, 4 GPUs", SDXL, 4, ZERO3, "sdxl-full"),
+    "Z1": ("SDXL full, ZeRO-3, 1 GPU", SDXL, 1, ZERO3, "sdxl-full-zero3"),
+    "Z2": ("SDXL full, ZeRO-3, 2 GPUs", SDXL, 2, ZERO3, "sdxl-full"),
     # the same without deepspeed.zero.Init (each process loads the whole UNet; DeepSpeed partitions it after)
-    "Z4-no-init": ("SDXL full, ZeRO-3 without zero.Init, 4 GPUs", SDXL, 4, ZERO3),
-    "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3),
-    "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"]),
+    "Z4-no-init": ("SDXL full, ZeRO-3 without zero.Init, 4 GPUs", SDXL, 4, ZERO3, "sdxl-full"),
+    # CogVideoX-5b full does not fit one 80 GB GPU without offload: its 1-GPU case is the offloaded recipe
+    "C1": ("CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, 1 GPU", COG5B, 1, FULL, "cog5b-full"),
+    "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3, "cog5b-full"),
+    "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"], "cog5b-lora"),
 }
+#: cases trained from a recipe as shipped (its sets on top of the recipe's): name -> recipe
+RECIPE = {"F1": "sdxl-full", "F2": "sdxl-full", "C1": "cogvideox-5b-full-12gb"}
 
 
-def prepare(sets: list[str], work: Path, gpus: int) -> tuple[Path, Path, Path]:
+def per_gpu_ratios(rows: list[dict]) -> dict[str, float]:
+    """Each case's samples/s per GPU over the samples/s of its job's 1-GPU case in ``rows`` (the same call)."""
+    base = {CASES[r["case"]][4]: r["samples_per_s"] for r in rows if r.get("gpus") == 1 and r.get("samples_per_s")}
+    out = {}
+    for r in rows:
+        b = base.get(CASES[r["case"]][4])
+        if b and r.get("samples_per_s") and r.get("gpus"):
+            out[r["case"]] = r["samples_per_s"] / (r["gpus"] * b)
+    return out
+
+
+def prepare(sets: list[str], work: Path, gpus: int, recipe: str | None = None) -> tuple[Path, Path, Path]:
     """The random model file, stand-in tokenizers and a synthetic cache of 8 items per GPU."""
     import torch
 
@@ -81,7 +104,7 @@ def prepare(sets: list[str], work: Path, gpus: int) -> tuple[Path, Path, Path]:
     from difftrain.families.registry import get_family
     from difftrain.planning import plan_parts
 
-    cfg = resolve(sets=sets).config
+    cfg = resolve(recipe=recipe, sets=sets).config
     fam = get_family(cfg.family)
     parts = plan_parts(cfg, fam)[0]
     model = work / f"random-{cfg.model.config}.safetensors"
@@ -157,21 +180,29 @@ class Sampler(threading.Thread):
 
 
 def run_case(name: str, work: Path, steps: int) -> dict:
-    what, fam_sets, gpus, extra = CASES[name]
+    what, fam_sets, gpus, extra, _job = CASES[name]
+    recipe = RECIPE.get(name)
     # speed.sync_seconds=0: each step's record is written when it finished (step times are read from them)
     sets = fam_sets + extra + ["train.device=cuda", "speed.sync_seconds=0"]
     if TINY:
-        sets = [
-            s.replace("sdxl-base-1.0", "sdxl-tiny")
-            .replace("cogvideox-5b", "cogvideox-tiny")
-            .replace("resolution=1024", "resolution=128")
-            .replace("resolution=592", "resolution=64")
-            .replace("frames=49", "frames=9")
-            .replace("=cuda", "=cpu")
-            for s in sets
-            if "engine" not in s
-        ] + ["data.min_side=32", "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny")]
-    model, tok, cache = prepare(sets, work, gpus)
+        sets = (
+            [
+                s.replace("sdxl-base-1.0", "sdxl-tiny")
+                .replace("cogvideox-5b", "cogvideox-tiny")
+                .replace("resolution=1024", "resolution=128")
+                .replace("resolution=592", "resolution=64")
+                .replace("frames=49", "frames=9")
+                .replace("=cuda", "=cpu")
+                for s in sets
+                if "engine" not in s
+            ]
+            + ["memory.optimizer.kind=adamw"] * (name in RECIPE)
+            + [
+                "data.min_side=32",
+                "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny"),
+            ]
+        )
+    model, tok, cache = prepare(sets, work, gpus, recipe)
     run_dir = work / f"run-{name}"
     if run_dir.exists():
         import shutil
@@ -187,6 +218,8 @@ def run_case(name: str, work: Path, steps: int) -> dict:
         "train.checkpoint_every=null",
     ]
     cmd = [sys.executable, "-m", "difftrain", "train", "--gpus", str(gpus), *[a for s in sets for a in ("--set", s)]]
+    if recipe:
+        cmd += ["--recipe", recipe]
     sampler = Sampler(run_dir)
     sampler.start()
     t0 = time.time()
@@ -236,17 +269,11 @@ def main() -> None:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "multi_gpu.json").write_text(json.dumps(rows, indent=1))
         print(json.dumps(r)[:1500], flush=True)
-    base = next(
-        (
-            r["samples_per_s"]
-            for r in rows
-            if r.get("gpus") == 1 and r["case"].startswith("L") and r.get("samples_per_s")
-        ),
-        None,
-    )
+    ratios = per_gpu_ratios(rows)
     print(
-        "\n| case | GPUs | s/step | samples/s | scaling | host GiB load: sum Pss / sum Rss / max rank Rss / sum Anon "
-        "/ node MemAvailable drop | host GiB train: sum Pss / sum Rss / sum Anon / node drop | GPU peak alloc GiB per rank |"
+        "\n| case | GPUs | s/step | samples/s | per GPU vs the job's 1-GPU case | host GiB load: sum Pss / sum Rss / max "
+        "rank Rss / sum Anon / node MemAvailable drop | host GiB train: sum Pss / sum Rss / sum Anon / node drop | GPU "
+        "peak alloc GiB per rank |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -254,11 +281,7 @@ def main() -> None:
             print(f"| {r['case']} {r['what']} | error: {r['error'][-300:]!r} |")
             continue
         ld, tr = r["host"]["load"], r["host"]["train"]
-        eff = (
-            f"{r['samples_per_s'] / (r['gpus'] * base):.0%}"
-            if base and r["case"].startswith("L") and r["samples_per_s"]
-            else ""
-        )
+        eff = f"{ratios[r['case']]:.2f}x" if r["case"] in ratios else ""
         f = lambda d, k: f"{d.get(k, 0):.2f}"
         print(
             f"| {r['case']} {r['what']} | {r['gpus']} | {r['s_per_step']} | {r['samples_per_s']} | {eff} | "
