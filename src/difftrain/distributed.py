@@ -311,10 +311,13 @@ def launch(nproc: int, argv: list[str], failure_note=None, **where) -> None:
         restarts = where.get("max_restarts", 0)
         after = f", after {restarts} restart{'s' if restarts != 1 else ''} of the group" if restarts else ""
         note = read_json_object(failure_note) if failure_note is not None else {}
+        tail = ""
+        if note and restarts:  # a user error: each restart ended at once with it, nothing was loaded again
+            after, tail = "", ": an error a restart would meet again, so the group's restarts ended at once"
         hint = "Each process's own error is printed above it (rank N: error: ...)."
         if note:
             hint = f"The error: {note.get('message', '?')}" + (f"\n{note['hint']}" if note.get("hint") else "")
         raise DifftrainError(
-            f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes{after} ({causes}).",
+            f"{argv[0] if argv else 'the command'} failed in {len(ranks)} of the processes{after} ({causes}){tail}.",
             hint=hint,
         ) from None

@@ -12,6 +12,9 @@ class DifftrainError(Exception):
     """A failure the user can act on. exit_code 1 = failure, 2 = bad usage/config."""
 
     exit_code = 1
+    #: already said where it is reported (an elastic restart ending at once with the error its first start printed:
+    #: the launcher's last message repeats it): the CLI exits with the code and prints nothing
+    said_elsewhere = False
 
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)

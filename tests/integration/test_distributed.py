@@ -169,6 +169,10 @@ def test_rank_one_is_quiet_and_every_error_names_its_rank(tiny_model, dataset, t
     assert bad.returncode == 1
     assert "rank 0: error: No precomputed data" in bad.stderr and "rank 1: error: No precomputed data" in bad.stderr
     assert "train failed in 2 of the processes" in bad.stderr
+    # a user error: the agent's restarts end at once, silently; the last message says so (not "after 3 restarts")
+    assert bad.stderr.count("rank 0: error:") == 1 and bad.stderr.count("rank 1: error:") == 1
+    assert "not restarted" not in bad.stderr
+    assert "a restart would meet again" in bad.stderr and "after 3 restarts" not in bad.stderr
 
 
 def test_a_single_process_trainer_is_not_distributed(tiny_model, dataset, tmp_path):

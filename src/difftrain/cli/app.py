@@ -136,7 +136,9 @@ def report_error(e: BaseException) -> int:
         if os.environ.get("WORLD_SIZE", "1") not in ("", "1")
         else ""
     )
-    if isinstance(e, DifftrainError):
+    if isinstance(e, DifftrainError) and e.said_elsewhere:
+        code = e.exit_code
+    elif isinstance(e, DifftrainError):
         # messages quote file names and values, which may hold [...]: printed as they are, never as markup
         console.print(f"{who}[bold red]error:[/bold red] {escape(e.message)}")
         for path, msg in getattr(e, "problems", []):

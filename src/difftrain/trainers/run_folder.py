@@ -294,7 +294,10 @@ FAILED_FILE = ".difftrain.failed.json"
 
 
 class NotRestarted(DifftrainError):
-    """An elastic restart after a user error: the error again, before anything loads."""
+    """An elastic restart after a user error: the error again, before anything loads (printed once, by the first
+    start and the launcher's last message, not by every rank at every restart)."""
+
+    said_elsewhere = True
 
 
 def note_failure(out: Path, err: Exception) -> None:
