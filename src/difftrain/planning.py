@@ -147,3 +147,38 @@ def launch_problem(cfg: Config, processes: int) -> str | None:
         zero_possible = cfg.train.method == "full" and cfg.train.device != "cpu" and torch.cuda.is_available()
         return None if zero_possible else problem
     return problem
+
+
+def expected_scaling(cfg: Config, processes: int) -> str | None:
+    """What is measured about each GPU's throughput on ``processes`` GPUs against one GPU, for the engine ``cfg``
+    names (engine auto resolved first): one line for ``plan --gpus N``, None on one process. The figures are
+    docs/benchmarks.md's ("Several GPUs", issue 28), all SDXL at 1024x1024 batch 1 per GPU on H200s; a family or
+    job not measured is said to be so rather than guessed."""
+    if processes < 2:
+        return None
+    e = cfg.memory.engine
+    lora = cfg.train.method == "lora"
+    if e.kind == "ddp":
+        if lora:
+            return (
+                "expected per GPU: ~0.9x one GPU's samples/s (measured, SDXL LoRA r16 on DDP: 86-90 % at 2 GPUs, "
+                "94 % at 4; a LoRA's gradients are a few MB)"
+            )
+        return (
+            "expected per GPU: not measured for a full fine-tune on DDP (its all-reduce carries every weight's "
+            "gradient each step; SDXL LoRA measured 86-94 %)"
+        )
+    if e.kind == "deepspeed" and e.stage == 3:
+        return (
+            "expected per GPU: ZeRO-3 measured well below one GPU's best recipe (SDXL full, no offload: 0.22x at 2 "
+            "GPUs, 0.48x at 4): it gathers every weight each step; prefer DDP or ZeRO-2 where they fit"
+        )
+    if e.kind == "deepspeed":
+        from .memory.planner import SPEED
+
+        off = e.offload_optimizer_device != "none"
+        return (
+            f"expected per GPU: ZeRO-2 not measured on several GPUs yet (on one GPU its step took "
+            f"{SPEED['zero2_offload' if off else 'zero2']:.2f}x a plain one's{' with the optimizer offloaded' * off})"
+        )
+    return None

@@ -561,6 +561,7 @@ def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_scri
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "one of 2 GPUs (deepspeed)" in out and "engine auto: DeepSpeed ZeRO-2" in out  # what train would pick
+    assert "expected per GPU: ZeRO-2 not measured on several GPUs" in " ".join(out.split())  # the scaling, said
     assert "memory.engine={kind: deepspeed" in out and "fused_backward=true" not in out  # no DDP fits 16 GiB
     from difftrain.memory.planner import candidates
 
@@ -622,3 +623,17 @@ def test_engine_auto_keeps_the_engine_a_resumed_checkpoint_was_made_with():
     ddp, line = choose_engine(full, 4, 16.0, recorded={"kind": "ddp", "bucket_cap_mb": 25.0})
     assert ddp.memory.engine.kind == "ddp" and "torch's optimizer state" in line  # not ZeRO, though it would fit
     assert choose_engine(full, 1, 80.0, recorded={"kind": "single"})[0].memory.engine.kind == "single"
+
+
+def test_plan_says_what_is_measured_of_each_engines_scaling():
+    from difftrain.planning import choose_engine, expected_scaling
+
+    lora = resolve(recipe="sdxl-lora-8gb").config
+    assert expected_scaling(lora, 1) is None
+    ddp, _ = choose_engine(lora, 2, 80.0)
+    assert "~0.9x" in expected_scaling(ddp, 2) and "94 % at 4" in expected_scaling(ddp, 4)
+    full = resolve(recipe="sdxl-full", sets=["memory.engine={kind: ddp}"]).config
+    assert "not measured for a full fine-tune" in expected_scaling(full, 2)
+    z3 = resolve(recipe="sdxl-full", sets=["memory.engine={kind: deepspeed, stage: 3}", "memory.optimizer.kind=adamw",
+                                           "train.mixed_precision=bf16"]).config  # fmt: skip
+    assert "0.22x at 2" in expected_scaling(z3, 2)

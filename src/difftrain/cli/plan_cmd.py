@@ -67,7 +67,7 @@ def plan(
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..distributed import engine_problem
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..planning import choose_engine, launch_problem, memory_hints, plan_memory
+    from ..planning import choose_engine, expected_scaling, launch_problem, memory_hints, plan_memory
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config
@@ -86,6 +86,9 @@ def plan(
     )
     if line:
         info(line)
+    scaling = expected_scaling(cfg, gpus) if cfg.memory.engine.kind != "auto" else None
+    if scaling:
+        info(scaling)
     problem = engine_problem(cfg, gpus) if line else launch_problem(cfg, gpus)
     if problem:
         info(f"[yellow]note:[/yellow] {problem}", markup=True)
