@@ -137,3 +137,20 @@ def test_deepspeed_zero3_offload_flux_full_finetune_learns_and_saves_both_layout
     # the same weights in both layouts: BFL's double_blocks.0.img_attn.proj is diffusers' attn.to_out.0
     assert torch.equal(sd["double_blocks.0.img_attn.proj.weight"].float(),
                        ours["transformer_blocks.0.attn.to_out.0.weight"].float())  # fmt: skip
+
+
+@pytest.mark.parametrize("opt", ["adamw8bit", "cpu_offload"])
+def test_flux_lora_with_the_8bit_and_cpu_offload_optimizers_tracks_adamw(_dataset_master, tmp_path, opt):
+    """bitsandbytes' AdamW8bit and torchao's CPU-offload AdamW on the tiny Flux: they learn as AdamW does."""
+    from difftrain.trainers.loop import Trainer
+
+    model = get_family("flux").build_tiny(tmp_path / "tiny-flux")
+    cache = {"data.cache_dir": tmp_path / "cache", "train.max_grad_norm": "null"}  # cpu_offload cannot clip
+    ref_cfg = _flux_ds(model, _dataset_master, tmp_path / "ref", None, **cache)
+    precompute(ref_cfg)
+    ref = Trainer(ref_cfg).run().losses
+    t = Trainer(_flux_ds(model, _dataset_master, tmp_path / opt, None, **cache, **{"memory.optimizer.kind": opt}))
+    got = t.run().losses
+    assert type(t.parts.optimizer).__name__ in {"AdamW8bit", "PagedAdamW8bit", "CPUOffloadOptimizer"}
+    assert got[0] == pytest.approx(ref[0], rel=1e-3)  # the same first step: same data, noise and weights
+    assert got == pytest.approx(ref, rel=0.05)

@@ -610,7 +610,8 @@ def test_precompute_vae_encodes_1024px_within_an_8gb_card(dtype, planned):
                     fam.encode_images(comps, pix)
                 torch.cuda.empty_cache()
             chunk = encode._Chunk(4)
-            out = encode._encode_images(fam, comps, pix, dev, dtype, chunk)
+            # precompute.device "cuda" has no index (the first GPU test missed it: torch wants one for the cap)
+            out = encode._encode_images(fam, comps, pix, torch.device("cuda"), dtype, chunk)
         assert chunk.size == planned and out.shape[0] == 4
         assert torch.cuda.max_memory_reserved(dev) <= 6.95 * 2**30
     finally:

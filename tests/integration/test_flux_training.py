@@ -149,3 +149,64 @@ def test_two_processes_train_the_tiny_flux_as_one_with_the_same_global_batch(tin
         return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)]
 
     assert losses("two") == pytest.approx(losses("one"), rel=1e-4) and len(losses("one")) == 3
+
+
+def test_flux_dreambooth_with_prior_preservation_and_validation_samples(tiny_flux, dataset, tmp_path):
+    """DreamBooth on Flux: the class images are drawn by FluxPipeline and cached beside the instance images, the
+    class loss is added each step; validation samples are drawn at step 2 and at the end (issue 27, item 3)."""
+    import json
+
+    from PIL import Image
+
+    from difftrain.data.cache import DataCache
+    from difftrain.trainers.loop import Trainer
+
+    cls = tmp_path / "class"
+    res = _cfg(tiny_flux, dataset, tmp_path, **{
+        "dreambooth.instance_prompt": "a photo of sks shape", "dreambooth.with_prior_preservation": "true",
+        "dreambooth.class_prompt": "a photo of a shape", "dreambooth.class_data_dir": cls,
+        "dreambooth.num_class_images": 3, "dreambooth.class_sample_steps": 2, "dreambooth.prior_loss_weight": 0.5,
+        "train.checkpoint_every": 1000, "validation.every_n_steps": 2, "validation.prompts": "[a red circle]",
+        "validation.num_inference_steps": 2, "validation.resolution": 64})  # fmt: skip
+    cfg = res.config
+    r = precompute(cfg)
+    assert len(list(cls.glob("class-*.png"))) == 3 and r.items == 8 + 3
+    items = DataCache(tmp_path / "cache").read_json("index.json")["items"]
+    assert {it["caption"] for it in items if it.get("prior")} == {"a photo of a shape"}
+    t = Trainer(cfg)
+    t.run()
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(t.feed.prior_items) == 3 and all(rec["prior_loss"] > 0 for rec in recs if "loss" in rec)
+    step2 = tmp_path / "run" / "samples" / "step-00000002" / "00.png"
+    final = tmp_path / "run" / "samples" / "final" / "00.png"
+    assert Image.open(final).size == (64, 64)
+    assert Image.open(step2).tobytes() != Image.open(final).tobytes()  # training changed what it draws
+
+
+def test_flux_caption_augmentation_and_a_sweep_over_one_cache(tiny_flux, _dataset_master, tmp_path, cli):
+    """Shuffled tag captions (variants cached through both Flux text stages) and `difftrain sweep` with two
+    trials over one cache, through the CLI's entry point."""
+    import json
+
+    from difftrain.data.cache import DataCache
+
+    aug = {"data.caption_source": "tags", "data.shuffle_caption": "true", "data.keep_tokens": 1,
+           "data.caption_variants": 2, "data.caption_dropout_rate": 0.2}  # fmt: skip
+    sets = tiny_sets(
+        tiny_flux,
+        _dataset_master,
+        tmp_path,
+        **aug,
+        **{"train.max_steps": 2, "report.to": "[]"},
+    )
+    r = cli("sweep", "--recipe", "tiny-flux-lora", *[a for s in sets for a in ("--set", s)],
+            "--grid", "optimizer.lr=1e-3,1e-2", "-o", tmp_path / "sw")  # fmt: skip
+    assert r.code == 0, r
+    index = DataCache(tmp_path / "cache").read_json("index.json")
+    assert index["captions"]["variants"] == 2
+    assert all(
+        len(it["text_variants"]) == 2 and set(it["text_variants"][0]) == {"clip_l", "t5"} for it in index["items"]
+    )
+    rows = json.loads((tmp_path / "sw" / "results.json").read_text())
+    assert sorted(row["train.learning_rate"] for row in rows) == [1e-3, 1e-2]
+    assert all(row["status"] == "ok" and row["steps"] == 2 for row in rows)

@@ -80,3 +80,28 @@ def test_the_cpu_and_video_families_encode_the_whole_batch(fake_gpu):
     fam.video = True
     with pytest.raises(torch.OutOfMemoryError):
         encode._encode_images(fam, {}, torch.randn(2, 3, 64, 64), torch.device("cuda"), "fp32", encode._Chunk(2))
+
+
+def test_the_free_memory_is_read_for_a_device_named_without_an_index(monkeypatch):
+    """precompute.device "cuda" (auto's choice) has no index; torch's per-process cap wants one (found on the GPU:
+    "Expected a torch.device with a specified index")."""
+    seen = []
+
+    def wants_index(name, value):
+        def f(dev=None):
+            if not isinstance(dev, int):
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{dev}")
+            seen.append(name)
+            return value
+
+        return f
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", wants_index("free", (10 * GIB, 80 * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", wants_index("allocated", 1 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", wants_index("reserved", 2 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", wants_index("fraction", 0.1))
+    room = encode.gpu_room(torch.device("cuda"))
+    assert room == pytest.approx(0.1 * 80 * GIB - 1 * GIB)  # the cap (8 GiB) less what is allocated, below free
+    assert set(seen) == {"free", "allocated", "reserved", "fraction"}
+    assert encode.gpu_room(torch.device("cuda", 0)) == room

@@ -37,10 +37,11 @@ VAE_RESERVE_FACTOR = 1.5
 def gpu_room(device: torch.device) -> float:
     """Bytes torch may still allocate on ``device``: what the GPU has free plus this process's cached blocks, within
     a per-process cap (``set_per_process_memory_fraction``) where one is set."""
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    room = float(free + torch.cuda.memory_reserved(device) - allocated)
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()  # "cuda": the current one
+    free, total = torch.cuda.mem_get_info(idx)
+    allocated = torch.cuda.memory_allocated(idx)
+    room = float(free + torch.cuda.memory_reserved(idx) - allocated)
+    fraction = torch.cuda.get_per_process_memory_fraction(idx)
     if fraction < 1.0:
         room = min(room, fraction * total - allocated)
     return max(room, 0.0)
