@@ -182,3 +182,30 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
             f"{SPEED['zero2_offload' if off else 'zero2']:.2f}x a plain one's{' with the optimizer offloaded' * off})"
         )
     return None
+
+
+def precompute_line(cfg: Config, card_gib: float) -> str | None:
+    """What precompute's VAE will do on a card of ``card_gib`` (what the card leaves torch, with the VAE loaded):
+    how many images of the config's resolution it encodes at a time, or that one does not fit and what to set.
+    None for video families (their VAE tiles its encode)."""
+    from .memory.card import allocator_budget, stored_overhead
+    from .memory.planner import GIB, VAE_ENCODE_BYTES_PER_PIXEL, VAE_PARAMS, vae_chunk
+
+    if get_family(cfg.family).video:
+        return None
+    pc, res = cfg.precompute, cfg.data.resolution
+    budget = allocator_budget(card_gib, stored_overhead())
+    weights = VAE_PARAMS * (4 if pc.vae_dtype == "fp32" else 2) / GIB
+    one = VAE_ENCODE_BYTES_PER_PIXEL[pc.vae_dtype] * res * res / GIB
+    if one + weights > budget:
+        return (
+            f"[yellow]note:[/yellow] precompute: one {res}x{res} image needs ~{one + weights:.1f} GiB with the VAE in "
+            f"{pc.vae_dtype}, more than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: set "
+            + ("precompute.vae_dtype: bf16, or " if pc.vae_dtype == "fp32" else "")
+            + "precompute.device: cpu"
+        )
+    n = vae_chunk(pc.batch_size, pc.vae_dtype, res * res, (budget - weights) * GIB)
+    return (
+        f"precompute: the VAE encodes {n} {res}x{res} image(s) at a time in {pc.vae_dtype} on this card "
+        f"(~{one:.1f} GiB each; precompute.batch_size {pc.batch_size})"
+    )

@@ -637,3 +637,25 @@ def test_plan_says_what_is_measured_of_each_engines_scaling():
     z3 = resolve(recipe="sdxl-full", sets=["memory.engine={kind: deepspeed, stage: 3}", "memory.optimizer.kind=adamw",
                                            "train.mixed_precision=bf16"]).config  # fmt: skip
     assert "0.22x at 2" in expected_scaling(z3, 2)
+
+
+def test_plan_with_vram_says_what_precompute_encodes_at_a_time_through_the_console_script():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(sys.executable).parent / "difftrain")
+    env = {**os.environ, "COLUMNS": "300"}
+
+    def plan(*args):
+        r = subprocess.run([script, "plan", *args], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+        return " ".join((r.stdout + r.stderr).split())
+
+    assert "the VAE encodes 2 1024x1024 image(s) at a time in bf16" in plan(
+        "--recipe", "sdxl-lora-8gb", "--vram", "8gb"
+    )
+    assert "encodes 4 1024x1024 image(s) at a time" in plan("--recipe", "sdxl-lora-8gb", "--vram", "80gb")
+    out = plan("--recipe", "sd3-lora-4gb", "--vram", "4gb", "--set", "precompute.vae_dtype=fp32")
+    assert "one 1024x1024 image needs ~3.3 GiB with the VAE in fp32" in out and "vae_dtype: bf16" in out

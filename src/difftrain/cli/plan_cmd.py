@@ -67,7 +67,14 @@ def plan(
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..distributed import engine_problem
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..planning import choose_engine, expected_scaling, launch_problem, memory_hints, plan_memory
+    from ..planning import (
+        choose_engine,
+        expected_scaling,
+        launch_problem,
+        memory_hints,
+        plan_memory,
+        precompute_line,
+    )
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config
@@ -97,6 +104,9 @@ def plan(
     if vram is None:
         return
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
+    pre = precompute_line(cfg, limit)
+    if pre:
+        info(pre, markup=True)
     fits = []
     for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", [])), processes=gpus):
         try:

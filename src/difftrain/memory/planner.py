@@ -335,6 +335,26 @@ def speed_cost(cfg: Config) -> float:
     return c
 
 
+#: Peak memory of an image VAE's encoder (SDXL's, SD3's and Flux's share the layout) per pixel of its batch, over its
+#: weights and input: 3.01 GiB in fp32 and 1.51 in bf16 for one 1024x1024 image, linear in the batch (1, 2, 4) and
+#: in the pixels (832x1216: 2.90 / 1.46), the same for the three VAEs; torch's allocator reserved up to 1.5x it
+#: (H100, benchmarks/vae_encode.py --peaks, 2026-11-25). precompute.batch_size 4 in fp32 needs ~12 GiB, so on a small
+#: card precompute cuts the batch to what fits (an 8 GB card: one image in fp32, two in bf16).
+VAE_ENCODE_BYTES_PER_PIXEL = {"fp32": 3080, "bf16": 1546, "fp16": 1546}
+VAE_RESERVE_FACTOR = 1.5
+
+
+#: parameters of the image VAE (the SDXL, SD3 and Flux AutoencoderKL, encoder and decoder: 83.7 M), loaded whole
+VAE_PARAMS = 83.7e6
+
+
+def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:
+    """How many images of ``pixels`` pixels to encode at once within ``room`` bytes (at least one, at most the
+    configured batch), with the allocator's measured overshoot and a tenth kept free."""
+    need = VAE_ENCODE_BYTES_PER_PIXEL[vae_dtype] * pixels * VAE_RESERVE_FACTOR
+    return max(1, min(batch_size, int(0.9 * room // need)))
+
+
 def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dict]:
     """Overrides worth trying, as nested dicts (each validated before use).
 

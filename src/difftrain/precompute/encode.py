@@ -21,17 +21,10 @@ from ..distributed import World
 from ..distributed import barrier as dist_barrier
 from ..errors import DataError
 from ..families.base import ModelFamily
+from ..memory.planner import VAE_ENCODE_BYTES_PER_PIXEL, vae_chunk
 from ..utils import to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .plan import Plan, PlanItem, Skipped
-
-#: Peak memory of an image VAE's encoder (SDXL's, SD3's and Flux's share the layout) per pixel of its batch, over its
-#: weights and input: 3.01 GiB in fp32 and 1.51 in bf16 for one 1024x1024 image, linear in the batch (1, 2, 4) and
-#: in the pixels (832x1216: 2.90 / 1.46), the same for the three VAEs; torch's allocator reserved up to 1.5x it
-#: (H100, benchmarks/vae_encode.py --peaks, 2026-11-25). precompute.batch_size 4 in fp32 needs ~12 GiB, so on a small
-#: card the batch is cut to what fits (an 8 GB card: one image in fp32, two in bf16).
-VAE_ENCODE_BYTES_PER_PIXEL = {"fp32": 3080, "bf16": 1546, "fp16": 1546}
-VAE_RESERVE_FACTOR = 1.5
 
 
 def gpu_room(device: torch.device) -> float:
@@ -45,13 +38,6 @@ def gpu_room(device: torch.device) -> float:
     if fraction < 1.0:
         room = min(room, fraction * total - allocated)
     return max(room, 0.0)
-
-
-def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:
-    """How many images of ``pixels`` pixels to encode at once within ``room`` bytes (at least one, at most the
-    configured batch), with the allocator's measured overshoot and a tenth kept free."""
-    need = VAE_ENCODE_BYTES_PER_PIXEL[vae_dtype] * pixels * VAE_RESERVE_FACTOR
-    return max(1, min(batch_size, int(0.9 * room // need)))
 
 
 @dataclass
