@@ -122,8 +122,8 @@ def _encode_images(
                 raise DataError(
                     f"The VAE ran out of GPU memory encoding one {pix.shape[-2]}x{pix.shape[-1]} image in "
                     f"{vae_dtype} on {device} ({gpu_room(device) / 2**30:.2f} GiB free).",
-                    hint="set precompute.vae_dtype: bf16 (half fp32's memory), close what else uses the GPU, or "
-                    "set precompute.device: cpu (slower).",
+                    hint=("set precompute.vae_dtype: bf16 (half fp32's memory), " if vae_dtype == "fp32" else "")
+                    + "close what else uses the GPU, or set precompute.device: cpu (slower).",
                 ) from e
             n //= 2
         chunk.size = min(chunk.size, n)  # what fitted once stands for the rest of the run
