@@ -184,28 +184,43 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
     return None
 
 
-def precompute_line(cfg: Config, card_gib: float) -> str | None:
-    """What precompute's VAE will do on a card of ``card_gib`` (what the card leaves torch, with the VAE loaded):
-    how many images of the config's resolution it encodes at a time, or that one does not fit and what to set.
-    None for video families (their VAE tiles its encode)."""
+def precompute_lines(cfg: Config, card_gib: float) -> list[str]:
+    """What precompute will do on a card of ``card_gib`` (what the card leaves torch): how many images of the
+    config's resolution its VAE encodes at a time, or that one does not fit; and whether T5-XXL's stage fits at its
+    precision. Video families' VAE tiles its encode (no VAE line)."""
     from .memory.card import allocator_budget, stored_overhead
-    from .memory.planner import GIB, VAE_ENCODE_BYTES_PER_PIXEL, VAE_PARAMS, vae_chunk
+    from .memory.planner import GIB, T5_PRECOMPUTE_GIB, VAE_ENCODE_BYTES_PER_PIXEL, VAE_PARAMS, vae_chunk
 
-    if get_family(cfg.family).video:
-        return None
+    family = get_family(cfg.family)
     pc, res = cfg.precompute, cfg.data.resolution
     budget = allocator_budget(card_gib, stored_overhead())
-    weights = VAE_PARAMS * (4 if pc.vae_dtype == "fp32" else 2) / GIB
-    one = VAE_ENCODE_BYTES_PER_PIXEL[pc.vae_dtype] * res * res / GIB
-    if one + weights > budget:
-        return (
-            f"[yellow]note:[/yellow] precompute: one {res}x{res} image needs ~{one + weights:.1f} GiB with the VAE in "
-            f"{pc.vae_dtype}, more than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: set "
-            + ("precompute.vae_dtype: bf16, or " if pc.vae_dtype == "fp32" else "")
-            + "precompute.device: cpu"
-        )
-    n = vae_chunk(pc.batch_size, pc.vae_dtype, res * res, (budget - weights) * GIB)
-    return (
-        f"precompute: the VAE encodes {n} {res}x{res} image(s) at a time in {pc.vae_dtype} on this card "
-        f"(~{one:.1f} GiB each; precompute.batch_size {pc.batch_size})"
-    )
+    lines = []
+    if not family.video:
+        weights = VAE_PARAMS * (4 if pc.vae_dtype == "fp32" else 2) / GIB
+        one = VAE_ENCODE_BYTES_PER_PIXEL[pc.vae_dtype] * res * res / GIB
+        if one + weights > budget:
+            lines.append(
+                f"[yellow]note:[/yellow] precompute: one {res}x{res} image needs ~{one + weights:.1f} GiB with the VAE "
+                f"in {pc.vae_dtype}, more than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: set "
+                + ("precompute.vae_dtype: bf16, or " if pc.vae_dtype == "fp32" else "")
+                + "precompute.device: cpu"
+            )
+        else:
+            n = vae_chunk(pc.batch_size, pc.vae_dtype, res * res, (budget - weights) * GIB)
+            lines.append(
+                f"precompute: the VAE encodes {n} {res}x{res} image(s) at a time in {pc.vae_dtype} on this card "
+                f"(~{one:.1f} GiB each; precompute.batch_size {pc.batch_size})"
+            )
+    t5 = cfg.text_encoders.t5
+    if "t5" in family.enabled_stages(cfg.text_encoders):
+        need = T5_PRECOMPUTE_GIB[t5.precision]
+        if need > budget:
+            lines.append(
+                f"[yellow]note:[/yellow] precompute: T5-XXL in {t5.precision} takes ~{need:.1f} GiB (measured), more "
+                f"than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: precompute once on a larger GPU "
+                "(the cache is the same), or on the CPU (precompute.device: cpu with text_encoders.t5.precision: "
+                "bf16, ~9 GB of host RAM, slow)"
+            )
+        else:
+            lines.append(f"precompute: T5-XXL in {t5.precision} fits this card (~{need:.1f} GiB, one stage at a time)")
+    return lines

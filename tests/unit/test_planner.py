@@ -659,3 +659,6 @@ def test_plan_with_vram_says_what_precompute_encodes_at_a_time_through_the_conso
     assert "encodes 4 1024x1024 image(s) at a time" in plan("--recipe", "sdxl-lora-8gb", "--vram", "80gb")
     out = plan("--recipe", "sd3-lora-4gb", "--vram", "4gb", "--set", "precompute.vae_dtype=fp32")
     assert "one 1024x1024 image needs ~3.3 GiB with the VAE in fp32" in out and "vae_dtype: bf16" in out
+    # T5-XXL's stage: nf4 measured 4.4 GiB, over what a 4 GB card leaves; int8 fits an 8 GB card
+    assert "T5-XXL in nf4 takes ~4.4 GiB (measured), more than the 2.95 GiB" in out
+    assert "T5-XXL in int8 fits this card" in plan("--recipe", "sd3-lora-8gb", "--vram", "8gb")

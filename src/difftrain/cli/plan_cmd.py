@@ -73,7 +73,7 @@ def plan(
         launch_problem,
         memory_hints,
         plan_memory,
-        precompute_line,
+        precompute_lines,
     )
 
     res = resolved_config(recipe, config, set_)
@@ -104,8 +104,7 @@ def plan(
     if vram is None:
         return
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
-    pre = precompute_line(cfg, limit)
-    if pre:
+    for pre in precompute_lines(cfg, limit):
         info(pre, markup=True)
     fits = []
     for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", [])), processes=gpus):
