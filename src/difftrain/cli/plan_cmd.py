@@ -93,7 +93,7 @@ def plan(
     )
     if line:
         info(line)
-    scaling = expected_scaling(cfg, gpus) if cfg.memory.engine.kind != "auto" else None
+    scaling = expected_scaling(cfg, gpus)  # None for auto left unresolved (no --vram) and on one GPU
     if scaling:
         info(scaling)
     problem = engine_problem(cfg, gpus) if line else launch_problem(cfg, gpus)

@@ -343,13 +343,14 @@ def speed_cost(cfg: Config) -> float:
 VAE_ENCODE_BYTES_PER_PIXEL = {"fp32": 3080, "bf16": 1546, "fp16": 1546}
 VAE_RESERVE_FACTOR = 1.5
 
+#: parameters of the image VAE (the SDXL, SD3 and Flux AutoencoderKL, encoder and decoder: 83.7 M), loaded whole
+VAE_PARAMS = 83.7e6
+
 
 #: torch's reserved peak of precompute's T5-XXL stage (4.76 B parameters) by precision: loaded through
 #: bitsandbytes as precompute does, 4 captions of 256 tokens (NVIDIA H200, 2026-11-21: docs/benchmarks.md, "SD3
 #: caption precompute"; 77 tokens 0.1-0.2 GiB less). fp32 is bf16's twice, not measured.
 T5_PRECOMPUTE_GIB = {"int8": 5.96, "nf4": 4.39, "bf16": 9.22, "fp16": 9.22, "fp32": 18.4}
-#: parameters of the image VAE (the SDXL, SD3 and Flux AutoencoderKL, encoder and decoder: 83.7 M), loaded whole
-VAE_PARAMS = 83.7e6
 
 
 def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:

@@ -109,7 +109,7 @@ def _encode_images(
     memory before the first batch, halved (and said once) if it runs out all the same."""
     if device.type != "cuda" or family.video:  # the video VAE tiles its own encode (families/cogvideox.py)
         return family.encode_images(comps, pix)
-    n = min(chunk.size, vae_chunk(chunk.size, vae_dtype, pix.shape[-1] * pix.shape[-2], gpu_room(device)))
+    n = vae_chunk(chunk.size, vae_dtype, pix.shape[-1] * pix.shape[-2], gpu_room(device))  # at most chunk.size
     out: list[torch.Tensor] = []
     i = 0
     while i < len(pix):
