@@ -154,3 +154,50 @@ def test_flux_lora_with_the_8bit_and_cpu_offload_optimizers_tracks_adamw(_datase
     assert type(t.parts.optimizer).__name__ in {"AdamW8bit", "PagedAdamW8bit", "CPUOffloadOptimizer"}
     assert got[0] == pytest.approx(ref[0], rel=1e-3)  # the same first step: same data, noise and weights
     assert got == pytest.approx(ref, rel=0.05)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+def test_flux_on_two_gpus_trains_as_one_gpu_with_the_global_batch(_dataset_master, tmp_path, engine):
+    """Flux through `difftrain train --gpus 2` on NCCL: LoRA under DDP, and a full fine-tune under ZeRO-3 (built
+    partitioned, filled by rank 0); 2 GPUs x batch 2 follow 1 GPU x batch 4 (same global batch) within bf16 noise."""
+    from safetensors.torch import load_file
+
+    model = get_family("flux").build_tiny(tmp_path / "tiny-flux")
+    base = {"train.device": "cuda", "precompute.device": "cuda", "train.mixed_precision": "bf16",
+            "memory.weights.kind": "bf16", "train.learning_rate": 1e-4, "train.max_steps": 8,
+            "train.checkpoint_every": "null", "report.to": "[]", "report.html": "false",
+            "data.cache_dir": tmp_path / "cache"}  # fmt: skip
+    if engine == "zero3":
+        base.update({"memory.engine.kind": "deepspeed", "memory.engine.stage": 3, "train.method": "full",
+                     "memory.engine.offload_optimizer_device": "none", "save.formats": "[diffusers]",
+                     "save.precision": "fp32", "memory.optimizer.kind": "adamw"})  # fmt: skip
+    else:
+        base["memory.engine.kind"] = "ddp"
+    precompute(resolve(recipe="tiny-flux-lora", sets=tiny_sets(model, _dataset_master, tmp_path / "p", **base)).config)
+
+    def run(out: str, batch: int, *extra: str) -> Path:
+        sets = tiny_sets(model, _dataset_master, tmp_path / out, **{**base, "train.batch_size": batch})
+        cmd = [sys.executable, "-m", "difftrain", "train", "--recipe", "tiny-flux-lora", *extra]
+        r = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], capture_output=True, text=True,
+                           env={**os.environ, "DIFFTRAIN_PROGRESS": "0"}, timeout=900)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+        return tmp_path / out / "run"
+
+    two, one = run("two", 2, "--gpus", "2"), run("one", 4)
+
+    def losses(run_dir: Path) -> list[float]:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    assert len(losses(one)) == 8 and losses(two) == pytest.approx(losses(one), rel=0.02)
+    if engine == "ddp":  # the LoRA is the change itself (its B starts at zero)
+        a, b = (load_file(d / "pytorch_lora_weights.safetensors") for d in (two, one))
+        z = {k: torch.zeros_like(v) for k, v in a.items()}
+    else:  # the fine-tuned transformer, as the change from the base weights
+        a, b, z = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+                   for d in (two / "diffusers" / "transformer", one / "diffusers" / "transformer",
+                             model / "transformer"))  # fmt: skip
+    assert a.keys() == b.keys() == z.keys() and len(a) > 0
+    da, db = (torch.cat([x[k].float().flatten() - z[k].float().flatten() for k in sorted(x)]) for x in (a, b))
+    assert db.norm() > 0 and ((da - db).norm() / db.norm()).item() < (0.02 if engine == "ddp" else 0.2)

@@ -41,6 +41,8 @@ from .export import LORA_FILE, Exporter
 from .feed import Accumulation, Feed, Position
 from .guards import Guards, check_replicas
 from .objectives import Draws, Objective
+from .profile import StepProfiler
+from .profile import wanted as profile_wanted
 from .readback import Pending, Readback, Sink, rss_peak_gib
 from .setup import build_parts, choose_engine, choose_speed, prepare_process, training_device
 
@@ -85,6 +87,8 @@ class Trainer:
         self.device = training_device(cfg, self.world)
         self.out = Path(cfg.train.output_dir)
         self.hooks = hooks or Hooks()
+        if hooks is None and (want := profile_wanted()) is not None:  # DIFFTRAIN_PROFILE_DIR: one step profiled
+            self.hooks.after_step = StepProfiler(*want, rank=self.world.rank).after_step
         self.guards = Guards(cfg, self.out, self.world)
         self.pos = Position()
         self.samples: list[Path] = []  # validation samples written so far
