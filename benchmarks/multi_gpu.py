@@ -59,6 +59,9 @@ ZERO3 = [
     "save.formats=[]",
 ]
 FULL = ["train.method=full", "save.formats=[]"]
+# torch's FSDP2 (memory.engine fsdp): fp32 master shares, bf16 compute, torch's AdamW (issue 28, item 3)
+FSDP = ["memory.engine.kind=fsdp", "train.method=full", "save.formats=[]", "memory.optimizer.kind=adamw"]
+ZERO_FILES = Path(__file__).parent / "zero"  # DeepSpeed settings tried against the generated config (issue 28, item 1)
 #: name: (what, family sets, gpus, extra sets, job). Each case's per-GPU throughput is printed against the 1-GPU
 #: case of its job run in the same call (the job's best single-GPU recipe where one is listed), so a sharded run
 #: slower than one GPU shows at once (issue 28, item 4).
@@ -75,6 +78,45 @@ CASES = {
     "Z2": ("SDXL full, ZeRO-3, 2 GPUs", SDXL, 2, ZERO3, "sdxl-full"),
     # the same without deepspeed.zero.Init (each process loads the whole UNet; DeepSpeed partitions it after)
     "Z4-no-init": ("SDXL full, ZeRO-3 without zero.Init, 4 GPUs", SDXL, 4, ZERO3, "sdxl-full"),
+    # ZeRO-3 with DeepSpeed's settings for many small parameters and re-gathers (benchmarks/zero/*.json)
+    "Z2-persist": (
+        "SDXL full, ZeRO-3 + persist.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'persist.json'}"],
+        "sdxl-full",
+    ),
+    "Z2-buckets": (
+        "SDXL full, ZeRO-3 + buckets.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'buckets.json'}"],
+        "sdxl-full",
+    ),
+    "Z2-no-overlap": (
+        "SDXL full, ZeRO-3 + no_overlap.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'no_overlap.json'}"],
+        "sdxl-full",
+    ),
+    "S2": (
+        "SDXL full, ZeRO-2 (optimizer on the GPU), 2 GPUs",
+        SDXL,
+        2,
+        [z.replace("stage=3", "stage=2") for z in ZERO3],
+        "sdxl-full",
+    ),
+    "P1": ("SDXL full, FSDP2, 1 GPU", SDXL, 1, FSDP, "sdxl-full-fsdp"),
+    "P2": ("SDXL full, FSDP2, 2 GPUs", SDXL, 2, FSDP, "sdxl-full"),
+    "P2-keep": (
+        "SDXL full, FSDP2 without resharding after forward, 2 GPUs",
+        SDXL,
+        2,
+        FSDP + ["memory.engine.reshard_after_forward=false"],
+        "sdxl-full",
+    ),
+    "CP2": ("CogVideoX-5b full 49x480x720, FSDP2, 2 GPUs", COG5B, 2, FSDP, "cog5b-full"),
     # CogVideoX-5b full does not fit one 80 GB GPU without offload: its 1-GPU case is the offloaded recipe
     "C1": ("CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, 1 GPU", COG5B, 1, FULL, "cog5b-full"),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3, "cog5b-full"),
@@ -179,7 +221,7 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
-def run_case(name: str, work: Path, steps: int) -> dict:
+def run_case(name: str, work: Path, steps: int, profile_step: int | None = None) -> dict:
     what, fam_sets, gpus, extra, _job = CASES[name]
     recipe = RECIPE.get(name)
     # speed.sync_seconds=0: each step's record is written when it finished (step times are read from them)
@@ -226,6 +268,12 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
     if name.endswith("-no-init"):
         env["DIFFTRAIN_ZERO3_INIT"] = "0"
+    prof = work / f"prof-{name}"
+    if profile_step:  # every rank profiles this step (trainers/profile.py)
+        import shutil
+
+        shutil.rmtree(prof, ignore_errors=True)
+        env.update(DIFFTRAIN_PROFILE_DIR=str(prof), DIFFTRAIN_PROFILE_STEP=str(profile_step))
     if gpus == 1:
         env["LOCAL_RANK"] = "0"  # one plain process: marked so that the sampler finds it (a world of one)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -239,10 +287,12 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     times = [json.loads(x)["time"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     dts = [b - a for a, b in itertools.pairwise(times)][2:]  # the first steps warm up
     s_step = statistics.median(dts) if dts else None
+    profile = [json.loads(p.read_text()) for p in sorted(prof.glob("profile.rank*.json"))] if profile_step else []
     return {
         "case": name,
         "what": what,
         "gpus": gpus,
+        "profile": profile,
         "wall_s": round(wall, 1),
         "s_per_step": s_step and round(s_step, 3),
         "samples_per_s": s_step and round(gpus / s_step, 3),
@@ -259,15 +309,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cases", default="L1,L2,L4,Z4")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--profile-step", type=int, default=None, help="profile this step on every rank (not timed)")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in a.cases.split(","):
-        r = run_case(name, a.work, a.steps)
+        r = run_case(name, a.work, a.steps, a.profile_step)
         rows.append(r)
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "multi_gpu.json").write_text(json.dumps(rows, indent=1))
+            if a.profile_step:  # every case's rank-0 operator tables, in one file
+                tables = [
+                    f"===== {c['case']}\n" + (a.work / f"prof-{c['case']}" / "profile.rank0.txt").read_text()
+                    for c in rows
+                    if (a.work / f"prof-{c['case']}" / "profile.rank0.txt").exists()
+                ]
+                (a.out / "profiles.txt").write_text("\n\n".join(tables))
         print(json.dumps(r)[:1500], flush=True)
     ratios = per_gpu_ratios(rows)
     print(
@@ -276,6 +334,7 @@ def main() -> None:
         "peak alloc GiB per rank |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    prof_lines = []
     for r in rows:
         if "error" in r:
             print(f"| {r['case']} {r['what']} | error: {r['error'][-300:]!r} |")
@@ -288,6 +347,15 @@ def main() -> None:
             f"{f(ld, 'sum_Pss')} / {f(ld, 'sum_Rss')} / {f(ld, 'max_rank_Rss')} / {f(ld, 'sum_Anonymous')} / {f(ld, 'node_used')} | "
             f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} / {f(tr, 'node_used')} | {r['gpu_peak_alloc_gib']} |"
         )
+        for p in r.get("profile", []):
+            prof_lines.append(
+                f"| {r['case']} | {p['rank']} | {p['wall_ms']} | {p['gpu_ms']['compute']} | {p['gpu_ms']['communication']} "
+                f"| {p['gpu_ms']['copies']} | {p['kernel_launches']} |"
+            )
+    if prof_lines:  # where the profiled step went, per rank
+        print("\n| case | rank | step wall ms | GPU compute ms | GPU communication ms | copies ms | kernel launches |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(prof_lines))
 
 
 if __name__ == "__main__":

@@ -88,13 +88,17 @@ def choose_engine(
     """memory.engine ``auto`` resolved for ``processes`` processes on GPUs of ``gpu_gib`` (None: no CUDA GPU), and
     the line that says why (None: nothing to say). ``recorded``: the engine a resumed checkpoint was made with.
     Another engine named in the config is kept as it is; the config returned never says ``auto``."""
-    from .config.schema import EngineDDP, EngineDeepSpeed, EngineSingle
+    from .config.schema import EngineDDP, EngineDeepSpeed, EngineFSDP, EngineSingle
     from .distributed import engine_problem
     from .memory.planner import ZERO_ORDER, zero_memory
 
     if cfg.memory.engine.kind != "auto":
         return cfg, None
     single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
+    if recorded is not None and recorded.get("kind") == "fsdp":  # its checkpoint holds FSDP's optimizer state
+        fsdp = _with(cfg, {"engine": EngineFSDP.model_validate(recorded).model_dump()})
+        if fsdp is not None:
+            return fsdp, "engine auto: FSDP, as the checkpoint resumed was made"
     if recorded is not None and recorded.get("kind") == "deepspeed":
         engine = EngineDeepSpeed.model_validate(recorded)
         kept = _with(cfg, zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})

@@ -117,6 +117,7 @@ class RunFacts:
     deepspeed_stage: int | None = None  # None: not DeepSpeed
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
     fp8_weights: bool = False  # memory.weights fp8 (our fp8 storage, dequantized in each layer)
+    fsdp: bool = False  # memory.engine fsdp: the denoiser's blocks are FSDP2 units
 
 
 def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm: bool = False) -> RunFacts:
@@ -131,6 +132,7 @@ def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm
         deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
         quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
         fp8_weights=m.weights.kind == "fp8",
+        fsdp=m.engine.kind == "fsdp",
     )
 
 
@@ -166,6 +168,8 @@ def _stay_eager(p: Platform, run: RunFacts) -> str | None:
         return f"memory.weights {run.quantized}: bitsandbytes' quantized layers do not compile"
     if run.deepspeed_stage == 3:
         return "ZeRO-3 gathers each weight in hooks inside every layer, which compiled blocks cannot trace"
+    if run.fsdp:
+        return "FSDP gathers each block's weights in hooks around it: compiled blocks not measured under them"
     return None
 
 

@@ -440,6 +440,25 @@ class EngineDeepSpeed(Strict):
     )
 
 
+class EngineFSDP(Strict):
+    """torch's own sharding (FSDP2 ``fully_shard``, as torchtune and accelerate use it) for full fine-tunes of the
+    denoiser: each process keeps 1/N of every weight (fp32 master), gradient and AdamW state; each of the
+    denoiser's blocks is gathered for its forward and backward (in bf16 under mixed precision bf16). Built on
+    the meta device and filled from the main process's mapped read: no process holds the whole model."""
+
+    kind: Literal["fsdp"] = "fsdp"
+    reshard_after_forward: bool = Field(
+        default=True,
+        description="free each block's gathered weights after its forward and gather again for backward (least "
+        "memory, as ZeRO-3); false keeps them until backward (less communication, as ZeRO-2 plus sharded weights)",
+    )
+    offload_params: bool = Field(
+        default=False,
+        description="the weight, gradient and optimizer shares in pinned host RAM (torch's "
+        "CPUOffloadPolicy: the optimizer steps on the CPU)",
+    )
+
+
 class WeightsNF4(Strict):
     """Frozen Linear weights in 4-bit NormalFloat through bitsandbytes (QLoRA); LoRA only, CUDA only."""
 
@@ -467,7 +486,7 @@ Optimizer = Annotated[
 ]
 Activations = Annotated[ActNone | ActCheckpoint, Field(discriminator="kind")]
 Offload = Annotated[OffloadNone | OffloadBlockSwap, Field(discriminator="kind")]
-Engine = Annotated[EngineAuto | EngineSingle | EngineDDP | EngineDeepSpeed, Field(discriminator="kind")]
+Engine = Annotated[EngineAuto | EngineSingle | EngineDDP | EngineDeepSpeed | EngineFSDP, Field(discriminator="kind")]
 
 
 class MemoryConfig(Strict):
@@ -715,6 +734,7 @@ class Config(Strict):
         self._fused_backward()
         self._ddp()
         self._deepspeed()
+        self._fsdp()
         self._offload()
         self._speed(facts)
         self._method()
@@ -779,6 +799,37 @@ class Config(Strict):
                     "memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
                     "before they are averaged; set offload_gradients: false or use memory.engine deepspeed"
                 )
+
+    def _fsdp(self) -> None:
+        """memory.engine fsdp: a full fine-tune of the denoiser with torch's AdamW over sharded weights."""
+        m, t = self.memory, self.train
+        if m.engine.kind != "fsdp":
+            return
+        why = None
+        if t.method != "full":
+            why = "it shards full fine-tunes (a LoRA's frozen base and small adapter train faster under ddp)"
+        elif self.full.train_text_encoder_1 or self.full.train_text_encoder_2:
+            why = "it trains the denoiser only for now: set full.train_text_encoder_*: false"
+        elif m.optimizer.kind != "adamw":
+            why = f"memory.optimizer {m.optimizer.kind} does not step sharded (DTensor) weights: use adamw"
+        elif m.fused_backward:
+            why = "memory.fused_backward steps before the gradients are reduced: set it false"
+        elif m.offload.kind != "none":
+            why = "block swap moves whole weights; fsdp's offload_params keeps the shares in host RAM instead"
+        elif m.weights.kind not in ("bf16", "fp32"):
+            why = f"memory.weights {m.weights.kind}: the sharded master weights are fp32 (bf16 compute)"
+        elif t.mixed_precision == "fp16":
+            why = "train.mixed_precision fp16: use bf16 (or no)"
+        elif self.ema.enabled:
+            why = "ema reads whole weights, which no process holds: set ema.enabled: false"
+        elif self.validation.prompts:
+            why = "validation.prompts: the pipeline cannot run on sharded weights; leave it empty"
+        elif self.speed.float8:
+            why = "speed.float8 is not supported with it: set speed.float8: false"
+        elif self.speed.compile is True:
+            why = "speed.compile is not measured with FSDP's hooks yet: set speed.compile: false (or auto)"
+        if why:
+            raise ValueError(f"memory.engine fsdp: {why}")
 
     def _deepspeed(self) -> None:
         """memory.engine deepspeed: what DeepSpeed owns, and what ZeRO-3's partitioned weights rule out."""

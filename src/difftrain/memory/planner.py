@@ -278,6 +278,8 @@ def _gradients_and_optimizer(
             "optimizer offloaded was measured 35 % above this plan's"
             + (f"; the shards over {processes} GPUs are ZeRO's arithmetic, not measured" if processes > 1 else "")
         )
+    if m.engine.kind == "fsdp":
+        gpu_state = _fsdp_terms(cfg, hints, trainable, e, processes)
     e.gpu["optimizer state"] = trainable * gpu_state / GIB
     if m.optimizer.kind == "adafactor" and cfg.train.method == "full":
         # fp32 factored second moments: a row and a column vector for each matrix (families/common.py)
@@ -285,6 +287,35 @@ def _gradients_and_optimizer(
         factored = sum(parts[p].get("adafactor_state", parts[p]["total"]) for p in hints["trained_parts"] if p in parts)
         e.gpu["optimizer state"] = factored * 4 / GIB
     return host_state
+
+
+def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes: int) -> float:
+    """FSDP2 (memory.engine fsdp, full fine-tunes): what each of ``processes`` GPUs holds, by FSDP's arithmetic
+    (not yet measured): its share of the fp32 weights, fp32 gradients and AdamW moments, plus the units gathered
+    whole in the compute dtype (the root, the block computing and the one prefetched; every block between forward
+    and backward with reshard_after_forward false) and a block's unsharded gradients in flight to the
+    reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
+    e_ = cfg.memory.engine
+    n = processes
+    den = hints["denoiser"]
+    numel = hints["parts"][den]["total"]
+    units = hints.get("swap_units") or [hints["largest_param"]]
+    compute = 2 if cfg.train.mixed_precision == "bf16" else 4
+    root = max(numel - sum(units), 0)
+    largest = max(units)
+    gathered = numel if not getattr(e_, "reshard_after_forward", True) else root + 2 * largest
+    shares = {"weights": numel * 4 / n, "gradients": trainable * 4 / n, "optimizer": trainable * 8 / n}
+    e.gpu["weights"] = gathered * compute / GIB
+    e.gpu["gradients"] = largest * (compute + 4) / GIB
+    if getattr(e_, "offload_params", False):
+        e.host["FSDP shares (weights, gradients, AdamW)"] = sum(shares.values()) / GIB
+        state = 0.0
+    else:
+        e.gpu["weights"] += shares["weights"] / GIB
+        e.gpu["gradients"] += shares["gradients"] / GIB
+        state = 8 / n
+    e.notes.append(f"FSDP's terms are its sharding arithmetic over {n} process(es), not measured yet")
+    return state
 
 
 def _zero_shards(e: Estimate, e_: Any, processes: int, trainable: int, hints: dict) -> None:

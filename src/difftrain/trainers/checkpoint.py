@@ -167,21 +167,34 @@ class Checkpointer:
         from ..memory.deepspeed_engine import gathered
 
         p = self.parts
-        with gathered(p.engine, p.params):
-            weights = {
-                f"{part}.{n}": w.detach().clone()
-                for part, m in p.trained.items()
-                for n, w in trainable_state(m).items()
-            }
-        if write:
-            save_tree(weights, tmp, "trainable")
+        if p.fsdp:  # whole tensors on the first process, gathered from every process's shares (collective)
+            from ..memory import fsdp
+
+            weights = {}
+            for part, m in p.trained.items():
+                names = set(trainable_state(m))
+                weights.update({f"{part}.{n}": w for n, w in fsdp.full_model_state(m).items() if n in names})
+            (den,) = p.trained  # the validator allows the denoiser alone
+            optim = fsdp.full_optimizer_state(p.trained[den], p.optimizer)
+            if write:
+                save_tree(weights, tmp, "trainable")
+                save_tree(optim, tmp, "optimizer")
+        else:
+            with gathered(p.engine, p.params):
+                weights = {
+                    f"{part}.{n}": w.detach().clone()
+                    for part, m in p.trained.items()
+                    for n, w in trainable_state(m).items()
+                }
+            if write:
+                save_tree(weights, tmp, "trainable")
         if p.engine is not None:
             # DeepSpeed's partitioned optimizer state, in DeepSpeed's own format (torch pickles: resuming
             # from them needs --allow-pickle, as any pickle does); every process writes its own partition
             p.engine.save_checkpoint(
                 str(tmp / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
             )
-        elif write:
+        elif write and not p.fsdp:  # FSDP's whole optimizer state is written above
             save_tree(p.optimizer.state_dict(), tmp, "optimizer")
         lora = self.cfg.train.method == "lora"
         layers = self.exporter.layers() if lora and p.engine is not None else None
@@ -281,6 +294,9 @@ class Checkpointer:
         info(f"resumed from {folder} at step {pos.step} (epoch {pos.epoch}, batch {pos.batch_pos})")
 
     def _load_weights(self, folder: Path) -> None:
+        if self.parts.fsdp:
+            self._load_sharded(folder)
+            return
         weights = load_tree(folder, "trainable")
         for part, m in self.parts.trained.items():
             own = trainable_state(m)
@@ -296,8 +312,37 @@ class Checkpointer:
                     if n in sub:
                         w.copy_(sub[n])
 
+    def _load_sharded(self, folder: Path) -> None:
+        """FSDP: the first process reads the whole weights and optimizer state, every process keeps its shares (cut
+        for this run's process count, whatever the checkpoint's was); host RAM holds them once, on the first."""
+        from ..memory import fsdp
+
+        p = self.parts
+        (den,) = p.trained
+        m = p.trained[den]
+        own = set(trainable_state(m))
+        weights: dict = {}
+        optim: dict = {}
+        problem = None
+        if self.world.main:
+            full = load_tree(folder, "trainable")
+            weights = {n[len(den) + 1 :]: w for n, w in full.items() if n.startswith(den + ".")}
+            if set(weights) != own:
+                problem = f"{len(weights)} tensors of {den} saved, {len(own)} trained"
+            optim = load_tree(folder, "optimizer")
+        problem = dist_.broadcast_object(problem, self.world)
+        if problem:
+            raise CheckpointError(
+                f"The checkpoint {folder} was made for another model or method ({problem}).",
+                hint="Resume with the config saved in the checkpoint folder (config.yaml).",
+            )
+        fsdp.load_model_state(m, weights)
+        fsdp.load_optimizer_state(m, p.optimizer, optim)
+
     def _load_optimizer(self, folder: Path, state: dict) -> None:
         p = self.parts
+        if p.fsdp:  # read with the weights (_load_sharded)
+            return
         if p.engine is None:
             p.optimizer.load_state_dict(load_tree(folder, "optimizer", device=self.device))
             return

@@ -104,7 +104,11 @@ class Exporter:
         from ..memory.deepspeed_engine import gathered
 
         for m in self.parts.trained.values():
-            if self.parts.engine is not None:
+            if self.parts.fsdp:
+                from ..memory.fsdp import full_model_state
+
+                full_model_state(m)  # the gather is collective; the first process keeps the result
+            elif self.parts.engine is not None:
                 with gathered(self.parts.engine, list(m.parameters())):
                     pass
         return []
@@ -115,7 +119,11 @@ class Exporter:
 
         p, sds = self.parts, {}
         for part, m in modules.items():
-            if p.engine is not None and part in p.trained:
+            if p.fsdp and part in p.trained:
+                from ..memory.fsdp import full_model_state
+
+                sd = full_model_state(m)
+            elif p.engine is not None and part in p.trained:
                 with gathered(p.engine, list(m.parameters())):
                     sd = {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
             else:

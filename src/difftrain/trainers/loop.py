@@ -456,6 +456,10 @@ class Trainer:
                 if t.max_grad_norm
                 else torch.nn.utils.get_total_norm(grads)
             )
+            if p.fsdp:  # over sharded gradients the norm is a DTensor: its whole value
+                from ..memory.fsdp import full_norm
+
+                norm = full_norm(norm)
         if skip_mode and norm is not None and not bool(torch.isfinite(norm + loss)):  # skip mode's one host sync
             self._skip_step(float(loss), float(norm))
         else:

@@ -68,7 +68,13 @@ class StepProfiler:
             if e.device_type != DeviceType.CUDA or e.key.startswith(("ProfilerStep", "## ")):
                 continue
             low = e.key.lower()
-            kind = "communication" if any(m in low for m in COMM) else "copies" if any(m in low for m in COPIES) else "compute"
+            kind = (
+                "communication"
+                if any(m in low for m in COMM)
+                else "copies"
+                if any(m in low for m in COPIES)
+                else "compute"
+            )
             kinds[kind] += e.self_device_time_total / 1e3
         launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         out: dict[str, Any] = {

@@ -94,6 +94,7 @@ class Parts:
     optimizer: Any = None
     wrapped: dict[str, torch.nn.Module] = field(default_factory=dict)  # DDP wrappers, for the forward passes only
     ema: EMA | None = None
+    fsdp: bool = False  # the trained denoiser is sharded by FSDP2 (memory.engine fsdp)
 
     def forward_module(self, part: str) -> torch.nn.Module:
         """What a forward pass of ``part`` runs: its DDP wrapper on several processes, else the part."""
@@ -112,6 +113,10 @@ class Parts:
         stack = contextlib.ExitStack()
         for w in self.wrapped.values():
             stack.enter_context(w.no_sync())  # type: ignore[operator]  # DDP's no_sync, an untyped method
+        if self.fsdp:
+            from ..memory.fsdp import no_sync
+
+            stack.enter_context(no_sync(list(self.trained.values())))
         return stack
 
 
@@ -123,7 +128,7 @@ class Build:
     family: ModelFamily
     device: torch.device
     lrs: dict[str, float]  # trained part -> learning rate
-    zero3: bool  # the denoiser was built partitioned by DeepSpeed
+    zero3: bool  # the denoiser was built partitioned by DeepSpeed (or sharded by FSDP2)
     init: tuple[dict, dict] | None  # lora.init_weights as read: (layers per part, alphas per part)
     trained: dict[str, torch.nn.Module] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
@@ -207,7 +212,9 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if part != b.family.denoiser:
         return
     sp = b.cfg.speed
-    if sp.channels_last:
+    if sp.channels_last and b.zero3 and b.cfg.memory.engine.kind == "fsdp":
+        warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
+    elif sp.channels_last:
         speed_.channels_last(module)
     if sp.compile:
         act = b.cfg.memory.activations
@@ -288,6 +295,51 @@ def _init_lora(cfg: Config, part: str, module: torch.nn.Module, init: tuple[dict
     info(f"{part}: LoRA weights taken from {src}")
 
 
+def _fsdp_builds_denoiser(cfg: Config, family: ModelFamily, parts: list[str]) -> bool:
+    """memory.engine fsdp (full fine-tunes, the validator checks): the denoiser is built sharded."""
+    return cfg.memory.engine.kind == "fsdp" and family.denoiser in parts
+
+
+def _sharded_denoiser(cfg: Config, family: ModelFamily, world: dist_.World, device: torch.device) -> torch.nn.Module:
+    """FSDP2: the denoiser built on the meta device, each block sharded (memory.fsdp.shard), storage made for this
+    process's shares only, then filled from the main process's memory-mapped read, one tensor at a time."""
+    from ..memory import fsdp
+
+    den = family.denoiser
+    e = cfg.memory.engine
+    fsdp.ensure_group(device)
+    with torch.device("meta"):
+        module = family.empty_part(cfg.model, den)
+    compute = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else None
+    fsdp.shard(
+        module,
+        family.swap_blocks(module),
+        compute,
+        getattr(e, "reshard_after_forward", True),
+        getattr(e, "offload_params", False),
+    )
+    module.to_empty(device="cpu" if getattr(e, "offload_params", False) else device)
+    try:
+        fsdp.fill(module, _mapped_denoiser(cfg, family) if world.main else None, device, world.main)
+    except ValueError as err:
+        raise ModelLoadError(
+            f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
+            hint="Check model.config (single files) or the folder's config.json.",
+        ) from None
+    return module.requires_grad_(False).eval()
+
+
+def _mapped_denoiser(cfg: Config, family: ModelFamily) -> torch.nn.Module:
+    """The denoiser read in the dtype the file stores, its pages memory-mapped (no private copy): the copy to each
+    process's share converts; a dtype conversion here would hold a second, private copy of the model."""
+    den = family.denoiser
+    p = Path(cfg.model.path)  # type: ignore[arg-type]  # the model was loaded from it
+    files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
+    dtype = stored_float_dtype(files) or weights_dtype(cfg.memory)  # None: not safetensors
+    with mapped_reads():  # from_pretrained's mapped pages, not difftrain's private reads (common.mapped_reads)
+        return family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
+
+
 def _zero3_builds_denoiser(cfg: Config, family: ModelFamily, parts: list[str]) -> bool:
     """A full fine-tune under ZeRO-3 builds the denoiser partitioned. Not with LoRA: peft reads the whole shape
     of each adapted weight, which a partitioned one no longer has (its frozen base is then loaded by every
@@ -310,17 +362,10 @@ def _partitioned_denoiser(cfg: Config, family: ModelFamily, world: dist_.World) 
 
     den = family.denoiser
 
-    def read() -> torch.nn.Module:
-        # in the dtype the file stores (its pages memory-mapped, no private copy): the copy to each
-        # GPU share converts; a dtype conversion here would hold a second, private copy of the model
-        p = Path(cfg.model.path)  # type: ignore[arg-type]  # the model was loaded from it
-        files = [p] if p.is_file() else sorted((p / den).glob("*.safetensors"))
-        dtype = stored_float_dtype(files) or weights_dtype(cfg.memory)  # None: not safetensors
-        with mapped_reads():  # from_pretrained's mapped pages, not difftrain's private reads (common.mapped_reads)
-            return family.load(cfg.model, [den], dtype=dtype, device="cpu")[den]
-
     try:
-        return build_partitioned(cfg, lambda: family.empty_part(cfg.model, den), read, world.main)
+        return build_partitioned(
+            cfg, lambda: family.empty_part(cfg.model, den), lambda: _mapped_denoiser(cfg, family), world.main
+        )
     except ValueError as err:
         raise ModelLoadError(
             f"The {den} weights of {cfg.model.path} do not fit its config: {err}.",
@@ -340,7 +385,8 @@ def build_parts(
 ) -> Parts:
     """Load ``parts`` and apply :data:`TECHNIQUES` to each; then the optimizer, DDP and the EMA."""
     den = family.denoiser
-    zero3 = _zero3_builds_denoiser(cfg, family, parts)
+    sharded = _fsdp_builds_denoiser(cfg, family, parts)
+    zero3 = _zero3_builds_denoiser(cfg, family, parts) or sharded
     loaded = [part for part in parts if not (zero3 and part == den)]
     precision = stage_precisions(family, cfg.text_encoders, live)
     comps = (
@@ -354,25 +400,28 @@ def build_parts(
         if loaded
         else {}
     )
-    if zero3:
+    if sharded:
+        comps[den] = _sharded_denoiser(cfg, family, world, device)
+    elif zero3:
         comps[den] = _partitioned_denoiser(cfg, family, world)
     b = Build(cfg, family, device, lrs, zero3, init)
     for part in parts:
         for technique in TECHNIQUES:
             technique(b, part, comps[part])
     out = Parts(comps, b.trained, [p for g in b.groups for p in g["params"]], b.groups, block_swap=b.block_swap)
+    out.fsdp = sharded
     _optimizer(cfg, family, out)
     if world.distributed and cfg.memory.engine.kind in ("auto", "single", "ddp"):
         _wrap_ddp(cfg, world, device, out)
     e = cfg.memory.engine
     if (
         world.distributed
-        and e.kind == "deepspeed"
-        and e.stage == 3
+        and ((e.kind == "deepspeed" and e.stage == 3) or e.kind == "fsdp")
         and (cfg.validation.prompts or cfg.validation.loss_items)
     ):
         raise ConfigError(
-            "validation with DeepSpeed ZeRO-3 on several processes is not supported yet (the first "
+            f"validation with {'FSDP' if e.kind == 'fsdp' else 'DeepSpeed ZeRO-3'} on several processes is not "
+            "supported yet (the first "
             "process alone cannot run a model whose weights are spread over all of them).",
             hint="Drop validation.prompts / validation.loss_items for this run, or use ZeRO-2.",
         )

@@ -1,0 +1,126 @@
+"""memory.engine fsdp (torch's FSDP2) on the CPU: one process trains as the plain engine does; two gloo processes
+(`train --gpus 2`) train as one with the same global batch; a two-process checkpoint resumes on one (issue 28)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import Trainer, train
+
+FULL = {
+    "train.method": "full",
+    "memory.weights.kind": "fp32",
+    "train.mixed_precision": "no",
+    "memory.optimizer.kind": "adamw",
+    "train.learning_rate": 1e-3,
+    "train.max_steps": 4,
+    "train.checkpoint_every": 2,
+    "save.precision": "fp32",
+    "speed.compile": "false",
+    "train.device": "cpu",
+    "report.to": "[]",
+    "report.html": "false",
+}
+
+
+def _close(a: dict, b: dict, rel: float) -> None:
+    """Two exports of the same training: equal as a whole within ``rel`` (AdamW turns summation-order noise in
+    near-zero gradients into steps of about the learning rate on single elements)."""
+    assert a.keys() == b.keys() and len(a) > 100
+    va, vb = (torch.cat([x[k].float().flatten() for k in sorted(x)]) for x in (a, b))
+    assert ((va - vb).norm() / vb.norm()).item() < rel
+
+
+def test_fsdp_on_one_process_trains_as_the_plain_engine_and_checkpoints_whole_tensors(tiny_model, dataset, tmp_path):
+    def cfg(out, **extra):
+        sets = tiny_sets(tiny_model, dataset, tmp_path / out, **{**FULL, "data.cache_dir": tmp_path / "cache", **extra})
+        return resolve(recipe="tiny-sdxl-lora", sets=sets).config
+
+    plain = cfg("plain")
+    precompute(plain)
+    a = train(plain)
+    t = Trainer(cfg("fsdp", **{"memory.engine.kind": "fsdp"}))
+    b = t.run()
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(t.parts.trained["unet"], FSDPModule) and t.parts.fsdp
+    # every block is its own FSDP unit
+    assert sum(isinstance(m, FSDPModule) for m in t.parts.trained["unet"].modules()) > 10
+    assert b.losses == pytest.approx(a.losses, rel=1e-5)
+    _close(load_file(a.saved[-1]), load_file(b.saved[-1]), 1e-4)
+    from difftrain.trainers.state import load_tree
+
+    ck = load_tree(b.checkpoints[-1], "trainable")
+    ref = load_tree(a.checkpoints[-1], "trainable")
+    assert ck.keys() == ref.keys() and all(ck[k].shape == ref[k].shape for k in ck)  # whole tensors, not shares
+    opt = load_tree(b.checkpoints[-1], "optimizer")
+    assert {"state", "param_groups"} <= set(opt) and "conv_in.weight" in opt["state"]  # keyed by parameter name
+
+
+def test_fsdp_is_refused_where_it_cannot_train(tiny_model, dataset, tmp_path):
+    from difftrain.errors import ConfigError
+
+    for extra, needle in (
+        ({"memory.optimizer.kind": "adamw8bit"}, "does not step sharded"),
+        ({"ema.enabled": "true"}, "ema reads whole weights"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            resolve(
+                recipe="tiny-sdxl-lora",
+                sets=tiny_sets(tiny_model, dataset, tmp_path, **{**FULL, "memory.engine.kind": "fsdp", **extra}),
+            )
+    # through the console script: exit 2, the reason, no traceback, nothing written
+    sets = tiny_sets(tiny_model, dataset, tmp_path / "lora", **{**FULL, "memory.engine.kind": "fsdp",
+                     "train.method": "lora"})  # fmt: skip
+    r = _difftrain("train", "--recipe", "tiny-sdxl-lora", *[a for s in sets for a in ("--set", s)])
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "memory.engine fsdp: it shards full fine-tunes" in text, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "lora" / "run").exists()
+
+
+def _difftrain(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "difftrain", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_train_as_one_and_their_checkpoint_resumes_on_one(tiny_model, _dataset_master, tmp_path):
+    cache = tmp_path / "cache"
+    precompute(resolve(recipe="tiny-sdxl-lora",
+                       sets=tiny_sets(tiny_model, _dataset_master, tmp_path / "x", **{"data.cache_dir": cache})).config)  # fmt: skip
+
+    def run(out: str, batch: int, *extra: str) -> subprocess.CompletedProcess:
+        sets = tiny_sets(tiny_model, _dataset_master, tmp_path / out,
+                         **{**FULL, "memory.engine.kind": "fsdp", "train.batch_size": batch, "data.cache_dir": cache})  # fmt: skip
+        r = _difftrain("train", "--recipe", "tiny-sdxl-lora", *extra, *[a for s in sets for a in ("--set", s)])
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r
+
+    run("two", 1, "--gpus", "2")
+    run("one", 2)
+
+    def losses(out: str) -> list[float]:
+        rows = (tmp_path / out / "run" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)]
+
+    assert len(losses("one")) == 4 and losses("two") == pytest.approx(losses("one"), rel=1e-4)
+    two_final = load_file(tmp_path / "two" / "run" / "model.safetensors")
+    _close(two_final, load_file(tmp_path / "one" / "run" / "model.safetensors"), 1e-3)
+    first = sorted((tmp_path / "two" / "run" / "checkpoints").iterdir())[0]
+    state = json.loads((first / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["engine"]["kind"] == "fsdp"
+    # the two-process checkpoint at step 2, resumed on one process (same global batch): it ends as the two did
+    run("two", 2, "--resume", str(first))
+    _close(load_file(tmp_path / "two" / "run" / "model.safetensors"), two_final, 1e-3)
