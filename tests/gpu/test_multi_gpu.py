@@ -279,3 +279,44 @@ def test_two_nodes_of_one_gpu_on_one_host_train_as_one_node_of_two(cache, tiny_m
     la = [json.loads(x)["loss"] for x in (cache / "nodes" / "run" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (one_node / "run" / "metrics.jsonl").read_text().splitlines()]
     assert la == pytest.approx(lb, rel=1e-4)
+
+
+def test_fsdp_full_finetune_on_two_gpus_trains_as_one_and_resumes_on_one(cache, tiny_model, _dataset_master):
+    """memory.engine fsdp (torch's FSDP2) on NCCL: a full fine-tune on 2 GPUs x batch 2 follows 1 GPU x batch 4
+    (bf16 compute, fp32 master shares), and its step-3 checkpoint resumes on one GPU to the same end."""
+    extra = {"train.method": "full", "memory.engine.kind": "fsdp", "memory.optimizer.kind": "adamw",
+             "train.mixed_precision": "bf16", "memory.weights.kind": "bf16", "train.learning_rate": 1e-4,
+             "save.precision": "fp32", "save.formats": "[diffusers]"}  # fmt: skip
+
+    def run(out, batch, *more):
+        r = _run("train", "--recipe", "tiny-sdxl-lora", *more,
+                 *_args(tiny_model, _dataset_master, cache / out, cache / "cache", **{"train.batch_size": batch, **extra}))  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+
+    run("fsdp-two", 2, "--gpus", "2")
+    run("fsdp-one", 4)
+
+    def losses(out):
+        rows = (cache / out / "run" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)]
+
+    def unet(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    def model(out):
+        return unet(cache / out / "run" / "diffusers" / "unet")
+
+    assert len(losses("fsdp-one")) == 6 and losses("fsdp-two") == pytest.approx(losses("fsdp-one"), rel=0.02)
+    base = unet(tiny_model / "unet")
+
+    def change(sd):  # what training moved
+        assert sd.keys() == base.keys()
+        return torch.cat([sd[k].float().flatten() - base[k].float().flatten() for k in sorted(sd)])
+
+    two, one = model("fsdp-two"), model("fsdp-one")
+    da, db = change(two), change(one)
+    assert db.norm() > 0 and ((da - db).norm() / db.norm()).item() < 0.2  # bf16 compute on each side
+    first = sorted((cache / "fsdp-two" / "run" / "checkpoints").iterdir())[0]
+    run("fsdp-two", 4, "--resume", str(first))
+    dc = change(model("fsdp-two"))
+    assert ((dc - da).norm() / da.norm()).item() < 0.2
