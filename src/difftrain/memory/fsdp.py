@@ -21,7 +21,9 @@ one, in host RAM), and neither accelerate nor torch reads difftrain's families o
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,27 +118,131 @@ def full_model_state(module: torch.nn.Module) -> dict[str, Any]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_model_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
-    """Whole weights (read by the main process only; {} on the others) handed out as each process's shares."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+# ------------------------------------------------------------------ checkpoints: each process its own shares
+#: the file each process writes its shares into, in a checkpoint's fsdp/ folder
+SHARD_FILE = "rank{rank:05d}.safetensors"
 
 
-def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The whole optimizer state, keyed by parameter name, on the main process's CPU (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+def _rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows [start, end) of a dim-0 size ``n`` that ``rank`` of ``world`` holds (torch.chunk's cut, which FSDP2
+    and DTensor's Shard(0) use: ceil(n / world) rows each, the last ones fewer or none)."""
+    per = -(-n // world) if n else 0
+    start = min(rank * per, n)
+    return start, min(start + per, n)
 
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def load_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """A whole optimizer state (the main process's; {} on the others) handed out as each process's shares."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def save_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int, world: int) -> None:
+    """This process's shares of the trained weights and of their optimizer state, written to ``folder`` (every
+    process its own file, one tensor at a time: host RAM holds one tensor, never the model). The param groups
+    (learning rates, betas) go beside them as JSON, from the first process."""
+    from ..utils import atomic_write_text, stream_save_safetensors
 
-    set_optimizer_state_dict(
-        module, optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    names = {id(p): n for n, p in module.named_parameters()}
+    sd = optimizer.state_dict()
+    by_index = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            tensors[f"w:{name}"] = _local(p.detach())
+    for i, state in sd["state"].items():
+        name = names[id(by_index[i])]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"o:{name}:{key}"] = _local(value)
+    folder.mkdir(parents=True, exist_ok=True)
+    stream_save_safetensors(
+        folder / SHARD_FILE.format(rank=rank), tensors, metadata={"world": str(world), "rank": str(rank)}
     )
+    if rank == 0:
+        groups = [
+            {
+                **{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"},
+                "params": [names[id(by_index[i])] for i in g["params"]],
+            }
+            for g in sd["param_groups"]
+        ]
+        atomic_write_text(folder / "param_groups.json", json.dumps(groups, indent=1))
+
+
+def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int, world: int) -> None:
+    """What :func:`save_shares` wrote, on ``world`` processes whatever the count that wrote it: each process reads
+    only the rows it holds now, from the files that hold them (memory-mapped slices), into its shares; the
+    optimizer state is rebuilt around them. Raises ValueError naming what does not fit."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+
+    files = sorted(folder.glob("rank*.safetensors"))
+    if not files:
+        raise ValueError(f"no FSDP shares in {folder}")
+    with safe_open(str(files[0]), framework="pt") as f:
+        old = int((f.metadata() or {}).get("world", len(files)))
+    if len(files) != old:
+        raise ValueError(f"{folder} holds {len(files)} share files of a run on {old} processes")
+    handles = [safe_open(str(p), framework="pt") for p in files]
+    keys = set(handles[0].keys())
+
+    def whole_rows(key: str, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the saved tensor ``key``, from the old processes' files that hold them."""
+        pieces = []
+        for r, h in enumerate(handles):
+            a, b = _rows_of(h, key, r)
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                pieces.append(h.get_slice(key)[lo - a : hi - a])
+        if not pieces:
+            return h.get_slice(key)[0:0]
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def _rows_of(h, key: str, r: int) -> tuple[int, int]:
+        n_total = sum(hh.get_slice(key).get_shape()[0] for hh in handles) if h.get_slice(key).get_shape() else 0
+        return _rows(n_total, old, r)
+
+    def share(key: str, like: torch.Tensor) -> torch.Tensor:
+        """This process's share of saved ``key``, laid out as ``like`` (a sharded parameter or a plain tensor)."""
+        if key not in keys:
+            raise ValueError(f"{key.split(':', 2)[1]} is not in the checkpoint's shares")
+        if isinstance(like, DTensor):
+            if tuple(like.placements) != (Shard(0),):
+                raise ValueError(f"placements {like.placements} are not FSDP's Shard(0)")
+            start, end = _rows(like.shape[0], world, rank)
+            return whole_rows(key, start, end)
+        return handles[0].get_tensor(key)
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                local = _local(p)
+                got = share(f"w:{name}", p)
+                if tuple(got.shape) != tuple(local.shape):
+                    raise ValueError(f"{name}: saved share {tuple(got.shape)}, this process holds {tuple(local.shape)}")
+                local.copy_(got)
+    groups = json.loads((folder / "param_groups.json").read_text(encoding="utf-8"))
+    by_index = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {names[id(p)]: i for i, p in enumerate(by_index)}
+    state: dict[int, dict] = {}
+    for key in sorted(k for k in keys if k.startswith("o:")):
+        _, name, what = key.split(":", 2)
+        if name not in index:
+            raise ValueError(f"{name} has optimizer state in the checkpoint but does not train here")
+        p = by_index[index[name]]
+        value = share(key, p) if tuple(handles[0].get_slice(key).get_shape()) and isinstance(p, DTensor) else None
+        if value is None:  # a scalar (AdamW's step): the same on every process
+            tensor = handles[0].get_tensor(key)
+        else:
+            local = value.to(_local(p).device, _local(p).dtype if value.is_floating_point() else value.dtype)
+            tensor = DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        state.setdefault(index[name], {})[what] = tensor
+    saved_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
 
 
 @contextlib.contextmanager

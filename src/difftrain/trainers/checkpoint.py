@@ -167,18 +167,11 @@ class Checkpointer:
         from ..memory.deepspeed_engine import gathered
 
         p = self.parts
-        if p.fsdp:  # whole tensors on the first process, gathered from every process's shares (collective)
+        if p.fsdp:  # every process writes its own shares of the weights and the optimizer state
             from ..memory import fsdp
 
-            weights = {}
-            for part, m in p.trained.items():
-                names = set(trainable_state(m))
-                weights.update({f"{part}.{n}": w for n, w in fsdp.full_model_state(m).items() if n in names})
-            (den,) = p.trained  # the validator allows the denoiser alone
-            optim = fsdp.full_optimizer_state(p.trained[den], p.optimizer)
-            if write:
-                save_tree(weights, tmp, "trainable")
-                save_tree(optim, tmp, "optimizer")
+            (module,) = p.trained.values()  # the validator allows the denoiser alone
+            fsdp.save_shares(module, p.optimizer, tmp / "fsdp", self.world.rank, self.world.size)
         else:
             with gathered(p.engine, p.params):
                 weights = {
@@ -313,31 +306,25 @@ class Checkpointer:
                         w.copy_(sub[n])
 
     def _load_sharded(self, folder: Path) -> None:
-        """FSDP: the first process reads the whole weights and optimizer state, every process keeps its shares (cut
-        for this run's process count, whatever the checkpoint's was); host RAM holds them once, on the first."""
+        """FSDP: each process reads the rows of every weight and optimizer state it holds now from the shares the
+        checkpoint's processes wrote (memory-mapped slices: another process count re-cuts them, and no process
+        reads the whole model)."""
         from ..memory import fsdp
 
         p = self.parts
-        (den,) = p.trained
-        m = p.trained[den]
-        own = set(trainable_state(m))
-        weights: dict = {}
-        optim: dict = {}
-        problem = None
-        if self.world.main:
-            full = load_tree(folder, "trainable")
-            weights = {n[len(den) + 1 :]: w for n, w in full.items() if n.startswith(den + ".")}
-            if set(weights) != own:
-                problem = f"{len(weights)} tensors of {den} saved, {len(own)} trained"
-            optim = load_tree(folder, "optimizer")
-        problem = dist_.broadcast_object(problem, self.world)
-        if problem:
+        (module,) = p.trained.values()
+        if not (folder / "fsdp").is_dir():
             raise CheckpointError(
-                f"The checkpoint {folder} was made for another model or method ({problem}).",
+                f"The checkpoint {folder} holds no FSDP shares: it was made with another memory.engine.",
                 hint="Resume with the config saved in the checkpoint folder (config.yaml).",
             )
-        fsdp.load_model_state(m, weights)
-        fsdp.load_optimizer_state(m, p.optimizer, optim)
+        try:
+            fsdp.load_shares(module, p.optimizer, folder / "fsdp", self.world.rank, self.world.size)
+        except ValueError as e:
+            raise CheckpointError(
+                f"The checkpoint {folder} does not fit this run: {e}.",
+                hint="Resume with the config saved in the checkpoint folder (config.yaml).",
+            ) from None
 
     def _load_optimizer(self, folder: Path, state: dict) -> None:
         p = self.parts
