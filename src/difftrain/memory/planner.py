@@ -143,9 +143,10 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     if cfg.model.path is not None and Path(cfg.model.path).is_dir():
         # a diffusers folder's models are read by difftrain's SafetensorsReader like a single file (private reads,
         # families.common.read_diffusers_model); transformers' text encoders, and the denoiser of ZeRO-3's
-        # partitioned build, through safetensors' mapping: their pages count while they are loaded
+        # partitioned build (and FSDP's sharded one), through safetensors' mapping: their pages count while they
+        # are loaded
         e_ = m.engine
-        zero3 = e_.kind == "deepspeed" and e_.stage == 3 and cfg.train.method == "full"
+        zero3 = (e_.kind == "deepspeed" and e_.stage == 3 and cfg.train.method == "full") or e_.kind == "fsdp"
         mapped = [
             name
             for name, p in parts.items()
