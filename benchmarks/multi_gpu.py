@@ -100,6 +100,20 @@ CASES = {
         ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'no_overlap.json'}"],
         "sdxl-full",
     ),
+    "Z2-leaf": (
+        "SDXL full, ZeRO-3 + leaf.json (blocks as leaf modules), 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'leaf.json'}"],
+        "sdxl-full",
+    ),
+    "Z2-allreduce": (
+        "SDXL full, ZeRO-3 + allreduce_fetch.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'allreduce_fetch.json'}"],
+        "sdxl-full",
+    ),
     "S2": (
         "SDXL full, ZeRO-2 (optimizer on the GPU), 2 GPUs",
         SDXL,
