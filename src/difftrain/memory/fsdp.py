@@ -111,11 +111,19 @@ def fill(target: torch.nn.Module, source: torch.nn.Module | None, device: torch.
     return copied
 
 
-def full_model_state(module: torch.nn.Module) -> dict[str, Any]:
-    """The whole weights on the main process's CPU (collective: every process calls it; the others get {})."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_model_state(module: torch.nn.Module, main: bool, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The whole weights on the main process's CPU, gathered one tensor at a time and cast to ``dtype`` there
+    (floating tensors; None: as trained), so its host RAM holds the model once at the export's precision, never
+    an fp32 copy beside it. Collective: every process calls it; the others get {}."""
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out: dict[str, Any] = {}
+    for name, t in module.state_dict().items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t  # the all-gather: every process takes part
+        if main:
+            out[name] = whole.detach().to("cpu", dtype if dtype is not None and whole.is_floating_point() else None)
+        del whole
+    return out
 
 
 # ------------------------------------------------------------------ checkpoints: each process its own shares

@@ -107,13 +107,15 @@ class Exporter:
             if self.parts.fsdp:
                 from ..memory.fsdp import full_model_state
 
-                full_model_state(m)  # the gather is collective; the first process keeps the result
+                full_model_state(m, main=False)  # the gather is collective; the first process keeps the result
             elif self.parts.engine is not None:
                 with gathered(self.parts.engine, list(m.parameters())):
                     pass
         return []
 
-    def _state_dicts(self, modules: dict[str, torch.nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
+    def _state_dicts(
+        self, modules: dict[str, torch.nn.Module], dtype: torch.dtype | None = None
+    ) -> dict[str, dict[str, torch.Tensor]]:
         """Each part's weights to write: gathered from ZeRO-3's shares, the EMA's for trained parts if asked."""
         from ..memory.deepspeed_engine import gathered
 
@@ -122,7 +124,8 @@ class Exporter:
             if p.fsdp and part in p.trained:
                 from ..memory.fsdp import full_model_state
 
-                sd = full_model_state(m)
+                # cast as gathered (FSDP's master weights are fp32): the export's dtype, one tensor at a time
+                sd = full_model_state(m, main=True, dtype=dtype)
             elif p.engine is not None and part in p.trained:
                 with gathered(p.engine, list(m.parameters())):
                     sd = {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
@@ -154,7 +157,7 @@ class Exporter:
         missing = [p for p in names if p not in comps]
         extra = fam.load(self.cfg.model, missing, dtype=dtype, device="cpu") if missing else {}
         modules = {p: comps[p] if p in comps else extra[p] for p in names}
-        sds = self._state_dicts(modules)
+        sds = self._state_dicts(modules, dtype)
         configs = fam.module_configs(modules)
         out = []
         if "single_file" in sv.formats:
