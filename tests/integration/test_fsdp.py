@@ -57,6 +57,9 @@ def test_fsdp_on_one_process_trains_as_the_plain_engine_and_checkpoints_whole_te
     # every block is its own FSDP unit
     assert sum(isinstance(m, FSDPModule) for m in t.parts.trained["unet"].modules()) > 10
     assert b.losses == pytest.approx(a.losses, rel=1e-5)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group of one FSDP made for this process ended with the run
     _close(load_file(a.saved[-1]), load_file(b.saved[-1]), 1e-4)
     # resumed from its step-2 shares, the run ends exactly where it ended uninterrupted
     again = train(cfg("fsdp", **{"memory.engine.kind": "fsdp"}), resume=str(b.checkpoints[0]))

@@ -273,11 +273,26 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+#: whether this process made its own group of one (:func:`ensure_group`), to be released when its run ends
+_OWN_GROUP = False
+
+
 def ensure_group(device: torch.device) -> None:
-    """fully_shard needs a process group: a run on one process gets its own group of one (no launcher, no port)."""
+    """fully_shard needs a process group: a run on one process gets its own group of one (no launcher, no port),
+    which :func:`release_group` ends with the run."""
+    global _OWN_GROUP
     dist = _dist()
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    _OWN_GROUP = True
+
+
+def release_group() -> None:
+    """End the group of one :func:`ensure_group` made (nothing otherwise): the process is single again."""
+    global _OWN_GROUP
+    if _OWN_GROUP:
+        _dist().destroy_process_group()
+        _OWN_GROUP = False

@@ -226,6 +226,10 @@ class Trainer:
             if not isinstance(e, Interrupted):
                 rf.note_failure(self.out, e)
             raise
+        finally:
+            from ..memory.fsdp import release_group
+
+            release_group()  # FSDP's group of one, where one process made it for itself
 
     def _say_restart(self, claim: Any) -> None:
         import os
