@@ -68,6 +68,21 @@ ZERO_FILES = Path(__file__).parent / "zero"  # DeepSpeed settings tried against 
 CASES = {
     "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, [], "sdxl-lora"),
     "L2": ("SDXL LoRA r16 1024, DDP, 2 GPUs", SDXL, 2, [], "sdxl-lora"),
+    # DDP's own options (memory.engine ddp): no copy of the gradients into buckets; the same graph every step
+    "L2-view": (
+        "SDXL LoRA r16 1024, DDP gradient_as_bucket_view, 2 GPUs",
+        SDXL,
+        2,
+        ["memory.engine.kind=ddp", "memory.engine.gradient_as_bucket_view=true"],
+        "sdxl-lora",
+    ),
+    "L2-static": (
+        "SDXL LoRA r16 1024, DDP static_graph + gradient_as_bucket_view, 2 GPUs",
+        SDXL,
+        2,
+        ["memory.engine.kind=ddp", "memory.engine.gradient_as_bucket_view=true", "memory.engine.static_graph=true"],
+        "sdxl-lora",
+    ),
     "L4": ("SDXL LoRA r16 1024, DDP, 4 GPUs", SDXL, 4, [], "sdxl-lora"),
     # the best single-GPU SDXL full fine-tune as shipped (recipe sdxl-full: AdamW8bit, checkpointing)
     "F1": ("SDXL full, recipe sdxl-full, 1 GPU", SDXL, 1, FULL, "sdxl-full"),

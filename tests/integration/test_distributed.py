@@ -321,3 +321,26 @@ def test_two_nodes_on_one_host_train_as_one_node_and_resume_on_one(two_procs, ti
     a, b = load_file(root / "nodes-resumed" / "run" / LORA), load_file(root / "one" / "run" / LORA)
     for k in a:
         _same_training(a[k], b[k])
+
+
+def test_ddp_bucket_views_and_static_graph_train_bit_for_bit_as_the_defaults(tiny_model, _dataset_master, tmp_path):
+    """memory.engine ddp's gradient_as_bucket_view and static_graph (issue 28: DDP's own options, to be measured
+    for speed) change nothing of the training: the same LoRA, bit for bit; static_graph with accumulation is
+    refused before any process starts."""
+    cache = tmp_path / "cache"
+    precompute(resolve(recipe="tiny-sdxl-lora",
+                       sets=tiny_sets(tiny_model, _dataset_master, tmp_path / "x", **{"data.cache_dir": cache})).config)  # fmt: skip
+
+    def run(out: str, **extra) -> subprocess.CompletedProcess:
+        sets = _sets(tiny_model, _dataset_master, tmp_path / out, cache,
+                     **{"train.batch_size": 1, "memory.engine.kind": "ddp", "train.checkpoint_every": "null", **extra})  # fmt: skip
+        return _difftrain("train", "--recipe", "tiny-sdxl-lora", "--gpus", "2", *sets)
+
+    plain = run("plain")
+    tuned = run("tuned", **{"memory.engine.gradient_as_bucket_view": "true", "memory.engine.static_graph": "true"})
+    assert plain.returncode == 0 and tuned.returncode == 0, (plain.stderr + tuned.stderr)[-4000:]
+    a, b = load_file(tmp_path / "plain" / "run" / LORA), load_file(tmp_path / "tuned" / "run" / LORA)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    refused = run("acc", **{"memory.engine.static_graph": "true", "train.grad_accum": 2})
+    assert refused.returncode == 2 and "static graph does not take" in " ".join(refused.stderr.split())
+    assert "Traceback" not in refused.stderr and not (tmp_path / "acc" / "run").exists()

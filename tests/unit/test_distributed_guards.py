@@ -159,3 +159,27 @@ def test_fused_backward_on_several_ddp_processes_is_refused_before_any_process_s
     assert r.returncode == 2, r.stderr[-2000:]
     assert "memory.fused_backward on 2 processes" in r.stderr and "memory.engine: {kind: deepspeed" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()  # refused before the run folder or a process
+
+
+@pytest.mark.parametrize("trained,backend,view", [(10**6, "nccl", True), (2_567_463_684, "gloo", False)])
+def test_ddp_engine_options_reach_the_wrappers(monkeypatch, trained, backend, view):
+    """memory.engine ddp's gradient_as_bucket_view and static_graph are handed to DistributedDataParallel, except
+    the bucket view where gloo needs it off (over 2^31 trained elements)."""
+    from difftrain.config.schema import EngineDDP
+    from difftrain.trainers import setup
+
+    made = []
+
+    class Recorder:
+        def __init__(self, module, device_ids=None, **opts):
+            made.append(opts)
+
+    monkeypatch.setattr(setup, "DDP", Recorder)
+    monkeypatch.setattr(d, "backend_for", lambda device: backend)
+    engine = EngineDDP(gradient_as_bucket_view=True, static_graph=True)
+    cfg = type("Cfg", (), {"memory": type("M", (), {"engine": engine})()})()
+    p = torch.nn.Parameter(torch.zeros(1))
+    parts = setup.Parts(comps={}, trained={"unet": torch.nn.Linear(1, 1)}, params=[p], groups=[])
+    monkeypatch.setattr(p, "numel", lambda: trained, raising=False)
+    setup._wrap_ddp(cfg, d.World(0, 2, 0), torch.device("cpu"), parts)
+    assert made and made[0]["static_graph"] is True and made[0]["gradient_as_bucket_view"] is view

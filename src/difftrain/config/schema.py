@@ -422,6 +422,16 @@ class EngineDDP(Strict):
         default=25.0, gt=0, description="gradient bucket size (DDP's default); capped below 2^31 elements"
     )
     find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = Field(
+        default=False,
+        description="gradients are views into DDP's buckets: no copy into them, and no second copy of every "
+        "gradient on the GPU (torch's default: false; gloo with over 2^31 trained elements keeps it false)",
+    )
+    static_graph: bool = Field(
+        default=False,
+        description="DDP's static_graph: the same parameters take part every step (true of every family's step), "
+        "which lets DDP skip its per-step search for unused ones",
+    )
 
 
 class EngineDeepSpeed(Strict):
@@ -798,6 +808,13 @@ class Config(Strict):
                 raise ValueError(
                     "memory.engine ddp with optimizer cpu_offload offload_gradients: gradients would leave the GPU "
                     "before they are averaged; set offload_gradients: false or use memory.engine deepspeed"
+                )
+            if m.engine.static_graph and self.train.grad_accum > 1:
+                # found on 2 gloo processes (torch 2.13): "expect_autograd_hooks_ INTERNAL ASSERT FAILED" in DDP's
+                # reducer on the first accumulated micro-batch
+                raise ValueError(
+                    "memory.engine.static_graph with train.grad_accum > 1: DDP's static graph does not take the "
+                    "micro-batches that accumulate without averaging (no_sync); set static_graph: false"
                 )
 
     def _fsdp(self) -> None:

@@ -463,6 +463,9 @@ def _wrap_ddp(cfg: Config, world: dist_.World, device: torch.device, parts: Part
     n = sum(p.numel() for p in parts.params)
     opts = dist_.ddp_options(n, dist_.backend_for(device), cap)
     opts["find_unused_parameters"] = getattr(e, "find_unused_parameters", False)
+    opts["static_graph"] = getattr(e, "static_graph", False)
+    if getattr(e, "gradient_as_bucket_view", False) and "gradient_as_bucket_view" not in opts:
+        opts["gradient_as_bucket_view"] = True  # ddp_options keeps it off where gloo needs it off
     params = inspect.signature(DistributedDataParallel).parameters
     if "init_sync" in params:
         opts["init_sync"] = False  # every process loaded the same weights and drew the same LoRA init
