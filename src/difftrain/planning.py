@@ -185,6 +185,11 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
             f"expected per GPU: ZeRO-2 not measured on several GPUs yet (on one GPU its step took "
             f"{SPEED['zero2_offload' if off else 'zero2']:.2f}x a plain one's{' with the optimizer offloaded' * off})"
         )
+    if e.kind == "fsdp":
+        return (
+            "expected per GPU: FSDP not measured on GPUs yet (it gathers each block's weights in forward and again "
+            "in backward, as ZeRO-3 does, but one collective per block rather than DeepSpeed's hooks per layer)"
+        )
     return None
 
 

@@ -637,6 +637,28 @@ def test_plan_says_what_is_measured_of_each_engines_scaling():
     z3 = resolve(recipe="sdxl-full", sets=["memory.engine={kind: deepspeed, stage: 3}", "memory.optimizer.kind=adamw",
                                            "train.mixed_precision=bf16"]).config  # fmt: skip
     assert "0.22x at 2" in expected_scaling(z3, 2)
+    fsdp = resolve(recipe="sdxl-full", sets=["memory.engine={kind: fsdp}", "memory.optimizer.kind=adamw"]).config
+    assert "FSDP not measured on GPUs yet" in expected_scaling(fsdp, 2)
+
+
+def test_fsdp_plan_shards_weights_gradients_and_adamw_over_the_gpus():
+    """memory.engine fsdp: each GPU's fp32 master, gradient and AdamW shares shrink with the GPU count; what is
+    gathered whole (the root and two blocks, in bf16) does not."""
+    from difftrain.planning import plan_memory
+
+    def est(n, **extra):
+        sets = ["memory.engine={kind: fsdp}", "memory.optimizer.kind=adamw"] + [f"{k}={v}" for k, v in extra.items()]
+        return plan_memory(resolve(recipe="sdxl-full", sets=sets).config, processes=n)
+
+    one, two, four = est(1), est(2), est(4)
+    assert one.gpu["optimizer state"] == pytest.approx(2 * two.gpu["optimizer state"], rel=1e-6)
+    assert two.gpu["optimizer state"] == pytest.approx(2 * four.gpu["optimizer state"], rel=1e-6)
+    assert one.gpu["optimizer state"] == pytest.approx(2.567e9 * 8 / 2**30, rel=0.01)  # SDXL's AdamW moments, fp32
+    assert one.gpu["weights"] > two.gpu["weights"] > four.gpu["weights"] > 0
+    keep = est(2, **{"memory.engine.reshard_after_forward": "false"})
+    assert keep.gpu["weights"] > two.gpu["weights"]  # every block stays gathered between forward and backward
+    off = est(2, **{"memory.engine.offload_params": "true"})
+    assert off.gpu["optimizer state"] == 0 and off.host["FSDP shares (weights, gradients, AdamW)"] > 10
 
 
 def test_plan_with_vram_says_what_precompute_encodes_at_a_time_through_the_console_script():
