@@ -128,7 +128,7 @@ class Build:
     family: ModelFamily
     device: torch.device
     lrs: dict[str, float]  # trained part -> learning rate
-    zero3: bool  # the denoiser was built partitioned by DeepSpeed (or sharded by FSDP2)
+    prebuilt: bool  # the denoiser was built partitioned (ZeRO-3) or sharded (FSDP2): its shares are placed
     init: tuple[dict, dict] | None  # lora.init_weights as read: (layers per part, alphas per part)
     trained: dict[str, torch.nn.Module] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
@@ -187,7 +187,7 @@ def _swapped(b: Build, part: str) -> bool:
 
 def _weights(b: Build, part: str, module: torch.nn.Module) -> None:
     """Placement and storage precision (fp8, nf4 ...) of the frozen weights."""
-    if not (b.zero3 and part == b.family.denoiser):  # ZeRO-3 placed each share of the weights where it belongs
+    if not (b.prebuilt and part == b.family.denoiser):  # ZeRO-3 / FSDP placed each share where it belongs
         apply_weights(b.cfg.memory, module, b.device, keep=b.keep(part), swapped=_swapped(b, part))
 
 
@@ -212,7 +212,7 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if part != b.family.denoiser:
         return
     sp = b.cfg.speed
-    if sp.channels_last and b.zero3 and b.cfg.memory.engine.kind == "fsdp":
+    if sp.channels_last and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
     elif sp.channels_last:
         speed_.channels_last(module)
@@ -386,8 +386,8 @@ def build_parts(
     """Load ``parts`` and apply :data:`TECHNIQUES` to each; then the optimizer, DDP and the EMA."""
     den = family.denoiser
     sharded = _fsdp_builds_denoiser(cfg, family, parts)
-    zero3 = _zero3_builds_denoiser(cfg, family, parts) or sharded
-    loaded = [part for part in parts if not (zero3 and part == den)]
+    zero3 = _zero3_builds_denoiser(cfg, family, parts)
+    loaded = [part for part in parts if not ((zero3 or sharded) and part == den)]
     precision = stage_precisions(family, cfg.text_encoders, live)
     comps = (
         family.load(
@@ -404,7 +404,7 @@ def build_parts(
         comps[den] = _sharded_denoiser(cfg, family, world, device)
     elif zero3:
         comps[den] = _partitioned_denoiser(cfg, family, world)
-    b = Build(cfg, family, device, lrs, zero3, init)
+    b = Build(cfg, family, device, lrs, zero3 or sharded, init)
     for part in parts:
         for technique in TECHNIQUES:
             technique(b, part, comps[part])
