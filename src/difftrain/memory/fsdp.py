@@ -46,7 +46,7 @@ def shard(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=True) if offload_params else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     for unit in units:
         fully_shard(unit, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
     # the root's weights are gathered first in forward and needed last in backward: kept whole in between
