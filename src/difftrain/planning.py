@@ -97,8 +97,15 @@ def choose_engine(
     single = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"engine": EngineSingle()})})
     if recorded is not None and recorded.get("kind") == "fsdp":  # its checkpoint holds FSDP's optimizer state
         fsdp = _with(cfg, {"engine": EngineFSDP.model_validate(recorded).model_dump()})
-        if fsdp is not None:
-            return fsdp, "engine auto: FSDP, as the checkpoint resumed was made"
+        if fsdp is None:
+            from .errors import ConfigError
+
+            raise ConfigError(
+                "The checkpoint resumed was made with memory.engine fsdp, which this config cannot train with.",
+                hint="Resume with the config saved in the checkpoint folder (config.yaml): memory.engine fsdp "
+                "trains full fine-tunes with memory.optimizer.kind adamw.",
+            )
+        return fsdp, "engine auto: FSDP, as the checkpoint resumed was made"
     if recorded is not None and recorded.get("kind") == "deepspeed":
         engine = EngineDeepSpeed.model_validate(recorded)
         kept = _with(cfg, zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})

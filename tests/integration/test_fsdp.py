@@ -195,3 +195,34 @@ def test_fsdp_with_offloaded_shares_trains_as_without_and_resumes(tiny_model, da
     assert b.losses == pytest.approx(a.losses, rel=1e-6)
     c = train(cfg("off", **{"memory.engine.offload_params": "true"}), resume=str(b.checkpoints[0]))
     assert c.losses == pytest.approx(b.losses[2:], rel=1e-6)
+
+
+def test_an_fsdp_checkpoint_is_not_resumed_by_another_engine(tiny_model, dataset, tmp_path):
+    """A resume under engine auto keeps FSDP (its checkpoint holds shares, not whole tensors), and says so where the
+    config cannot train with it; a config naming another engine is refused with what to resume with."""
+    from difftrain.errors import CheckpointError, ConfigError
+    from difftrain.planning import choose_engine
+
+    def cfg(**extra):
+        sets = tiny_sets(tiny_model, dataset, tmp_path, **{**FULL, "data.cache_dir": tmp_path / "cache", **extra})
+        return resolve(recipe="tiny-sdxl-lora", sets=sets).config
+
+    precompute(cfg())
+    made = train(cfg(**{"memory.engine.kind": "fsdp", "train.max_steps": 2}))
+    kept, line = choose_engine(cfg(), 2, 80.0, recorded={"kind": "fsdp"})
+    assert kept.memory.engine.kind == "fsdp" and "as the checkpoint resumed was made" in line
+    with pytest.raises(ConfigError, match=r"made with memory\.engine fsdp"):
+        choose_engine(cfg(**{"memory.optimizer.kind": "adamw8bit"}), 2, 80.0, recorded={"kind": "fsdp"})
+    with pytest.raises(CheckpointError, match="holds FSDP shares"):
+        train(cfg(**{"memory.engine.kind": "single", "train.max_steps": 3}), resume=str(made.checkpoints[-1]))
+    # through the console script: exit 1 (a failure: the checkpoint, not the usage), what to resume with, no
+    # traceback, the checkpoint untouched
+    before = {p.name: p.read_bytes() for p in (made.checkpoints[-1] / "fsdp").iterdir()}
+    sets = tiny_sets(tiny_model, dataset, tmp_path, **{**FULL, "data.cache_dir": tmp_path / "cache",
+                     "memory.engine.kind": "ddp", "train.max_steps": 3})  # fmt: skip
+    r = _difftrain("train", "--recipe", "tiny-sdxl-lora", "--resume", str(made.checkpoints[-1]),
+                   *[a for x in sets for a in ("--set", x)])  # fmt: skip
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "holds FSDP shares" in text and "memory.engine: {kind: fsdp}" in text, r.stderr
+    assert "Traceback" not in r.stderr
+    assert {p.name: p.read_bytes() for p in (made.checkpoints[-1] / "fsdp").iterdir()} == before

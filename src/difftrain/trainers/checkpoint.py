@@ -290,6 +290,12 @@ class Checkpointer:
         if self.parts.fsdp:
             self._load_sharded(folder)
             return
+        if (folder / "fsdp").is_dir():
+            raise CheckpointError(
+                f"The checkpoint {folder} holds FSDP shares (it was made with memory.engine fsdp).",
+                hint="Resume with memory.engine: {kind: fsdp} (and memory.optimizer.kind: adamw), as config.yaml "
+                "in the checkpoint folder says.",
+            )
         weights = load_tree(folder, "trainable")
         for part, m in self.parts.trained.items():
             own = trainable_state(m)
