@@ -27,6 +27,7 @@ from .memory.planner import Estimate
 from .planning import plan_memory, plan_parts
 from .speed import peak_matmul_tflops, recompile_limit_hits
 from .trainers.loop import Hooks, Trainer
+from .trainers.profile import LAUNCH_KEYS
 from .utils import pick_device
 
 
@@ -380,11 +381,7 @@ def _profile_summary(prof, path: Path) -> dict:
     path.write_text(
         ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=40)
     )
-    kernels = sum(
-        e.count
-        for e in ev
-        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
-    )
+    kernels = sum(e.count for e in ev if e.key in LAUNCH_KEYS)
     graph_launches = sum(e.count for e in ev if e.key in ("cudaGraphLaunch", "cuGraphLaunch"))
     from torch.autograd import DeviceType
 

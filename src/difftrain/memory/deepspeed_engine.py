@@ -176,20 +176,7 @@ def fill_weights(
     has, for its own models only), so every process would otherwise load the
     whole model into host RAM before DeepSpeed partitions it.
     """
-    src: dict[str, torch.Tensor] = {}
-    if source is not None:
-        src = {
-            **dict(source.named_parameters(remove_duplicate=False)),
-            **dict(source.named_buffers(remove_duplicate=False)),
-        }
-        want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {
-            n for n, _ in target.named_buffers(remove_duplicate=False)
-        }
-        missing, extra = sorted(want - set(src)), sorted(set(src) - want)
-        if missing or extra:
-            raise ValueError(
-                f"the weights do not fit the model built from its config: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
+    src = source_tensors(target, source) if source is not None else {}
     copied = 0
     seen: set[int] = set()
     chunk: list[tuple[str, torch.nn.Parameter]] = []
@@ -228,6 +215,24 @@ def fill_weights(
                 b.copy_(src[name])
         broadcast(b)
     return copied
+
+
+def source_tensors(target: torch.nn.Module, source: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``source``'s parameters and buffers by name, where their names are exactly ``target``'s (a partitioned or
+    sharded build being filled); the first differences are raised as a ValueError."""
+    src = {
+        **dict(source.named_parameters(remove_duplicate=False)),
+        **dict(source.named_buffers(remove_duplicate=False)),
+    }
+    want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {
+        n for n, _ in target.named_buffers(remove_duplicate=False)
+    }
+    missing, extra = sorted(want - set(src)), sorted(set(src) - want)
+    if missing or extra:
+        raise ValueError(
+            f"the weights do not fit the model built from its config: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    return src
 
 
 def _full_numel(p: torch.Tensor) -> int:

@@ -9,10 +9,11 @@ Loading is RAM-safe and GPU-safe as ZeRO-3's partitioned build is: the denoiser 
 sharded, given storage for its own shares only, and filled tensor by tensor from the main process's
 memory-mapped read of the file (:func:`fill`); no process holds the whole model in host RAM or on its GPU.
 
-Checkpoints hold whole tensors in difftrain's safetensors trees, not torch.distributed.checkpoint's files (their
-metadata is a pickle, which difftrain does not read from a user's folder by default): the main process gathers
-the weights and the optimizer state (:func:`full_model_state`, :func:`full_optimizer_state`) and a resume hands
-them out again (:func:`load_model_state`, :func:`load_optimizer_state`), cut for however many processes resume.
+In a checkpoint each process writes its own shares of the trained weights and of their optimizer state
+(:func:`save_shares`, safetensors, one tensor at a time), and a resume on any number of processes reads only the
+rows each now holds from them (:func:`load_shares`); not torch.distributed.checkpoint's files, whose metadata is a
+pickle, which difftrain does not read from a user's folder by default. The export gathers the whole weights on
+the main process one tensor at a time (:func:`full_model_state`).
 
 Why our own glue around torch's: accelerate's FSDP2 path loads the whole model on every process (or on the main
 one, in host RAM), and neither accelerate nor torch reads difftrain's families or safetensors trees.
@@ -66,25 +67,17 @@ def fill(target: torch.nn.Module, source: torch.nn.Module | None, device: torch.
     Names and shapes must match exactly; the first difference is raised on the main process before it sends."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from .deepspeed_engine import source_tensors
+
     dist = _dist()
     src: dict[str, torch.Tensor] = {}
+    problem = ""
     if main:
         assert source is not None
-        src = {
-            **dict(source.named_parameters(remove_duplicate=False)),
-            **dict(source.named_buffers(remove_duplicate=False)),
-        }
-        want = {n for n, _ in target.named_parameters(remove_duplicate=False)} | {
-            n for n, _ in target.named_buffers(remove_duplicate=False)
-        }
-        missing, extra = sorted(want - set(src)), sorted(set(src) - want)
-        problem = (
-            f"the weights do not fit the model built from its config: missing {missing[:3]}, unexpected {extra[:3]}"
-            if missing or extra
-            else ""
-        )
-    else:
-        problem = ""
+        try:
+            src = source_tensors(target, source)
+        except ValueError as e:
+            problem = str(e)
     box = [problem]
     dist.broadcast_object_list(box, src=0)  # every process stops alike, before any tensor is sent
     if box[0]:
@@ -197,19 +190,16 @@ def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
 
     def whole_rows(key: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the saved tensor ``key``, from the old processes' files that hold them."""
+        total = sum(h.get_slice(key).get_shape()[0] for h in handles)  # the old shares cut the whole
         pieces = []
         for r, h in enumerate(handles):
-            a, b = _rows_of(h, key, r)
+            a, b = _rows(total, old, r)
             lo, hi = max(a, start), min(b, end)
             if lo < hi:
                 pieces.append(h.get_slice(key)[lo - a : hi - a])
         if not pieces:
-            return h.get_slice(key)[0:0]
+            return handles[0].get_slice(key)[0:0]
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-    def _rows_of(h, key: str, r: int) -> tuple[int, int]:
-        n_total = sum(hh.get_slice(key).get_shape()[0] for hh in handles) if h.get_slice(key).get_shape() else 0
-        return _rows(n_total, old, r)
 
     def share(key: str, like: torch.Tensor) -> torch.Tensor:
         """This process's share of saved ``key``, laid out as ``like`` (a sharded parameter or a plain tensor)."""
@@ -240,10 +230,10 @@ def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
         if name not in index:
             raise ValueError(f"{name} has optimizer state in the checkpoint but does not train here")
         p = by_index[index[name]]
-        value = share(key, p) if tuple(handles[0].get_slice(key).get_shape()) and isinstance(p, DTensor) else None
-        if value is None:  # a scalar (AdamW's step): the same on every process
+        if not handles[0].get_slice(key).get_shape() or not isinstance(p, DTensor):  # AdamW's step: the same on all
             tensor = handles[0].get_tensor(key)
-        else:
+        else:  # a moment: this process's rows, laid out as its parameter's share
+            value = share(key, p)
             local = value.to(_local(p).device, _local(p).dtype if value.is_floating_point() else value.dtype)
             tensor = DTensor.from_local(
                 local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()

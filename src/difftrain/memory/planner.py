@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import Config, WeightsFP8, WeightsInt8, WeightsNF4
+from ..config.schema import Config, EngineFSDP, WeightsFP8, WeightsInt8, WeightsNF4
 from .card import LIBRARIES, card_terms
 from .pinned import SLAB
 
@@ -297,6 +297,7 @@ def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes
     and backward with reshard_after_forward false) and a block's unsharded gradients in flight to the
     reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
     e_ = cfg.memory.engine
+    assert isinstance(e_, EngineFSDP)
     n = processes
     den = hints["denoiser"]
     numel = hints["parts"][den]["total"]
@@ -304,11 +305,11 @@ def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes
     compute = 2 if cfg.train.mixed_precision == "bf16" else 4
     root = max(numel - sum(units), 0)
     largest = max(units)
-    gathered = numel if not getattr(e_, "reshard_after_forward", True) else root + 2 * largest
+    gathered = root + 2 * largest if e_.reshard_after_forward else numel
     shares = {"weights": numel * 4 / n, "gradients": trainable * 4 / n, "optimizer": trainable * 8 / n}
     e.gpu["weights"] = gathered * compute / GIB
     e.gpu["gradients"] = largest * (compute + 4) / GIB
-    if getattr(e_, "offload_params", False):
+    if e_.offload_params:
         e.host["FSDP shares (weights, gradients, AdamW)"] = sum(shares.values()) / GIB
         state = 0.0
     else:

@@ -20,6 +20,8 @@ import torch
 #: GPU kernels that move data between ranks (NCCL's collectives) or between host and GPU
 COMM = ("nccl",)
 COPIES = ("memcpy", "memset")
+#: the profiler's rows of kernel launches from the host (runtime and driver calls), counted alike here and by bench
+LAUNCH_KEYS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 
 
 def wanted() -> tuple[Path, int] | None:
@@ -76,7 +78,7 @@ class StepProfiler:
                 else "compute"
             )
             kinds[kind] += e.self_device_time_total / 1e3
-        launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        launches = sum(e.count for e in ev if e.key in LAUNCH_KEYS)
         out: dict[str, Any] = {
             "rank": self.rank,
             "step": self.step,

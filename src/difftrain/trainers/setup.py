@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_
 from .. import speed as speed_
-from ..config.schema import Config
+from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
@@ -307,18 +307,13 @@ def _sharded_denoiser(cfg: Config, family: ModelFamily, world: dist_.World, devi
 
     den = family.denoiser
     e = cfg.memory.engine
+    assert isinstance(e, EngineFSDP), "built sharded for memory.engine fsdp only"
     fsdp.ensure_group(device)
     with torch.device("meta"):
         module = family.empty_part(cfg.model, den)
     compute = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else None
-    fsdp.shard(
-        module,
-        family.swap_blocks(module),
-        compute,
-        getattr(e, "reshard_after_forward", True),
-        getattr(e, "offload_params", False),
-    )
-    module.to_empty(device="cpu" if getattr(e, "offload_params", False) else device)
+    fsdp.shard(module, family.swap_blocks(module), compute, e.reshard_after_forward, e.offload_params)
+    module.to_empty(device="cpu" if e.offload_params else device)
     try:
         fsdp.fill(module, _mapped_denoiser(cfg, family) if world.main else None, device, world.main)
     except ValueError as err:
