@@ -122,6 +122,20 @@ CASES = {
         ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'leaf.json'}"],
         "sdxl-full",
     ),
+    "Z2-leaf-persist": (
+        "SDXL full, ZeRO-3 + leaf_persist.json (leaf blocks, small parameters kept), 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'leaf_persist.json'}"],
+        "sdxl-full",
+    ),
+    "Z2-coarse": (
+        "SDXL full, ZeRO-3 + coarse_leaf_persist.json (whole transformer stacks as leaves), 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'coarse_leaf_persist.json'}"],
+        "sdxl-full",
+    ),
     "Z2-allreduce": (
         "SDXL full, ZeRO-3 + allreduce_fetch.json, 2 GPUs",
         SDXL,
@@ -313,7 +327,8 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None)
     stats = [
         json.loads((run_dir / ("stats.json" if r == 0 else f"stats.rank{r}.json")).read_text()) for r in range(gpus)
     ]
-    times = [json.loads(x)["time"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    times = [r["time"] for r in rows]
     dts = [b - a for a, b in itertools.pairwise(times)][2:]  # the first steps warm up
     s_step = statistics.median(dts) if dts else None
     profile = [json.loads(p.read_text()) for p in sorted(prof.glob("profile.rank*.json"))] if profile_step else []
@@ -329,6 +344,8 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None)
         "gpu_peak_alloc_gib": [s.get("gpu_peak_alloc_gib") for s in stats],
         "gpu_peak_reserved_gib": [s.get("gpu_peak_reserved_gib") for s in stats],
         "load_seconds": [s.get("load_seconds") for s in stats],
+        # the same seed and data in every case of a job: a setting that changes the maths shows here
+        "losses": [round(r["loss"], 5) for r in rows],
     }
 
 

@@ -267,6 +267,14 @@ def full_norm(norm: torch.Tensor) -> torch.Tensor:
 _OWN_GROUP = False
 
 
+def with_index(device: torch.device) -> torch.device:
+    """NCCL's group wants the GPU by number ("Please use a device_id with index"): train.device=cuda means
+    the current one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def ensure_group(device: torch.device) -> None:
     """fully_shard needs a process group: a run on one process gets its own group of one (no launcher, no port),
     which :func:`release_group` ends with the run."""
@@ -275,7 +283,7 @@ def ensure_group(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
-    kwargs = {"device_id": device} if backend == "nccl" else {}
+    kwargs = {"device_id": with_index(device)} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     _OWN_GROUP = True
 
