@@ -163,10 +163,18 @@ CASES = {
     # CogVideoX-5b full does not fit one 80 GB GPU without offload: its 1-GPU case is the offloaded recipe
     "C1": ("CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, 1 GPU", COG5B, 1, FULL, "cog5b-full"),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3, "cog5b-full"),
+    # the 1-GPU recipe as shipped on 2 GPUs, engine left to auto (its fused backward rules DDP out: FSDP is taken)
+    "CA2": (
+        "CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, engine auto, 2 GPUs",
+        COG5B,
+        2,
+        FULL,
+        "cog5b-full",
+    ),
     "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"], "cog5b-lora"),
 }
 #: cases trained from a recipe as shipped (its sets on top of the recipe's): name -> recipe
-RECIPE = {"F1": "sdxl-full", "F2": "sdxl-full", "C1": "cogvideox-5b-full-12gb"}
+RECIPE = {"F1": "sdxl-full", "F2": "sdxl-full", "C1": "cogvideox-5b-full-12gb", "CA2": "cogvideox-5b-full-12gb"}
 
 
 def per_gpu_ratios(rows: list[dict]) -> dict[str, float]:

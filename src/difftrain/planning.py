@@ -70,6 +70,11 @@ def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
 
 def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None:
     """``cfg`` with these memory (and train) fields, validated again; None where the validator refuses the pair."""
+    return _with_why(cfg, memory, train)[0]
+
+
+def _with_why(cfg: Config, memory: dict, train: dict | None = None) -> tuple[Config | None, str | None]:
+    """:func:`_with`, and the validator's reason where it refuses."""
     from pydantic import ValidationError
 
     data = cfg.model_dump(mode="python")
@@ -77,9 +82,10 @@ def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None
     if train:
         data["train"].update(train)
     try:
-        return Config.model_validate(data)
-    except ValidationError:
-        return None
+        return Config.model_validate(data), None
+    except ValidationError as err:
+        first = err.errors()[0]
+        return None, str(first.get("ctx", {}).get("error") or first["msg"]).removeprefix("Value error, ")
 
 
 def choose_engine(
@@ -90,7 +96,7 @@ def choose_engine(
     Another engine named in the config is kept as it is; the config returned never says ``auto``."""
     from .config.schema import EngineDDP, EngineDeepSpeed, EngineFSDP, EngineSingle
     from .distributed import engine_problem
-    from .memory.planner import ZERO_ORDER, zero_memory
+    from .memory.planner import SHARDED_ORDER, sharded_memory
 
     if cfg.memory.engine.kind != "auto":
         return cfg, None
@@ -108,7 +114,7 @@ def choose_engine(
         return fsdp, "engine auto: FSDP, as the checkpoint resumed was made"
     if recorded is not None and recorded.get("kind") == "deepspeed":
         engine = EngineDeepSpeed.model_validate(recorded)
-        kept = _with(cfg, zero_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})
+        kept = _with(cfg, sharded_memory(engine.model_dump(mode="python")), {"mixed_precision": "bf16"})
         if kept is not None:
             return kept, f"engine auto: DeepSpeed ZeRO-{engine.stage}, as the checkpoint resumed was made"
     if processes < 2:
@@ -127,27 +133,38 @@ def choose_engine(
     else:
         why = f"DDP cannot train it ({(problem or '').rstrip('.')})"
     if cfg.train.method == "full" and gpu_gib is not None and recorded is None:
-        for z in ZERO_ORDER:
-            c = _with(cfg, zero_memory(z), {"mixed_precision": "bf16"})
-            if c is None:
+        fsdp_refused = None  # why FSDP, the fastest sharded engine measured, cannot train this config
+        for z in SHARDED_ORDER:
+            c, refused = _with_why(cfg, sharded_memory(z), {"mixed_precision": "bf16"})
+            if c is None:  # what this engine refuses in the config (FSDP: EMA, validation prompts, ...)
+                fsdp_refused = fsdp_refused or (refused if z["kind"] == "fsdp" else None)
                 continue
             card = plan_memory(c, processes).card_total
             if card <= gpu_gib:
-                off = " with the optimizer in host RAM" if z["offload_optimizer_device"] != "none" else ""
-                off += " and the weights" if z.get("offload_param_device") == "cpu" else ""
                 replaced = cfg.memory.optimizer.kind != "adamw"
                 return c, (
-                    f"engine auto: DeepSpeed ZeRO-{z['stage']}{off}: {why}; this is planned at {card:.1f} GiB"
-                    + (f" (its AdamW replaces memory.optimizer {cfg.memory.optimizer.kind})" if replaced else "")
+                    f"engine auto: {_engine_words(z)}: {why}; this is planned at {card:.1f} GiB"
+                    + (f" (AdamW replaces memory.optimizer {cfg.memory.optimizer.kind})" if replaced else "")
+                    + (f"; FSDP, faster, was not taken: {fsdp_refused}" if fsdp_refused and z["kind"] != "fsdp" else "")
                 )
     if ddp is None:  # what DDP cannot train: said by the caller (distributed.engine_problem) with what to do
         return single, None
     return ddp, f"engine auto: DDP, though nothing is planned to fit {gpu_gib:.0f} GiB per GPU: {why}"
 
 
+def _engine_words(z: dict) -> str:
+    """A sharded engine of planner.SHARDED_ORDER in the words of engine auto's line."""
+    if z["kind"] == "fsdp":
+        keep = "" if z.get("reshard_after_forward", True) else ", each block's weights kept from forward to backward"
+        return f"FSDP (torch's sharding{keep}; measured faster than DeepSpeed's ZeRO on SDXL)"
+    off = " with the optimizer in host RAM" if z["offload_optimizer_device"] != "none" else ""
+    off += " and the weights" if z.get("offload_param_device") == "cpu" else ""
+    return f"DeepSpeed ZeRO-{z['stage']}{off}"
+
+
 def launch_problem(cfg: Config, processes: int) -> str | None:
     """What the launcher of ``processes`` processes refuses before any starts: what DDP cannot train
-    (distributed.engine_problem), unless engine auto can still take ZeRO for it (a full fine-tune on CUDA GPUs,
+    (distributed.engine_problem), unless engine auto can still shard it (a full fine-tune on CUDA GPUs,
     whose processes choose once they see their GPU)."""
     import torch
 
@@ -163,8 +180,9 @@ def launch_problem(cfg: Config, processes: int) -> str | None:
 def expected_scaling(cfg: Config, processes: int) -> str | None:
     """What is measured about each GPU's throughput on ``processes`` GPUs against one GPU, for the engine ``cfg``
     names (engine auto resolved first): one line for ``plan --gpus N``, None on one process. The figures are
-    docs/benchmarks.md's ("Several GPUs", issue 28), all SDXL at 1024x1024 batch 1 per GPU on H200s; a family or
-    job not measured is said to be so rather than guessed."""
+    docs/benchmarks.md's ("Several GPUs", issue 28): SDXL at 1024x1024, batch 1 per GPU, each GPU's samples/s
+    against the best single-GPU recipe of the same job (for a full fine-tune: sdxl-full, 8-bit AdamW, 1.39
+    samples/s on an H100); a family or job not measured is said to be so rather than guessed."""
     if processes < 2:
         return None
     e = cfg.memory.engine
@@ -172,30 +190,37 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
     if e.kind == "ddp":
         if lora:
             return (
-                "expected per GPU: ~0.9x one GPU's samples/s (measured, SDXL LoRA r16 on DDP: 86-90 % at 2 GPUs, "
-                "94 % at 4; a LoRA's gradients are a few MB)"
+                "expected per GPU: ~0.8-0.9x one GPU's samples/s (measured, SDXL LoRA r16 on DDP at 2 GPUs: 81 % on "
+                "H100s, 86-90 % on H200s; 94 % at 4; a LoRA's gradients are a few MB)"
             )
         return (
-            "expected per GPU: not measured for a full fine-tune on DDP (its all-reduce carries every weight's "
-            "gradient each step; SDXL LoRA measured 86-94 %)"
+            "expected per GPU: ~0.9x one GPU's samples/s (measured, SDXL full with 8-bit AdamW on DDP: 0.90x at 2 "
+            "H100s; its all-reduce carries every weight's gradient each step)"
         )
     if e.kind == "deepspeed" and e.stage == 3:
+        tuned = bool(get_family(cfg.family).zero3_settings) and e.family_settings
         return (
-            "expected per GPU: ZeRO-3 measured well below one GPU's best recipe (SDXL full, no offload: 0.22x at 2 "
-            "GPUs, 0.48x at 4): it gathers every weight each step; prefer DDP or ZeRO-2 where they fit"
+            "expected per GPU: ZeRO-3 measured well below one GPU's best recipe (SDXL full, no offload, 2 H100s: "
+            + ("0.44x with SDXL's tuned settings, 0.24x without" if tuned else "0.24x with DeepSpeed's own settings")
+            + "): it gathers every weight each step; prefer DDP or FSDP where they fit"
         )
     if e.kind == "deepspeed":
         from .memory.planner import SPEED
 
-        off = e.offload_optimizer_device != "none"
+        if e.offload_optimizer_device == "none":
+            return "expected per GPU: ~0.6x one GPU's best recipe (measured, SDXL full on ZeRO-2 at 2 H100s: 0.62x)"
         return (
-            f"expected per GPU: ZeRO-2 not measured on several GPUs yet (on one GPU its step took "
-            f"{SPEED['zero2_offload' if off else 'zero2']:.2f}x a plain one's{' with the optimizer offloaded' * off})"
+            f"expected per GPU: ZeRO-2 with the optimizer offloaded not measured on several GPUs yet (on one GPU "
+            f"its step took {SPEED['zero2_offload']:.2f}x a plain one's)"
         )
     if e.kind == "fsdp":
+        if e.offload_params:
+            return "expected per GPU: FSDP with its shares in host RAM not measured on GPUs yet"
+        keep = not e.reshard_after_forward
         return (
-            "expected per GPU: FSDP not measured on GPUs yet (it gathers each block's weights in forward and again "
-            "in backward, as ZeRO-3 does, but one collective per block rather than DeepSpeed's hooks per layer)"
+            f"expected per GPU: ~{0.72 if keep else 0.67:.2f}x one GPU's best recipe (measured, SDXL full on FSDP "
+            f"at 2 H100s{', weights kept from forward to backward' if keep else ''}; ZeRO-3 0.24-0.44x, ZeRO-2 "
+            "0.62x on the same job)"
         )
     return None
 

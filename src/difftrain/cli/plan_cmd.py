@@ -66,6 +66,7 @@ def plan(
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
     from ..distributed import engine_problem
+    from ..families.registry import get_family
     from ..memory.planner import as_set_lines, candidates, speed_cost
     from ..planning import (
         choose_engine,
@@ -107,6 +108,7 @@ def plan(
     for pre in precompute_lines(cfg, limit):
         info(pre, markup=True)
     fits = []
+    tuned = bool(get_family(cfg.family).zero3_settings)  # ZeRO-3's measured settings for the family
     for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", [])), processes=gpus):
         try:
             c = resolve(recipe=recipe, config_file=config, sets=set_, extra=override).config
@@ -116,7 +118,7 @@ def plan(
             continue  # cannot train on this many processes (fused_backward under DDP)
         est = plan_memory(c, gpus)
         if est.card_total <= limit and (host_limit is None or est.host_total <= host_limit):
-            fits.append((speed_cost(c), est.card_total, override, est))
+            fits.append((speed_cost(c, gpus, tuned), est.card_total, override, est))
     if not fits:
         info(
             f"[red]Nothing difftrain offers is predicted to fit a {limit:g} GiB card"

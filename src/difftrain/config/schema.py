@@ -445,6 +445,11 @@ class EngineDeepSpeed(Strict):
     offload_param_device: Literal["none", "cpu"] = Field(
         default="none", description="ZeRO-3: weights in host RAM, fetched per layer"
     )
+    family_settings: bool = Field(
+        default=True,
+        description="ZeRO-3: the model family's measured settings (SDXL: whole blocks as leaf modules, small "
+        "parameters kept gathered; 1.8x faster on 2 H100s); false: DeepSpeed's own",
+    )
     config_file: Path | None = Field(
         default=None, description="a DeepSpeed JSON whose keys override the generated config"
     )

@@ -58,6 +58,10 @@ class ModelFamily(ABC):
     compile_cost: ClassVar[Mapping[str, float]]
 
     # ------------------------------------------------------------ optional capabilities (defaults: none)
+    #: DeepSpeed ZeRO-3 settings measured faster for the family's denoiser, merged into the generated config under
+    #: zero_optimization (memory.engine.family_settings false leaves DeepSpeed's own; config_file overrides both).
+    #: Empty: none measured, DeepSpeed's own
+    zero3_settings: ClassVar[Mapping[str, Any]] = {}
     #: the guidance value a guidance-distilled denoiser is trained with (Flux.1 [dev]; flow.guidance_scale, set by
     #: the objective); the others take none
     guidance_scale: float = 1.0

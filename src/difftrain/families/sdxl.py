@@ -73,6 +73,18 @@ class SDXL(ModelFamily):
     objective = "ddpm"
     # speed.compile: the blocks compiled one by one (diffusers' UNet lists only the first)
     repeated_blocks = ("BasicTransformerBlock", "ResnetBlock2D")
+    #: ZeRO-3 on SDXL's UNet (issue 28; 2 H100s, full fine-tune 1024 px, batch 1 per GPU, benchmarks/multi_gpu.py):
+    #: DeepSpeed's own settings hook each of ~1,900 modules and fetch its weights on its own: 2.99 s/step. Whole
+    #: transformer stacks and resnets as leaf modules (one fetch each) and small parameters kept gathered: 1.65 s/step
+    #: (case Z2-coarse), the best of the combinations tried (leaves of BasicTransformerBlock + ResnetBlock2D 1.81,
+    #: those with the persistence settings 2.08, persistence alone 2.32, all-reduce fetch 3.04). Allocated peak the
+    #: same 26.75 GiB, reserved 35.9 against 33.2.
+    zero3_settings: ClassVar[Mapping[str, Any]] = {
+        "leaf_module": {"classes": ["Transformer2DModel", "ResnetBlock2D"]},
+        "stage3_param_persistence_threshold": 1_000_000,
+        "stage3_max_live_parameters": 3_000_000_000,
+        "stage3_max_reuse_distance": 3_000_000_000,
+    }
     # H100, 1024 b1 checkpointed (docs/benchmarks.md "Speed", "Fast by default"): first step 104-140 s cold, 29 s
     # warm; eager 0.8-1.2 s/step, compiled + CUDA graphs 0.11-0.16 (one bucket or six), compiled alone 0.45-0.61;
     # over six buckets: ~4 s recompiling at the second shape, ~0.5 s at each later one, each shape's graphs recorded

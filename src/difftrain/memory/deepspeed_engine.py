@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,8 +24,11 @@ from ..errors import BackendUnavailable, ConfigError
 from .planner import ZERO_BUCKET
 
 
-def ds_config(cfg: Config) -> dict:
-    """The DeepSpeed configuration for ``cfg`` (memory.engine kind deepspeed), user file merged over it."""
+def ds_config(cfg: Config, family_zero3: Mapping[str, Any] | None = None) -> dict:
+    """The DeepSpeed configuration for ``cfg`` (memory.engine kind deepspeed), user file merged over it.
+    ``family_zero3``: the model family's measured ZeRO-3 settings (its ``zero3_settings``; handed in by the
+    trainer, since memory does not import families), merged under zero_optimization at stage 3 unless
+    memory.engine.family_settings is false."""
     e, t, o = cfg.memory.engine, cfg.train, _adamw(cfg)
     assert isinstance(e, EngineDeepSpeed), "ds_config is for memory.engine deepspeed"
     zero: dict = {
@@ -44,6 +49,8 @@ def ds_config(cfg: Config) -> dict:
         )
         if e.offload_param_device != "none":
             zero["offload_param"] = {"device": e.offload_param_device, "pin_memory": True}
+        if e.family_settings and family_zero3:  # what was measured faster for this family's denoiser
+            zero = _merge(zero, dict(family_zero3))
     out = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
@@ -125,10 +132,16 @@ def _adamw(cfg: Config) -> OptAdamW:
     return o
 
 
-def initialize(cfg: Config, module: torch.nn.Module, params: list[torch.nn.Parameter]):
-    """The DeepSpeed engine over ``module`` training ``params``; returns (engine, optimizer for lr schedules)."""
+def initialize(
+    cfg: Config,
+    module: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    family_zero3: Mapping[str, Any] | None = None,
+):
+    """The DeepSpeed engine over ``module`` training ``params``; returns (engine, optimizer for lr schedules).
+    ``family_zero3``: as :func:`ds_config`'s."""
     deepspeed = _deepspeed()
-    conf = ds_config(cfg)
+    conf = ds_config(cfg, family_zero3)
     client = None
     if "optimizer" not in conf:
         o = _adamw(cfg)
@@ -241,14 +254,16 @@ def _full_numel(p: torch.Tensor) -> int:
     return int(torch.Size(shape).numel()) if shape is not None else p.numel()
 
 
-def build_partitioned(cfg: Config, build, read, main: bool) -> torch.nn.Module:
+def build_partitioned(
+    cfg: Config, build, read, main: bool, family_zero3: Mapping[str, Any] | None = None
+) -> torch.nn.Module:
     """A module built under ``deepspeed.zero.Init`` (each process allocates only its share of every weight) and
     filled from ``read()``, which only the main process calls: host RAM holds one copy of the weights on the
     node (the main process's, memory-mapped from the file), and no GPU ever holds the whole model."""
     import torch.distributed as dist
 
     deepspeed = _deepspeed()
-    conf = ds_config(cfg)
+    conf = ds_config(cfg, family_zero3)
     dtype = torch.bfloat16 if conf["bf16"]["enabled"] else torch.float32
     # mem_efficient_linear off: it swaps torch.nn.functional.linear for DeepSpeed's own autograd function
     with deepspeed.zero.Init(config_dict_or_path=conf, dtype=dtype, mem_efficient_linear=False):

@@ -43,6 +43,12 @@ SPEED = {
     "zero2_offload": 1.96,
     "zero3_offload": 2.87,
     "zero3": 4.5,
+    # several GPUs, each step against one GPU's sdxl-full (0.719 s, 2 H100s, issue 28): ZeRO-2 1.156 s, ZeRO-3 with
+    # SDXL's tuned settings 1.647, FSDP2 1.075 and 1.001 keeping the gathered weights from forward to backward
+    "zero2_multi": 1.61,
+    "zero3_tuned": 2.29,
+    "fsdp": 1.5,
+    "fsdp_keep": 1.39,
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
 FILE_BYTES = 2  # checkpoints are distributed in fp16 / bf16
@@ -54,6 +60,9 @@ FUSED_TEMP_BYTES = 25
 # default) and the reduce / prefetch bucket sizes difftrain sets (elements)
 ZERO3_MAX_LIVE = 1e9
 ZERO_BUCKET = 5e7
+#: ZeRO on several GPUs without offload: what torch's allocator reserved past the allocated peak, in copies of the
+#: whole bf16 weights, by stage (fitted to SDXL full on 2 H100s, issue 28: see _zero_shards)
+ZERO_MULTI_RESERVED = {2: 1.35, 3: 1.6}
 TRAINING_HOST_GIB = 0.4
 # the allocator's least slack where a family has not measured its own: SD3 0.16-0.24 GiB and CogVideoX 0.31 (with
 # expandable segments) over their smallest tiers on the H100
@@ -292,7 +301,8 @@ def _gradients_and_optimizer(
 
 def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes: int) -> float:
     """FSDP2 (memory.engine fsdp, full fine-tunes): what each of ``processes`` GPUs holds, by FSDP's arithmetic
-    (not yet measured): its share of the fp32 weights, fp32 gradients and AdamW moments, plus the units gathered
+    (SDXL full on 2 H100s: 20.0 GiB allocated / 22.3 reserved, planned 20.4 / 21.6; keeping the gathered
+    weights 20.4 / 27.1, planned 24.9 / 26.3): its share of the fp32 weights, fp32 gradients and AdamW moments, plus the units gathered
     whole in the compute dtype (the root, the block computing and the one prefetched; every block between forward
     and backward with reshard_after_forward false) and a block's unsharded gradients in flight to the
     reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
@@ -316,7 +326,11 @@ def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes
         e.gpu["weights"] += shares["weights"] / GIB
         e.gpu["gradients"] += shares["gradients"] / GIB
         state = 8 / n
-    e.notes.append(f"FSDP's terms are its sharding arithmetic over {n} process(es), not measured yet")
+    e.notes.append(
+        "FSDP's terms are its sharding arithmetic, checked on SDXL full over 2 H100s (reserved within 4 %)"
+        + (f"; over {n} processes they are not measured" if n > 2 else "")
+        + ("; its shares in host RAM are not measured on GPUs" if e_.offload_params else "")
+    )
     return state
 
 
@@ -324,6 +338,11 @@ def _zero_shards(e: Estimate, e_: Any, processes: int, trainable: int, hints: di
     """What ZeRO divides among ``processes`` GPUs (its paper's arithmetic): the optimizer state (stages 2 and 3), the
     bf16 gradients past a reduce bucket (stage 2 and 3), and at stage 3 the weights past what is gathered live."""
     n = processes
+    if e_.offload_optimizer_device == "none" and e_.offload_param_device == "none":
+        # the allocator's hold past the allocated peak, on several GPUs without offload, in copies of the whole bf16
+        # weights (SDXL full on 2 H100s, 4.8 GiB of them: ZeRO-2 35.0 GiB reserved for 28.8 allocated, ZeRO-3 with
+        # SDXL's tuned settings 35.9 for 26.75, with DeepSpeed's own 33.2; the last is over-counted by ~2.6 GiB)
+        e.slack += e.gpu["weights"] * ZERO_MULTI_RESERVED[e_.stage]
     e.gpu["gradients"] = min(e.gpu["gradients"], (trainable * 2 / n + ZERO_BUCKET * 2) / GIB)
     if e_.stage == 3 and e_.offload_param_device == "none":
         numel = e.gpu["weights"] * GIB / 2
@@ -351,7 +370,9 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
         e.gpu["activations"] += hints.get("text_encoder_activations", 0) * t.batch_size / GIB
 
 
-def speed_cost(cfg: Config) -> float:
+def speed_cost(cfg: Config, processes: int = 1, zero3_tuned: bool = False) -> float:
+    """A config's step time against the unconstrained run's (SPEED's factors multiplied), on ``processes`` GPUs:
+    what plan's search ranks the configs that fit by. ``zero3_tuned``: the family has measured ZeRO-3 settings."""
     m = cfg.memory
     c = 1.0
     if m.activations.kind == "checkpoint":
@@ -364,7 +385,14 @@ def speed_cost(cfg: Config) -> float:
     e = m.engine
     if e.kind == "deepspeed":
         offloaded = e.offload_optimizer_device != "none" or e.offload_param_device != "none"
-        c *= SPEED[f"zero{e.stage}{'_offload' if offloaded else ''}"]
+        key = f"zero{e.stage}{'_offload' if offloaded else ''}"
+        if key == "zero2" and processes > 1:
+            key = "zero2_multi"
+        if key == "zero3" and e.family_settings and zero3_tuned:
+            key = "zero3_tuned"
+        c *= SPEED[key]
+    if e.kind == "fsdp":
+        c *= SPEED["fsdp" if e.reshard_after_forward else "fsdp_keep"]
     return c
 
 
@@ -397,7 +425,7 @@ def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dic
     """Overrides worth trying, as nested dicts (each validated before use).
 
     ``swap_units``: how many blocks the denoiser has for block swap (0: none tried). On several ``processes`` a
-    full fine-tune also tries DeepSpeed's ZeRO stages (bf16 weights, its own AdamW).
+    full fine-tune also tries the sharded engines, FSDP and DeepSpeed's ZeRO stages (bf16 weights, AdamW).
     """
     full = cfg.train.method == "full"
     weights = [{"kind": "bf16"}] if full else [{"kind": "bf16"}, {"kind": "fp8"}]
@@ -423,16 +451,22 @@ def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dic
         train = {"max_grad_norm": None} if (x or o["kind"] == "cpu_offload") else {}
         out.append({"memory": mem, "train": train} if train else {"memory": mem})
     if processes > 1 and full:
-        for eng, a in itertools.product(ZERO_ORDER, acts):
+        for eng, a in itertools.product(SHARDED_ORDER, acts):
             # the whole of what the engine needs beside it: a recipe's fused backward or block swap would be refused
-            out.append({"memory": {**zero_memory(eng), "activations": a}, "train": {"mixed_precision": "bf16"}})
+            out.append({"memory": {**sharded_memory(eng), "activations": a}, "train": {"mixed_precision": "bf16"}})
     return out
 
 
-#: the ZeRO configurations tried for a full fine-tune on several GPUs (engine auto, in this order; plan's search):
-#: stage 2 before 3 (ZeRO-3 gathers every weight each step: 4.5x slower than one GPU on SDXL, issue 28), and the
-#: optimizer offloaded before the weights
-ZERO_ORDER: tuple[dict, ...] = (
+#: the sharded engines tried for a full fine-tune on several GPUs (engine auto, in this order; plan's search), the
+#: fastest first as measured on 2 H100s, SDXL full 1024 px, batch 1 per GPU (docs/benchmarks.md, issue 28): torch's
+#: FSDP2 keeping each block's gathered weights until backward 2.00 samples/s, resharding after forward 1.86,
+#: DeepSpeed ZeRO-2 with its optimizer on the GPU 1.73, ZeRO-3 1.21 (with the family's tuned settings; 0.67
+#: untuned). FSDP also holds less per GPU than ZeRO-2 (20.0 against 28.8 GiB allocated). Then what frees more
+#: memory at more cost: the optimizer offloaded before the weights. FSDP with its shares in host RAM is not
+#: measured on GPUs: auto does not pick it.
+SHARDED_ORDER: tuple[dict, ...] = (
+    {"kind": "fsdp", "reshard_after_forward": False},
+    {"kind": "fsdp", "reshard_after_forward": True},
     {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
     {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
     {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
@@ -441,9 +475,10 @@ ZERO_ORDER: tuple[dict, ...] = (
 )
 
 
-def zero_memory(engine: dict) -> dict:
-    """memory fields for DeepSpeed ``engine`` with what it needs beside it (config/schema.py's _deepspeed): its
-    AdamW, bf16 weights, no fused backward or block swap."""
+def sharded_memory(engine: dict) -> dict:
+    """memory fields for a sharded ``engine`` (DeepSpeed or FSDP) with what it needs beside it (config/schema.py's
+    _deepspeed and _fsdp): an AdamW (DeepSpeed's own, or torch's over the shares), bf16 weights, no fused backward
+    or block swap."""
     return {
         "engine": engine,
         "optimizer": {"kind": "adamw"},

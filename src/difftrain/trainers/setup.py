@@ -359,7 +359,11 @@ def _partitioned_denoiser(cfg: Config, family: ModelFamily, world: dist_.World) 
 
     try:
         return build_partitioned(
-            cfg, lambda: family.empty_part(cfg.model, den), lambda: _mapped_denoiser(cfg, family), world.main
+            cfg,
+            lambda: family.empty_part(cfg.model, den),
+            lambda: _mapped_denoiser(cfg, family),
+            world.main,
+            family.zero3_settings,
         )
     except ValueError as err:
         raise ModelLoadError(
@@ -434,7 +438,9 @@ def _optimizer(cfg: Config, family: ModelFamily, parts: Parts) -> None:
         from ..memory.deepspeed_engine import initialize
 
         # the validator allows the denoiser as the only trained part
-        parts.engine, parts.optimizer = initialize(cfg, parts.trained[family.denoiser], parts.params)
+        parts.engine, parts.optimizer = initialize(
+            cfg, parts.trained[family.denoiser], parts.params, family.zero3_settings
+        )
     else:
         kernels = speed_.optimizer_kernels(cfg.speed, parts.params)
         parts.optimizer = make_optimizer(
