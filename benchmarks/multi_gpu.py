@@ -152,6 +152,15 @@ CASES = {
     ),
     "P1": ("SDXL full, FSDP2, 1 GPU", SDXL, 1, FSDP, "sdxl-full-fsdp"),
     "P2": ("SDXL full, FSDP2, 2 GPUs", SDXL, 2, FSDP, "sdxl-full"),
+    # each block's forward compiled under FSDP's eager hooks (named: speed auto keeps FSDP eager until this measures)
+    "P2-compile": ("SDXL full, FSDP2 + speed.compile, 2 GPUs", SDXL, 2, FSDP + ["speed.compile=true"], "sdxl-full"),
+    "P2-keep-compile": (
+        "SDXL full, FSDP2 without resharding after forward + speed.compile, 2 GPUs",
+        SDXL,
+        2,
+        FSDP + ["memory.engine.reshard_after_forward=false", "speed.compile=true"],
+        "sdxl-full",
+    ),
     "P2-keep": (
         "SDXL full, FSDP2 without resharding after forward, 2 GPUs",
         SDXL,

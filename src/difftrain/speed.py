@@ -349,7 +349,9 @@ def compile_blocks(
     """
     configure_compile(speed)
     mode = compile_mode(speed)
-    blocks = [sub for sub in module.modules() if type(sub).__name__ in block_classes]
+    # by the class or one it derives from: FSDP2 turns each sharded block into a subclass of its own
+    # (FSDPBasicTransformerBlock)
+    blocks = [sub for sub in module.modules() if any(c.__name__ in block_classes for c in type(sub).__mro__)]
     if checkpoint_every:
         checkpoint_inside(module, blocks[::checkpoint_every])
     for sub in blocks:

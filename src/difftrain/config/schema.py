@@ -848,8 +848,6 @@ class Config(Strict):
             why = "validation.prompts: the pipeline cannot run on sharded weights; leave it empty"
         elif self.speed.float8:
             why = "speed.float8 is not supported with it: set speed.float8: false"
-        elif self.speed.compile is True:
-            why = "speed.compile is not measured with FSDP's hooks yet: set speed.compile: false (or auto)"
         if why:
             raise ValueError(f"memory.engine fsdp: {why}")
 

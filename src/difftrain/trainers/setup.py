@@ -219,15 +219,17 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if sp.compile:
         act = b.cfg.memory.activations
         every = act.every if act.kind == "checkpoint" else 0
-        # block swap's hooks run around each block: only the block's forward is compiled, the hooks stay eager
-        hooks_outside = b.block_swap is not None
+        # block swap's and FSDP's hooks run around each block (moving or gathering its weights): only the block's
+        # forward is compiled, the hooks stay eager
+        hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""
+        hooks_outside = bool(hooks)
         n = speed_.compile_blocks(
             module, b.family.repeated_blocks, sp, checkpoint_every=every, hooks_outside=hooks_outside
         )
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
             f"{', checkpointed inside the compiled region' if every else ''}"
-            f"{' (their forward only: block swap hooks around them)' if hooks_outside else ''}"
+            f"{' (their forward only: ' + hooks + ' hooks around them)' if hooks_outside else ''}"
             f" (cache: {speed_.compile_cache_dir(sp)})"
         )
 
