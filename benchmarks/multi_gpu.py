@@ -172,6 +172,14 @@ CASES = {
     # CogVideoX-5b full does not fit one 80 GB GPU without offload: its 1-GPU case is the offloaded recipe
     "C1": ("CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, 1 GPU", COG5B, 1, FULL, "cog5b-full"),
     "C2": ("CogVideoX-5b full 49x480x720, ZeRO-3, 2 GPUs", COG5B, 2, ZERO3, "cog5b-full"),
+    # ZeRO-3 with CogVideoX's blocks as leaf modules and small parameters kept (SDXL's measured recipe, issue 28)
+    "C2-leaf": (
+        "CogVideoX-5b full 49x480x720, ZeRO-3 + cog_leaf_persist.json, 2 GPUs",
+        COG5B,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'cog_leaf_persist.json'}"],
+        "cog5b-full",
+    ),
     # the 1-GPU recipe as shipped on 2 GPUs, engine left to auto (its fused backward rules DDP out: FSDP is taken)
     "CA2": (
         "CogVideoX-5b full 49x480x720, recipe cogvideox-5b-full-12gb, engine auto, 2 GPUs",
