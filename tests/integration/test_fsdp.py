@@ -233,7 +233,12 @@ def test_fsdp_with_compiled_blocks_trains_as_eager(tiny_model, dataset, tmp_path
     """speed.compile under FSDP (named; auto keeps it eager until measured on GPUs): each block's forward is
     compiled and FSDP's gathering hooks stay around it, eager; with gradient checkpointing inside the compiled
     blocks the losses follow the eager FSDP run (inductor's C++ backend on the CPU)."""
+    from difftrain.families.sdxl import SDXL
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    # the transformer blocks only: SDXL's resnets come in many more shapes, each its own compile on the CPU
+    # (222 s with them, for the same check of FSDP's hooks around a compiled forward)
+    monkeypatch.setattr(SDXL, "repeated_blocks", ("BasicTransformerBlock",))
 
     def cfg(out, **extra):
         sets = {**FULL, "data.cache_dir": tmp_path / "cache", "memory.engine.kind": "fsdp", "train.max_steps": 3,
