@@ -84,8 +84,9 @@ def _with_why(cfg: Config, memory: dict, train: dict | None = None) -> tuple[Con
     try:
         return Config.model_validate(data), None
     except ValidationError as err:
-        first = err.errors()[0]
-        return None, str(first.get("ctx", {}).get("error") or first["msg"]).removeprefix("Value error, ")
+        from .config.load import validation_problems
+
+        return None, validation_problems(err)[0][1]  # the first problem, as the config's own errors say it
 
 
 def choose_engine(

@@ -302,8 +302,8 @@ def _gradients_and_optimizer(
 def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes: int) -> float:
     """FSDP2 (memory.engine fsdp, full fine-tunes): what each of ``processes`` GPUs holds, by FSDP's arithmetic
     (SDXL full on 2 H100s: 20.0 GiB allocated / 22.3 reserved, planned 20.4 / 21.6; keeping the gathered
-    weights 20.4 / 27.1, planned 24.9 / 26.3): its share of the fp32 weights, fp32 gradients and AdamW moments, plus the units gathered
-    whole in the compute dtype (the root, the block computing and the one prefetched; every block between forward
+    weights 20.4 / 27.1, planned 24.9 / 26.3): its share of the fp32 weights, fp32 gradients and AdamW moments,
+    plus the units gathered whole in the compute dtype (the root, the block computing and the one prefetched; every block between forward
     and backward with reshard_after_forward false) and a block's unsharded gradients in flight to the
     reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
     e_ = cfg.memory.engine
