@@ -136,6 +136,13 @@ CASES = {
         ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'coarse_leaf_persist.json'}"],
         "sdxl-full",
     ),
+    "Z2-blocks": (
+        "SDXL full, ZeRO-3 + block_leaf_persist.json (the UNet's down/mid/up blocks as leaves), 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'block_leaf_persist.json'}"],
+        "sdxl-full",
+    ),
     "Z2-allreduce": (
         "SDXL full, ZeRO-3 + allreduce_fetch.json, 2 GPUs",
         SDXL,

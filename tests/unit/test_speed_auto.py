@@ -85,6 +85,8 @@ def test_the_step_count_weighs_the_compile_time_and_a_warm_cache_lowers_it():
         (RunFacts(steps=5000, block_swap=True), "block swap"),
         (RunFacts(steps=5000, fp8_weights=True), "fp8-stored weights"),
         (RunFacts(steps=5000, deepspeed_stage=2), "DeepSpeed"),
+        (RunFacts(steps=5000, fsdp=True), "FSDP"),
+        (RunFacts(steps=5000, fsdp=True, processes=2), "FSDP"),
         (RunFacts(steps=5000, processes=2), "several processes"),
         (RunFacts(steps=5000, shapes=MAX_GRAPH_SHAPES + 1), f"{MAX_GRAPH_SHAPES + 1} bucket shapes"),
     ],

@@ -44,10 +44,12 @@ SPEED = {
     "zero3_offload": 2.87,
     "zero3": 4.5,
     # several GPUs, each step against one GPU's sdxl-full (0.719 s, 2 H100s, issue 28): ZeRO-2 1.156 s, ZeRO-3 with
-    # SDXL's tuned settings 1.647, FSDP2 1.075 and 1.001 keeping the gathered weights from forward to backward
+    # SDXL's tuned settings 1.647, FSDP2 eager 1.075 and 1.001 keeping the gathered weights from forward to backward.
+    # Compiled (what speed auto gives a long run; 2 H200s, 2026-11-26) FSDP2 resharding took 0.620 s against 0.787
+    # keeping the weights: a long run is the one that matters, so resharding ranks first (and holds less)
     "zero2_multi": 1.61,
     "zero3_tuned": 2.29,
-    "fsdp": 1.5,
+    "fsdp": 1.35,
     "fsdp_keep": 1.39,
 }  # block swap: 0.60 vs 0.58 s (LoRA), 0.96 vs 0.83 (full)  # 8-bit: a little slower, and an optional engine: loses ties
 CUDA_CONTEXT_HOST_GIB = 1.5  # torch + CUDA libraries in host RAM, measured (anonymous RSS after load)
@@ -458,15 +460,16 @@ def candidates(cfg: Config, swap_units: int = 0, processes: int = 1) -> list[dic
 
 
 #: the sharded engines tried for a full fine-tune on several GPUs (engine auto, in this order; plan's search), the
-#: fastest first as measured on 2 H100s, SDXL full 1024 px, batch 1 per GPU (docs/benchmarks.md, issue 28): torch's
-#: FSDP2 keeping each block's gathered weights until backward 2.00 samples/s, resharding after forward 1.86,
-#: DeepSpeed ZeRO-2 with its optimizer on the GPU 1.73, ZeRO-3 1.21 (with the family's tuned settings; 0.67
-#: untuned). FSDP also holds less per GPU than ZeRO-2 (20.0 against 28.8 GiB allocated). Then what frees more
-#: memory at more cost: the optimizer offloaded before the weights. FSDP with its shares in host RAM is not
-#: measured on GPUs: auto does not pick it.
+#: fastest first as measured on 2 GPUs, SDXL full 1024 px, batch 1 per GPU (docs/benchmarks.md, issue 28): torch's
+#: FSDP2 with each block's forward compiled (speed auto's choice for a long run) 3.22 samples/s resharding after
+#: forward, 2.54 keeping the gathered weights until backward (2 H200s); eager (2 H100s) 1.86 and 2.00, DeepSpeed
+#: ZeRO-2 with its optimizer on the GPU 1.73, ZeRO-3 1.21 (with the family's tuned settings; 0.67 untuned). FSDP
+#: also holds less per GPU than ZeRO-2 (20.0 against 28.8 GiB allocated), resharding less than keeping. Then what
+#: frees more memory at more cost: the optimizer offloaded before the weights. FSDP with its shares in host RAM is
+#: not measured on GPUs: auto does not pick it.
 SHARDED_ORDER: tuple[dict, ...] = (
-    {"kind": "fsdp", "reshard_after_forward": False},
     {"kind": "fsdp", "reshard_after_forward": True},
+    {"kind": "fsdp", "reshard_after_forward": False},
     {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "none"},
     {"kind": "deepspeed", "stage": 2, "offload_optimizer_device": "cpu"},
     {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "none"},
