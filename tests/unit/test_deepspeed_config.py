@@ -136,3 +136,32 @@ def test_without_deepspeed_installed_the_message_says_how(monkeypatch):
     with pytest.raises(BackendUnavailable) as e:
         initialize(_cfg("memory.engine={kind: deepspeed}"), None, [])
     assert "no-build-isolation" in e.value.hint
+
+
+def test_deepcompile_in_a_config_file_compiles_the_engine(monkeypatch, tmp_path):
+    """A config_file asking for DeepSpeed's DeepCompile gets the engine's compile() (the key alone does nothing in
+    DeepSpeed); without it the engine is left as built. DeepSpeed is faked: it runs on CUDA only."""
+    import types
+
+    import torch
+
+    from difftrain.memory import deepspeed_engine
+
+    calls = []
+
+    class Engine:
+        def compile(self):
+            calls.append("compile")
+
+    fake = types.SimpleNamespace(initialize=lambda **kw: (calls.append(kw["config"]) or Engine(), None, None, None))
+    monkeypatch.setattr(deepspeed_engine, "_deepspeed", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    module = torch.nn.Linear(2, 2)
+    z3 = "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: none}"
+    deepspeed_engine.initialize(_cfg(z3), module, list(module.parameters()))
+    assert calls and "compile" not in calls
+    f = tmp_path / "dc.json"
+    f.write_text(json.dumps({"compile": {"deepcompile": True}}))
+    calls.clear()
+    deepspeed_engine.initialize(_cfg(z3, f"memory.engine.config_file={f}"), module, list(module.parameters()))
+    assert calls[0]["compile"] == {"deepcompile": True} and calls[-1] == "compile"

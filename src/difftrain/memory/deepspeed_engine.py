@@ -149,6 +149,12 @@ def initialize(
             params, lr=cfg.train.learning_rate, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
     engine, optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=conf)
+    if (conf.get("compile") or {}).get("deepcompile"):
+        # DeepCompile (a config_file's "compile": {"deepcompile": true}, DeepSpeed >= 0.16.6): ZeRO-3's gathers and
+        # releases scheduled inside one compiled graph instead of hooks around each module, the host cost that keeps
+        # ZeRO-3 at 0.48x DDP on SDXL (docs/benchmarks.md, issue 28). DeepSpeed compiles only when asked through its
+        # engine, so the key alone would do nothing
+        engine.compile()
     # ZeRO copies the weights into flat buffers: the blocks the originals held stay cached in torch's allocator (SDXL
     # full, ZeRO-2 offload: 15.5 GiB reserved for 9.6 allocated); hand them back so the reservation is training's
     torch.cuda.empty_cache()
