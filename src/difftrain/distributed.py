@@ -288,6 +288,31 @@ def failure_cause(exitcode: int, message: str = "") -> str:
     return f"exit code {exitcode}" + (f": {message}" if message and not message.startswith("To enable") else "")
 
 
+#: what gloo and NCCL say when another process of the group died
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "Broken pipe",
+)
+#: what a failure of the group's communication says (NCCL's watchdog, a store or rendezvous that timed out)
+COMM_FAILED = ("NCCL", "ProcessGroup", "timed out", "Timeout", "watchdog", "rendezvous")
+
+
+def restart_may_help(e: BaseException) -> bool:
+    """Whether a restart of the group could get past ``e``: a lost process or a failure of the group's
+    communication (a torch.distributed error, or one whose message names the peers or NCCL), or a CUDA error (a
+    GPU fault may not repeat). Any other exception raised by the training code before its first step (a shape that
+    does not match, a library's own bug) meets the same inputs again after a restart."""
+    import torch.distributed as tdist
+
+    if isinstance(e, getattr(tdist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(m in text for m in PEER_LOST + COMM_FAILED) or "CUDA error" in text
+
+
 def launch(nproc: int, argv: list[str], failure_note=None, **where) -> None:
     """Run ``difftrain <argv>`` on ``nproc`` processes through torchrun's elastic agent (``max_restarts`` restarts
     of the group after a process dies); every worker's own error is printed by the worker (``rank N: error:

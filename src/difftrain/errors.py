@@ -79,3 +79,17 @@ class Interrupted(DifftrainError):
     """Ctrl+C: the run stopped after saving its state (exit code 130, as a shell reports SIGINT)."""
 
     exit_code = 130
+
+
+#: what torch (CUDA's allocator) and the host say when memory runs out
+OOM_WORDS = ("out of memory", "can't allocate memory")
+#: what to do about it (the console's message and a restart's note say the same)
+OOM_HINT = (
+    "Lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller GPU tier (`difftrain plan` "
+    "predicts the peak)."
+)
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is memory running out, on the GPU or the host."""
+    return isinstance(e, MemoryError) or any(m in str(e).lower() for m in OOM_WORDS)

@@ -260,6 +260,33 @@ def test_a_killed_rank_with_no_restarts_left_is_named_with_its_cause(two_procs, 
     assert "rank 1: killed by SIGKILL (the out-of-memory killer, or kill -9)" in text
 
 
+def test_a_fault_before_the_first_step_ends_the_restarts_at_once(two_procs, tiny_model, _dataset_master):
+    """An unexpected exception in rank 1 before any step (not a lost peer, not the group's communication) would
+    meet the same inputs on every restart: the group is not restarted three times to find that out, and the last
+    message says why and how to get the traceback."""
+    root, _, _ = two_procs
+    r = _two_with_a_kill(tiny_model, _dataset_master, root, "fault", "1:0:raise")
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.count("rank 1: error: an unexpected RuntimeError: injected fault at step 0") == 1
+    assert "a restart would meet again, so the group's restarts ended at once" in text
+    assert "after 3 restarts" not in text and "restart 1 of 3" not in text
+    assert "DIFFTRAIN_DEBUG=1" in text
+
+
+def test_a_fault_after_a_checkpoint_restarts_the_group_which_ends_as_the_uninterrupted_run(
+    two_procs, tiny_model, _dataset_master
+):
+    """The same exception once steps were done (here once step 2's checkpoint is written) may not come back (an
+    allocator's fragmentation, a flaky GPU): the agent restarts the group, which continues from the checkpoint."""
+    root, _, _ = two_procs
+    r = _two_with_a_kill(tiny_model, _dataset_master, root, "late", "1:2:raise")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "restart 1 of 3: a process of the group ended" in " ".join(r.stderr.split())
+    a, b = load_file(root / "late" / "run" / LORA), load_file(root / "two.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_two_nodes_on_one_host_train_as_one_node_and_resume_on_one(two_procs, tiny_model, _dataset_master):
     """Issue 26, item 4: two node launchers (--nodes 2, --node-rank 0 and 1, one process each) meet at a c10d
     rendezvous on localhost and train as the one-node run on two processes; a checkpoint of theirs resumes on a

@@ -155,3 +155,43 @@ def test_a_user_error_under_the_agent_ends_the_restarts_at_once(tmp_path, monkey
         rf.check_failure(tmp_path)
     rf.clear_failure(tmp_path)
     rf.check_failure(tmp_path)
+
+
+def test_only_faults_a_restart_could_get_past_restart_the_group():
+    """distributed.restart_may_help: lost peers, the group's communication and CUDA errors restart; a plain fault
+    in the code (a shape that does not match) does not."""
+    import torch.distributed as tdist
+
+    from difftrain.distributed import restart_may_help
+
+    assert not restart_may_help(RuntimeError("output with shape [0] doesn't match the broadcast shape [320, 640]"))
+    assert not restart_may_help(ValueError("invalid literal for int() with base 10: '0a'"))
+    assert restart_may_help(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert restart_may_help(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"))
+    assert restart_may_help(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert restart_may_help(tdist.DistBackendError("anything"))
+
+
+def test_an_unexpected_fault_is_noted_with_its_own_words_and_the_debug_hint(tmp_path, monkeypatch):
+    from difftrain.errors import DifftrainError
+
+    monkeypatch.setenv(rf.ENV_RESTARTS, "0")
+    monkeypatch.setenv("RANK", "0")
+    err = RuntimeError("shapes differ")
+    rf.note_failure(tmp_path, err, message=f"an unexpected RuntimeError: {err}", hint="DIFFTRAIN_DEBUG=1")
+    monkeypatch.setenv(rf.ENV_RESTARTS, "1")
+    with pytest.raises(DifftrainError, match="would meet again: an unexpected RuntimeError: shapes differ") as e:
+        rf.check_failure(tmp_path)
+    assert e.value.hint == "DIFFTRAIN_DEBUG=1"
+
+
+def test_the_injected_fault_raises_on_every_start_and_the_kill_spec_still_parses(monkeypatch):
+    monkeypatch.setenv(rf.ENV_TEST_KILL, "1:0:raise")
+    rf.injected_kill(0, 0)  # another rank: nothing
+    rf.injected_kill(1, 1)  # another step: nothing
+    for restarts in ("0", "2"):
+        monkeypatch.setenv(rf.ENV_RESTARTS, restarts)
+        with pytest.raises(RuntimeError, match="injected fault at step 0"):
+            rf.injected_kill(1, 0)
+    monkeypatch.setenv(rf.ENV_TEST_KILL, "1:3")
+    rf.injected_kill(1, 3)  # a kill on a restarted group (restart count 2): nothing

@@ -21,7 +21,7 @@ import typer
 from rich.markup import escape
 
 from ..console import console, debug_enabled
-from ..errors import DifftrainError
+from ..errors import OOM_HINT, DifftrainError, is_oom
 
 app = typer.Typer(
     name="difftrain",
@@ -118,14 +118,12 @@ def _cli_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, .
     return tuple(exits), tuple(errors), tuple(aborts)
 
 
-#: what gloo and NCCL say when another process of the group died
-PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "remote worker crashing",
-    "remote process exited",
-    "Broken pipe",
-)
+def _peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` says another process of the group died (read only under a launcher, where torch, which
+    difftrain.distributed imports, is loaded already: a usage error stays quick)."""
+    from ..distributed import PEER_LOST
+
+    return any(m in str(e) for m in PEER_LOST)
 
 
 def report_error(e: BaseException) -> int:
@@ -149,16 +147,13 @@ def report_error(e: BaseException) -> int:
     elif isinstance(e, KeyboardInterrupt):
         console.print("[yellow]interrupted[/yellow]")
         code = 130
-    elif isinstance(e, MemoryError) or any(m in str(e).lower() for m in ("out of memory", "can't allocate memory")):
+    elif is_oom(e):
         console.print(
             f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}"
         )
-        console.print(
-            "[bold]next:[/bold] lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller "
-            "GPU tier (`difftrain plan` predicts the peak)."
-        )
+        console.print(f"[bold]next:[/bold] {escape(OOM_HINT)}")
         code = 1
-    elif who and any(m in str(e) for m in PEER_LOST):
+    elif who and _peer_lost(e):
         # another process of the group died first (the OOM killer, a kill -9, a lost GPU): this one lost its peer
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         console.print(f"{who}[bold red]error:[/bold red] lost a process of the group ({escape(first)})")

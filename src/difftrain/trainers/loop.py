@@ -29,7 +29,7 @@ from .. import speed as speed_
 from ..config.schema import Config
 from ..console import RateColumn, info, progress, warn
 from ..data.index import IndexItem
-from ..errors import DifftrainError, Interrupted
+from ..errors import OOM_HINT, DifftrainError, Interrupted, is_oom
 from ..families.registry import get_family
 from ..memory.plan import weights_dtype
 from ..planning import live_stages, plan_parts
@@ -204,6 +204,7 @@ class Trainer:
         checkpoint by itself."""
         import os
 
+        self._stepped = False  # an optimizer step done in this start (see the except below)
         try:
             if not self.world.main:
                 rf.check_failure(self.out)  # a restart after a user error: the same error, at once
@@ -225,6 +226,22 @@ class Trainer:
         except DifftrainError as e:
             if not isinstance(e, Interrupted):
                 rf.note_failure(self.out, e)
+            raise
+        except Exception as e:
+            # an unexpected exception before this start's first step that no restart can get past (not a lost
+            # process or the group's communication): the agent's restarts would each load the model to meet it
+            # again (2 H200s: a ZeRO-3 setting that failed in step 1 cost three restarts, ~40 s each)
+            if not self._stepped and not dist_.restart_may_help(e):
+                oom = is_oom(e)
+                first = str(e).splitlines()[0] if str(e) else ""
+                rf.note_failure(
+                    self.out,
+                    e,
+                    message=f"out of memory: {first}" if oom else f"an unexpected {type(e).__name__}: {e}",
+                    hint=OOM_HINT
+                    if oom
+                    else "Run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.",
+                )
             raise
         finally:
             from ..memory.fsdp import release_group
@@ -295,12 +312,15 @@ class Trainer:
             task = bar.add_task(first, total=self.total_steps, completed=pos.step, loss=float("nan"), mem="")
             self.sink = Sink(metrics, result.losses, bar, task, t0)
             self.readback.start(pos.step)
+            if pos.step == 0:
+                rf.injected_kill(self.world.rank, 0)  # the tests' fault before the first step, if any
             acc = Accumulation()
             while pos.step < end:
                 batches = self.feed.epoch_batches(pos)
                 while pos.batch_pos < len(batches) and pos.step < end:
                     if self._micro_batch(batches[pos.batch_pos], acc):
                         acc = Accumulation()
+                        self._stepped = True
                         self._after_step(result, metrics, stats, end)
                         if compiling:  # the first step compiled the blocks: the next run of this config starts warm
                             compiling = False

@@ -300,15 +300,16 @@ class NotRestarted(DifftrainError):
     said_elsewhere = True
 
 
-def note_failure(out: Path, err: Exception) -> None:
+def note_failure(out: Path, err: Exception, message: str | None = None, hint: str | None = None) -> None:
     """Under torchrun's agent: remember the error, so that the restarts the agent makes end at once with it (the
-    agent restarts on any failure, and a user error would cost a model load each time)."""
+    agent restarts on any failure, and a user error would cost a model load each time). ``message`` and ``hint``:
+    what to say of it, where not the error's own (an unexpected exception has neither)."""
     if ENV_RESTARTS not in os.environ or isinstance(err, NotRestarted):
         return
-    msg = getattr(err, "message", str(err))
+    msg = message or getattr(err, "message", str(err))
     data = {
         "message": msg,
-        "hint": getattr(err, "hint", None),
+        "hint": hint or getattr(err, "hint", None),
         "rank": os.environ.get("RANK"),
         "type": type(err).__name__,
     }
@@ -332,16 +333,22 @@ def clear_failure(out: Path) -> None:
 
 
 #: fault injection for the tests and benchmarks/restart_cost.py: "RANK:STEP" makes that process kill itself
-#: (SIGKILL, as the out-of-memory killer would) once optimizer step STEP is done, on the group's first start only
+#: (SIGKILL, as the out-of-memory killer would) once optimizer step STEP is done (0: before the first step), on the
+#: group's first start only; "RANK:STEP:raise" raises an unexpected RuntimeError there instead, on every start (a
+#: fault in the code, which a restart meets again)
 ENV_TEST_KILL = "DIFFTRAIN_TEST_KILL"
 
 
 def injected_kill(rank: int, step: int) -> None:
     spec = os.environ.get(ENV_TEST_KILL)
-    if not spec or restart_count() > 0:
+    if not spec:
         return
-    r, s = (int(x) for x in spec.split(":"))
-    if (r, s) == (rank, step):
+    r, s, *how = spec.split(":")
+    if (int(r), int(s)) != (rank, step):
+        return
+    if how == ["raise"]:
+        raise RuntimeError(f"injected fault at step {step} ({ENV_TEST_KILL})")
+    if restart_count() == 0:
         import signal
 
         note = os.environ.get("DIFFTRAIN_TEST_KILL_NOTE")  # when it died: a benchmark times the restart from it
