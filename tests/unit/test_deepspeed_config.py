@@ -4,6 +4,7 @@ and the pairs the validator refuses (the engine itself runs on the GPU: tests/gp
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -156,12 +157,25 @@ def test_deepcompile_in_a_config_file_compiles_the_engine(monkeypatch, tmp_path)
     fake = types.SimpleNamespace(initialize=lambda **kw: (calls.append(kw["config"]) or Engine(), None, None, None))
     monkeypatch.setattr(deepspeed_engine, "_deepspeed", lambda: fake)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     module = torch.nn.Linear(2, 2)
     z3 = "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: none}"
     deepspeed_engine.initialize(_cfg(z3), module, list(module.parameters()))
-    assert calls and "compile" not in calls
+    assert calls and "compile" not in calls and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
     f = tmp_path / "dc.json"
     f.write_text(json.dumps({"compile": {"deepcompile": True}}))
     calls.clear()
     deepspeed_engine.initialize(_cfg(z3, f"memory.engine.config_file={f}"), module, list(module.parameters()))
     assert calls[0]["compile"] == {"deepcompile": True} and calls[-1] == "compile"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"  # what DeepSpeed's op builder can read
+
+
+def test_the_arch_list_deepspeeds_op_builder_reads_drops_arch_specific_suffixes():
+    from difftrain.memory.deepspeed_engine import arch_list_for_deepspeed
+
+    assert arch_list_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "9.0a"}) == {"TORCH_CUDA_ARCH_LIST": "9.0"}
+    assert arch_list_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "8.0;9.0a+PTX;10.0f"}) == {
+        "TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX;10.0"
+    }
+    assert arch_list_for_deepspeed({"TORCH_CUDA_ARCH_LIST": "8.0;9.0"}) == {}
+    assert arch_list_for_deepspeed({}) == {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,18 @@ def _adamw(cfg: Config) -> OptAdamW:
     return o
 
 
+def arch_list_for_deepspeed(env: Mapping[str, str]) -> dict[str, str]:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it (what to set; empty where nothing changes).
+    DeepCompile JIT-builds a CUDA op, and DeepSpeed 0.19.8's builder reads each entry's minor version as a number:
+    Hopper's arch-specific "9.0a", which the GPU machines' image sets, stopped it ("invalid literal for int() with
+    base 10: '0a'", 2 H200s, 2026-11-26). Its ops use nothing arch-specific, so the plain target builds them."""
+    arch = env.get("TORCH_CUDA_ARCH_LIST")
+    if not arch:
+        return {}
+    plain = re.sub(r"(\d+\.\d+)[a-z]+", r"\1", arch)
+    return {"TORCH_CUDA_ARCH_LIST": plain} if plain != arch else {}
+
+
 def initialize(
     cfg: Config,
     module: torch.nn.Module,
@@ -154,6 +167,7 @@ def initialize(
         # releases scheduled inside one compiled graph instead of hooks around each module, the host cost that keeps
         # ZeRO-3 at 0.48x DDP on SDXL (docs/benchmarks.md, issue 28). DeepSpeed compiles only when asked through its
         # engine, so the key alone would do nothing
+        os.environ.update(arch_list_for_deepspeed(os.environ))
         engine.compile()
     # ZeRO copies the weights into flat buffers: the blocks the originals held stay cached in torch's allocator (SDXL
     # full, ZeRO-2 offload: 15.5 GiB reserved for 9.6 allocated); hand them back so the reservation is training's
