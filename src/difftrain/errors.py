@@ -83,13 +83,25 @@ class Interrupted(DifftrainError):
 
 #: what torch (CUDA's allocator) and the host say when memory runs out
 OOM_WORDS = ("out of memory", "can't allocate memory")
-#: what to do about it (the console's message and a restart's note say the same)
+#: what to do about it
 OOM_HINT = (
     "Lower train.batch_size, data.resolution or lora.rank, or use a recipe for a smaller GPU tier (`difftrain plan` "
     "predicts the peak)."
 )
 
 
+#: what to do about any other exception that is not a DifftrainError
+DEBUG_HINT = "Run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug."
+
+
 def is_oom(e: BaseException) -> bool:
     """Whether ``e`` is memory running out, on the GPU or the host."""
     return isinstance(e, MemoryError) or any(m in str(e).lower() for m in OOM_WORDS)
+
+
+def unexpected_words(e: BaseException) -> tuple[str, str]:
+    """What to say of an exception that is not a DifftrainError, and what to do next: memory running out, or an
+    unexpected error (the console's message and a restart's note say the same)."""
+    if is_oom(e):
+        return f"out of memory: {str(e).splitlines()[0] if str(e) else ''}", OOM_HINT
+    return f"an unexpected {type(e).__name__}: {e}", DEBUG_HINT

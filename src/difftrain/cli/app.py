@@ -21,7 +21,7 @@ import typer
 from rich.markup import escape
 
 from ..console import console, debug_enabled
-from ..errors import OOM_HINT, DifftrainError, is_oom
+from ..errors import DifftrainError, is_oom, unexpected_words
 
 app = typer.Typer(
     name="difftrain",
@@ -147,13 +147,7 @@ def report_error(e: BaseException) -> int:
     elif isinstance(e, KeyboardInterrupt):
         console.print("[yellow]interrupted[/yellow]")
         code = 130
-    elif is_oom(e):
-        console.print(
-            f"{who}[bold red]error:[/bold red] out of memory: {escape(str(e).splitlines()[0]) if str(e) else ''}"
-        )
-        console.print(f"[bold]next:[/bold] {escape(OOM_HINT)}")
-        code = 1
-    elif who and _peer_lost(e):
+    elif who and _peer_lost(e) and not is_oom(e):
         # another process of the group died first (the OOM killer, a kill -9, a lost GPU): this one lost its peer
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         console.print(f"{who}[bold red]error:[/bold red] lost a process of the group ({escape(first)})")
@@ -162,11 +156,10 @@ def report_error(e: BaseException) -> int:
             "group while train.max_restarts allows."
         )
         code = 1
-    else:
-        console.print(f"{who}[bold red]error:[/bold red] an unexpected {type(e).__name__}: {escape(str(e))}")
-        console.print(
-            "[bold]next:[/bold] run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug."
-        )
+    else:  # memory ran out, or an unexpected error
+        message, hint = unexpected_words(e)
+        console.print(f"{who}[bold red]error:[/bold red] {escape(message)}")
+        console.print(f"[bold]next:[/bold] {escape(hint)}")
         code = 1
     if debug_enabled():
         traceback.print_exception(e)

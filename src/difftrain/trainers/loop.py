@@ -29,7 +29,7 @@ from .. import speed as speed_
 from ..config.schema import Config
 from ..console import RateColumn, info, progress, warn
 from ..data.index import IndexItem
-from ..errors import OOM_HINT, DifftrainError, Interrupted, is_oom
+from ..errors import DifftrainError, Interrupted, unexpected_words
 from ..families.registry import get_family
 from ..memory.plan import weights_dtype
 from ..planning import live_stages, plan_parts
@@ -232,16 +232,8 @@ class Trainer:
             # process or the group's communication): the agent's restarts would each load the model to meet it
             # again (2 H200s: a ZeRO-3 setting that failed in step 1 cost three restarts, ~40 s each)
             if not self._stepped and not dist_.restart_may_help(e):
-                oom = is_oom(e)
-                first = str(e).splitlines()[0] if str(e) else ""
-                rf.note_failure(
-                    self.out,
-                    e,
-                    message=f"out of memory: {first}" if oom else f"an unexpected {type(e).__name__}: {e}",
-                    hint=OOM_HINT
-                    if oom
-                    else "Run again with DIFFTRAIN_DEBUG=1 for the traceback, and report it if it looks like a bug.",
-                )
+                message, hint = unexpected_words(e)
+                rf.note_failure(self.out, e, message=message, hint=hint)
             raise
         finally:
             from ..memory.fsdp import release_group
