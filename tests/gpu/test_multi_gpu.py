@@ -54,9 +54,11 @@ def cache(tmp_path_factory, tiny_model, _dataset_master):
     return root
 
 
-@pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
+@pytest.mark.parametrize("engine", ["ddp", "deepspeed", "ddp-graphs"])
 def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dataset_master, engine):
     extra = {"memory.engine.kind": engine, "train.mixed_precision": "bf16", "memory.weights.kind": "bf16"}
+    if engine == "ddp-graphs":  # compiled blocks replayed as CUDA graphs, DDP's all-reduce outside them
+        extra.update({"memory.engine.kind": "ddp", "speed.compile": True, "speed.cuda_graphs": True})
     if engine == "deepspeed":
         extra["memory.engine.offload_optimizer_device"] = "none"
     two = _run(
@@ -79,7 +81,7 @@ def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dat
         ),
     )
     assert one.returncode == 0, one.stderr[-4000:]
-    if engine == "ddp":
+    if engine.startswith("ddp"):
         assert "the 2 processes' trained weights agree" in two.stderr
     la = [json.loads(x)["loss"] for x in (cache / f"two-{engine}" / "run" / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(x)["loss"] for x in (cache / f"one-{engine}" / "run" / "metrics.jsonl").read_text().splitlines()]

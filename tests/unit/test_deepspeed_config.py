@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,21 +153,27 @@ def test_deepcompile_in_a_config_file_compiles_the_engine(monkeypatch, tmp_path)
 
     class Engine:
         def compile(self):
-            calls.append("compile")
+            calls.append(("compile", sys.getrecursionlimit()))
 
     fake = types.SimpleNamespace(initialize=lambda **kw: (calls.append(kw["config"]) or Engine(), None, None, None))
     monkeypatch.setattr(deepspeed_engine, "_deepspeed", lambda: fake)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    limit = sys.getrecursionlimit()
     module = torch.nn.Linear(2, 2)
     z3 = "memory.engine={kind: deepspeed, stage: 3, offload_optimizer_device: none}"
     deepspeed_engine.initialize(_cfg(z3), module, list(module.parameters()))
-    assert calls and "compile" not in calls and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert calls and not [c for c in calls if isinstance(c, tuple)] and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"
+    assert sys.getrecursionlimit() == limit
     f = tmp_path / "dc.json"
     f.write_text(json.dumps({"compile": {"deepcompile": True}}))
     calls.clear()
     deepspeed_engine.initialize(_cfg(z3, f"memory.engine.config_file={f}"), module, list(module.parameters()))
-    assert calls[0]["compile"] == {"deepcompile": True} and calls[-1] == "compile"
+    try:
+        # compiled with a recursion limit deep enough for a whole UNet's graph (SDXL overran Python's default)
+        assert calls[0]["compile"] == {"deepcompile": True} and calls[-1] == ("compile", 20_000)
+    finally:
+        sys.setrecursionlimit(limit)
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"  # what DeepSpeed's op builder can read
 
 

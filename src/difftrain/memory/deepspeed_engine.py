@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,10 @@ def _adamw(cfg: Config) -> OptAdamW:
     return o
 
 
+#: Python's recursion limit while DeepCompile traces and compiles the model (see initialize)
+DEEPCOMPILE_RECURSION = 20_000
+
+
 def arch_list_for_deepspeed(env: Mapping[str, str]) -> dict[str, str]:
     """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it (what to set; empty where nothing changes).
     DeepCompile JIT-builds a CUDA op, and DeepSpeed 0.19.8's builder reads each entry's minor version as a number:
@@ -168,6 +173,10 @@ def initialize(
         # ZeRO-3 at 0.48x DDP on SDXL (docs/benchmarks.md, issue 28). DeepSpeed compiles only when asked through its
         # engine, so the key alone would do nothing
         os.environ.update(arch_list_for_deepspeed(os.environ))
+        # DeepCompile's backend walks the whole UNet's graph recursively: at Python's default depth (1,000) SDXL's
+        # first step stopped with "RecursionError: maximum recursion depth exceeded" (2 H200s, 2026-11-26). A deeper
+        # limit is what large-graph compilers do; whether it is enough is not yet measured
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), DEEPCOMPILE_RECURSION))
         engine.compile()
     # ZeRO copies the weights into flat buffers: the blocks the originals held stay cached in torch's allocator (SDXL
     # full, ZeRO-2 offload: 15.5 GiB reserved for 9.6 allocated); hand them back so the reservation is training's
