@@ -135,7 +135,7 @@ def _adamw(cfg: Config) -> OptAdamW:
 
 
 #: Python's recursion limit while DeepCompile traces and compiles the model (see initialize)
-DEEPCOMPILE_RECURSION = 20_000
+DEEPCOMPILE_RECURSION = 200_000
 
 
 def arch_list_for_deepspeed(env: Mapping[str, str]) -> dict[str, str]:
@@ -173,9 +173,12 @@ def initialize(
         # ZeRO-3 at 0.48x DDP on SDXL (docs/benchmarks.md, issue 28). DeepSpeed compiles only when asked through its
         # engine, so the key alone would do nothing
         os.environ.update(arch_list_for_deepspeed(os.environ))
-        # DeepCompile's backend walks the whole UNet's graph recursively: at Python's default depth (1,000) SDXL's
-        # first step stopped with "RecursionError: maximum recursion depth exceeded" (2 H200s, 2026-11-26). A deeper
-        # limit is what large-graph compilers do; whether it is enough is not yet measured
+        # DeepCompile's scheduler walks the whole model's graph depth first, one Python frame a node
+        # (deepspeed/compile/list_schedule.py get_node_requirements, 0.19.8): at Python's default depth (1,000)
+        # SDXL's first step stopped with "RecursionError: maximum recursion depth exceeded" (2 H200s, 2026-11-26;
+        # the likely place, the worker's traceback was not kept).
+        # The chain can be as long as the graph (tens of thousands of nodes for a UNet's forward and backward);
+        # Python 3.11+ keeps such frames off the C stack. Whether it is enough is not yet measured
         sys.setrecursionlimit(max(sys.getrecursionlimit(), DEEPCOMPILE_RECURSION))
         engine.compile()
     # ZeRO copies the weights into flat buffers: the blocks the originals held stay cached in torch's allocator (SDXL
