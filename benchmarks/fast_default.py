@@ -35,6 +35,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--recipe", "sdxl-lora-8gb", "--set", "speed.cuda_graphs=true"],
         "sdxl-lora-8gb with CUDA graphs named (auto keeps them for one bucket shape only), six buckets",
     ),
+    "sdxl-lora-4gb-graphs": (
+        ["--recipe", "sdxl-lora-4gb", "--set", "speed.cuda_graphs=true"],
+        "sdxl-lora-4gb with CUDA graphs named: block swap into fixed GPU slots (auto keeps graphs off with block "
+        "swap), six buckets",
+    ),
     "sdxl-lora-8gb-off": (
         ["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=false"],
         "sdxl-lora-8gb with speed off (eager), six buckets",

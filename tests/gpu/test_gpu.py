@@ -184,8 +184,9 @@ def test_bitsandbytes_base_weights_lora_tracks_bf16(tiny_model, dataset, tmp_pat
     assert load_file(rb.lora_path).keys() == load_file(ra.lora_path).keys()  # the same LoRA layout, loadable as before
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["fresh", "fixed-slots"])
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora):
+def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora, fixed):
     """Pinned host copies, side-stream prefetch: gradients equal the plain run's, and swapped weights stay home."""
     import sys
     from pathlib import Path
@@ -217,9 +218,16 @@ def test_block_swap_on_cuda_streams_equals_plain(tiny_model, lora):
     unet = _unet(tiny_model, lora)
     unet.enable_gradient_checkpointing()
     units = SDXL().swap_blocks(unet)
-    swap = BlockSwap(unet, units, blocks_to_swap=len(units), device=torch.device("cuda"), swap_trainable=not lora)
+    swap = BlockSwap(
+        unet, units, blocks_to_swap=len(units), device=torch.device("cuda"), swap_trainable=not lora, fixed=fixed
+    )
     assert all(p.is_pinned() for i in swap.swapped for p in swap.params[i])
     got = step(unet)
+    if fixed:  # a second step through the same slots (each fetch waits for the slot's last user's kernels)
+        unet.zero_grad(set_to_none=True)
+        swap.end_backward()
+        got = step(unet)
+        assert swap.slot_conflicts == 0
     swap.end_backward()
     torch.cuda.synchronize()
     assert got.keys() == want.keys() and got

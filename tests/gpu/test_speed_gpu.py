@@ -122,6 +122,28 @@ def test_speed_auto_compiles_under_block_swap_without_graphs(tiny_model, dataset
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
 
+def test_block_swap_with_cuda_graphs_named_replays_from_fixed_slots_and_trains_as_eager(tiny_model, dataset, tmp_path):
+    """speed.cuda_graphs: true beside block swap: the swapped blocks land in fixed GPU slots and the graphs
+    recorded around them train to the losses of the eager block-swap run (their speed: benchmarks/fast_default.py,
+    case sdxl-lora-4gb-graphs)."""
+    common = {
+        "memory.offload": "{kind: block_swap, blocks_to_swap: 4}",
+        "memory.activations.kind": "checkpoint",
+        "train.max_steps": 10,
+    }
+    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
+    precompute(eager_cfg)
+    ref = train(eager_cfg)
+    t = Trainer(
+        _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"})
+    )
+    out = t.run()
+    swap = t.parts.block_swap
+    assert t.speed.cuda_graphs and len(swap.slots) == 3 and swap.slot_conflicts == 0
+    assert all(b.device.type == "cuda" for b in swap.slots)
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
+
+
 def test_auto_attention_leaves_cudnn_out_for_a_family_that_asks():
     """Flux's shapes failed in cuDNN's attention backward (H100, torch 2.11 + CUDA 13): speed.attention auto lets
     torch choose among the other kernels for it, and attention still runs forward and backward."""

@@ -135,6 +135,31 @@ def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_h
         assert torch.equal(p.detach(), w0[n].detach()), n
 
 
+def test_fixed_slot_block_swap_writes_stepped_weights_home_as_the_resident_run(runs, monkeypatch):
+    """Block swap into fixed slots (what CUDA graphs get) with fused Adafactor: each swapped unit is stepped in its
+    slot and written home before another unit takes the slot, so the run stays the resident one, weight for weight.
+    (Slots are asked for directly: on the CPU nothing records graphs.)"""
+    from difftrain.memory import plan
+    from difftrain.trainers import setup
+
+    real = plan.apply_offload
+    monkeypatch.setattr(setup, "apply_offload", lambda *a, **k: real(*a, **{**k, "fixed": True}))
+    sets = (
+        *FULL,
+        "memory.fused_backward=true",
+        "memory.optimizer.kind=adafactor",
+        "memory.activations.kind=checkpoint",
+    )
+    t0, ref = runs("full-fused-adafactor", *sets)
+    t1, r = runs("full-fused-adafactor-swap-fixed", *sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
+    swap = t1.parts.block_swap
+    assert swap.write_back and len(swap.slots) == 3 and swap.slot_conflicts == 0 and not swap.resident
+    assert r.losses == ref.losses
+    w0 = dict(t0.parts.comps["unet"].named_parameters())
+    for n, p in t1.parts.comps["unet"].named_parameters():
+        assert torch.equal(p.detach(), w0[n].detach()), n
+
+
 SWAP_ADAFACTOR = (
     "memory.optimizer.kind=adafactor",
     "memory.activations.kind=checkpoint",

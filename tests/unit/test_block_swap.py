@@ -89,3 +89,50 @@ def test_a_weight_used_while_evicted_fails_loudly(tiny_model):
     swap.remove()  # hooks gone, weights still evicted
     with pytest.raises(RuntimeError):
         _step(unet)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_fixed_slots_put_each_block_at_the_same_addresses_every_time(tiny_model, lora, checkpointing, prefetch):
+    """With CUDA graphs (``fixed``) each swapped block lands in its own slot's views on every fetch (forward,
+    backward, the checkpoint's recompute, the next step): a recorded graph reads the addresses it recorded. The
+    gradients stay those of the run without block swap, bit for bit."""
+    ref = _unet(tiny_model, lora)
+    unet = _unet(tiny_model, lora)
+    if checkpointing:
+        ref.enable_gradient_checkpointing()
+        unet.enable_gradient_checkpointing()
+    units = SDXL().swap_blocks(unet)
+    swap = BlockSwap(
+        unet, units, len(units) - 2, device="cpu", prefetch=prefetch, swap_trainable=not lora, poison=True, fixed=True
+    )
+    assert len(swap.slots) == prefetch + 2
+    largest = max(sum(-(-h.numel() * h.element_size() // 256) * 256 for h in swap.home[i]) for i in swap.swapped)
+    assert swap.slot_bytes == (prefetch + 2) * largest
+    seen: dict[int, set[tuple[int, ...]]] = {}
+
+    def record(i):
+        def hook(module, args):  # after block swap's own pre-hook (registered first): the block is resident
+            seen.setdefault(i, set()).add(tuple(p.data_ptr() for p in swap.params[i]))
+
+        return hook
+
+    for i in swap.swapped:
+        units[i].register_forward_pre_hook(record(i))
+    for seed in (0, 1):
+        ref.zero_grad(set_to_none=True)
+        unet.zero_grad(set_to_none=True)
+        ref_loss, ref_grads = _step(ref, seed)
+        loss, grads = _step(unet, seed)
+        swap.end_backward()
+        assert torch.equal(loss, ref_loss)
+        assert grads.keys() == ref_grads.keys() and grads
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+        assert not swap.resident
+    assert seen.keys() == set(swap.swapped)
+    for i in swap.swapped:  # one set of addresses per block, its slot's views
+        assert seen[i] == {tuple(v.data_ptr() for v in swap.slot_views[i])}, i
+    # neighbours in the swap order never share a slot, so the hooks' order never evicts a block in use
+    assert swap.slot_conflicts == 0
+    assert swap.peak_resident <= prefetch + 1

@@ -94,6 +94,16 @@ def test_block_swap_terms_by_hand():
         sets=["memory.weights.kind=bf16", "memory.offload={kind: block_swap, blocks_to_swap: 4, prefetch: 2}"]
     ).config
     assert (e0.gpu["weights"] - estimate(prefetch2, h).gpu["weights"]) * GIB == pytest.approx(700 * 2 - 400 * 2)
+    # with CUDA graphs the blocks land in prefetch + 2 fixed slots of the largest swapped block (300) for the run
+    graphs = resolve(
+        sets=[
+            "memory.weights.kind=bf16",
+            "memory.offload={kind: block_swap, blocks_to_swap: 3}",
+            "speed.compile=true",
+            "speed.cuda_graphs=true",
+        ]
+    ).config
+    assert (e0.gpu["weights"] - estimate(graphs, h).gpu["weights"]) * GIB == pytest.approx(600 * 2 - 3 * 300 * 2)
 
 
 def test_plan_search_offers_block_swap_below_what_fp8_reaches(cli):

@@ -971,11 +971,8 @@ class Config(Strict):
         sp, m, t = self.speed, self.memory, self.train
         if sp.cuda_graphs is True and sp.compile is False:
             raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true (or auto)")
-        if sp.cuda_graphs is True and m.offload.kind == "block_swap":
-            raise ValueError(
-                "speed.cuda_graphs with memory.offload block_swap: a graph replays the addresses it recorded, and "
-                "block swap brings weights back to new ones every step; set speed.cuda_graphs: false (or auto)"
-            )
+        # speed.cuda_graphs with block swap: the blocks then land in fixed GPU slots (memory/block_swap.py), the
+        # addresses a graph recorded
         if sp.compile is True:
             if m.engine.kind == "deepspeed" and m.engine.stage == 3:
                 raise ValueError(

@@ -28,6 +28,12 @@ blocks_to_swap with --fused_backward_pass), each is stepped on the GPU inside
 backward while its unit is resident, and the unit is copied home when it is
 dropped after its backward. The config validator requires one of the two.
 LoRA weights stay on the GPU.
+
+``fixed`` (with CUDA graphs): each swapped unit always lands at the same GPU addresses. A recorded graph replays
+the addresses it read when it was recorded, so fresh buffers per fetch would make torch re-record every step.
+``prefetch + 2`` slots, each as large as the largest swapped unit, are allocated once; the unit at position k
+among the swapped ones always uses slot k mod slots, with the same views into it. A fetch is ordered after the
+compute already queued (as without slots), so the unit that held the slot before is done with it.
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ class BlockSwap:
         swap_trainable: bool = False,
         poison: bool = False,
         write_back: bool = False,
+        fixed: bool = False,
     ):
         """Place ``root`` (which may sit on the CPU) on ``device`` except the swapped units' weights.
 
         ``write_back``: units dropped after their backward are copied home first (their weights were stepped on
         the GPU). ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
+        ``fixed``: every fetch of a unit lands in the same slot, at the same addresses (for CUDA graphs).
         """
         self.units = units
         self.write_back = write_back
@@ -90,10 +98,41 @@ class BlockSwap:
             for t in [*root.parameters(), *root.buffers()]:
                 if id(t) not in swapped_ids and t.device != self.device:
                     t.data = t.data.to(self.device)
+        self.slots: list[torch.Tensor] = []
+        self.slot_views: dict[int, list[torch.Tensor]] = {}
+        self.occupant: list[int | None] = []
+        self.slot_conflicts = 0  # fetches that found their slot's unit still resident (tests: none expected)
+        if fixed and self.swapped:
+            self._make_slots(prefetch + 2)
         for i in self.swapped:
             u = units[i]
             self._handles.append(u.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(u.register_forward_hook(self._post_hook(i)))
+
+    def _make_slots(self, n: int) -> None:
+        """``n`` flat byte buffers on the device, each as large as the largest swapped unit, and each unit's fixed
+        views into its own slot (tensors start on 256-byte boundaries, as the caching allocator's blocks do)."""
+        layouts, need = {}, 0
+        for i in self.swapped:
+            off, lay = 0, []
+            for h in self.home[i]:
+                lay.append(off)
+                off += -(-h.numel() * h.element_size() // 256) * 256
+            layouts[i], need = lay, max(need, off)
+        n = min(n, len(self.swapped))
+        self.slots = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(n)]
+        self.occupant = [None] * n
+        for i in self.swapped:
+            buf = self.slots[self.index[i] % n]
+            self.slot_views[i] = [
+                buf[o : o + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
+                for o, h in zip(layouts[i], self.home[i])
+            ]
+
+    @property
+    def slot_bytes(self) -> int:
+        """GPU bytes the fixed slots hold (0 without them)."""
+        return sum(b.numel() for b in self.slots)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped; pageable past
@@ -106,12 +145,19 @@ class BlockSwap:
             return
         home = self.home[i]
         if self.stream is None:  # not CUDA (the side stream exists on CUDA only)
-            self.resident[i] = ([h.clone() for h in home], None)
+            if self.slots:
+                bufs = self._slot_for(i)
+                for b, h in zip(bufs, home):
+                    b.copy_(h)
+                self.resident[i] = (bufs, None)
+            else:
+                self.resident[i] = ([h.clone() for h in home], None)
             self.peak_resident = max(self.peak_resident, len(self.resident))
             return
         compute = torch.cuda.current_stream(self.device)
-        # allocate on the compute stream, so the allocator orders reuse of the memory with its kernels
-        bufs = [torch.empty_like(h, device=self.device) for h in home]
+        # allocate on the compute stream, so the allocator orders reuse of the memory with its kernels; fixed
+        # slots: the copy below waits for every kernel queued so far, the slot's last user's included
+        bufs = self._slot_for(i) if self.slots else [torch.empty_like(h, device=self.device) for h in home]
         ready = torch.cuda.Event()
         ready.record(compute)
         done = torch.cuda.Event()
@@ -122,6 +168,17 @@ class BlockSwap:
             done.record(self.stream)
         self.resident[i] = (bufs, done)
         self.peak_resident = max(self.peak_resident, len(self.resident))
+
+    def _slot_for(self, i: int) -> list[torch.Tensor]:
+        """Unit ``i``'s fixed views, its slot taken over: a unit still resident there goes home first (the hooks'
+        order never leaves one there with ``prefetch + 2`` slots; counted, so the tests see it)."""
+        k = self.index[i] % len(self.slots)
+        held = self.occupant[k]
+        if held is not None and held != i and held in self.resident:
+            self.slot_conflicts += 1
+            self._evict(held, stepped=self.backward and held > i)
+        self.occupant[k] = i
+        return self.slot_views[i]
 
     def _ensure(self, i: int) -> None:
         self._fetch_async(i)

@@ -69,9 +69,15 @@ def apply_weights(
 
 
 def apply_offload(
-    mem: MemoryConfig, module: torch.nn.Module, units: list[torch.nn.Module], device: torch.device, full: bool
+    mem: MemoryConfig,
+    module: torch.nn.Module,
+    units: list[torch.nn.Module],
+    device: torch.device,
+    full: bool,
+    fixed: bool = False,
 ):
-    """Block swap over the family's units (returns the BlockSwap, or None when the plan has none)."""
+    """Block swap over the family's units (returns the BlockSwap, or None when the plan has none). ``fixed``: each
+    block lands at the same GPU addresses every time (CUDA graphs replay the addresses they recorded)."""
     if mem.offload.kind != "block_swap":
         return None
     from .block_swap import BlockSwap
@@ -85,6 +91,7 @@ def apply_offload(
         prefetch=o.prefetch,
         swap_trainable=full,
         write_back=full and mem.fused_backward,  # stepped on the GPU inside backward (the validator checks the pair)
+        fixed=fixed,
     )
 
 

@@ -233,6 +233,10 @@ def _block_swap(
             # every block swapped; SDXL's and CogVideoX's, with part of them, fit without it)
             e.slack += hints.get("write_back_slack", 0.0)
         in_flight = sum(sizes[i] for i in order if i in tail) * per_param
+        if cfg.speed.cuda_graphs is True and order:
+            # with CUDA graphs the blocks land in fixed slots (block_swap.py): prefetch + 2 of the largest swapped
+            # block, held for the whole run
+            in_flight = min(m.offload.prefetch + 2, len(order)) * max(sizes[i] for i in order) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
         kept = 1 - 1 / m.activations.every if m.activations.kind == "checkpoint" else 1.0
         weights -= swapped_bytes * (1 - kept) - in_flight

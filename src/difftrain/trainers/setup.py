@@ -198,11 +198,16 @@ def _offload(b: Build, part: str, module: torch.nn.Module) -> None:
     if b.device.type != "cuda":
         warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
     full = part in b.lrs and b.cfg.train.method == "full"
-    b.block_swap = apply_offload(b.cfg.memory, module, b.family.swap_blocks(module), b.device, full=full)
+    graphs = b.cfg.speed.cuda_graphs is True  # resolved before the parts are built (choose_speed)
+    b.block_swap = apply_offload(b.cfg.memory, module, b.family.swap_blocks(module), b.device, full=full, fixed=graphs)
     swap = b.block_swap
     info(
         f"block swap: {len(swap.swapped)} of {len(swap.units)} blocks of {part} "
         f"({swap.swapped_bytes / 2**30:.2f} GiB) live in host RAM"
+        + (
+            f"; CUDA graphs: they land in {len(swap.slots)} fixed GPU slots ({swap.slot_bytes / 2**30:.2f} GiB)"
+            * graphs
+        )
     )
 
 
