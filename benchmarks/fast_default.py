@@ -11,6 +11,11 @@ timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pa
 two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
 plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-8gb (six buckets),
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+
+--profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
+through `bench speed --profile`), the same summary for both (bench._profile_summary: kernel launches, GPU-busy
+ms, GPU time by kernel kind) and the operator table in $OUT/profile-CASE.txt: where an eager step spends more
+than the plain loop's (issue 24's SD3 gap: --cases plain-sd3,sd3-lora-8gb-off --profile).
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         "sdxl-lora-8gb with speed off (eager), six buckets",
     ),
     "sd3-lora-8gb": (["--recipe", "sd3-lora-8gb"], "SD3-medium LoRA as shipped, six buckets, vs its eager run"),
+    "sd3-lora-8gb-off": (
+        ["--recipe", "sd3-lora-8gb", "--set", "speed.compile=false"],
+        "sd3-lora-8gb with speed off (eager), six buckets: against plain-sd3",
+    ),
     "cogvideox-2b-lora-24gb": (
         ["--recipe", "cogvideox-2b-lora-24gb", "--size", "480x720"],
         "CogVideoX-2b LoRA as shipped, 49x480x720, vs its eager run",
@@ -61,6 +70,8 @@ WITH_BASELINE = {
     "cogvideox-2b-lora-24gb": (None, 6, 4),
     "flux-lora-24gb": (None, 8, 6),
 }
+#: --profile: the folder the profiled step's operator tables go to (None: no profiling)
+PROFILE: Path | None = None
 #: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
 PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4), "plain-flux": (8, 3)}
 
@@ -84,7 +95,8 @@ def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for i in range(warmup + steps):
+
+    def one(i: int) -> float:
         if i % len(order) == 0:
             rng.shuffle(order)
         shape = order[i % len(order)]
@@ -95,9 +107,25 @@ def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup:
         opt.zero_grad(set_to_none=True)
         loss.item()
         torch.cuda.synchronize()
-        times.append(time.time() - t)
+        return time.time() - t
+
+    for i in range(warmup + steps):
+        times.append(one(i))
     timed = times[warmup:]
+    profiled = None
+    if PROFILE is not None:  # two more steps: the profiler's warm-up, then the profiled one (as bench speed does)
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        from difftrain.bench import _profile_summary
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1)) as prof:
+            for i in range(warmup + steps, warmup + steps + 2):
+                dt = one(i)
+                prof.step()
+        profiled = {**_profile_summary(prof, PROFILE / f"profile-{name}.txt"), "step_ms": round(dt * 1e3, 1)}
     return {
+        "profile": profiled,
         "case": name,
         "s_per_step": round(sum(timed) / len(timed), 4),
         "s_per_step_median": round(statistics.median(timed), 4),
@@ -219,10 +247,16 @@ def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, ti
     if buckets:
         cmd += ["--buckets", buckets]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--work", str(folder)]
+    if PROFILE is not None:
+        cmd.append("--profile")
     t = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     res = json.loads((folder / "bench_speed.json").read_text()) if p.returncode == 0 else {}
     row = res.get("rows", [{}])[-1]
+    if PROFILE is not None:  # bench speed's operator tables (one per run), under this case's name
+        for f in sorted(folder.glob("profile-*.txt")):
+            (PROFILE / f"profile-{name}-{f.stem.removeprefix('profile-')}.txt").write_text(f.read_text())
+            f.unlink()
     return {
         "case": name,
         "rc": p.returncode,
@@ -234,6 +268,7 @@ def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, ti
         "step_s": row.get("step_s"),
         "warmup": warmup,
         "eager_s_per_step": res["rows"][0]["s_per_step"] if len(res.get("rows", [])) == 2 else None,
+        "profile": row.get("profile"),
         "log_tail": (p.stdout + p.stderr)[-3000:] if p.returncode else "",
     }
 
@@ -247,7 +282,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--budget", type=float, default=540)
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help="one more step of each case under torch.profiler")
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.out if a.profile else None
+    if PROFILE is not None:
+        PROFILE.mkdir(parents=True, exist_ok=True)
     if a.case == "plain-sdxl":
         print("RESULT " + json.dumps(plain_sdxl(a.steps, a.warmup)), flush=True)
         return
@@ -264,7 +304,7 @@ def main() -> None:
             continue
         try:
             if name == "plain-sdxl" or name in PLAIN_DIT:
-                cmd = [sys.executable, __file__, "--out", str(a.out), "--case", name]
+                cmd = [sys.executable, __file__, "--out", str(a.out), "--case", name] + ["--profile"] * a.profile
                 p = subprocess.run(
                     cmd + ["--steps", str(a.steps), "--warmup", str(a.warmup)],
                     capture_output=True,
@@ -301,6 +341,23 @@ def main() -> None:
             f"| {r['case']} | {s if s else r.get('rc')} | {med} | {vs} | {r.get('first_step_s', '')} | "
             f"{r.get('warmup_overhead_s', '')} | {r.get('peak_alloc_gib', '')} / {r.get('peak_reserved_gib', '')} | "
             f"{(r.get('speed') or '')[:150]} |"
+        )
+    print_profiles(rows)
+
+
+def print_profiles(rows: list[dict]) -> None:
+    """The profiled step of each case that has one: wall, GPU-busy, launches and the largest kernel kinds."""
+    prof = [r for r in rows if r.get("profile")]
+    if not prof:
+        return
+    print("\n| case | profiled step ms | GPU busy ms | kernel launches | graph launches | GPU time by kind |")
+    print("|---|---|---|---|---|---|")
+    for r in prof:
+        p = r["profile"]
+        kinds = ", ".join(f"{k} {v['ms']:.1f}" for k, v in list(p.get("by_kind", {}).items())[:4])
+        print(
+            f"| {r['case']} | {p.get('step_ms')} | {p.get('gpu_ms')} | {p.get('kernel_launches')} | "
+            f"{p.get('graph_launches')} | {kinds} |"
         )
 
 
