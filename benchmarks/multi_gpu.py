@@ -68,6 +68,21 @@ ZERO_FILES = Path(__file__).parent / "zero"  # DeepSpeed settings tried against 
 CASES = {
     "L1": ("SDXL LoRA r16 1024, DDP, 1 GPU", SDXL, 1, [], "sdxl-lora"),
     "L2": ("SDXL LoRA r16 1024, DDP, 2 GPUs", SDXL, 2, [], "sdxl-lora"),
+    # compiled with CUDA graphs, as speed auto runs a long LoRA job (one process, and now under DDP too)
+    "L1-graphs": (
+        "SDXL LoRA r16 1024, compiled + CUDA graphs, 1 GPU",
+        SDXL,
+        1,
+        ["speed.compile=true", "speed.cuda_graphs=true"],
+        "sdxl-lora-graphs",
+    ),
+    "L2-graphs": (
+        "SDXL LoRA r16 1024, DDP, compiled + CUDA graphs, 2 GPUs",
+        SDXL,
+        2,
+        ["speed.compile=true", "speed.cuda_graphs=true"],
+        "sdxl-lora-graphs",
+    ),
     # DDP's own options (memory.engine ddp): no copy of the gradients into buckets; the same graph every step
     "L2-view": (
         "SDXL LoRA r16 1024, DDP gradient_as_bucket_view, 2 GPUs",
