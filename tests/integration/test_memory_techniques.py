@@ -113,9 +113,18 @@ def test_fused_backward_equals_plain_full_finetune(runs):
     assert all(p.grad is None for p in t.parts.params)  # gradients were freed inside backward
 
 
-def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_home(runs):
+@pytest.mark.parametrize("fixed", [False, True], ids=["fresh-buffers", "fixed-slots"])
+def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_home(runs, monkeypatch, fixed):
     """Full fine-tune, block swap + fused backward + Adafactor (sdxl-full-8gb's plan): the swapped units' weights are
-    stepped while resident and copied home, so the run is the one without block swap, weight for weight."""
+    stepped while resident and copied home, so the run is the one without block swap, weight for weight. With fixed
+    slots (what CUDA graphs get; asked for directly, as nothing records graphs on the CPU) each unit is also written
+    home before another takes its slot."""
+    if fixed:
+        from difftrain.memory import plan
+        from difftrain.trainers import setup
+
+        real = plan.apply_offload
+        monkeypatch.setattr(setup, "apply_offload", lambda *a, **k: real(*a, **{**k, "fixed": True}))
     sets = (
         *FULL,
         "memory.fused_backward=true",
@@ -123,40 +132,17 @@ def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_h
         "memory.activations.kind=checkpoint",
     )
     t0, ref = runs("full-fused-adafactor", *sets)
-    t1, r = runs("full-fused-adafactor-swap", *sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
+    swapped_run = "full-fused-adafactor-swap" + "-fixed" * fixed
+    t1, r = runs(swapped_run, *sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
     swap = t1.parts.block_swap
     assert swap.write_back and len(swap.swapped) == 6 and not swap.resident
+    assert len(swap.slots) == 3 * fixed and swap.slot_conflicts == 0
     assert r.losses == ref.losses
     w0 = dict(t0.parts.comps["unet"].named_parameters())
     w1 = dict(t1.parts.comps["unet"].named_parameters())
     swapped = {id(p) for i in swap.swapped for p in swap.params[i]}
     assert any(id(p) in swapped and p.device.type == "cpu" for p in w1.values())
     for n, p in w1.items():
-        assert torch.equal(p.detach(), w0[n].detach()), n
-
-
-def test_fixed_slot_block_swap_writes_stepped_weights_home_as_the_resident_run(runs, monkeypatch):
-    """Block swap into fixed slots (what CUDA graphs get) with fused Adafactor: each swapped unit is stepped in its
-    slot and written home before another unit takes the slot, so the run stays the resident one, weight for weight.
-    (Slots are asked for directly: on the CPU nothing records graphs.)"""
-    from difftrain.memory import plan
-    from difftrain.trainers import setup
-
-    real = plan.apply_offload
-    monkeypatch.setattr(setup, "apply_offload", lambda *a, **k: real(*a, **{**k, "fixed": True}))
-    sets = (
-        *FULL,
-        "memory.fused_backward=true",
-        "memory.optimizer.kind=adafactor",
-        "memory.activations.kind=checkpoint",
-    )
-    t0, ref = runs("full-fused-adafactor", *sets)
-    t1, r = runs("full-fused-adafactor-swap-fixed", *sets, "memory.offload={kind: block_swap, blocks_to_swap: 6}")
-    swap = t1.parts.block_swap
-    assert swap.write_back and len(swap.slots) == 3 and swap.slot_conflicts == 0 and not swap.resident
-    assert r.losses == ref.losses
-    w0 = dict(t0.parts.comps["unet"].named_parameters())
-    for n, p in t1.parts.comps["unet"].named_parameters():
         assert torch.equal(p.detach(), w0[n].detach()), n
 
 
