@@ -178,7 +178,8 @@ def _graphs_off(speed: SpeedConfig, platform: Platform, run: RunFacts) -> str | 
     if platform.device != "cuda":
         return f"no CUDA graphs on {platform.device}"
     if run.block_swap:
-        # named, they are recorded: the swapped blocks then land in fixed GPU slots (memory/block_swap.py)
+        # named, they are recorded: the swapped blocks then land in fixed GPU slots (memory/block_swap.py). Where
+        # auto records them too, the planner's slots (memory/planner.py, _block_swap) must count for auto as well
         return "no CUDA graphs: not measured with block swap yet (speed.cuda_graphs: true records them)"
     if run.fp8_weights:
         # measured: FLUX.1 [dev] LoRA, fp8 weights, 1024 px, one shape, H100 (2026-11-25): 10.2 s/step compiled with
