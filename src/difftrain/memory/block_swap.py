@@ -100,7 +100,6 @@ class BlockSwap:
                     t.data = t.data.to(self.device)
         self.slots: list[torch.Tensor] = []
         self.slot_views: dict[int, list[torch.Tensor]] = {}
-        self.occupant: list[int | None] = []
         self.slot_conflicts = 0  # fetches that found their slot's unit still resident (tests: none expected)
         if fixed and self.swapped:
             self._make_slots(prefetch + 2)
@@ -117,16 +116,14 @@ class BlockSwap:
             off, lay = 0, []
             for h in self.home[i]:
                 lay.append(off)
-                off += -(-h.numel() * h.element_size() // 256) * 256
+                off += -(-h.nbytes // 256) * 256
             layouts[i], need = lay, max(need, off)
         n = min(n, len(self.swapped))
         self.slots = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(n)]
-        self.occupant = [None] * n
         for i in self.swapped:
             buf = self.slots[self.index[i] % n]
             self.slot_views[i] = [
-                buf[o : o + h.numel() * h.element_size()].view(h.dtype).view(h.shape)
-                for o, h in zip(layouts[i], self.home[i])
+                buf[o : o + h.nbytes].view(h.dtype).view(h.shape) for o, h in zip(layouts[i], self.home[i])
             ]
 
     @property
@@ -172,12 +169,10 @@ class BlockSwap:
     def _slot_for(self, i: int) -> list[torch.Tensor]:
         """Unit ``i``'s fixed views, its slot taken over: a unit still resident there goes home first (the hooks'
         order never leaves one there with ``prefetch + 2`` slots; counted, so the tests see it)."""
-        k = self.index[i] % len(self.slots)
-        held = self.occupant[k]
-        if held is not None and held != i and held in self.resident:
+        n = len(self.slots)
+        for held in [j for j in self.resident if j != i and self.index[j] % n == self.index[i] % n]:
             self.slot_conflicts += 1
             self._evict(held, stepped=self.backward and held > i)
-        self.occupant[k] = i
         return self.slot_views[i]
 
     def _ensure(self, i: int) -> None:
