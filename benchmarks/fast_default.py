@@ -42,8 +42,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "sdxl-lora-4gb-graphs": (
         ["--recipe", "sdxl-lora-4gb", "--set", "speed.cuda_graphs=true"],
-        "sdxl-lora-4gb with CUDA graphs named: block swap into fixed GPU slots (auto keeps graphs off with block "
-        "swap), six buckets",
+        "sdxl-lora-4gb with CUDA graphs named (auto records them too since 2026-11-26): block swap into fixed GPU "
+        "slots, six buckets",
     ),
     "sdxl-lora-8gb-off": (
         ["--recipe", "sdxl-lora-8gb", "--set", "speed.compile=false"],

@@ -60,10 +60,12 @@ def memory_hints(cfg: Config) -> dict:
 def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
     """The planner's estimate for a config, per GPU of ``processes``: no weight is loaded."""
     from .memory.planner import estimate
-    from .speed import graphs_possible
+    from .speed import CompileCost, graphs_possible
 
     hints = memory_hints(cfg)
-    if not graphs_possible(cfg):  # no CUDA graphs, no pool of theirs
+    cost = CompileCost(**get_family(cfg.family).compile_cost)
+    hints["graphs"] = graphs_possible(cfg, cost)  # block swap's fixed slots (planner._block_swap)
+    if not hints["graphs"]:  # no CUDA graphs, no pool of theirs
         hints["cuda_graph_pool"] = 0.0
     return estimate(cfg, hints, processes)
 

@@ -114,6 +114,7 @@ class RunFacts:
     processes: int = 1
     warm: bool = False
     block_swap: bool = False
+    block_swap_trained: bool = False  # block swap of trained weights (a full fine-tune's), not only frozen ones
     deepspeed_stage: int | None = None  # None: not DeepSpeed
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
     fp8_weights: bool = False  # memory.weights fp8 (our fp8 storage, dequantized in each layer)
@@ -129,6 +130,7 @@ def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm
         processes=processes,
         warm=warm,
         block_swap=m.offload.kind == "block_swap",
+        block_swap_trained=m.offload.kind == "block_swap" and cfg.train.method == "full",
         deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
         quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
         fp8_weights=m.weights.kind == "fp8",
@@ -136,14 +138,18 @@ def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm
     )
 
 
-def graphs_possible(cfg: Config) -> bool:
+def graphs_possible(cfg: Config, cost: CompileCost | None = None) -> bool:
     """Whether the run may record CUDA graphs as far as the config tells before the device and the step count are
     known (the memory plan counts their pool): named, or auto where nothing in the config rules them out (auto may
-    still stay eager on the device or for a short run, and the plan then holds a little more than the run uses)."""
+    still stay eager on the device or for a short run, and the plan then holds a little more than the run uses).
+    ``cost``: the family's measured compile figures; where graphs saved nothing over compiled blocks alone
+    (CogVideoX), auto never records them."""
     sp = cfg.speed
     if sp.cuda_graphs is True:
         return True
     if sp.cuda_graphs is False or sp.compile is False:
+        return False
+    if cost is not None and cost.saved_s <= cost.saved_s_no_graphs:
         return False
     platform = Platform(device="cpu" if cfg.train.device == "cpu" else "cuda", triton="?")
     run = run_facts(cfg, steps=0)
@@ -177,10 +183,14 @@ def _graphs_off(speed: SpeedConfig, platform: Platform, run: RunFacts) -> str | 
         return "speed.cuda_graphs: false"
     if platform.device != "cuda":
         return f"no CUDA graphs on {platform.device}"
-    if run.block_swap:
-        # named, they are recorded: the swapped blocks then land in fixed GPU slots (memory/block_swap.py). Where
-        # auto records them too, the planner's slots (memory/planner.py, _block_swap) must count for auto as well
-        return "no CUDA graphs: not measured with block swap yet (speed.cuda_graphs: true records them)"
+    if run.block_swap_trained:
+        # a full fine-tune's swapped blocks are stepped inside backward and copied home (write-back) or stepped on the
+        # host: neither was measured with recorded graphs
+        return "no CUDA graphs: not measured with block swap of trained weights (LoRA's block swap records them)"
+    # LoRA's block swap records them too: the swapped blocks land in fixed GPU slots
+    # (memory/block_swap.py), which the planner counts wherever graphs are possible. Measured, sdxl-lora-4gb (60 of
+    # 87 blocks swapped), six buckets, H100, 2026-11-26: compiled 0.436 s/step without graphs, 0.207 with; 2.59 GiB
+    # reserved, fitting its 4 GB card (docs/benchmarks.md)
     if run.fp8_weights:
         # measured: FLUX.1 [dev] LoRA, fp8 weights, 1024 px, one shape, H100 (2026-11-25): 10.2 s/step compiled with
         # CUDA graphs against 1.43 eager; compiled without them (block swap) 0.80

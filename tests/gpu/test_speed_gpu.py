@@ -104,9 +104,9 @@ def test_speed_auto_compiles_a_long_run_on_cuda_and_trains_as_eager(tiny_model, 
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
 
-def test_speed_auto_compiles_under_block_swap_without_graphs(tiny_model, dataset, tmp_path):
-    """Block swap with speed auto on a CUDA GPU: each block's forward compiled, the swap hooks eager around it,
-    no CUDA graphs; the losses of the eager block-swap run."""
+def test_speed_auto_records_graphs_under_lora_block_swap(tiny_model, dataset, tmp_path):
+    """LoRA's block swap with speed auto on a CUDA GPU: each block's forward compiled, the swap hooks eager around
+    it, CUDA graphs recorded with the swapped blocks in fixed slots; the losses of the eager block-swap run."""
     from difftrain.trainers.loop import Hooks
 
     common = {
@@ -118,7 +118,8 @@ def test_speed_auto_compiles_under_block_swap_without_graphs(tiny_model, dataset
     ref = train(eager_cfg)
     t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **common), hooks=Hooks(planned_steps=50000))
     out = t.run()
-    assert t.speed.compile and not t.speed.cuda_graphs and "block swap" in t.speed.reason
+    assert t.speed.compile and t.speed.cuda_graphs, t.speed.reason
+    assert len(t.parts.block_swap.slots) == 3 and t.parts.block_swap.slot_conflicts == 0
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
 

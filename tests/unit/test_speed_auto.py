@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from difftrain.config.load import resolve
 from difftrain.config.schema import SpeedConfig
 from difftrain.errors import BackendUnavailable
 from difftrain.speed import (
@@ -16,6 +17,7 @@ from difftrain.speed import (
     Platform,
     RunFacts,
     decide,
+    graphs_possible,
     is_warm,
     mark_warm,
     platform_facts,
@@ -72,17 +74,18 @@ def test_the_step_count_weighs_the_compile_time_and_a_warm_cache_lowers_it():
     # the same short run compiles when this config's kernels are already in the cache
     assert decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).compile
     assert "cache warm" in decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).reason
-    # without CUDA graphs (block swap) a step saves less, so more steps are needed
-    assert not decide(AUTO, COST, H100, RunFacts(steps=need, block_swap=True)).compile
+    # without CUDA graphs (block swap of a full fine-tune's weights) a step saves less, so more steps are needed
+    full_swap = {"block_swap": True, "block_swap_trained": True}
+    assert not decide(AUTO, COST, H100, RunFacts(steps=need, **full_swap)).compile
     swap_need = int(PAYBACK * COST.cold_s / COST.saved_s_no_graphs) + 1
-    c = decide(AUTO, COST, H100, RunFacts(steps=swap_need, block_swap=True))
+    c = decide(AUTO, COST, H100, RunFacts(steps=swap_need, **full_swap))
     assert c.compile and not c.cuda_graphs and "block swap" in c.reason
 
 
 @pytest.mark.parametrize(
     ("run", "words"),
     [
-        (RunFacts(steps=5000, block_swap=True), "block swap"),
+        (RunFacts(steps=5000, block_swap=True, block_swap_trained=True), "block swap of trained weights"),
         (RunFacts(steps=5000, fp8_weights=True), "fp8-stored weights"),
         (RunFacts(steps=5000, deepspeed_stage=2), "DeepSpeed"),
         (RunFacts(steps=5000, fsdp=True), "FSDP"),
@@ -94,6 +97,20 @@ def test_cuda_graphs_stay_off_where_they_do_not_fit_and_say_why(run, words):
     c = decide(AUTO, COST, H100, run)
     assert c.compile and not c.cuda_graphs
     assert words in c.reason
+
+
+def test_lora_block_swap_records_cuda_graphs_and_a_full_fine_tunes_does_not():
+    # LoRA's swapped blocks are frozen: they land in fixed GPU slots and the graphs replay (measured on
+    # sdxl-lora-4gb); a full fine-tune's are stepped and copied home, not measured with graphs
+    lora = decide(AUTO, COST, H100, RunFacts(steps=5000, block_swap=True))
+    assert lora.compile and lora.cuda_graphs and "no CUDA graphs" not in lora.reason
+    assert graphs_possible(resolve(recipe="sdxl-lora-4gb").config)
+    assert not graphs_possible(resolve(recipe="sdxl-full-8gb").config)
+    # a family whose graphs measured no faster than compiled blocks alone (CogVideoX) never records them under auto,
+    # so its plan holds no slots or pool for them
+    flat = CompileCost(**{**COST.__dict__, "saved_s": COST.saved_s_no_graphs})
+    assert graphs_possible(resolve(recipe="sdxl-lora-4gb").config, COST)
+    assert not graphs_possible(resolve(recipe="sdxl-lora-4gb").config, flat)
 
 
 def test_ddp_on_several_processes_records_cuda_graphs_beside_compiled_blocks():
