@@ -119,7 +119,9 @@ def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup:
         from difftrain.bench import _profile_summary
 
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1)) as prof:
+        # repeat=1: with wait=0 a second cycle would start recording at once, and the table read after the block
+        # would be that empty cycle's (the plain loops' profiles held only a synchronize so, 2026-11-26)
+        with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
             for i in range(warmup + steps, warmup + steps + 2):
                 dt = one(i)
                 prof.step()

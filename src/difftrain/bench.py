@@ -318,7 +318,8 @@ def _timed_run(
     timed = end - 2
     hooks.flush_steps |= {timed, end - 1}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1)) as prof:
+    # repeat=1: one cycle, so the table read after the block is the profiled step's, whatever follows it
+    with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1, repeat=1)) as prof:
 
         def hook() -> None:
             if trainer.pos.step >= timed and torch.cuda.is_available():

@@ -179,7 +179,8 @@ def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     assert len((tmp_path / "config" / "metrics.jsonl").read_text().splitlines()) == 1 + 2 + 2
     p = row["profile"]
     assert p["step_ms"] > 0 and isinstance(p["by_kind"], dict)
-    assert (tmp_path / "profile-config.txt").read_text().strip()
+    # the profiled step's operators, not an empty cycle after it (a repeating schedule leaves only a synchronize)
+    assert "aten::linear" in (tmp_path / "profile-config.txt").read_text()
 
 
 def test_bench_speed_size_of_an_image_family_is_one_bucket(cli, tmp_path):
