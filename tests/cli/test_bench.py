@@ -180,7 +180,9 @@ def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     p = row["profile"]
     assert p["step_ms"] > 0 and isinstance(p["by_kind"], dict)
     # the profiled step's operators, not an empty cycle after it (a repeating schedule leaves only a synchronize)
-    assert "aten::linear" in (tmp_path / "profile-config.txt").read_text()
+    # (that left two rows: cudaDeviceSynchronize and the profiler's buffer request)
+    table = (tmp_path / "profile-config.txt").read_text()
+    assert table.count("aten::") >= 10, table[-3000:]
 
 
 def test_bench_speed_size_of_an_image_family_is_one_bucket(cli, tmp_path):
