@@ -63,10 +63,7 @@ def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
     from .speed import CompileCost, graphs_possible
 
     hints = memory_hints(cfg)
-    cost = CompileCost(**get_family(cfg.family).compile_cost)
-    hints["graphs"] = graphs_possible(cfg, cost)  # block swap's fixed slots (planner._block_swap)
-    if not hints["graphs"]:  # no CUDA graphs, no pool of theirs
-        hints["cuda_graph_pool"] = 0.0
+    hints["graphs"] = graphs_possible(cfg, CompileCost(**get_family(cfg.family).compile_cost))
     return estimate(cfg, hints, processes)
 
 

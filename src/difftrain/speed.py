@@ -40,6 +40,11 @@ class CompileCost:
     shape_s: float = 0.0  # each bucket shape past the first: new kernels, guards
     record_s: float = 0.0  # each bucket shape's CUDA graphs: torch's warm-up call, then the recording
 
+    @property
+    def graphs_faster(self) -> bool:
+        """Whether CUDA graphs measured faster than the compiled blocks alone (not so on CogVideoX)."""
+        return self.saved_s > self.saved_s_no_graphs
+
 
 #: at least this many times the compile time must come back in saved step time (auto)
 PAYBACK = 1.25
@@ -113,7 +118,6 @@ class RunFacts:
     shapes: int = 1
     processes: int = 1
     warm: bool = False
-    block_swap: bool = False
     block_swap_trained: bool = False  # block swap of trained weights (a full fine-tune's), not only frozen ones
     deepspeed_stage: int | None = None  # None: not DeepSpeed
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
@@ -129,7 +133,6 @@ def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm
         shapes=shapes,
         processes=processes,
         warm=warm,
-        block_swap=m.offload.kind == "block_swap",
         block_swap_trained=m.offload.kind == "block_swap" and cfg.train.method == "full",
         deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
         quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
@@ -149,7 +152,7 @@ def graphs_possible(cfg: Config, cost: CompileCost | None = None) -> bool:
         return True
     if sp.cuda_graphs is False or sp.compile is False:
         return False
-    if cost is not None and cost.saved_s <= cost.saved_s_no_graphs:
+    if cost is not None and not cost.graphs_faster:
         return False
     platform = Platform(device="cpu" if cfg.train.device == "cpu" else "cuda", triton="?")
     run = run_facts(cfg, steps=0)
@@ -253,7 +256,7 @@ def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFa
                     n = max(1, run.shapes)
                     graphs_reason = (
                         "no CUDA graphs: measured no faster than compiled alone on this model"
-                        if cost.saved_s <= cost.saved_s_no_graphs
+                        if not cost.graphs_faster
                         else f"no CUDA graphs: recording {n} bucket shape{'s' * (n > 1)} would not pay back in "
                         f"{run.steps} steps"
                     )

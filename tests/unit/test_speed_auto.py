@@ -75,17 +75,16 @@ def test_the_step_count_weighs_the_compile_time_and_a_warm_cache_lowers_it():
     assert decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).compile
     assert "cache warm" in decide(AUTO, COST, H100, RunFacts(steps=need - 2, warm=True)).reason
     # without CUDA graphs (block swap of a full fine-tune's weights) a step saves less, so more steps are needed
-    full_swap = {"block_swap": True, "block_swap_trained": True}
-    assert not decide(AUTO, COST, H100, RunFacts(steps=need, **full_swap)).compile
+    assert not decide(AUTO, COST, H100, RunFacts(steps=need, block_swap_trained=True)).compile
     swap_need = int(PAYBACK * COST.cold_s / COST.saved_s_no_graphs) + 1
-    c = decide(AUTO, COST, H100, RunFacts(steps=swap_need, **full_swap))
+    c = decide(AUTO, COST, H100, RunFacts(steps=swap_need, block_swap_trained=True))
     assert c.compile and not c.cuda_graphs and "block swap" in c.reason
 
 
 @pytest.mark.parametrize(
     ("run", "words"),
     [
-        (RunFacts(steps=5000, block_swap=True, block_swap_trained=True), "block swap of trained weights"),
+        (RunFacts(steps=5000, block_swap_trained=True), "block swap of trained weights"),
         (RunFacts(steps=5000, fp8_weights=True), "fp8-stored weights"),
         (RunFacts(steps=5000, deepspeed_stage=2), "DeepSpeed"),
         (RunFacts(steps=5000, fsdp=True), "FSDP"),
@@ -102,7 +101,11 @@ def test_cuda_graphs_stay_off_where_they_do_not_fit_and_say_why(run, words):
 def test_lora_block_swap_records_cuda_graphs_and_a_full_fine_tunes_does_not():
     # LoRA's swapped blocks are frozen: they land in fixed GPU slots and the graphs replay (measured on
     # sdxl-lora-4gb); a full fine-tune's are stepped and copied home, not measured with graphs
-    lora = decide(AUTO, COST, H100, RunFacts(steps=5000, block_swap=True))
+    from difftrain.speed import run_facts
+
+    lora_facts = run_facts(resolve(recipe="sdxl-lora-4gb").config, steps=5000)
+    assert not lora_facts.block_swap_trained and run_facts(resolve(recipe="sdxl-full-8gb").config, 5).block_swap_trained
+    lora = decide(AUTO, COST, H100, lora_facts)
     assert lora.compile and lora.cuda_graphs and "no CUDA graphs" not in lora.reason
     assert graphs_possible(resolve(recipe="sdxl-lora-4gb").config)
     assert not graphs_possible(resolve(recipe="sdxl-full-8gb").config)

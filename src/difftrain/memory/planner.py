@@ -118,6 +118,9 @@ class Estimate:
 def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     """The peak of one process (one GPU) of ``processes`` training together (DDP, or DeepSpeed's shards)."""
     m, t = cfg.memory, cfg.train
+    # whether CUDA graphs may be recorded (planning.plan_memory asks speed auto; else: named): their pool, block swap's
+    # fixed slots and the compiled activations follow it
+    hints = {**hints, "graphs": hints.get("graphs", cfg.speed.cuda_graphs is True)}
     e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
     wk = m.weights.kind
     compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8)) else wk
@@ -138,7 +141,7 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
         )
     _activations(cfg, hints, e)
     e.gpu["workspace"] = hints.get("workspace", 0) / GIB
-    if hints.get("cuda_graph_pool"):  # zero where the config rules graphs out (planning.plan_memory)
+    if hints["graphs"] and hints.get("cuda_graph_pool"):
         # the recorded graphs' private pool: reserved beyond the allocated peak (which graphs did not raise), shared
         # by every shape's graphs, so it stays bounded as shapes are added
         e.graph_pool = hints["cuda_graph_pool"]
@@ -238,9 +241,9 @@ def _block_swap(
             # every block swapped; SDXL's and CogVideoX's, with part of them, fit without it)
             e.slack += hints.get("write_back_slack", 0.0)
         in_flight = sum(sizes[i] for i in order if i in tail) * per_param
-        if hints.get("graphs", cfg.speed.cuda_graphs is True) and order:
-            # with CUDA graphs (named, or auto where nothing rules them out: planning.plan_memory's hint) the blocks
-            # land in fixed slots (block_swap.py): prefetch + 2 of the largest swapped block, held for the whole run
+        if hints["graphs"] and order:
+            # with CUDA graphs (named, or auto where nothing rules them out) the blocks land in fixed slots
+            # (block_swap.py): prefetch + 2 of the largest swapped block, held for the whole run
             in_flight = min(m.offload.prefetch + 2, len(order)) * max(sizes[i] for i in order) * per_param
         # a block that is not checkpointed keeps its weights alive (saved for backward) until its backward
         kept = 1 - 1 / m.activations.every if m.activations.kind == "checkpoint" else 1.0
@@ -381,7 +384,7 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
             per_pixel += (act.get("none", per_pixel) - per_pixel) * (1 - 1 / m.activations.every)
     pixels = hints["latent_pixels"] * t.batch_size
     e.gpu["activations"] = per_pixel * pixels / GIB
-    if hints.get("graphs") and mode == "checkpoint":
+    if hints["graphs"] and mode == "checkpoint":
         # compiled checkpointed blocks hold less at the peak than the eager ones the figures were measured on; counted
         # only where CUDA graphs may be recorded, whose pool and block swap slots outweigh it when a short run stays
         # eager. Measured on the H100 (2026-11-25/26): SDXL 1024 LoRA 5.85 -> 5.77 GiB (sdxl-lora-8gb), 1.136 ->
