@@ -127,6 +127,13 @@ CASES = {
         FULL + ["speed.compile=true", "speed.cuda_graphs=true"],
         "sdxl-full",
     ),
+    "F2-compile-nographs": (
+        "SDXL full, recipe sdxl-full + speed.compile without CUDA graphs, engine auto (DDP), 2 GPUs",
+        SDXL,
+        2,
+        FULL + ["speed.compile=true", "speed.cuda_graphs=false"],
+        "sdxl-full",
+    ),
     "F1-compile-nographs": (
         "SDXL full, recipe sdxl-full + speed.compile without CUDA graphs, 1 GPU",
         SDXL,
@@ -187,6 +194,14 @@ CASES = {
         SDXL,
         2,
         ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'block_leaf_persist.json'}"],
+        "sdxl-full",
+    ),
+    # the blocks inside SDXL's ZeRO-3 leaf modules compiled (their forward only, DeepSpeed's hooks around them)
+    "Z2-compile": (
+        "SDXL full, ZeRO-3 (family settings) + speed.compile, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + ["speed.compile=true"],
         "sdxl-full",
     ),
     "Z2-deepcompile": (
@@ -266,6 +281,7 @@ RECIPE = {
     "F2-compile": "sdxl-full",
     "F2-graphs": "sdxl-full",
     "F1-compile-nographs": "sdxl-full",
+    "F2-compile-nographs": "sdxl-full",
     "C1": "cogvideox-5b-full-12gb",
     "CA2": "cogvideox-5b-full-12gb",
     "CA4": "cogvideox-5b-full-12gb",
