@@ -127,6 +127,8 @@ CASES = {
         FULL + ["speed.compile=true", "speed.cuda_graphs=true"],
         "sdxl-full",
     ),
+    # DDP compiled without CUDA graphs (speed auto records them beside DDP since 2026-11-26): the compiled step a
+    # sharded engine (whose gathers run inside the blocks) is compared with
     "F2-compile-nographs": (
         "SDXL full, recipe sdxl-full + speed.compile without CUDA graphs, engine auto (DDP), 2 GPUs",
         SDXL,
@@ -194,14 +196,6 @@ CASES = {
         SDXL,
         2,
         ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'block_leaf_persist.json'}"],
-        "sdxl-full",
-    ),
-    # the blocks inside SDXL's ZeRO-3 leaf modules compiled (their forward only, DeepSpeed's hooks around them)
-    "Z2-compile": (
-        "SDXL full, ZeRO-3 (family settings) + speed.compile, 2 GPUs",
-        SDXL,
-        2,
-        ZERO3 + ["speed.compile=true"],
         "sdxl-full",
     ),
     "Z2-deepcompile": (

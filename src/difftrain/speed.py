@@ -13,14 +13,13 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .config.schema import Config, EngineDeepSpeed, SpeedConfig
+from .config.schema import Config, SpeedConfig
 from .errors import BackendUnavailable, DifftrainError
 
 _SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -124,29 +123,11 @@ class RunFacts:
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
     fp8_weights: bool = False  # memory.weights fp8 (our fp8 storage, dequantized in each layer)
     fsdp: bool = False  # memory.engine fsdp: the denoiser's blocks are FSDP2 units
-    # ZeRO-3 with the family's measured leaf modules: DeepSpeed gathers each leaf block's weights in hooks around
-    # the whole block, so the compiled blocks inside run without a hook (SDXL's Transformer2DModel, ResnetBlock2D)
-    zero3_leaves: bool = False
 
 
-def run_facts(
-    cfg: Config,
-    steps: int,
-    shapes: int = 1,
-    processes: int = 1,
-    warm: bool = False,
-    family_zero3: Mapping[str, Any] | None = None,
-) -> RunFacts:
-    """What the config tells the automatic choice (block swap, DeepSpeed, quantized weights), with the run's counts.
-    ``family_zero3``: the family's measured ZeRO-3 settings (whether they declare leaf modules)."""
+def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm: bool = False) -> RunFacts:
+    """What the config tells the automatic choice (block swap, DeepSpeed, quantized weights), with the run's counts."""
     m = cfg.memory
-    e = m.engine
-    leaves = (
-        isinstance(e, EngineDeepSpeed)
-        and e.stage == 3
-        and e.family_settings
-        and bool((family_zero3 or {}).get("leaf_module"))
-    )
     return RunFacts(
         steps=steps,
         shapes=shapes,
@@ -157,7 +138,6 @@ def run_facts(
         quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
         fp8_weights=m.weights.kind == "fp8",
         fsdp=m.engine.kind == "fsdp",
-        zero3_leaves=leaves,
     )
 
 
@@ -195,11 +175,11 @@ def _stay_eager(p: Platform, run: RunFacts) -> str | None:
         return f"compute capability {p.capability[0]}.{p.capability[1]}: Triton needs 7.0 (Volta) or newer"
     if run.quantized:
         return f"memory.weights {run.quantized}: bitsandbytes' quantized layers do not compile"
-    if run.deepspeed_stage == 3 and not run.zero3_leaves:
-        return (
-            "ZeRO-3 without leaf modules gathers each weight in hooks inside every layer: compiled blocks would "
-            "break at each one"
-        )
+    if run.deepspeed_stage == 3:
+        # tried 2026-11-26 with SDXL's leaf modules (the blocks' forward compiled inside them, DeepSpeed's hooks
+        # around): 1.034 against 1.169 s/step eager on 2 H200s after ~6 min of compiling, and on the tiny UNet the
+        # transformer blocks' norm biases got no update on the GPU (not on the CPU): reverted (docs/benchmarks.md)
+        return "ZeRO-3 gathers each weight in hooks inside every layer, which compiled blocks cannot trace"
     return None
 
 

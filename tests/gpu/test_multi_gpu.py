@@ -328,8 +328,7 @@ def test_zero3_with_sdxls_tuned_settings_trains_as_with_deepspeeds_own(cache, ti
     """SDXL's measured ZeRO-3 settings (whole blocks as leaf modules, small parameters kept gathered: 1.8x faster
     on 2 H100s) change when weights are fetched, not the maths: a full fine-tune on 2 GPUs follows the one with
     family_settings false (bf16 compute on each side). The tiny UNet's parameters are all under the persistence
-    threshold (kept gathered), so a third run sets it to 0 to have the leaf blocks fetched, and a fourth compiles
-    the blocks inside the fetched leaves (speed.compile: their forward only, DeepSpeed's hooks around them)."""
+    threshold (kept gathered), so a third run sets it to 0 to have the leaf blocks fetched."""
     extra = {"memory.engine.kind": "deepspeed", "memory.engine.stage": 3, "memory.engine.offload_optimizer_device": "none",
              "train.mixed_precision": "bf16", "memory.weights.kind": "bf16", "train.method": "full",
              "train.learning_rate": 1e-4, "save.formats": "[diffusers]", "save.precision": "fp32",
@@ -344,20 +343,14 @@ def test_zero3_with_sdxls_tuned_settings_trains_as_with_deepspeeds_own(cache, ti
         rows = (cache / out / "run" / "metrics.jsonl").read_text().splitlines()
         folder = cache / out / "run" / "diffusers" / "unet"
         sd = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)], sd, r.stdout + r.stderr
+        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)], sd
 
-    own_losses, own, _ = run("z3-own", **{"memory.engine.family_settings": "false"})
+    own_losses, own = run("z3-own", **{"memory.engine.family_settings": "false"})
     base = {k: v for f in sorted((tiny_model / "unet").glob("*.safetensors")) for k, v in load_file(f).items()}
     db = torch.cat([own[k].float().flatten() - base[k].float().flatten() for k in sorted(base)])
     assert len(own_losses) == 6 and db.norm() > 0
-    compiled = {"memory.engine.config_file": fetched, "speed.compile": "true"}
-    for out, sets in (
-        ("z3-tuned", {}),
-        ("z3-leaves", {"memory.engine.config_file": fetched}),
-        ("z3-compiled", compiled),
-    ):
-        losses, sd, said = run(out, **sets)
+    for out, sets in (("z3-tuned", {}), ("z3-leaves", {"memory.engine.config_file": fetched})):
+        losses, sd = run(out, **sets)
         assert losses == pytest.approx(own_losses, rel=0.02), out
-        assert ("(their forward only: ZeRO-3 hooks around them)" in said) == (out == "z3-compiled"), out
         da = torch.cat([sd[k].float().flatten() - base[k].float().flatten() for k in sorted(base)])
         assert ((da - db).norm() / db.norm()).item() < 0.2, out

@@ -237,31 +237,3 @@ def test_the_flux_fp8_recipe_compiles_without_cuda_graphs():
     assert facts.fp8_weights and not run_facts(resolve(recipe="sd3-lora-8gb").config, steps=2000).fp8_weights
     c = decide(AUTO, COST, H100, facts)
     assert c.compile and not c.cuda_graphs and "fp8" in c.reason
-
-
-def test_zero3_compiles_only_where_the_familys_leaf_modules_keep_its_hooks_outside_the_blocks():
-    # SDXL's measured ZeRO-3 settings declare whole blocks as leaf modules: DeepSpeed gathers each leaf's weights in
-    # hooks around it, so the compiled blocks inside run hook-free. Without leaf modules (another family, or
-    # family_settings false) a hook runs at every layer inside a block: auto stays eager
-    from difftrain.families.registry import get_family
-    from difftrain.speed import run_facts
-
-    zero3 = ["memory.optimizer.kind=adamw", "memory.engine.kind=deepspeed", "memory.engine.stage=3"]
-    sdxl = get_family("sdxl").zero3_settings
-    assert sdxl.get("leaf_module")
-    cfg = resolve(recipe="sdxl-full", sets=zero3).config
-    tuned = run_facts(cfg, steps=5000, family_zero3=sdxl)
-    assert tuned.zero3_leaves and tuned.deepspeed_stage == 3
-    c = decide(AUTO, COST, H100, tuned)
-    assert c.compile and not c.cuda_graphs and "DeepSpeed" in c.reason
-    own = resolve(recipe="sdxl-full", sets=[*zero3, "memory.engine.family_settings=false"]).config
-    for facts in (
-        run_facts(own, steps=5000, family_zero3=sdxl),
-        run_facts(cfg, steps=5000, family_zero3={}),
-        run_facts(cfg, steps=5000),
-    ):
-        assert not facts.zero3_leaves
-        eager = decide(AUTO, COST, H100, facts)
-        assert not eager.compile and "ZeRO-3 without leaf modules" in eager.reason
-    stage2 = resolve(recipe="sdxl-full", sets=[*zero3[:2], "memory.engine.stage=2"]).config
-    assert not run_facts(stage2, steps=5000, family_zero3=sdxl).zero3_leaves

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_
 from .. import speed as speed_
-from ..config.schema import Config, EngineDeepSpeed, EngineFSDP
+from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
@@ -224,12 +224,9 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if sp.compile:
         act = b.cfg.memory.activations
         every = act.every if act.kind == "checkpoint" else 0
-        # block swap's, FSDP's and ZeRO-3's hooks run around each block (moving or gathering its weights): only the
-        # block's forward is compiled, the hooks stay eager (DeepSpeed's are compiler.disable'd: inside a compiled
-        # region each one would break the graph; with the family's leaf modules none runs inside a block)
-        e = b.cfg.memory.engine
-        zero3 = isinstance(e, EngineDeepSpeed) and e.stage == 3
-        hooks = "block swap" if b.block_swap is not None else "FSDP" if e.kind == "fsdp" else "ZeRO-3" if zero3 else ""
+        # block swap's and FSDP's hooks run around each block (moving or gathering its weights): only the block's
+        # forward is compiled, the hooks stay eager
+        hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""
         hooks_outside = bool(hooks)
         n = speed_.compile_blocks(
             module, b.family.repeated_blocks, sp, checkpoint_every=every, hooks_outside=hooks_outside
@@ -272,9 +269,7 @@ def choose_speed(
     """speed.compile and speed.cuda_graphs decided for this run (``auto`` resolved, explicit values kept), and
     the config with them set: everything after this reads plain booleans."""
     warm = speed_.is_warm(cfg.speed, speed_.warm_key(cfg))
-    run = speed_.run_facts(
-        cfg, steps, shapes=shapes, processes=world.size, warm=warm, family_zero3=family.zero3_settings
-    )
+    run = speed_.run_facts(cfg, steps, shapes=shapes, processes=world.size, warm=warm)
     choice = speed_.decide(cfg.speed, speed_.CompileCost(**family.compile_cost), speed_.platform_facts(device), run)
     resolved = cfg.speed.model_copy(update={"compile": choice.compile, "cuda_graphs": choice.cuda_graphs})
     return cfg.model_copy(update={"speed": resolved}), choice
