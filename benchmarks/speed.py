@@ -200,6 +200,35 @@ CASES = {
         ],
         "S4 with cuDNN attention, compiled vs eager",
     ),
+    # FlashAttention-4 (speed.attention fa4, flash-attn-4 installed: benchmarks/fa4_stage.sh) against cuDNN's
+    # attention, both compiled, in one process
+    "S4-fa4": (
+        [
+            "--recipe",
+            "cogvideox-2b-lora-24gb",
+            "--set",
+            "memory.activations.kind=none",
+            "--set",
+            "lora.rank=64",
+            "--set",
+            "lora.alpha=64",
+            "--set",
+            "speed.compile=true",
+            "--set",
+            "speed.attention=fa4",
+            "--baseline-set",
+            "speed.compile=true",
+            "--baseline-set",
+            "speed.attention=cudnn",
+            "--size",
+            "480x720",
+            "--steps",
+            "6",
+            "--warmup",
+            "2",
+        ],
+        "S4 with FlashAttention-4 against cuDNN attention, both compiled",
+    ),
     "S4-ma": (
         [
             "--recipe",

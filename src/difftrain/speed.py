@@ -477,6 +477,10 @@ def attention_context(speed: SpeedConfig, device: torch.device, avoid_cudnn: boo
             return sdpa_kernel(others, set_priority=True)
         return contextlib.nullcontext()
 
+    if speed.attention == "fa4":  # FA4 for long self-attention, SDPA (torch's choice) for the rest: fa4.py
+        from . import fa4
+
+        return fa4.routed()
     if device.type != "cuda" and speed.attention in ("cudnn", "efficient"):
         raise BackendUnavailable(
             f"speed.attention {speed.attention} runs on CUDA GPUs only.",
@@ -488,6 +492,11 @@ def attention_context(speed: SpeedConfig, device: torch.device, avoid_cudnn: boo
 def check_attention(speed: SpeedConfig, device: torch.device) -> None:
     """Run the chosen kernel once on a small input, so an unsupported choice is named before the model loads."""
     if speed.attention == "auto":
+        return
+    if speed.attention == "fa4":
+        from . import fa4
+
+        fa4.check(device)
         return
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype, requires_grad=True)

@@ -102,8 +102,8 @@ class Trainer:
         cfg, fam = self.cfg, self.family
         prepare_process(cfg, self.world, self.device)
         self.cfg = cfg = choose_engine(cfg, self.world, self.device, resume)
-        self.feed = Feed(cfg, fam, self.device)
         speed_.check_attention(cfg.speed, self.device)  # an attention kernel the device lacks, named before loading
+        self.feed = Feed(cfg, fam, self.device)
         parts, lrs = plan_parts(cfg, fam)
         init = self._read_lora_init([p for p in parts if p in lrs])
         live = live_stages(cfg, fam, lrs)

@@ -1,0 +1,121 @@
+"""speed.attention fa4 (issue 24, item 5): which SDPA calls go to FlashAttention-4, the custom ops' shapes as
+torch.compile sees them, that SDPA is restored, and that a machine without FA4 or a Hopper GPU is told so before
+anything loads (through the console script). FA4's kernels themselves run in tests/gpu/test_fa4_gpu.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from conftest import set_args, tiny_sets
+from difftrain import fa4
+from difftrain.errors import BackendUnavailable
+
+
+def _fake(*shape, device="cuda", dtype=torch.bfloat16):
+    return torch.empty(*shape, device=device, dtype=dtype)
+
+
+@pytest.fixture
+def fake():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+def test_long_unmasked_self_attention_goes_to_fa4_and_everything_else_stays_on_sdpa(fake):
+    q = _fake(1, 30, fa4.MIN_KEYS, 64)
+    assert fa4.eligible(q, q, q)
+    short = _fake(4, 20, fa4.MIN_KEYS // 4, 64)  # SDXL's 1,024-token layers: measured slower on FA4
+    cross_k = _fake(4, 10, 77, 64)  # 77 text keys: slower too
+    assert not fa4.eligible(short, short, short)
+    assert not fa4.eligible(q, cross_k, cross_k)
+    assert not fa4.eligible(q, q, q, attn_mask=_fake(1, 1, fa4.MIN_KEYS, fa4.MIN_KEYS, dtype=torch.bool))
+    assert not fa4.eligible(q, q, q, dropout_p=0.1)
+    assert not fa4.eligible(q, q, q, is_causal=True)
+    assert not fa4.eligible(q, q, q, enable_gqa=True)
+    assert not fa4.eligible(*[_fake(1, 30, fa4.MIN_KEYS, 64, dtype=torch.float32)] * 3)  # FA4: bf16 / fp16 only
+    assert not fa4.eligible(*[_fake(1, 2, fa4.MIN_KEYS, 320)] * 3)  # head size over 256
+    assert not fa4.eligible(*[_fake(1, 2, fa4.MIN_KEYS, 64, device="cpu")] * 3)
+    kv = _fake(1, 10, fa4.MIN_KEYS, 64)  # fewer key/value heads than query heads
+    assert not fa4.eligible(q, kv, kv)
+
+
+def test_the_custom_ops_shapes_are_what_fa4_returns_in_its_own_layout(fake):
+    # FA4 reads [batch, tokens, heads, head size]; out keeps it, the log-sum-exp is [batch, heads, tokens] fp32
+    q, k, v = _fake(2, 4096, 30, 64), _fake(2, 5000, 30, 64), _fake(2, 5000, 30, 64)
+    out, lse = torch.ops.difftrain.fa4_forward(q, k, v, 0.125)
+    assert out.shape == (2, 4096, 30, 64) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (2, 30, 4096) and lse.dtype == torch.float32
+    dq, dk, dv = torch.ops.difftrain.fa4_backward(q, k, v, out, out, lse, 0.125)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # SDPA's layout in and out: [batch, heads, tokens, head size]
+    sd = fa4.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert sd.shape == (2, 30, 4096, 64)
+
+
+def test_routed_swaps_sdpa_for_the_router_and_restores_it_even_after_an_error():
+    original = F.scaled_dot_product_attention
+    q = torch.randn(1, 2, 16, 8)
+    with fa4.routed():
+        assert F.scaled_dot_product_attention is fa4.sdpa
+        # a call FA4 does not take (the CPU) is torch's own, result for result
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q), original(q, q, q))
+    assert F.scaled_dot_product_attention is original
+    with pytest.raises(RuntimeError, match="boom"), fa4.routed():
+        raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is original
+
+
+def test_a_device_without_fa4_is_named_with_the_fix():
+    with pytest.raises(BackendUnavailable, match="CUDA GPUs only"):
+        fa4.check(torch.device("cpu"))
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="flash-attn-4") as e:
+            fa4._interface()
+        assert "pip install flash-attn-4" in (e.value.hint or "")
+
+
+def _script() -> str:
+    here = Path(sys.executable).parent / "difftrain"
+    found = str(here) if here.exists() else shutil.which("difftrain")
+    assert found, "the difftrain console script is not installed (pip install -e .)"
+    return found
+
+
+def test_train_with_fa4_on_the_cpu_fails_cleanly_before_loading(tiny_model, dataset, tmp_path):
+    sets = tiny_sets(tiny_model, dataset, tmp_path, **{"speed.attention": "fa4", "train.device": "cpu"})
+    r = subprocess.run(
+        [_script(), "train", "--recipe", "tiny-sdxl-lora", "--no-precompute", *set_args(sets)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "speed.attention fa4 runs on CUDA GPUs only" in text and "flash-attn-4" in text
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_flop_counter_counts_fa4_as_it_counts_sdpa(fake):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = _fake(1, 30, fa4.MIN_KEYS, 64)  # SDPA's layout
+    with FlopCounterMode(display=False) as sd:
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, False)
+    t = q.transpose(1, 2)
+    with FlopCounterMode(display=False) as ours:
+        out, lse = torch.ops.difftrain.fa4_forward(t, t, t, 0.125)
+    assert ours.get_total_flops() == sd.get_total_flops() == 4 * 30 * fa4.MIN_KEYS**2 * 64
+    with FlopCounterMode(display=False) as back:
+        torch.ops.difftrain.fa4_backward(t, t, t, out, out, lse, 0.125)
+    assert back.get_total_flops() == 2.5 * ours.get_total_flops()
