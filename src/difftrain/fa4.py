@@ -130,10 +130,21 @@ def eligible(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
     )
 
 
+def _as_autocast_casts(q, k, v):
+    """q, k and v as SDPA sees them under autocast (it runs in the autocast dtype): training runs under autocast,
+    where CogVideoX's q/k norms (LayerNorm, an fp32 op there) hand SDPA fp32 queries and keys beside bf16 values."""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        return q.to(dt), k.to(dt), v.to(dt)
+    return q, k, v
+
+
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch's ``scaled_dot_product_attention`` with FA4 taking the calls it measured faster on."""
-    if eligible(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        return attention(q, k, v, scale)
+    cq, ck, cv = _as_autocast_casts(q, k, v)
+    if eligible(cq, ck, cv, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return attention(cq, ck, cv, scale)
     return _SDPA(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )

@@ -624,7 +624,8 @@ class SpeedConfig(Strict):
         default="auto",
         description="scaled-dot-product attention kernel; auto: torch's choice for the device (cuDNN or flash "
         "on Hopper); fa4: FlashAttention-4 (pip install flash-attn-4; compute capability 9.0+) for attention over "
-        "4,096 keys or more, torch's choice for the rest (measured 1.28x cuDNN on CogVideoX's attention, H100)",
+        "4,096 keys or more, torch's choice for the rest (its kernel measured 1.28x cuDNN's on CogVideoX's attention, "
+        "H100; a whole training step not yet measured faster)",
     )
     optimizer_kernels: Literal["auto", "fused", "foreach", "for_loop"] = Field(
         default="auto", description="torch AdamW's implementation; auto: fused on CUDA, foreach elsewhere"
