@@ -16,6 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+# CogVideoX-2b LoRA r64 at 49x480x720 without checkpointing, compiled (the S4 cases), and how long each runs
+_S4 = ["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=none", "--set", "lora.rank=64"]
+_S4 += ["--set", "lora.alpha=64", "--set", "speed.compile=true"]
+_S4_RUN = ["--size", "480x720", "--steps", "6", "--warmup", "2"]
 # name: (bench speed arguments, what it checks)
 CASES = {
     # the first target: SDXL LoRA b1 in the 4 GiB tier's memory (fp8 weights, checkpointing), compiled,
@@ -156,77 +160,15 @@ CASES = {
         ["--recipe", "sd3-lora-16gb", "--set", "memory.activations.kind=none", "--set", "speed.compile=true"],
         "SD3-medium LoRA b1 no checkpointing, compiled vs eager",
     ),
-    "S4": (
-        [
-            "--recipe",
-            "cogvideox-2b-lora-24gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "lora.rank=64",
-            "--set",
-            "lora.alpha=64",
-            "--set",
-            "speed.compile=true",
-            "--size",
-            "480x720",
-            "--steps",
-            "6",
-            "--warmup",
-            "2",
-        ],
-        "CogVideoX-2b LoRA r64 49x480x720 no checkpointing, compiled vs eager",
-    ),
-    "S4-cudnn": (
-        [
-            "--recipe",
-            "cogvideox-2b-lora-24gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "lora.rank=64",
-            "--set",
-            "lora.alpha=64",
-            "--set",
-            "speed.compile=true",
-            "--set",
-            "speed.attention=cudnn",
-            "--size",
-            "480x720",
-            "--steps",
-            "6",
-            "--warmup",
-            "2",
-        ],
-        "S4 with cuDNN attention, compiled vs eager",
-    ),
+    "S4": (_S4 + _S4_RUN, "CogVideoX-2b LoRA r64 49x480x720 no checkpointing, compiled vs eager"),
+    "S4-cudnn": (_S4 + ["--set", "speed.attention=cudnn"] + _S4_RUN, "S4 with cuDNN attention, compiled vs eager"),
     # FlashAttention-4 (speed.attention fa4, flash-attn-4 installed: benchmarks/fa4_stage.sh) against cuDNN's
     # attention, both compiled, in one process
     "S4-fa4": (
-        [
-            "--recipe",
-            "cogvideox-2b-lora-24gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "lora.rank=64",
-            "--set",
-            "lora.alpha=64",
-            "--set",
-            "speed.compile=true",
-            "--set",
-            "speed.attention=fa4",
-            "--baseline-set",
-            "speed.compile=true",
-            "--baseline-set",
-            "speed.attention=cudnn",
-            "--size",
-            "480x720",
-            "--steps",
-            "6",
-            "--warmup",
-            "2",
-        ],
+        _S4
+        + ["--set", "speed.attention=fa4", "--baseline-set", "speed.compile=true"]
+        + ["--baseline-set", "speed.attention=cudnn"]
+        + _S4_RUN,
         "S4 with FlashAttention-4 against cuDNN attention, both compiled",
     ),
     "S4-ma": (
