@@ -40,8 +40,16 @@ def _interface():
     return interface
 
 
+#: FA4 forward calls run so far in this process (the custom op's own code runs on every call, compiled or not; a
+#: CUDA graph's replays skip it, its recording does not): a run with speed.attention fa4 says after its first step
+#: whether any attention reached FA4 (one that silently ran SDPA measured exactly as fast as cuDNN)
+calls = 0
+
+
 @torch.library.custom_op("difftrain::fa4_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    global calls
+    calls += 1
     out, lse = _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, return_lse=True)[:2]
     return out, lse
 
@@ -160,6 +168,18 @@ def routed():
         yield
     finally:
         F.scaled_dot_product_attention = _SDPA
+
+
+def first_step_line(before: int) -> tuple[bool, str]:
+    """After a run's first step: (whether FA4 ran, the line that says so). ``before``: ``calls`` at the step's start
+    (the device check runs FA4 once before it)."""
+    n = calls - before
+    if n:
+        return True, f"speed.attention fa4: FlashAttention-4 ran {n} attention calls in the first step"
+    return False, (
+        f"speed.attention fa4: no attention call of the first step reached FlashAttention-4 (it takes attention over "
+        f"{MIN_KEYS:,} keys or more, without a mask or dropout, in bf16/fp16): this run's attention is SDPA's"
+    )
 
 
 def check(device: torch.device) -> None:

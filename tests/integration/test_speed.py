@@ -250,3 +250,34 @@ def test_the_profile_environment_profiles_the_named_step_and_training_goes_on(
     assert got["step"] == 3 and got["wall_ms"] > 0 and got["cpu_ops"] > 10
     table = (tmp_path / "prof" / "profile.rank0.txt").read_text()
     assert "aten::convolution" in table or "aten::conv2d" in table  # the UNet's step, not an empty window
+
+
+def test_speed_attention_fa4_says_after_the_first_step_whether_any_attention_reached_it(
+    tiny_model, dataset, tmp_path, monkeypatch, capsys
+):
+    """A run whose attention silently stayed on SDPA measured exactly as fast as cuDNN (H100): with fa4 named, the
+    first step's end says how many calls FA4 ran, or warns that none did. FA4's kernels need a GPU: here the device
+    check is skipped and, in the second run, the kernel is SDPA behind FA4's call counter."""
+    import torch.nn.functional as F
+
+    from difftrain import fa4
+
+    common = {"train.max_steps": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache",
+              "speed.attention": "fa4"}  # fmt: skip
+    monkeypatch.setattr(fa4, "check", lambda device: None)
+    first = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common)
+    precompute(first)
+    train(first)  # on the CPU no call is eligible
+    err = " ".join(capsys.readouterr().err.split())
+    assert "no attention call of the first step reached FlashAttention-4" in err
+
+    def counted(q, k, v, scale=None):
+        fa4.calls += 1
+        return fa4._SDPA(q, k, v, scale=scale)
+
+    monkeypatch.setattr(fa4, "eligible", lambda q, k, v, *a: k.shape[-2] > 8)  # the tiny UNet's self-attention
+    monkeypatch.setattr(fa4, "attention", counted)
+    train(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common))
+    out = " ".join(capsys.readouterr().err.split())
+    assert "FlashAttention-4 ran" in out and "no attention call" not in out
+    assert F.scaled_dot_product_attention is fa4._SDPA  # restored after the run

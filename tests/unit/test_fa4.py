@@ -134,3 +134,11 @@ def test_under_autocast_the_router_sees_what_sdpa_would_run_on(monkeypatch):
     assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
     fa4.sdpa(q, q, q)  # no autocast: the inputs as they are
     assert seen[-1] == (torch.float32,) * 3
+
+
+def test_the_first_step_line_counts_the_calls_since_the_step_began(monkeypatch):
+    monkeypatch.setattr(fa4, "calls", 7)
+    ran, line = fa4.first_step_line(7)
+    assert not ran and "no attention call" in line and "4,096 keys" in line
+    ran, line = fa4.first_step_line(4)
+    assert ran and "ran 3 attention calls" in line

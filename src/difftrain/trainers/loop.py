@@ -295,6 +295,20 @@ class Trainer:
             write_report_page(self.out)
         return result
 
+    def _fa4_calls(self) -> int | None:
+        if self.cfg.speed.attention != "fa4":
+            return None
+        from .. import fa4
+
+        return fa4.calls
+
+    def _say_fa4(self, before: int) -> None:
+        from .. import fa4
+
+        ran, line = fa4.first_step_line(before)
+        if self.world.main:
+            (info if ran else warn)(line)
+
     def _loop(self, result: TrainResult, metrics: Any, stats: dict, end: int, t0: float) -> None:
         pos = self.pos
         loss_col = TextColumn("loss {task.fields[loss]:.4f}  {task.fields[mem]}")
@@ -307,6 +321,7 @@ class Trainer:
             if pos.step == 0:
                 rf.injected_kill(self.world.rank, 0)  # the tests' fault before the first step, if any
             acc = Accumulation()
+            fa4_before = self._fa4_calls()  # speed.attention fa4: whether the first step's attention reached it
             while pos.step < end:
                 batches = self.feed.epoch_batches(pos)
                 while pos.batch_pos < len(batches) and pos.step < end:
@@ -314,6 +329,9 @@ class Trainer:
                         acc = Accumulation()
                         self._stepped = True
                         self._after_step(result, metrics, stats, end)
+                        if fa4_before is not None:
+                            self._say_fa4(fa4_before)
+                            fa4_before = None
                         if compiling:  # the first step compiled the blocks: the next run of this config starts warm
                             compiling = False
                             bar.update(task, description="training")
