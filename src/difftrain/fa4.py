@@ -149,10 +149,11 @@ def _as_autocast_casts(q, k, v):
 
 
 def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """torch's ``scaled_dot_product_attention`` with FA4 taking the calls it measured faster on."""
-    cq, ck, cv = _as_autocast_casts(q, k, v)
-    if eligible(cq, ck, cv, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        return attention(cq, ck, cv, scale)
+    """torch's ``scaled_dot_product_attention`` with FA4 taking the calls it measured faster on. The inputs are cast
+    once, as autocast casts them for SDPA, and the cast ones go to either kernel (SDPA's own cast is then a no-op)."""
+    q, k, v = _as_autocast_casts(q, k, v)
+    if eligible(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return attention(q, k, v, scale)
     return _SDPA(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
     )
