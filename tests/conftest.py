@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,14 @@ def tiny_sets(model: Path, data: Path, out: Path, **extra) -> list[str]:
     ]
     sets += [f"{k}={v}" for k, v in extra.items()]
     return sets
+
+
+def console_script() -> str:
+    """The installed console script beside this interpreter (pip's entry point), else the one on PATH."""
+    here = Path(sys.executable).parent / "difftrain"
+    found = str(here) if here.exists() else shutil.which("difftrain")
+    assert found, "the difftrain console script is not installed (pip install -e .)"
+    return found
 
 
 def set_args(sets) -> list[str]:

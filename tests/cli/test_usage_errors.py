@@ -4,24 +4,15 @@ badly typed argument prints the usage line and the problem and exits 2, never "a
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-
-def _script() -> str:
-    """The installed console script beside this interpreter (pip's entry point), else the one on PATH."""
-    here = Path(sys.executable).parent / "difftrain"
-    found = str(here) if here.exists() else shutil.which("difftrain")
-    assert found, "the difftrain console script is not installed (pip install -e .)"
-    return found
+from conftest import console_script
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_script(), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([console_script(), *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +58,7 @@ def test_shell_completion_installs_the_typer_way_and_completes_commands():
     import os
 
     env = {**os.environ, "_DIFFTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "difftrain rec", "COMP_CWORD": "1"}
-    r = subprocess.run([_script()], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([console_script()], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.split() == ["recipes"], (r.stdout, r.stderr)
 
 

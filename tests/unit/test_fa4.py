@@ -4,17 +4,14 @@ anything loads (through the console script). FA4's kernels themselves run in tes
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import set_args, tiny_sets
+from conftest import console_script, set_args, tiny_sets
 from difftrain import fa4
 from difftrain.errors import BackendUnavailable
 
@@ -84,17 +81,10 @@ def test_a_device_without_fa4_is_named_with_the_fix():
         assert "pip install flash-attn-4" in (e.value.hint or "")
 
 
-def _script() -> str:
-    here = Path(sys.executable).parent / "difftrain"
-    found = str(here) if here.exists() else shutil.which("difftrain")
-    assert found, "the difftrain console script is not installed (pip install -e .)"
-    return found
-
-
 def test_train_with_fa4_on_the_cpu_fails_cleanly_before_loading(tiny_model, dataset, tmp_path):
     sets = tiny_sets(tiny_model, dataset, tmp_path, **{"speed.attention": "fa4", "train.device": "cpu"})
     r = subprocess.run(
-        [_script(), "train", "--recipe", "tiny-sdxl-lora", "--no-precompute", *set_args(sets)],
+        [console_script(), "train", "--recipe", "tiny-sdxl-lora", "--no-precompute", *set_args(sets)],
         capture_output=True,
         text=True,
         timeout=300,
