@@ -138,6 +138,42 @@ CASES = {
         ],
         "S2g with cuDNN attention and channels-last convolutions",
     ),
+    # S2g-cudnn's settings with FlashAttention-4 for the 4,096-token self-attention (speed.attention fa4; the
+    # shorter and cross attention stay on SDPA) against S2g-cudnn itself, in one process
+    "S2g-fa4": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
+        + ["--set", "speed.attention=fa4"]
+        + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
+        + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=cudnn"],
+        "S2g-cudnn with FlashAttention-4 against S2g-cudnn, both compiled with CUDA graphs",
+    ),
+    # S2g-fa4's config compiled in larger regions (each Transformer2DModel whole: its norm, projections and
+    # reshapes too, and the resamplers) against S2g-fa4's block regions, in one process
+    "S2g-regions": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
+        + ["--set", "speed.attention=fa4"]
+        + ["--set", "speed.compile_regions=[Transformer2DModel,ResnetBlock2D,Downsample2D,Upsample2D]"]
+        + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
+        + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
+        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+        + ["--baseline-set", "speed.optimizer_kernels=auto"],
+        "S2g-fa4 compiled by Transformer2DModel (and resampler) regions against S2g-fa4's blocks",
+    ),
+    # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and
+    # conv_out compiled), alone: its compile does not leave time for a baseline in one call
+    "S2g-unet-blocks": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
+        + ["--set", "speed.attention=fa4", "--no-baseline"]
+        + [
+            "--set",
+            "speed.compile_regions=[CrossAttnDownBlock2D,DownBlock2D,UNetMidBlock2DCrossAttn,"
+            "CrossAttnUpBlock2D,UpBlock2D]",
+        ],
+        "S2g-fa4 compiled by the UNet's down, mid and up blocks",
+    ),
     "S2g-ma": (
         [
             "--recipe",

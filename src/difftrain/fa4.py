@@ -183,6 +183,29 @@ def first_step_line(before: int) -> tuple[bool, str]:
     )
 
 
+def installed() -> bool:
+    """Whether the flash-attn-4 package is importable (without importing its kernels)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):  # find_spec imports the parent package, flash_attn, which may fail
+        return False
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why speed.attention ``auto`` does not take FA4 on this device (None: nothing stands in the way; ``check``
+    then runs it once)."""
+    if device.type != "cuda":
+        return f"the device is {device.type}"
+    if not installed():
+        return "flash-attn-4 is not installed"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):  # FA4's kernels: sm90 (Hopper) and sm100/sm103 (Blackwell data-centre GPUs)
+        return f"FlashAttention-4 runs on compute capability 9.x and 10.x, this GPU is {major}.{minor}"
+    return None
+
+
 def check(device: torch.device) -> None:
     """FA4 runs forward and backward once on this device (its kernels compile on first use), or a clear error."""
     if device.type != "cuda":

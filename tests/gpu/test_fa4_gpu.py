@@ -64,3 +64,11 @@ def test_a_short_call_stays_on_sdpa_bit_for_bit():
 
 def test_check_passes_on_this_gpu():
     fa4.check(torch.device("cuda"))
+
+
+def test_auto_takes_fa4_on_this_gpu():
+    from difftrain.config.schema import Config
+    from difftrain.speed import resolve_attention
+
+    cfg, line = resolve_attention(Config.model_validate({"family": "sdxl"}), torch.device("cuda"))
+    assert cfg.speed.attention == "fa4" and line is not None and "FlashAttention-4" in line

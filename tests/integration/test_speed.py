@@ -71,6 +71,33 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_sdxl_compiled_by_larger_regions_trains_as_the_eager_model_does(tiny_model, dataset, tmp_path, monkeypatch):
+    """speed.compile_regions: SDXL compiled by whole Transformer2DModels (their norm and projections too, the
+    BasicTransformerBlocks inside inlined) and ResnetBlock2Ds gives eager's losses, with the inner blocks not
+    compiled again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    common = {"train.max_steps": 4, "train.batch_size": 2, "train.learning_rate": 3e-3}
+    common |= {"memory.activations.kind": "none", "data.cache_dir": tmp_path / "cache"}
+    eager = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "eager", **common)
+    precompute(eager)
+    ref = train(eager)
+    regions = {"speed.compile": "true", "speed.compile_regions": "[Transformer2DModel, ResnetBlock2D]"}
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    trainer = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "regions", **common, **regions))
+    out = trainer.run()
+    unet = trainer.parts.comps["unet"]
+    kinds = {}
+    for m in unet.modules():
+        kinds.setdefault(type(m).__name__, []).append(m._compiled_call_impl is not None)
+    assert kinds["Transformer2DModel"] and all(kinds["Transformer2DModel"]) and all(kinds["ResnetBlock2D"])
+    assert not any(kinds["BasicTransformerBlock"])  # inside a compiled region: traced as part of it
+    assert out.losses == pytest.approx(ref.losses, rel=2e-3, abs=1e-4)
+    torch._dynamo.reset()
+
+
 def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, tmp_path, monkeypatch):
     """speed.sync_seconds: reading the losses every step or only at forced points (checkpoints, the end) gives the
     same losses and the same metrics records; the batched run flushes far less often."""
@@ -202,6 +229,27 @@ def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
             == 2
         )
         assert seen == [("Linear", torch_mode)] * 2
+
+
+def test_compile_regions_compiles_the_named_outer_modules_not_the_blocks_inside_them(monkeypatch):
+    """speed.compile_regions: a region inside another named one is compiled as part of it (compiling it as well
+    would nest two compiled regions); a name the model lacks is refused, naming it."""
+    from difftrain import speed
+    from difftrain.config.schema import SpeedConfig
+    from difftrain.errors import ConfigError
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(type(self).__name__))
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    net = torch.nn.ModuleList([inner, torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))])
+    sp = SpeedConfig(compile=True, compile_regions=["Sequential", "Linear"])
+    assert speed.compile_blocks(net, tuple(sp.compile_regions), sp) == 3
+    assert sorted(seen) == ["Linear", "Sequential", "Sequential"]  # the Linears inside the Sequentials are not
+    seen.clear()
+    sp = SpeedConfig(compile=True, compile_regions=["Sequential", "Transformer2DModel"])
+    with pytest.raises(ConfigError, match="Transformer2DModel") as e:
+        speed.compile_blocks(net, tuple(sp.compile_regions), sp)
+    assert "Sequential" not in str(e.value.message) and seen == []
 
 
 def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_model, dataset, tmp_path):

@@ -4,6 +4,7 @@ anything loads (through the console script). FA4's kernels themselves run in tes
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import pytest
@@ -132,3 +133,72 @@ def test_the_first_step_line_counts_the_calls_since_the_step_began(monkeypatch):
     assert not ran and "no attention call" in line and "4,096 keys" in line
     ran, line = fa4.first_step_line(4)
     assert ran and "ran 3 attention calls" in line
+
+
+def _cfg(attention="auto"):
+    from difftrain.config.schema import Config
+
+    return Config.model_validate({"family": "sdxl", "speed": {"attention": attention}})
+
+
+def test_auto_takes_fa4_where_it_is_installed_and_runs_and_says_so(monkeypatch):
+    from difftrain import speed
+
+    checked = []
+    monkeypatch.setattr(fa4, "unavailable", lambda device: None)
+    monkeypatch.setattr(fa4, "check", checked.append)
+    cfg, line = speed.resolve_attention(_cfg(), torch.device("cpu"))
+    assert cfg.speed.attention == "fa4" and checked == [torch.device("cpu")]
+    assert line is not None and "FlashAttention-4" in line and "4,096 keys" in line
+    assert _cfg().speed.attention == "auto"  # the user's config is not changed, a resolved copy is returned
+
+
+def test_auto_stays_on_sdpa_where_fa4_is_missing_or_fails(monkeypatch):
+    from difftrain import speed
+
+    cpu = torch.device("cpu")
+    cfg, line = speed.resolve_attention(_cfg(), cpu)  # this machine: no GPU, no flash-attn-4
+    assert cfg.speed.attention == "auto" and line is None
+    assert fa4.unavailable(cpu) == "the device is cpu"
+
+    def broken(device):
+        raise BackendUnavailable("speed.attention fa4 does not run on this device: DSLRuntimeError: no sm_90a")
+
+    monkeypatch.setattr(fa4, "unavailable", lambda device: None)
+    monkeypatch.setattr(fa4, "installed", lambda: True)
+    monkeypatch.setattr(fa4, "check", broken)
+    cfg, line = speed.resolve_attention(_cfg(), cpu)  # installed but its kernels do not run: said, not fatal
+    assert cfg.speed.attention == "auto" and line is not None and "torch's SDPA" in line and "no sm_90a" in line
+
+
+def test_an_explicit_kernel_is_checked_and_kept(monkeypatch):
+    from difftrain import speed
+
+    monkeypatch.setattr(fa4, "unavailable", lambda device: pytest.fail("auto's probe ran for an explicit kernel"))
+    cfg, line = speed.resolve_attention(_cfg("math"), torch.device("cpu"))
+    assert cfg.speed.attention == "math" and line is None
+    with pytest.raises(BackendUnavailable, match="CUDA GPUs only"):
+        speed.resolve_attention(_cfg("fa4"), torch.device("cpu"))
+
+
+def test_fa4_for_a_family_that_avoids_cudnn_keeps_cudnn_out_of_the_calls_left_to_sdpa(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    from difftrain import speed
+    from difftrain.config.schema import SpeedConfig
+
+    entered = []
+    import torch.nn.attention as attention_mod
+
+    monkeypatch.setattr(
+        attention_mod, "sdpa_kernel", lambda backends, **kw: entered.append(list(backends)) or contextlib.nullcontext()
+    )
+    original = F.scaled_dot_product_attention
+    sp = SpeedConfig(attention="fa4")
+    with speed.attention_context(sp, torch.device("cuda"), avoid_cudnn=True):
+        assert F.scaled_dot_product_attention is fa4.sdpa
+    assert F.scaled_dot_product_attention is original
+    assert len(entered) == 1 and SDPBackend.CUDNN_ATTENTION not in entered[0]
+    with speed.attention_context(sp, torch.device("cuda")):
+        assert F.scaled_dot_product_attention is fa4.sdpa
+    assert len(entered) == 1  # no cuDNN restriction for the other families

@@ -102,7 +102,12 @@ class Trainer:
         cfg, fam = self.cfg, self.family
         prepare_process(cfg, self.world, self.device)
         self.cfg = cfg = choose_engine(cfg, self.world, self.device, resume)
-        speed_.check_attention(cfg.speed, self.device)  # an attention kernel the device lacks, named before loading
+        # auto resolved (FA4 where installed and running); an attention kernel the device lacks, named before loading
+        self._attention_asked = cfg.speed.attention
+        self.cfg, line = speed_.resolve_attention(cfg, self.device)
+        cfg = self.cfg
+        if line and self.world.main:
+            info(line)
         self.feed = Feed(cfg, fam, self.device)
         parts, lrs = plan_parts(cfg, fam)
         init = self._read_lora_init([p for p in parts if p in lrs])
@@ -306,8 +311,8 @@ class Trainer:
         from .. import fa4
 
         ran, line = fa4.first_step_line(before)
-        if self.world.main:
-            (info if ran else warn)(line)
+        if self.world.main:  # only an explicit fa4 that no call reached is worth a warning
+            (info if ran or self._attention_asked == "auto" else warn)(line)
 
     def _loop(self, result: TrainResult, metrics: Any, stats: dict, end: int, t0: float) -> None:
         pos = self.pos

@@ -228,9 +228,8 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         # forward is compiled, the hooks stay eager
         hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""
         hooks_outside = bool(hooks)
-        n = speed_.compile_blocks(
-            module, b.family.repeated_blocks, sp, checkpoint_every=every, hooks_outside=hooks_outside
-        )
+        regions = tuple(sp.compile_regions or b.family.repeated_blocks)
+        n = speed_.compile_blocks(module, regions, sp, checkpoint_every=every, hooks_outside=hooks_outside)
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
             f"{', checkpointed inside the compiled region' if every else ''}"
