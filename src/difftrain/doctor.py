@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from . import distributed as dist_
+from .errors import DifftrainError
 
 
 @dataclass
@@ -119,6 +120,7 @@ def checks(platform_name: str = sys.platform) -> list[Check]:
         _torchao(cuda),
         _fp8(capability),
         _xformers(cuda),
+        _flash_attention_4(capability),
         _optional("av", "pip install 'difftrain[video]' (PyAV: video datasets)"),
         _optional("tensorboard", "pip install tensorboard (report.to: [tensorboard])"),
         _optional("wandb", "pip install wandb (only for report.to: [wandb])", missing="info"),
@@ -307,6 +309,31 @@ def _xformers(cuda: bool, device: str = "cuda") -> Check:
             "Install the xformers wheel built for this torch and CUDA, or uninstall it (difftrain uses PyTorch's SDPA).",
         )
     return Check("xformers", "ok", f"{v}: memory_efficient_attention runs on the GPU")
+
+
+def _flash_attention_4(capability: tuple[int, int] | None, device: str = "cuda") -> Check:
+    """flash-attn-4 (speed.attention auto's choice where it runs): whether this GPU can use it, and whether it does."""
+    from . import fa4
+
+    fix = "pip install flash-attn-4 (speed.attention auto then uses it: CogVideoX-2b LoRA steps 1.2x on an H100)"
+    if capability is None or capability[0] not in (9, 10):
+        where = f"this GPU is {capability[0]}.{capability[1]}" if capability else "no CUDA GPU"
+        return Check("flash-attn-4", "info", f"runs on compute capability 9.x and 10.x (Hopper, Blackwell); {where}")
+    if not fa4.installed():
+        return Check("flash-attn-4", "info", "not installed", fix)
+    import torch
+
+    try:
+        fa4.check(torch.device(device))
+    except DifftrainError as e:
+        return Check(
+            "flash-attn-4",
+            "warn",
+            f"installed, but does not run here: {e.message}",
+            "Install the flash-attn-4 build for this torch and CUDA, or uninstall it (speed.attention auto then "
+            "uses torch's SDPA).",
+        )
+    return Check("flash-attn-4", "ok", "runs on this GPU: speed.attention auto uses it for long attention")
 
 
 def distributed_checks(platform_name: str = sys.platform) -> list[Check]:

@@ -166,6 +166,30 @@ def test_xformers_attention_runs_or_says_what_to_do(monkeypatch):
     assert doctor._xformers(cuda=True).status == "info"
 
 
+def test_flash_attention_4_says_whether_speed_auto_uses_it(monkeypatch):
+    from difftrain import fa4
+    from difftrain.errors import BackendUnavailable
+
+    c = doctor._flash_attention_4((8, 9))  # an RTX 4090: FA4 has no kernels for it
+    assert c.status == "info" and "9.x and 10.x" in c.found and "8.9" in c.found
+    assert "no CUDA GPU" in doctor._flash_attention_4(None).found
+    monkeypatch.setattr(fa4, "installed", lambda: False)
+    c = doctor._flash_attention_4((9, 0))
+    assert c.status == "info" and c.found == "not installed" and "pip install flash-attn-4" in c.fix
+    ran = []
+    monkeypatch.setattr(fa4, "installed", lambda: True)
+    monkeypatch.setattr(fa4, "check", ran.append)
+    c = doctor._flash_attention_4((9, 0), device="cpu")
+    assert c.status == "ok" and "speed.attention auto uses it" in c.found and ran
+
+    def broken(device):
+        raise BackendUnavailable("speed.attention fa4 does not run on this device: DSLRuntimeError: no sm_90a")
+
+    monkeypatch.setattr(fa4, "check", broken)
+    c = doctor._flash_attention_4((10, 0), device="cpu")
+    assert c.status == "warn" and "no sm_90a" in c.found and "uninstall it" in c.fix
+
+
 def test_fp8_reports_the_compute_capability():
     assert doctor._fp8((9, 0), device="cpu").status == "ok"
     c = doctor._fp8((8, 6), device="cpu")
