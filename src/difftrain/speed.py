@@ -529,7 +529,7 @@ def resolve_attention(cfg: Config, device: torch.device) -> tuple[Config, str | 
     chosen = cfg.model_copy(update={"speed": speed.model_copy(update={"attention": "fa4"})})
     return chosen, (
         f"speed.attention auto: FlashAttention-4 (flash-attn-4 installed) for attention over {fa4.MIN_KEYS:,} keys "
-        "or more, torch's SDPA for the rest; speed.attention sdpa kernels (cudnn, flash) choose otherwise"
+        "or more, torch's SDPA for the rest (speed.attention: cudnn or flash keeps every call on SDPA)"
     )
 
 

@@ -71,6 +71,33 @@ def test_compiled_blocks_train_as_the_eager_model_does(tiny_sd3, dataset, tmp_pa
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    "sets,needle",
+    [
+        (["speed.compile_regions=[]"], "speed.compile_regions is empty"),
+        (
+            ["speed.compile_regions=[Transformer2DModel]", "memory.offload={kind: block_swap, blocks_to_swap: 4}"],
+            "with memory.offload block_swap",
+        ),
+        (
+            ["speed.compile_regions=[Transformer2DModel]", "memory.engine={kind: fsdp}", "train.method=full"],
+            "with memory.engine fsdp",
+        ),
+    ],
+)
+def test_compile_regions_that_cannot_work_are_refused_with_the_config(sets, needle):
+    from difftrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        resolve(recipe="sdxl-lora-8gb", sets=sets)
+    assert needle in str(e.value)
+
+
+def test_compile_regions_alone_is_a_valid_config():
+    cfg = resolve(recipe="sdxl-lora-8gb", sets=["speed.compile_regions=[Transformer2DModel, ResnetBlock2D]"]).config
+    assert cfg.speed.compile_regions == ["Transformer2DModel", "ResnetBlock2D"]
+
+
 @pytest.mark.slow
 def test_sdxl_compiled_by_larger_regions_trains_as_the_eager_model_does(tiny_model, dataset, tmp_path, monkeypatch):
     """speed.compile_regions: SDXL compiled by whole Transformer2DModels (their norm and projections too, the

@@ -994,6 +994,17 @@ class Config(Strict):
                     f"speed.compile with memory.weights {m.weights.kind}: bitsandbytes' quantized layers do "
                     "not compile; use memory.weights fp8 or bf16, or speed.compile: false"
                 )
+        if sp.compile_regions is not None:
+            if not sp.compile_regions:
+                raise ValueError("speed.compile_regions is empty: name classes to compile, or leave it null")
+            # block swap's and FSDP's hooks move or gather the weights of exactly the family's blocks; a larger
+            # region would trace through them
+            if m.offload.kind == "block_swap" or m.engine.kind == "fsdp":
+                what = "memory.offload block_swap" if m.offload.kind == "block_swap" else "memory.engine fsdp"
+                raise ValueError(
+                    f"speed.compile_regions with {what}: its hooks wrap the family's own blocks, which are the "
+                    "compiled regions there; leave speed.compile_regions null"
+                )
         if sp.float8:
             if t.method != "full":
                 raise ValueError(
