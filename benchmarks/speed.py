@@ -20,6 +20,11 @@ from pathlib import Path
 _S4 = ["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=none", "--set", "lora.rank=64"]
 _S4 += ["--set", "lora.alpha=64", "--set", "speed.compile=true"]
 _S4_RUN = ["--size", "480x720", "--steps", "6", "--warmup", "2"]
+# S2g-cudnn's config with FlashAttention-4 (speed.attention fa4), as the S2g-fa4, -regions and -unet-blocks cases run it
+_S2G_FA4 = ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+_S2G_FA4 += ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
+_S2G_FA4 += ["--set", "speed.attention=fa4"]
+
 # name: (bench speed arguments, what it checks)
 CASES = {
     # the issue's first target: SDXL LoRA b1 in the 4 GiB tier's memory (fp8 weights, checkpointing), compiled,
@@ -141,9 +146,7 @@ CASES = {
     # S2g-cudnn's settings with FlashAttention-4 for the 4,096-token self-attention (speed.attention fa4; the
     # shorter and cross attention stay on SDPA) against S2g-cudnn itself, in one process
     "S2g-fa4": (
-        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
-        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
-        + ["--set", "speed.attention=fa4"]
+        _S2G_FA4
         + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
         + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=cudnn"],
         "S2g-cudnn with FlashAttention-4 against S2g-cudnn, both compiled with CUDA graphs",
@@ -151,9 +154,7 @@ CASES = {
     # S2g-fa4's config compiled in larger regions (each Transformer2DModel whole: its norm, projections and
     # reshapes too, and the resamplers) against S2g-fa4's block regions, in one process
     "S2g-regions": (
-        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
-        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
-        + ["--set", "speed.attention=fa4"]
+        _S2G_FA4
         + ["--set", "speed.compile_regions=[Transformer2DModel,ResnetBlock2D,Downsample2D,Upsample2D]"]
         + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
         + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
@@ -164,9 +165,8 @@ CASES = {
     # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and
     # conv_out compiled), alone: its compile does not leave time for a baseline in one call
     "S2g-unet-blocks": (
-        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
-        + ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
-        + ["--set", "speed.attention=fa4", "--no-baseline"]
+        _S2G_FA4
+        + ["--no-baseline"]
         + [
             "--set",
             "speed.compile_regions=[CrossAttnDownBlock2D,DownBlock2D,UNetMidBlock2DCrossAttn,"

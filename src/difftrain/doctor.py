@@ -316,9 +316,10 @@ def _flash_attention_4(capability: tuple[int, int] | None, device: str = "cuda")
     from . import fa4
 
     fix = "pip install flash-attn-4 (speed.attention auto then uses it: CogVideoX-2b LoRA steps 1.2x on an H100)"
-    if capability is None or capability[0] not in (9, 10):
-        where = f"this GPU is {capability[0]}.{capability[1]}" if capability else "no CUDA GPU"
-        return Check("flash-attn-4", "info", f"runs on compute capability 9.x and 10.x (Hopper, Blackwell); {where}")
+    if capability is None:
+        return Check("flash-attn-4", "info", "runs on compute capability 9.x and 10.x (Hopper, Blackwell); no CUDA GPU")
+    if (problem := fa4.capability_problem(capability)) is not None:
+        return Check("flash-attn-4", "info", problem)
     if not fa4.installed():
         return Check("flash-attn-4", "info", "not installed", fix)
     import torch

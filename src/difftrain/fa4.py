@@ -200,9 +200,16 @@ def unavailable(device: torch.device) -> str | None:
         return f"the device is {device.type}"
     if not installed():
         return "flash-attn-4 is not installed"
-    major, minor = torch.cuda.get_device_capability(device)
+    return capability_problem(torch.cuda.get_device_capability(device))
+
+
+def capability_problem(capability: tuple[int, int]) -> str | None:
+    """Why a GPU of this compute capability has no FA4 kernels (None: it has)."""
+    major, minor = capability
     if major not in (9, 10):  # FA4's kernels: sm90 (Hopper) and sm100/sm103 (Blackwell data-centre GPUs)
-        return f"FlashAttention-4 runs on compute capability 9.x and 10.x, this GPU is {major}.{minor}"
+        return (
+            f"FlashAttention-4 runs on compute capability 9.x and 10.x (Hopper, Blackwell); this GPU is {major}.{minor}"
+        )
     return None
 
 

@@ -483,21 +483,22 @@ def attention_context(speed: SpeedConfig, device: torch.device, avoid_cudnn: boo
     cuDNN's kernel fails on (``avoid_cudnn``: Flux) it lets torch choose among the others."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # torch's choice among all but cuDNN, for auto and for the calls fa4 leaves to SDPA
+    no_cudnn = None
+    if avoid_cudnn and device.type == "cuda" and speed.attention in ("auto", "fa4"):
+        others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        no_cudnn = sdpa_kernel(others, set_priority=True)
     if speed.attention == "auto":
-        if avoid_cudnn and device.type == "cuda":
-            others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-            return sdpa_kernel(others, set_priority=True)
-        return contextlib.nullcontext()
+        return no_cudnn or contextlib.nullcontext()
 
     if speed.attention == "fa4":  # FA4 for long self-attention, SDPA (torch's choice) for the rest: fa4.py
         from . import fa4
 
-        if not (avoid_cudnn and device.type == "cuda"):
+        if no_cudnn is None:
             return fa4.routed()
-        stack = contextlib.ExitStack()  # the calls left to SDPA keep cuDNN's kernel out, as auto does
+        stack = contextlib.ExitStack()
         stack.enter_context(fa4.routed())
-        others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        stack.enter_context(sdpa_kernel(others, set_priority=True))
+        stack.enter_context(no_cudnn)
         return stack
     if device.type != "cuda" and speed.attention in ("cudnn", "efficient"):
         raise BackendUnavailable(
