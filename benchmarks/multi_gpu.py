@@ -103,6 +103,14 @@ CASES = {
     "F1": ("SDXL full, recipe sdxl-full, 1 GPU", SDXL, 1, FULL, "sdxl-full"),
     # the same recipe on several GPUs with the engine left to auto (the default)
     "F2": ("SDXL full, recipe sdxl-full, engine auto, 2 GPUs", SDXL, 2, FULL, "sdxl-full"),
+    # F2 with diffusers' GEGLU ops (speed.geglu torch): does the Triton backward change the eager step
+    "F2-torch-geglu": (
+        "SDXL full, recipe sdxl-full, engine auto, speed.geglu torch, 2 GPUs",
+        SDXL,
+        2,
+        FULL + ["speed.geglu=torch"],
+        "sdxl-full",
+    ),
     # the same recipes compiled (speed auto compiles a long run; a 10-step benchmark would stay eager)
     "F1-compile": (
         "SDXL full, recipe sdxl-full + speed.compile, 1 GPU",
@@ -205,6 +213,23 @@ CASES = {
         ZERO3 + ["memory.engine.family_settings=false", f"memory.engine.config_file={ZERO_FILES / 'deepcompile.json'}"],
         "sdxl-full",
     ),
+    # DeepSpeed's own torch.nn.functional.linear replacement off (memory_efficient_linear: its backward is Python,
+    # 743 calls a step in the Z2 cProfile): the native linear, over SDXL's measured settings
+    "Z2-native-linear": (
+        "SDXL full, ZeRO-3 + native_linear.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'native_linear.json'}"],
+        "sdxl-full",
+    ),
+    # and parameters under 1e7 elements kept whole (most of SDXL's; 1,913 partition calls a step in the profile)
+    "Z2-native-linear-persist": (
+        "SDXL full, ZeRO-3 + native_linear_persist.json, 2 GPUs",
+        SDXL,
+        2,
+        ZERO3 + [f"memory.engine.config_file={ZERO_FILES / 'native_linear_persist.json'}"],
+        "sdxl-full",
+    ),
     "Z2-allreduce": (
         "SDXL full, ZeRO-3 + allreduce_fetch.json, 2 GPUs",
         SDXL,
@@ -276,6 +301,7 @@ RECIPE = {
     "F2-graphs": "sdxl-full",
     "F1-compile-nographs": "sdxl-full",
     "F2-compile-nographs": "sdxl-full",
+    "F2-torch-geglu": "sdxl-full",
     "C1": "cogvideox-5b-full-12gb",
     "CA2": "cogvideox-5b-full-12gb",
     "CA4": "cogvideox-5b-full-12gb",
@@ -380,7 +406,7 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
-def run_case(name: str, work: Path, steps: int, profile_step: int | None = None) -> dict:
+def run_case(name: str, work: Path, steps: int, profile_step: int | None = None, python: bool = False) -> dict:
     what, fam_sets, gpus, extra, _job = CASES[name]
     recipe = RECIPE.get(name)
     # speed.sync_seconds=0: each step's record is written when it finished (step times are read from them)
@@ -433,6 +459,8 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None)
 
         shutil.rmtree(prof, ignore_errors=True)
         env.update(DIFFTRAIN_PROFILE_DIR=str(prof), DIFFTRAIN_PROFILE_STEP=str(profile_step))
+        if python:  # cProfile instead of torch.profiler: where the host's Python goes
+            env["DIFFTRAIN_PROFILE_PYTHON"] = "1"
     if gpus == 1:
         env["LOCAL_RANK"] = "0"  # one plain process: marked so that the sampler finds it (a world of one)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -475,20 +503,25 @@ def main() -> None:
     ap.add_argument("--cases", default="L1,L2,L4,Z4")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--profile-step", type=int, default=None, help="profile this step on every rank (not timed)")
+    ap.add_argument("--profile-cases", default=None, help="profile only these cases (comma-separated; default all)")
+    ap.add_argument("--profile-python", action="store_true", help="profile the host's Python (cProfile) instead")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     rows = []
+    profiled = set(a.profile_cases.split(",")) if a.profile_cases else None
     for name in a.cases.split(","):
-        r = run_case(name, a.work, a.steps, a.profile_step)
+        step = a.profile_step if profiled is None or name in profiled else None
+        r = run_case(name, a.work, a.steps, step, a.profile_python)
         rows.append(r)
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "multi_gpu.json").write_text(json.dumps(rows, indent=1))
             if a.profile_step:  # every case's rank-0 operator tables, in one file
-                tables = [
-                    f"===== {c['case']}\n" + (a.work / f"prof-{c['case']}" / "profile.rank0.txt").read_text()
+                tables = [  # every rank's, for cProfile (where each rank waits)
+                    f"===== {c['case']} {f.stem}\n" + f.read_text()
                     for c in rows
-                    if (a.work / f"prof-{c['case']}" / "profile.rank0.txt").exists()
+                    for f in sorted((a.work / f"prof-{c['case']}").glob("profile.rank*.txt"))
+                    if a.profile_python or f.stem == "profile.rank0"
                 ]
                 (a.out / "profiles.txt").write_text("\n\n".join(tables))
         print(json.dumps(r)[:1500], flush=True)
@@ -513,6 +546,9 @@ def main() -> None:
             f"{f(tr, 'sum_Pss')} / {f(tr, 'sum_Rss')} / {f(tr, 'sum_Anonymous')} / {f(tr, 'node_used')} | {r['gpu_peak_alloc_gib']} |"
         )
         for p in r.get("profile", []):
+            if p.get("python"):  # cProfile: the tables are in profiles.txt
+                prof_lines.append(f"| {r['case']} | {p['rank']} | {p['wall_ms']} | (cProfile) | | | |")
+                continue
             prof_lines.append(
                 f"| {r['case']} | {p['rank']} | {p['wall_ms']} | {p['gpu_ms']['compute']} | {p['gpu_ms']['communication']} "
                 f"| {p['gpu_ms']['copies']} | {p['kernel_launches']} |"

@@ -159,8 +159,19 @@ CASES = {
         + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
         + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
         + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-        + ["--baseline-set", "speed.optimizer_kernels=auto"],
+        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"],
         "S2g-fa4 compiled by Transformer2DModel (and resampler) regions against S2g-fa4's blocks",
+    ),
+    # S2g-fa4's config with difftrain's Triton backward for SDXL's GEGLU gates (speed.geglu auto takes it on CUDA)
+    # against the same config with diffusers' ops, in one process
+    "S2g-geglu": (
+        _S2G_FA4
+        + ["--set", "speed.geglu=triton"]
+        + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
+        + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
+        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=torch"],
+        "S2g-fa4 with the Triton GEGLU backward against diffusers' GEGLU ops",
     ),
     # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and
     # conv_out compiled), alone: its compile does not leave time for a baseline in one call

@@ -411,6 +411,7 @@ def warm_key(cfg) -> str:
         "activations": m.activations.kind,
         "mode": sp.compile_mode,
         "regions": sp.compile_regions,
+        "geglu": sp.geglu,
         "precision": cfg.train.mixed_precision,
         "hooks_outside": m.offload.kind == "block_swap",  # only the blocks' forward compiles
     }
@@ -532,6 +533,23 @@ def resolve_attention(cfg: Config, device: torch.device) -> tuple[Config, str | 
         f"speed.attention auto: FlashAttention-4 (flash-attn-4 installed) for attention over {fa4.MIN_KEYS:,} keys "
         "or more, torch's SDPA for the rest (speed.attention: cudnn or flash keeps every call on SDPA)"
     )
+
+
+def resolve_geglu(cfg: Config, device: torch.device) -> Config:
+    """speed.geglu as this run uses it: ``auto`` is difftrain's Triton backward where CUDA and Triton are there
+    (geglu.py), diffusers' ops elsewhere; ``triton`` where they are not is refused before the model loads."""
+    from . import geglu
+
+    problem = geglu.available(device)
+    if cfg.speed.geglu == "triton" and problem:
+        raise BackendUnavailable(
+            f"speed.geglu triton needs a CUDA GPU and Triton: {problem} here.",
+            hint="Use speed.geglu: auto (Triton where it runs, diffusers' ops elsewhere) or torch.",
+        )
+    if cfg.speed.geglu != "auto":
+        return cfg
+    kind = "torch" if problem else "triton"
+    return cfg.model_copy(update={"speed": cfg.speed.model_copy(update={"geglu": kind})})
 
 
 def check_attention(speed: SpeedConfig, device: torch.device) -> None:

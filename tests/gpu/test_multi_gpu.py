@@ -325,10 +325,18 @@ def test_fsdp_full_finetune_on_two_gpus_trains_as_one_and_resumes_on_one(cache, 
 
 
 def test_zero3_with_sdxls_tuned_settings_trains_as_with_deepspeeds_own(cache, tiny_model, _dataset_master, tmp_path):
-    """SDXL's measured ZeRO-3 settings (whole blocks as leaf modules, small parameters kept gathered: 1.8x faster
-    on 2 H100s) change when weights are fetched, not the maths: a full fine-tune on 2 GPUs follows the one with
-    family_settings false (bf16 compute on each side). The tiny UNet's parameters are all under the persistence
-    threshold (kept gathered), so a third run sets it to 0 to have the leaf blocks fetched."""
+    """SDXL's measured ZeRO-3 settings (whole blocks as leaf modules, small parameters kept gathered, torch's own
+    linear in place of DeepSpeed's) change when weights are fetched and how the linear layers round, not the
+    maths: a full fine-tune on 2 GPUs follows the one with family_settings false (bf16 compute on each side), and
+    every weight that run moves, they move. The tiny UNet's parameters are all under the persistence threshold
+    (kept gathered), so a third run sets it to 0 to have the leaf blocks fetched.
+
+    The bound on the weights' change: with DeepSpeed's linear on both sides the runs were identical; torch's linear
+    rounds in bf16 differently, and Adam's first steps turn that into sign flips of the tiniest updates. On the CPU
+    (DeepSpeed's CPU accelerator, 2 processes, this test's config) ZeRO-2 against ZeRO-3 with DeepSpeed's own
+    settings differed by 0.204 on this measure, the tuned ZeRO-3 against the same by 0.204 and against ZeRO-2 by
+    0.162, with losses within 0.05 % (docs/benchmarks.md): 0.35 leaves room for the GPU's rounding, not for a
+    weight left behind."""
     extra = {"memory.engine.kind": "deepspeed", "memory.engine.stage": 3, "memory.engine.offload_optimizer_device": "none",
              "train.mixed_precision": "bf16", "memory.weights.kind": "bf16", "train.method": "full",
              "train.learning_rate": 1e-4, "save.formats": "[diffusers]", "save.precision": "fp32",
@@ -349,11 +357,14 @@ def test_zero3_with_sdxls_tuned_settings_trains_as_with_deepspeeds_own(cache, ti
     base = {k: v for f in sorted((tiny_model / "unet").glob("*.safetensors")) for k, v in load_file(f).items()}
     db = torch.cat([own[k].float().flatten() - base[k].float().flatten() for k in sorted(base)])
     assert len(own_losses) == 6 and db.norm() > 0
+    moved = [k for k in base if not torch.equal(own[k].float(), base[k].float())]
+    assert len(moved) > 100
     for out, sets in (("z3-tuned", {}), ("z3-leaves", {"memory.engine.config_file": fetched})):
         losses, sd = run(out, **sets)
         assert losses == pytest.approx(own_losses, rel=0.02), out
+        assert [k for k in moved if torch.equal(sd[k].float(), base[k].float())] == [], out
         da = torch.cat([sd[k].float().flatten() - base[k].float().flatten() for k in sorted(base)])
-        assert ((da - db).norm() / db.norm()).item() < 0.2, out
+        assert ((da - db).norm() / db.norm()).item() < 0.35, out
 
 
 def test_fsdp_with_compiled_blocks_updates_every_weight_eager_fsdp_updates(cache, tiny_model, _dataset_master):

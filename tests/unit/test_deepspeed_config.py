@@ -75,7 +75,9 @@ def test_zero3_takes_the_familys_measured_settings_unless_told_not_to(tmp_path):
     assert tuned["leaf_module"] == {"classes": ["Transformer2DModel", "ResnetBlock2D"]}
     assert tuned["stage3_param_persistence_threshold"] == 1_000_000 and tuned["stage3_max_live_parameters"] == 3e9
     plain = ds_config(_cfg(z3 + ", family_settings: false}"), sdxl)["zero_optimization"]
+    assert tuned["memory_efficient_linear"] is False  # torch's own linear: DeepSpeed's is Python in backward
     assert "leaf_module" not in plain and plain["stage3_param_persistence_threshold"] == 1e5
+    assert "memory_efficient_linear" not in plain
     assert "leaf_module" not in ds_config(_cfg("memory.engine={kind: deepspeed, stage: 2}"), sdxl)["zero_optimization"]
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 7}}))

@@ -78,12 +78,16 @@ class SDXL(ModelFamily):
     #: transformer stacks and resnets as leaf modules (one fetch each) and small parameters kept gathered: 1.65 s/step
     #: (case Z2-coarse), the best of the combinations tried (leaves of BasicTransformerBlock + ResnetBlock2D 1.81,
     #: those with the persistence settings 2.08, persistence alone 2.32, all-reduce fetch 3.04). Allocated peak the
-    #: same 26.75 GiB, reserved 35.9 against 33.2.
+    #: same 26.75 GiB, reserved 35.9 against 33.2. Then (2026-11-26, one 2 x H100 machine): a cProfile of the step
+    #: showed the host busy in DeepSpeed's Python, 743 calls a step in the backward of its own F.linear replacement
+    #: among it; torch's native linear (memory_efficient_linear false) took 1.396 s/step against DDP's 0.864 in the
+    #: same call (0.62x; the same losses and peak memory), 1.55-1.78 before on that machine.
     zero3_settings: ClassVar[Mapping[str, Any]] = {
         "leaf_module": {"classes": ["Transformer2DModel", "ResnetBlock2D"]},
         "stage3_param_persistence_threshold": 1_000_000,
         "stage3_max_live_parameters": 3_000_000_000,
         "stage3_max_reuse_distance": 3_000_000_000,
+        "memory_efficient_linear": False,
     }
     # H100, 1024 b1 checkpointed (docs/benchmarks.md "Speed", "Fast by default"): first step 104-140 s cold, 29 s
     # warm; eager 0.8-1.2 s/step, compiled + CUDA graphs 0.11-0.16 (one bucket or six), compiled alone 0.45-0.61;

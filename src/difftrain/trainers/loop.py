@@ -105,7 +105,7 @@ class Trainer:
         # auto resolved (FA4 where installed and running); an attention kernel the device lacks, named before loading
         self._attention_asked = cfg.speed.attention
         self.cfg, line = speed_.resolve_attention(cfg, self.device)
-        cfg = self.cfg
+        self.cfg = cfg = speed_.resolve_geglu(self.cfg, self.device)
         if line and self.world.main:
             info(line)
         self.feed = Feed(cfg, fam, self.device)

@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as dist_
+from .. import geglu as geglu_
 from .. import speed as speed_
 from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
@@ -217,6 +218,7 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if part != b.family.denoiser:
         return
     sp = b.cfg.speed
+    _geglu(b, part, module)
     if sp.channels_last and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
     elif sp.channels_last:
@@ -236,6 +238,13 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
             f"{' (their forward only: ' + hooks + ' hooks around them)' if hooks_outside else ''}"
             f" (cache: {speed_.compile_cache_dir(sp)})"
         )
+
+
+def _geglu(b: Build, part: str, module: torch.nn.Module) -> None:
+    """speed.geglu triton (as :func:`speed.resolve_geglu` resolved it): difftrain's Triton backward for diffusers'
+    GEGLU gates (SDXL's feed-forwards)."""
+    if b.cfg.speed.geglu == "triton" and geglu_.count(module):
+        info(f"speed.geglu: {geglu_.use_fused(module)} GEGLU gates of {part} take difftrain's Triton backward")
 
 
 def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume: Path | None) -> Config:
