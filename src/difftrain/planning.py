@@ -202,7 +202,12 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
         tuned = bool(get_family(cfg.family).zero3_settings) and e.family_settings
         return (
             "expected per GPU: ZeRO-3 measured well below one GPU's best recipe (SDXL full, no offload, 2 H100s: "
-            + ("0.44x with SDXL's tuned settings, 0.24x without" if tuned else "0.24x with DeepSpeed's own settings")
+            + (
+                "0.44x with SDXL's tuned settings, 0.24x without; 0.62x DDP's step with torch's own linear, now part "
+                "of SDXL's settings"
+                if tuned
+                else "0.24x with DeepSpeed's own settings"
+            )
             + "): it gathers every weight each step; prefer DDP or FSDP where they fit"
         )
     if e.kind == "deepspeed":
