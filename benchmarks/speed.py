@@ -24,6 +24,11 @@ _S4_RUN = ["--size", "480x720", "--steps", "6", "--warmup", "2"]
 _S2G_FA4 = ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
 _S2G_FA4 += ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
 _S2G_FA4 += ["--set", "speed.attention=fa4"]
+# a baseline with S2g-fa4's whole speed section (the cases name what they compare on top)
+_S2G_FA4_BASELINE = ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
+_S2G_FA4_BASELINE += ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
+_S2G_FA4_BASELINE += ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+_S2G_FA4_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto"]
 
 # name: (bench speed arguments, what it checks)
 CASES = {
@@ -156,21 +161,14 @@ CASES = {
     "S2g-regions": (
         _S2G_FA4
         + ["--set", "speed.compile_regions=[Transformer2DModel,ResnetBlock2D,Downsample2D,Upsample2D]"]
-        + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
-        + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
-        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"],
+        + _S2G_FA4_BASELINE
+        + ["--baseline-set", "speed.geglu=auto"],
         "S2g-fa4 compiled by Transformer2DModel (and resampler) regions against S2g-fa4's blocks",
     ),
     # S2g-fa4's config with difftrain's Triton backward for SDXL's GEGLU gates (speed.geglu auto takes it on CUDA)
     # against the same config with diffusers' ops, in one process
     "S2g-geglu": (
-        _S2G_FA4
-        + ["--set", "speed.geglu=triton"]
-        + ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
-        + ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
-        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=torch"],
+        _S2G_FA4 + ["--set", "speed.geglu=triton"] + _S2G_FA4_BASELINE + ["--baseline-set", "speed.geglu=torch"],
         "S2g-fa4 with the Triton GEGLU backward against diffusers' GEGLU ops",
     ),
     # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and

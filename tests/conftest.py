@@ -108,12 +108,37 @@ def tiny_sets(model: Path, data: Path, out: Path, **extra) -> list[str]:
     return sets
 
 
+def tiny_cuda_config(model: Path, data: Path, out: Path, recipe: str = "tiny-sdxl-lora", **extra):
+    """The tiny model's run on a CUDA GPU in bf16 (6 steps, no checkpoints, the cache beside ``out``): the GPU
+    tests' common config, ``extra`` set over it."""
+    from difftrain.config.load import resolve
+
+    base = {
+        "train.device": "cuda",
+        "memory.weights.kind": "bf16",
+        "train.mixed_precision": "bf16",
+        "train.max_steps": 6,
+        "train.checkpoint_every": 1000,
+        "train.learning_rate": 1e-4,
+        "data.cache_dir": out.parent / "cache",
+    }
+    return resolve(recipe=recipe, sets=tiny_sets(model, data, out, **{**base, **extra})).config
+
+
 def console_script() -> str:
     """The installed console script beside this interpreter (pip's entry point), else the one on PATH."""
     here = Path(sys.executable).parent / "difftrain"
     found = str(here) if here.exists() else shutil.which("difftrain")
     assert found, "the difftrain console script is not installed (pip install -e .)"
     return found
+
+
+def script_train(*args: str, timeout: int = 300) -> CliResult:
+    """``difftrain train ARGS`` through the installed console script, in a subprocess."""
+    import subprocess
+
+    r = subprocess.run([console_script(), "train", *args], capture_output=True, text=True, timeout=timeout)
+    return CliResult(r.returncode, r.stdout, r.stderr)
 
 
 def set_args(sets) -> list[str]:

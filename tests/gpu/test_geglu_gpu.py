@@ -9,9 +9,8 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_sets
+from conftest import tiny_cuda_config
 from difftrain import geglu
-from difftrain.config.load import resolve
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import Trainer, train
 
@@ -58,21 +57,10 @@ def test_a_compiled_fused_gate_gives_diffusers_gradients(mode):
 
 
 def test_auto_trains_the_tiny_sdxl_with_the_kernel_as_diffusers_ops_train_it(tiny_model, dataset, tmp_path):
-    base = {
-        "train.device": "cuda",
-        "memory.weights.kind": "bf16",
-        "train.mixed_precision": "bf16",
-        "train.max_steps": 6,
-        "train.checkpoint_every": 1000,
-        "train.learning_rate": 1e-4,
-        "data.cache_dir": tmp_path / "cache",
-    }
-    torch_ops = resolve(
-        recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path / "a", **base, **{"speed.geglu": "torch"})
-    ).config
+    torch_ops = tiny_cuda_config(tiny_model, dataset, tmp_path / "a", **{"speed.geglu": "torch"})
     precompute(torch_ops)
     ref = train(torch_ops)
-    t = Trainer(resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, dataset, tmp_path / "b", **base)).config)
+    t = Trainer(tiny_cuda_config(tiny_model, dataset, tmp_path / "b"))
     out = t.run()
     assert t.cfg.speed.geglu == "triton"  # auto, resolved on this GPU
     unet = t.parts.comps["unet"]

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_sets
-from difftrain.config.load import resolve
+from conftest import tiny_cuda_config
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import Trainer, train
 
@@ -15,16 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(model, data, out, **extra):
-    base = {
-        "train.device": "cuda",
-        "memory.weights.kind": "bf16",
-        "train.mixed_precision": "bf16",
-        "train.max_steps": 6,
-        "train.checkpoint_every": 1000,
-        "train.learning_rate": 1e-4,
-        "data.cache_dir": out.parent / "cache",
-    }
-    return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(model, data, out, **{**base, **extra})).config
+    return tiny_cuda_config(model, data, out, **extra)
 
 
 @pytest.mark.parametrize(
