@@ -171,6 +171,17 @@ CASES = {
         _S2G_FA4 + ["--set", "speed.geglu=triton"] + _S2G_FA4_BASELINE + ["--baseline-set", "speed.geglu=torch"],
         "S2g-fa4 with the Triton GEGLU backward against diffusers' GEGLU ops",
     ),
+    # the MFU case with the speed section as shipped (speed auto deciding for a 2,000-step run: compile, CUDA graphs,
+    # FA4 where installed, the Triton GEGLU backward) against the same with channels-last convolutions on top (the
+    # S2g cases name it; not a default), in one process: SDXL LoRA b4's MFU at default settings
+    "S2g-auto": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+        + ["--planned-steps", "2000", "--set", "speed.channels_last=true"]
+        + ["--baseline-set", "speed.compile=auto", "--baseline-set", "speed.cuda_graphs=auto"]
+        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"],
+        "SDXL LoRA b4 as shipped (speed auto, a 2,000-step run) with channels-last against without",
+    ),
     # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and
     # conv_out compiled), alone: its compile does not leave time for a baseline in one call
     "S2g-unet-blocks": (

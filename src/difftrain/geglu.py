@@ -98,6 +98,9 @@ def available(device: torch.device) -> str | None:
     """Why the fused gate cannot run on ``device`` (None: it can)."""
     if device.type != "cuda":
         return "not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 7:  # Triton's oldest target is Volta
+        return f"compute capability {major}.{minor} (Triton needs 7.0 or newer)"
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -89,6 +89,15 @@ def test_auto_is_torch_off_cuda_and_triton_there_is_refused():
     assert "speed.geglu: auto" in (e.value.hint or "")
 
 
+def test_a_gpu_older_than_triton_supports_keeps_diffusers_ops(monkeypatch):
+    from difftrain import speed
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    assert geglu.available(torch.device("cuda")) == "compute capability 6.1 (Triton needs 7.0 or newer)"
+    cfg = resolve(recipe="sdxl-lora-8gb").config
+    assert speed.resolve_geglu(cfg, torch.device("cuda")).speed.geglu == "torch"
+
+
 def test_auto_takes_triton_where_it_runs(monkeypatch):
     from difftrain import speed
 
