@@ -308,6 +308,11 @@ RECIPE = {
 }
 
 
+# a case that says it runs a recipe must name it here (F2-torch-geglu once ran the default recipe instead)
+_UNNAMED = [n for n, c in CASES.items() if ("recipe " in c[0]) != (n in RECIPE)]
+assert not _UNNAMED, f"cases whose description and RECIPE disagree: {_UNNAMED}"
+
+
 def per_gpu_ratios(rows: list[dict]) -> dict[str, float]:
     """Each case's samples/s per GPU over the samples/s of its job's 1-GPU case in ``rows`` (the same call)."""
     base: dict[str, float] = {}
