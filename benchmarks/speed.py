@@ -21,8 +21,16 @@ _S4 = ["--recipe", "cogvideox-2b-lora-24gb", "--set", "memory.activations.kind=n
 _S4 += ["--set", "lora.alpha=64", "--set", "speed.compile=true"]
 _S4_RUN = ["--size", "480x720", "--steps", "6", "--warmup", "2"]
 # S2g-cudnn's config with FlashAttention-4 (speed.attention fa4), as the S2g-fa4, -regions and -unet-blocks cases run it
-_S2G_FA4 = ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
-_S2G_FA4 += ["--set", "speed.compile=true", "--set", "speed.cuda_graphs=true", "--set", "speed.channels_last=true"]
+# the SDXL MFU job: LoRA at batch 4 without checkpointing (the S2 cases)
+_S2G_JOB = ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+_S2G_FA4 = _S2G_JOB + [
+    "--set",
+    "speed.compile=true",
+    "--set",
+    "speed.cuda_graphs=true",
+    "--set",
+    "speed.channels_last=true",
+]
 _S2G_FA4 += ["--set", "speed.attention=fa4"]
 # a baseline with S2g-fa4's whole speed section (the cases name what they compare on top)
 _S2G_FA4_BASELINE = ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
@@ -101,26 +109,16 @@ CASES = {
         "SDXL LoRA b1 bf16 no checkpointing, compiled vs eager",
     ),
     "S2": (
-        [
-            "--recipe",
-            "sdxl-lora-8gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "train.batch_size=4",
+        _S2G_JOB
+        + [
             "--set",
             "speed.compile=true",
         ],
         "SDXL LoRA b4 no checkpointing, compiled vs eager",
     ),
     "S2g": (
-        [
-            "--recipe",
-            "sdxl-lora-8gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "train.batch_size=4",
+        _S2G_JOB
+        + [
             "--set",
             "speed.compile=true",
             "--set",
@@ -129,13 +127,8 @@ CASES = {
         "SDXL LoRA b4 no checkpointing, compiled + CUDA graphs vs eager",
     ),
     "S2g-cudnn": (
-        [
-            "--recipe",
-            "sdxl-lora-8gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "train.batch_size=4",
+        _S2G_JOB
+        + [
             "--set",
             "speed.compile=true",
             "--set",
@@ -175,7 +168,7 @@ CASES = {
     # FA4 where installed, the Triton GEGLU backward) against the same with channels-last convolutions on top (the
     # S2g cases name it; not a default), in one process: SDXL LoRA b4's MFU at default settings
     "S2g-auto": (
-        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--set", "train.batch_size=4"]
+        _S2G_JOB
         + ["--planned-steps", "2000", "--set", "speed.channels_last=true"]
         + ["--baseline-set", "speed.compile=auto", "--baseline-set", "speed.cuda_graphs=auto"]
         + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
@@ -195,13 +188,8 @@ CASES = {
         "S2g-fa4 compiled by the UNet's down, mid and up blocks",
     ),
     "S2g-ma": (
-        [
-            "--recipe",
-            "sdxl-lora-8gb",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "train.batch_size=4",
+        _S2G_JOB
+        + [
             "--set",
             "speed.compile=true",
             "--set",

@@ -13,10 +13,6 @@ from difftrain.trainers.loop import Trainer, train
 pytestmark = pytest.mark.gpu
 
 
-def _cfg(model, data, out, **extra):
-    return tiny_cuda_config(model, data, out, **extra)
-
-
 @pytest.mark.parametrize(
     "extra",
     [
@@ -28,12 +24,12 @@ def _cfg(model, data, out, **extra):
     ],
 )
 def test_speed_options_train_as_eager_on_cuda(tiny_model, dataset, tmp_path, extra):
-    eager = _cfg(
+    eager = tiny_cuda_config(
         tiny_model, dataset, tmp_path / "a", **{"memory.activations.kind": extra.get("memory.activations.kind", "none")}
     )
     precompute(eager)
     ref = train(eager)
-    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **extra))
+    t = Trainer(tiny_cuda_config(tiny_model, dataset, tmp_path / "b", **extra))
     out = t.run()
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)  # bf16 kernels differ in rounding
     assert t.parts.optimizer.defaults.get("fused") is True  # speed.optimizer_kernels auto on CUDA
@@ -43,11 +39,13 @@ def test_fp8_weights_compiled_with_cuda_graphs_train_as_eager(tiny_model, datase
     """The 4 GiB tier's way at full speed: fp8 frozen weights (custom ops under compile), checkpointing inside the
     compiled blocks, CUDA graphs: the losses of eager fp8 + checkpointing."""
     common = {"memory.weights.kind": "fp8", "memory.activations.kind": "checkpoint"}
-    eager = _cfg(tiny_model, dataset, tmp_path / "a", **common)
+    eager = tiny_cuda_config(tiny_model, dataset, tmp_path / "a", **common)
     precompute(eager)
     ref = train(eager)
     out = train(
-        _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"})
+        tiny_cuda_config(
+            tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"}
+        )
     )
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
@@ -55,7 +53,7 @@ def test_fp8_weights_compiled_with_cuda_graphs_train_as_eager(tiny_model, datase
 def test_float8_full_finetune_trains(tiny_model, dataset, tmp_path):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9+")
-    cfg = _cfg(
+    cfg = tiny_cuda_config(
         tiny_model,
         dataset,
         tmp_path / "a",
@@ -82,12 +80,15 @@ def test_speed_auto_compiles_a_long_run_on_cuda_and_trains_as_eager(tiny_model, 
     eager run; a 12-step run stays eager."""
     from difftrain.trainers.loop import Hooks
 
-    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a", **{"train.max_steps": 12})
+    eager_cfg = tiny_cuda_config(tiny_model, dataset, tmp_path / "a", **{"train.max_steps": 12})
     precompute(eager_cfg)
     short = Trainer(eager_cfg)
     ref = short.run()
     assert not short.speed.compile and "steps would save" in short.speed.reason
-    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **{"train.max_steps": 12}), hooks=Hooks(planned_steps=5000))
+    t = Trainer(
+        tiny_cuda_config(tiny_model, dataset, tmp_path / "b", **{"train.max_steps": 12}),
+        hooks=Hooks(planned_steps=5000),
+    )
     out = t.run()
     assert len(set(t.feed.bucket_keys())) > 1  # shapes change between steps
     assert t.speed.compile and t.speed.cuda_graphs, t.speed.reason
@@ -103,10 +104,10 @@ def test_speed_auto_records_graphs_under_lora_block_swap(tiny_model, dataset, tm
         "memory.offload": "{kind: block_swap, blocks_to_swap: 4}",
         "memory.activations.kind": "checkpoint",
     }
-    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
+    eager_cfg = tiny_cuda_config(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
     precompute(eager_cfg)
     ref = train(eager_cfg)
-    t = Trainer(_cfg(tiny_model, dataset, tmp_path / "b", **common), hooks=Hooks(planned_steps=50000))
+    t = Trainer(tiny_cuda_config(tiny_model, dataset, tmp_path / "b", **common), hooks=Hooks(planned_steps=50000))
     out = t.run()
     assert t.speed.compile and t.speed.cuda_graphs, t.speed.reason
     assert len(t.parts.block_swap.slots) == 3 and t.parts.block_swap.slot_conflicts == 0
@@ -122,11 +123,13 @@ def test_block_swap_with_cuda_graphs_named_replays_from_fixed_slots_and_trains_a
         "memory.activations.kind": "checkpoint",
         "train.max_steps": 10,
     }
-    eager_cfg = _cfg(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
+    eager_cfg = tiny_cuda_config(tiny_model, dataset, tmp_path / "a", **common, **{"speed.compile": "false"})
     precompute(eager_cfg)
     ref = train(eager_cfg)
     t = Trainer(
-        _cfg(tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"})
+        tiny_cuda_config(
+            tiny_model, dataset, tmp_path / "b", **common, **{"speed.compile": "true", "speed.cuda_graphs": "true"}
+        )
     )
     out = t.run()
     swap = t.parts.block_swap

@@ -243,8 +243,8 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
 def _geglu(b: Build, part: str, module: torch.nn.Module) -> None:
     """speed.geglu triton (as :func:`speed.resolve_geglu` resolved it): difftrain's Triton backward for diffusers'
     GEGLU gates (SDXL's feed-forwards)."""
-    if b.cfg.speed.geglu == "triton" and geglu_.count(module):
-        info(f"speed.geglu: {geglu_.use_fused(module)} GEGLU gates of {part} take difftrain's Triton backward")
+    if b.cfg.speed.geglu == "triton" and (n := geglu_.use_fused(module)):
+        info(f"speed.geglu: {n} GEGLU gates of {part} take difftrain's Triton backward")
 
 
 def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume: Path | None) -> Config:
