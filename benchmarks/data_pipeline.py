@@ -13,10 +13,16 @@ Cases (each prints a line; a table is printed last; JSON under --out):
   the VAE two ways: end to end (``precompute()``: decode workers, host-to-device copy, encode, cache writes;
   its latent phase's wall time) and encoder alone (every batch decoded beforehand and already on the device,
   only ``encode_images`` timed). Images/s of each and their ratio.
+* ``card``: a GPU recipe's whole precompute (latents, then the text encoders) of photo-sized JPEGs at SDXL's
+  buckets, 1024x1024 among them, on random weights of the real architecture, in a fresh process whose allocator
+  is capped as the recipe's card would leave it (the CUDA context and libraries measured in that process and the
+  display margin taken off, as ``bench memory --card``; through ``train.gpu_memory_limit_gib``, which precompute
+  honours): fits or not, and the peak allocated and reserved.
 
     python benchmarks/data_pipeline.py --work /tmp/dp --out $OUT plan 100000
     python benchmarks/data_pipeline.py --work /tmp/dp rss 1000 20000
     python benchmarks/data_pipeline.py --work /tmp/dp throughput --model sdxl --images 256 --device cuda --workers 8
+    python benchmarks/data_pipeline.py --work /tmp/dp --out $OUT card --recipes sdxl-lora-3gb,sdxl-lora-4gb
 """
 
 from __future__ import annotations
@@ -329,6 +335,75 @@ def case_throughput(
     }
 
 
+CARD_CHILD = """
+import json, sys, time
+import torch
+from difftrain.config.load import resolve
+from difftrain.memory.card import allocator_budget, measure_overhead
+from difftrain.precompute.run import precompute
+card, recipe = float(sys.argv[1]), sys.argv[2]
+dev = torch.device("cuda", 0)
+over = measure_overhead(dev)  # first, before torch holds anything: this process's context and libraries
+budget = allocator_budget(card, over)
+cfg = resolve(recipe=recipe, sets=sys.argv[3:] + [f"train.gpu_memory_limit_gib={budget}"]).config
+torch.cuda.reset_peak_memory_stats(dev)
+row = {"card_gib": card, "context_libraries_gib": round(over.total_gib, 3), "left_to_torch_gib": round(budget, 3),
+       "vae_dtype": cfg.precompute.vae_dtype, "batch": cfg.precompute.batch_size}
+t = time.perf_counter()
+try:
+    r = precompute(cfg)
+    row.update(fits=True, latents=r.latents_encoded, texts=r.texts_encoded, buckets=r.buckets)
+except Exception as e:  # out of memory, raw or as precompute's own error
+    row.update(fits=False, error=f"{type(e).__name__}: {e}"[:600])
+row["seconds"] = round(time.perf_counter() - t, 1)
+row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
+row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 3)
+print(json.dumps(row))
+"""
+
+BUILD_CHILD = """
+import sys
+from pathlib import Path
+from difftrain.families.registry import get_family
+get_family(sys.argv[1]).build_random(sys.argv[2], Path(sys.argv[3]), device=sys.argv[4])
+"""
+
+
+def case_card(work: Path, recipe: str, n: int, workers: int) -> dict:
+    from difftrain.config.load import resolve
+    from difftrain.memory.card import parse_card
+
+    card = parse_card(recipe.rsplit("-", 1)[-1])
+    cfg = resolve(recipe=recipe, sets=["model.path=unused"]).config
+    if cfg.family != "sdxl":  # the tiny SDXL's tokenizers stand in for the single file's
+        raise SystemExit(f"card: SDXL recipes only ({recipe} is {cfg.family})")
+    config_name = cfg.model.config or "sdxl-base-1.0"
+    path = work / f"{cfg.family}-{config_name}-random.safetensors"
+    if not path.exists():  # in a process of its own: this one and the capped one start with no CUDA memory held
+        subprocess.run([sys.executable, "-c", BUILD_CHILD, cfg.family, config_name, str(path), "cuda"], check=True)
+    data = make_photo_set(work / f"photos{n}", n)
+    cache = work / f"card-cache-{recipe}"
+    shutil.rmtree(cache, ignore_errors=True)
+    sets = [
+        f"model.path={path}",
+        f"model.tokenizer_path={tiny_model(work)}",  # a single file has no tokenizer (ids below the tiny vocabulary)
+        f"data.dir={data}",
+        f"data.cache_dir={cache}",
+        "precompute.device=cuda",
+        f"precompute.num_workers={workers}",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", CARD_CHILD, str(card), recipe, *sets],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DIFFTRAIN_PROGRESS": "0"},
+    )
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        return {"case": f"card {recipe}", "fits": None, "error": (out.stderr or out.stdout)[-1500:]}
+    return {"case": f"card {recipe}", **json.loads(lines[-1])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-dp"))
@@ -340,6 +415,10 @@ def main() -> None:
     p.add_argument("n", type=int, nargs="+")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--shard-mb", type=float, default=None, help="precompute.shard_max_mb (default: the config's, 512)")
+    p = sub.add_parser("card")
+    p.add_argument("--recipes", default="sdxl-lora-3gb", help="comma-separated GPU recipes named by their card")
+    p.add_argument("--images", type=int, default=16)
+    p.add_argument("--workers", type=int, default=4)
     p = sub.add_parser("throughput")
     p.add_argument("--model", choices=["tiny", "sdxl"], default="tiny")
     p.add_argument("--images", type=int, default=64)
@@ -356,6 +435,8 @@ def main() -> None:
         rows = [case_plan(a.work, n) for n in a.n]
     elif a.case == "rss":
         rows = [case_rss(a.work, n, a.workers, a.shard_mb) for n in a.n]
+    elif a.case == "card":
+        rows = [case_card(a.work, r, a.images, a.workers) for r in a.recipes.split(",")]
     else:
         rows = [
             case_throughput(a.work, a.model, a.images, a.device, w, a.batch, a.resolution, a.vae_dtype)

@@ -27,6 +27,21 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def gpu_index_gib(device: torch.device) -> tuple[int, float]:
+    """(index, total memory in GiB) of a CUDA ``device``."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return idx, torch.cuda.get_device_properties(idx).total_memory / 2**30
+
+
+def cap_gpu_memory(device: torch.device, limit_gib: float | None) -> None:
+    """Cap this process's share of a CUDA ``device`` at ``limit_gib`` (torch's per-process fraction), as a smaller
+    card would leave it: going over is an out-of-memory error. Nothing to do on other devices or without a limit."""
+    if not limit_gib or device.type != "cuda":
+        return
+    idx, total = gpu_index_gib(device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit_gib / total), idx)
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator:
     """An open binary file whose content replaces ``path`` only once it is complete and on disk.

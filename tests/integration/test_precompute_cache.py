@@ -45,3 +45,14 @@ def test_corrupt_image_is_skipped_and_reported(tiny_model, dataset, tmp_path):
     r = precompute(_cfg(tiny_model, dataset, tmp_path))
     assert r.items == 8
     assert [p for p, _ in r.skipped if p.endswith("broken.png")]
+
+
+def test_precompute_holds_the_trainings_gpu_cap(tiny_model, dataset, tmp_path, monkeypatch):
+    """train.gpu_memory_limit_gib caps precompute's process as it caps training's, so a tier's precompute can be
+    checked on a bigger GPU as its card would leave it (benchmarks/data_pipeline.py card)."""
+    from difftrain.precompute import run
+
+    caps = []
+    monkeypatch.setattr(run, "cap_gpu_memory", lambda device, gib: caps.append((device.type, gib)))
+    r = precompute(_cfg(tiny_model, dataset, tmp_path, **{"train.gpu_memory_limit_gib": 1.95}))
+    assert caps == [("cpu", 1.95)] and r.latents_encoded == 8

@@ -182,6 +182,25 @@ def test_expandable_segments_is_set_only_on_cuda(monkeypatch):
     assert calls == ["expandable_segments:True"]
 
 
+def test_the_gpu_cap_is_the_limit_over_the_cards_memory_and_only_on_cuda(monkeypatch):
+    import types
+
+    import torch
+
+    from difftrain import utils
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, idx: calls.append((f, idx)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: types.SimpleNamespace(total_memory=80 * 2**30))
+    utils.cap_gpu_memory(torch.device("cuda", 1), 1.95)  # a 3 GB card's share of an 80 GiB GPU
+    assert calls == [(pytest.approx(1.95 / 80), 1)]
+    utils.cap_gpu_memory(torch.device("cuda", 0), 120.0)  # more than the GPU has: the whole of it, not above
+    assert calls[-1] == (1.0, 0)
+    utils.cap_gpu_memory(torch.device("cuda", 0), None)
+    utils.cap_gpu_memory(torch.device("cpu"), 1.95)
+    assert len(calls) == 2
+
+
 @pytest.mark.slow  # three plan searches in subprocesses (~35 s); the fast tier searches in test_plan_prints_...
 def test_plan_searches_the_card_and_the_host_ram():
     """--ram: a plan must fit both. SDXL's full fine-tune on an 8 GB card needs host RAM for swapped blocks (6.8 GiB

@@ -674,8 +674,8 @@ class TrainConfig(Strict):
     gpu_memory_limit_gib: float | None = Field(
         default=None,
         gt=0,
-        description="cap this process's GPU memory (torch's per-process fraction): try a smaller card's "
-        "tier on a bigger one; going over is an out-of-memory error",
+        description="cap this process's GPU memory (torch's per-process fraction), in training and in "
+        "precompute: try a smaller card's tier on a bigger one; going over is an out-of-memory error",
     )
     batch_size: int = Field(default=1, ge=1)
     grad_accum: int = Field(default=1, ge=1)

@@ -28,7 +28,7 @@ from ..distributed import init as dist_init
 from ..errors import DataError, UsageError
 from ..families.base import ModelFamily
 from ..families.registry import get_family
-from ..utils import fix_malloc_mmap_threshold, pick_device
+from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, pick_device
 from .encode import encode_latents, encode_texts, gather, merge_shards
 from .plan import Placement, Plan, buckets_for, make_plan, place_all, scan
 
@@ -67,6 +67,8 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     if world.distributed and device.type == "cuda" and device.index is None:
         device = torch.device("cuda", world.local_rank)
     dist_init(world, device)
+    # the training's cap holds here too: a tier's precompute is checked on a bigger GPU as its card would leave it
+    cap_gpu_memory(device, cfg.train.gpu_memory_limit_gib)
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
     if plan_only or not world.main:  # a plan writes nothing; the first process holds the lock for all of them
         return _precompute(cfg, family, world, device, cache, strict, plan_only)

@@ -39,7 +39,7 @@ from ..memory.plan import (
     make_optimizer,
     weights_dtype,
 )
-from ..utils import fix_malloc_mmap_threshold, pick_device, stored_float_dtype
+from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, gpu_index_gib, pick_device, stored_float_dtype
 from .ema import EMA
 
 
@@ -51,12 +51,6 @@ def training_device(cfg: Config, world: dist_.World) -> torch.device:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return device
-
-
-def _gpu_gib(device: torch.device) -> tuple[int, float]:
-    """(index, total memory in GiB) of a CUDA ``device``."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    return idx, torch.cuda.get_device_properties(idx).total_memory / 2**30
 
 
 def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> None:
@@ -75,9 +69,7 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
         # the allocator reads PYTORCH_CUDA_ALLOC_CONF once, at its first use, which may be behind us (a context
         # made earlier in this process); torch's setter applies to the segments made from now on
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    if t.gpu_memory_limit_gib and device.type == "cuda":
-        idx, total = _gpu_gib(device)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, t.gpu_memory_limit_gib / total), idx)
+    cap_gpu_memory(device, t.gpu_memory_limit_gib)
     random.seed(t.seed)
     torch.manual_seed(t.seed)
 
@@ -261,7 +253,7 @@ def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume:
         recorded = dist_.broadcast_object(recorded, world)
     gpu_gib = None
     if device.type == "cuda":
-        gpu_gib = cfg.train.gpu_memory_limit_gib or _gpu_gib(device)[1]
+        gpu_gib = cfg.train.gpu_memory_limit_gib or gpu_index_gib(device)[1]
     chosen, line = choose(cfg, world.size, gpu_gib, recorded)
     problem = dist_.engine_problem(chosen, world.size)
     if problem:
