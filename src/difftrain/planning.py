@@ -203,8 +203,8 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
         return (
             "expected per GPU: ZeRO-3 measured well below one GPU's best recipe (SDXL full, no offload, 2 H100s: "
             + (
-                "0.44x with SDXL's tuned settings, 0.24x without; 0.62x DDP's step with torch's own linear, now part "
-                "of SDXL's settings"
+                "0.44x with SDXL's tuned settings, 0.24x without; 0.49-0.62x DDP's step with torch's own linear, "
+                "now part of SDXL's settings, 0.68-0.74x on 2 H200s"
                 if tuned
                 else "0.24x with DeepSpeed's own settings"
             )

@@ -697,7 +697,7 @@ def test_plan_says_what_is_measured_of_each_engines_scaling():
 
     z3 = "kind: deepspeed, stage: 3, offload_optimizer_device: none"
     assert "0.44x with SDXL's tuned settings" in expected_scaling(engine(z3), 2)
-    assert "0.62x DDP's step with torch's own linear" in expected_scaling(engine(z3), 2)
+    assert "0.49-0.62x DDP's step with torch's own linear" in expected_scaling(engine(z3), 2)
     assert "0.24x with DeepSpeed's own" in expected_scaling(engine(z3 + ", family_settings: false"), 2)
     flux = engine(z3, "family=flux", "model.config=flux-dev")  # nothing tuned for Flux: SDXL's untuned figure
     assert "0.24x with DeepSpeed's own" in expected_scaling(flux, 2)

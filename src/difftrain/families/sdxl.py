@@ -81,7 +81,8 @@ class SDXL(ModelFamily):
     #: same 26.75 GiB, reserved 35.9 against 33.2. Then (2026-11-26, one 2 x H100 machine): a cProfile of the step
     #: showed the host busy in DeepSpeed's Python, 743 calls a step in the backward of its own F.linear replacement
     #: among it; torch's native linear (memory_efficient_linear false) took 1.396 s/step against DDP's 0.864 in the
-    #: same call (0.62x; the same losses and peak memory), 1.55-1.78 before on that machine.
+    #: same call (0.62x; the same losses and peak memory), 1.55-1.78 before on that machine; 1.675 against 0.829
+    #: (0.49x) in a later call on another such machine: the host side of ZeRO-3 varies between H100 hosts.
     zero3_settings: ClassVar[Mapping[str, Any]] = {
         "leaf_module": {"classes": ["Transformer2DModel", "ResnetBlock2D"]},
         "stage3_param_persistence_threshold": 1_000_000,
