@@ -37,6 +37,10 @@ _S2G_FA4_BASELINE = ["--baseline-set", "speed.compile=true", "--baseline-set", "
 _S2G_FA4_BASELINE += ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
 _S2G_FA4_BASELINE += ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
 _S2G_FA4_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto"]
+# the bench's baseline with the speed section as shipped (it is the diffusers scripts' eager way otherwise)
+_SHIPPED_BASELINE = ["--baseline-set", "speed.compile=auto", "--baseline-set", "speed.cuda_graphs=auto"]
+_SHIPPED_BASELINE += ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+_SHIPPED_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"]
 
 # name: (bench speed arguments, what it checks)
 CASES = {
@@ -168,12 +172,22 @@ CASES = {
     # FA4 where installed, the Triton GEGLU backward) against the same with channels-last convolutions on top (the
     # S2g cases name it; not a default), in one process: SDXL LoRA b4's MFU at default settings
     "S2g-auto": (
-        _S2G_JOB
-        + ["--planned-steps", "2000", "--set", "speed.channels_last=true"]
-        + ["--baseline-set", "speed.compile=auto", "--baseline-set", "speed.cuda_graphs=auto"]
-        + ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-        + ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"],
+        _S2G_JOB + ["--planned-steps", "2000", "--set", "speed.channels_last=true"] + _SHIPPED_BASELINE,
         "SDXL LoRA b4 as shipped (speed auto, a 2,000-step run) with channels-last against without",
+    ),
+    # channels-last where the tier cards measured it slower (sdxl-lora-8gb 0.164 against 0.140 s/step in 4 steps,
+    # 2026-11-26): the recipe as shipped on a long run, ten timed steps, with and without; and batch 1 without
+    # checkpointing, to tell checkpointing's part from the batch's
+    "S1-8gb-cl": (
+        ["--recipe", "sdxl-lora-8gb", "--planned-steps", "2000", "--set", "speed.channels_last=true"]
+        + _SHIPPED_BASELINE,
+        "sdxl-lora-8gb as shipped (speed auto, a 2,000-step run) with channels-last against without",
+    ),
+    "S1n-cl": (
+        ["--recipe", "sdxl-lora-8gb", "--set", "memory.activations.kind=none", "--planned-steps", "2000"]
+        + ["--set", "speed.channels_last=true"]
+        + _SHIPPED_BASELINE,
+        "SDXL LoRA b1 without checkpointing (speed auto, a 2,000-step run) with channels-last against without",
     ),
     # S2g-regions with the UNet's down, mid and up blocks as the regions (all but the embeddings, conv_in and
     # conv_out compiled), alone: its compile does not leave time for a baseline in one call
