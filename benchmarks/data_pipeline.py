@@ -169,6 +169,11 @@ def make_small_set(folder: Path, n: int) -> Path:
     return folder
 
 
+def random_sdxl(work: Path) -> Path:
+    """Where the throughput and card cases keep SDXL base's random single file (6.9 GB: built once per --work)."""
+    return work / "sdxl-random.safetensors"
+
+
 def tiny_model(work: Path) -> Path:
     from difftrain.families.sdxl import SDXL
 
@@ -261,7 +266,7 @@ def case_throughput(
     else:
         from difftrain.families.sdxl import SDXL
 
-        path, recipe = work / "sdxl-random.safetensors", "sdxl-lora-8gb"
+        path, recipe = random_sdxl(work), "sdxl-lora-8gb"
         if not path.exists():  # a whole single file (the loader checks it is one), random weights made on the device
             SDXL().build_random("sdxl-base-1.0", path, device=device)
     cache = work / "tp-cache"
@@ -364,8 +369,8 @@ print(json.dumps(row))
 BUILD_CHILD = """
 import sys
 from pathlib import Path
-from difftrain.families.registry import get_family
-get_family(sys.argv[1]).build_random(sys.argv[2], Path(sys.argv[3]), device=sys.argv[4])
+from difftrain.families.sdxl import SDXL
+SDXL().build_random("sdxl-base-1.0", Path(sys.argv[1]), device="cuda")
 """
 
 
@@ -375,12 +380,12 @@ def case_card(work: Path, recipe: str, n: int, workers: int) -> dict:
 
     card = parse_card(recipe.rsplit("-", 1)[-1])
     cfg = resolve(recipe=recipe, sets=["model.path=unused"]).config
-    if cfg.family != "sdxl":  # the tiny SDXL's tokenizers stand in for the single file's
-        raise SystemExit(f"card: SDXL recipes only ({recipe} is {cfg.family})")
-    config_name = cfg.model.config or "sdxl-base-1.0"
-    path = work / f"{cfg.family}-{config_name}-random.safetensors"
+    if cfg.family != "sdxl" or (cfg.model.config or "sdxl-base-1.0") != "sdxl-base-1.0":
+        # the tiny SDXL's tokenizers stand in for the single file's, SDXL base's random weights for its own
+        raise SystemExit(f"card: SDXL base recipes only ({recipe} is {cfg.family}, {cfg.model.config})")
+    path = random_sdxl(work)
     if not path.exists():  # in a process of its own: this one and the capped one start with no CUDA memory held
-        subprocess.run([sys.executable, "-c", BUILD_CHILD, cfg.family, config_name, str(path), "cuda"], check=True)
+        subprocess.run([sys.executable, "-c", BUILD_CHILD, str(path)], check=True)
     data = make_photo_set(work / f"photos{n}", n)
     cache = work / f"card-cache-{recipe}"
     shutil.rmtree(cache, ignore_errors=True)

@@ -32,15 +32,17 @@ _S2G_FA4 = _S2G_JOB + [
     "speed.channels_last=true",
 ]
 _S2G_FA4 += ["--set", "speed.attention=fa4"]
+# the bench's baseline is the diffusers scripts' eager way (bench.EAGER); these put back the shipped host-side
+# settings, which both baselines below keep
+_HOST_BASELINE = ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
+_HOST_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto"]
 # a baseline with S2g-fa4's whole speed section (the cases name what they compare on top)
 _S2G_FA4_BASELINE = ["--baseline-set", "speed.compile=true", "--baseline-set", "speed.cuda_graphs=true"]
 _S2G_FA4_BASELINE += ["--baseline-set", "speed.channels_last=true", "--baseline-set", "speed.attention=fa4"]
-_S2G_FA4_BASELINE += ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-_S2G_FA4_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto"]
-# the bench's baseline with the speed section as shipped (it is the diffusers scripts' eager way otherwise)
+_S2G_FA4_BASELINE += _HOST_BASELINE
+# the baseline with the speed section as shipped
 _SHIPPED_BASELINE = ["--baseline-set", "speed.compile=auto", "--baseline-set", "speed.cuda_graphs=auto"]
-_SHIPPED_BASELINE += ["--baseline-set", "speed.sync_seconds=2", "--baseline-set", "speed.pin_memory=true"]
-_SHIPPED_BASELINE += ["--baseline-set", "speed.optimizer_kernels=auto", "--baseline-set", "speed.geglu=auto"]
+_SHIPPED_BASELINE += _HOST_BASELINE + ["--baseline-set", "speed.geglu=auto"]
 
 # name: (bench speed arguments, what it checks)
 CASES = {
