@@ -177,6 +177,19 @@ CASES = {
         _S2G_JOB + ["--planned-steps", "2000", "--set", "speed.channels_last=true"] + _SHIPPED_BASELINE,
         "SDXL LoRA b4 as shipped (speed auto, a 2,000-step run) with channels-last against without",
     ),
+    # the MFU case as shipped since 2026-11-26's seventh session (speed auto now also turns on channels-last for a
+    # compiled SDXL LoRA and difftrain's fused LoRA Linear on CUDA) against the speed section as shipped before
+    # (both off: the eager baseline's values of those two), in one process
+    "S2g-shipped": (
+        _S2G_JOB + ["--planned-steps", "2000"] + _SHIPPED_BASELINE,
+        "SDXL LoRA b4 as shipped (speed auto, a 2,000-step run) against the shipped defaults before channels-last "
+        "auto and the fused LoRA kernel",
+    ),
+    # the same for the recipe users run most, ten timed steps
+    "S1-8gb-shipped": (
+        ["--recipe", "sdxl-lora-8gb", "--planned-steps", "2000"] + _SHIPPED_BASELINE,
+        "sdxl-lora-8gb as shipped against the shipped defaults before channels-last auto and the fused LoRA kernel",
+    ),
     # channels-last where the tier cards measured it slower (sdxl-lora-8gb 0.164 against 0.140 s/step in 4 steps,
     # 2026-11-26): the recipe as shipped on a long run, ten timed steps, with and without; and batch 1 without
     # checkpointing, to tell checkpointing's part from the batch's

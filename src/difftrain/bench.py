@@ -251,7 +251,14 @@ def largest_term(plan: Estimate) -> str:
 
 # ------------------------------------------------------------------ speed
 EAGER = SpeedConfig(  # the diffusers scripts' way
-    compile=False, cuda_graphs=False, sync_seconds=0, pin_memory=False, optimizer_kernels="foreach", geglu="torch"
+    compile=False,
+    cuda_graphs=False,
+    sync_seconds=0,
+    pin_memory=False,
+    optimizer_kernels="foreach",
+    geglu="torch",
+    channels_last=False,
+    lora_kernel="peft",
 )
 
 

@@ -412,6 +412,8 @@ def warm_key(cfg) -> str:
         "mode": sp.compile_mode,
         "regions": sp.compile_regions,
         "geglu": sp.geglu,
+        "channels_last": sp.channels_last,
+        "lora_kernel": sp.lora_kernel,
         "precision": cfg.train.mixed_precision,
         "hooks_outside": m.offload.kind == "block_swap",  # only the blocks' forward compiles
     }
@@ -533,6 +535,36 @@ def resolve_attention(cfg: Config, device: torch.device) -> tuple[Config, str | 
         f"speed.attention auto: FlashAttention-4 (flash-attn-4 installed) for attention over {fa4.MIN_KEYS:,} keys "
         "or more, torch's SDPA for the rest (speed.attention: cudnn or flash keeps every call on SDPA)"
     )
+
+
+def channels_last_auto(cfg: Config, convolutions: bool, compiled: bool, device: torch.device) -> bool:
+    """speed.channels_last as this run uses it: explicit values stand; ``auto`` is on for a compiled LoRA of a UNet
+    family (SDXL) on a CUDA GPU, trained by one process or DDP. Measured there on an H100 (docs/benchmarks.md, "Fast
+    by default"): sdxl-lora-8gb as shipped 0.127 against 0.142 s/step, LoRA batch 1 without checkpointing 0.119
+    against 0.153, batch 4 0.191 against 0.199; the tier recipes still fit their cards. Not measured, so off: eager
+    steps, full fine-tunes, FSDP and DeepSpeed (sharded or flattened weights). ``convolutions``: the family's
+    denoiser is a UNet (its registry row says so)."""
+    if cfg.speed.channels_last != "auto":
+        return bool(cfg.speed.channels_last)
+    return (
+        convolutions
+        and compiled
+        and device.type == "cuda"
+        and cfg.train.method == "lora"
+        and cfg.memory.engine.kind in ("single", "ddp", "auto")
+        and cfg.memory.weights.kind != "fp8"  # fp8-stored convolutions in channels-last: not measured
+    )
+
+
+def lora_kernel_auto(cfg: Config, device: torch.device) -> str:
+    """speed.lora_kernel as this run uses it: ``auto`` is difftrain's fused LoRA Linear (lora/fused.py) on CUDA
+    without gradient checkpointing, where it was measured (SDXL LoRA batch 4 with channels-last: 0.1858 against
+    0.1958 s/step and 1.3 GiB less memory, H100), peft's own elsewhere. Under checkpointing inside compiled blocks
+    the tensors it keeps for its backward are kept, not recomputed: sdxl-lora-8gb peaked at 6.43 GiB allocated
+    against peft's 5.77 and no longer fit its card (H200, 2026-11-26)."""
+    if cfg.speed.lora_kernel != "auto":
+        return cfg.speed.lora_kernel
+    return "fused" if device.type == "cuda" and cfg.memory.activations.kind == "none" else "peft"
 
 
 def resolve_geglu(cfg: Config, device: torch.device) -> Config:

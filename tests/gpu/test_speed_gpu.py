@@ -95,6 +95,28 @@ def test_speed_auto_compiles_a_long_run_on_cuda_and_trains_as_eager(tiny_model, 
     assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
 
 
+def test_fused_lora_and_channels_last_by_default_train_as_peft_eager(tiny_model, dataset, tmp_path):
+    """What speed auto gives a long compiled SDXL LoRA on CUDA since channels-last auto and the fused LoRA kernel:
+    both on, every LoRA Linear of the UNet fused, compiled with CUDA graphs; the losses of peft's eager run in the
+    default layout."""
+    from difftrain.trainers.loop import Hooks
+
+    eager = tiny_cuda_config(
+        tiny_model, dataset, tmp_path / "a", **{"speed.lora_kernel": "peft", "speed.channels_last": "false"}
+    )
+    precompute(eager)
+    ref = train(eager)
+    t = Trainer(tiny_cuda_config(tiny_model, dataset, tmp_path / "b"), hooks=Hooks(planned_steps=5000))
+    out = t.run()
+    sp = t.cfg.speed
+    assert sp.compile and sp.cuda_graphs and sp.channels_last is True and sp.lora_kernel == "fused", sp
+    from peft.tuners.lora.layer import Linear
+
+    lora = [m for m in t.parts.comps["unet"].modules() if isinstance(m, Linear)]
+    assert lora and all(type(m).__name__ == "FusedLoraLinear" for m in lora)
+    assert out.losses == pytest.approx(ref.losses, rel=3e-2, abs=3e-3)
+
+
 def test_speed_auto_records_graphs_under_lora_block_swap(tiny_model, dataset, tmp_path):
     """LoRA's block swap with speed auto on a CUDA GPU: each block's forward compiled, the swap hooks eager around
     it, CUDA graphs recorded with the swapped blocks in fixed slots; the losses of the eager block-swap run."""

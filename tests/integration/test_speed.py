@@ -234,6 +234,37 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     assert out.losses == pytest.approx(ref.losses, rel=1e-4)
 
 
+def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, dataset, tmp_path):
+    """speed.lora_kernel fused (auto's choice on CUDA) under bf16 autocast: the same losses as peft's forward
+    within bf16 rounding, every LoRA Linear of the UNet swapped, the same LoRA file names."""
+    from safetensors import safe_open
+
+    common = {
+        "train.max_steps": 3,
+        "train.batch_size": 2,
+        "train.checkpoint_every": 1000,
+        "train.mixed_precision": "bf16",
+        "data.cache_dir": tmp_path / "cache",
+    }
+    base = _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "a", **common, **{"speed.lora_kernel": "peft"})
+    precompute(base)
+    ref = train(base)
+    t = Trainer(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.lora_kernel": "fused"}))
+    out = t.run()
+    from peft.tuners.lora.layer import Linear
+
+    lora = [m for m in t.parts.comps["unet"].modules() if isinstance(m, Linear)]
+    assert lora and all(type(m).__name__ == "FusedLoraLinear" for m in lora)
+    assert out.losses == pytest.approx(ref.losses, rel=2e-2)
+    assert out.losses != ref.losses  # the fused arithmetic ran (bf16 rounds it apart from peft's)
+    files = sorted(p.name for p in ref.output_dir.glob("*.safetensors"))
+    assert ref.lora_path is not None and ref.lora_path.name in files
+    assert files == sorted(p.name for p in out.output_dir.glob("*.safetensors"))
+    for name in files:
+        with safe_open(ref.output_dir / name, "pt") as fa, safe_open(out.output_dir / name, "pt") as fb:
+            assert sorted(fa.keys()) == sorted(fb.keys())
+
+
 def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
     """speed.cuda_graphs and speed.compile_mode map onto torch.compile's four modes, and every block is compiled."""
     from difftrain import speed

@@ -83,3 +83,19 @@ def test_follows_autocast_dtype():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert q(torch.randn(2, 16)).dtype == torch.bfloat16
     assert q(torch.randn(2, 16)).dtype == torch.float32
+
+
+def test_conv_op_keeps_its_fake_kernels_strides_in_channels_last():
+    """speed.channels_last turns an fp8 convolution's input and weight channels-last; the op's outputs keep the
+    strides its fake kernels promise (compiled graphs check them: an H200 run failed on this before)."""
+    from difftrain.memory.fp8 import fp8_conv2d, fp8_conv2d_grad_input, quantize
+
+    torch.manual_seed(0)
+    w8, scale = quantize(torch.randn(16, 8, 3, 3), per_channel=True)
+    w8 = w8.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last).requires_grad_()
+    conf = ([2, 2], [1, 1], [1, 1], 1)
+    torch.library.opcheck(fp8_conv2d, (x, w8, scale, None, *conf), test_utils="test_faketensor")
+    gy = torch.randn(2, 16, 6, 6).to(memory_format=torch.channels_last)
+    torch.library.opcheck(fp8_conv2d_grad_input, (gy, w8, scale, [2, 8, 12, 12], *conf), test_utils="test_faketensor")
+    assert fp8_conv2d(x, w8, scale, None, *conf).is_contiguous()

@@ -136,7 +136,9 @@ def fp8_conv2d(
     groups: int,
 ) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
-        return F.conv2d(x, dequantize(w8, scale, x.dtype), bias, stride, padding, dilation, groups)
+        # contiguous, as the fake kernel below says: a channels-last input or weight (speed.channels_last) would
+        # give a channels-last output, whose strides compiled graphs check against the fake's
+        return F.conv2d(x, dequantize(w8, scale, x.dtype), bias, stride, padding, dilation, groups).contiguous()
 
 
 @fp8_conv2d.register_fake
@@ -160,7 +162,7 @@ def fp8_conv2d_grad_input(
     groups: int,
 ) -> torch.Tensor:
     w = dequantize(w8, scale, gy.dtype)
-    return torch.nn.grad.conv2d_input(input_shape, w, gy, stride, padding, dilation, groups)
+    return torch.nn.grad.conv2d_input(input_shape, w, gy, stride, padding, dilation, groups).contiguous()
 
 
 @fp8_conv2d_grad_input.register_fake

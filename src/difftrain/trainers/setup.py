@@ -28,6 +28,8 @@ from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
 from ..families.common import mapped_reads
+from ..families.registry import row
+from ..lora import fused as lora_fused
 from ..lora.adapters import adapter_metadata, add_lora
 from ..memory import pinned as pinned_
 from ..memory.plan import (
@@ -211,10 +213,13 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         return
     sp = b.cfg.speed
     _geglu(b, part, module)
-    if sp.channels_last and b.cfg.memory.engine.kind == "fsdp":
+    if sp.lora_kernel == "fused" and b.cfg.train.method == "lora" and (n := lora_fused.use_fused(module)):
+        info(f"speed.lora_kernel: {n} LoRA Linears of {part} take difftrain's fused forward and backward")
+    if sp.channels_last is True and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
-    elif sp.channels_last:
+    elif sp.channels_last is True:
         speed_.channels_last(module)
+        info(f"speed.channels_last: the convolutions of {part} run in channels-last memory format")
     if sp.compile:
         act = b.cfg.memory.activations
         every = act.every if act.kind == "checkpoint" else 0
@@ -271,7 +276,14 @@ def choose_speed(
     warm = speed_.is_warm(cfg.speed, speed_.warm_key(cfg))
     run = speed_.run_facts(cfg, steps, shapes=shapes, processes=world.size, warm=warm)
     choice = speed_.decide(cfg.speed, speed_.CompileCost(**family.compile_cost), speed_.platform_facts(device), run)
-    resolved = cfg.speed.model_copy(update={"compile": choice.compile, "cuda_graphs": choice.cuda_graphs})
+    resolved = cfg.speed.model_copy(
+        update={
+            "compile": choice.compile,
+            "cuda_graphs": choice.cuda_graphs,
+            "channels_last": speed_.channels_last_auto(cfg, row(cfg.family).channels_last, choice.compile, device),
+            "lora_kernel": speed_.lora_kernel_auto(cfg, device),
+        }
+    )
     return cfg.model_copy(update={"speed": resolved}), choice
 
 

@@ -1,0 +1,146 @@
+"""speed.lora_kernel: peft's LoRA Linear with difftrain's fused forward and backward (lora/fused.py). What it buys
+is measured on a GPU (benchmarks/lora_block.py); here its arithmetic, its fall-backs to peft and the choice."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from difftrain import speed
+from difftrain.config.load import resolve
+from difftrain.lora import fused
+
+
+def _net(dropout: float = 0.0, bias: bool = True) -> torch.nn.Module:
+    from peft import inject_adapter_in_model
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(24, 32, bias=bias), torch.nn.GELU(), torch.nn.Linear(32, 24, bias=bias))
+    net.requires_grad_(False)
+    net = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0", "2"]), net)
+    with torch.no_grad():  # a trained adapter: B is not zero
+        for n, p in net.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return net
+
+
+def _run(net: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+        y = net(x)
+    y.float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return y.detach().float(), x.grad.float(), grads
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_the_fused_function_has_the_gradients_of_its_formula():
+    """float64 gradcheck of x w^T + bias + s (x a^T) b^T, every input needing a gradient (the base too)."""
+    torch.manual_seed(0)
+    args = [torch.randn(2, 3, 6), torch.randn(5, 6), torch.randn(5), torch.randn(2, 6), torch.randn(5, 2)]
+    args = [t.double().requires_grad_(True) for t in args]
+    assert torch.autograd.gradcheck(lambda *t: fused._LoraLinear.apply(*t, 0.7), args)
+    x, w, bias, a, b = args
+    expect = x @ w.t() + bias + 0.7 * (x @ a.t()) @ b.t()
+    assert torch.allclose(fused._LoraLinear.apply(*args, 0.7), expect, atol=1e-12)
+
+
+def test_under_bf16_autocast_it_computes_what_peft_does():
+    """The same outputs and gradients as peft's forward within bf16 rounding, no further from fp32 than peft's."""
+    ref = _net()
+    fast = copy.deepcopy(ref)
+    assert fused.use_fused(fast) == 2
+    x = torch.randn(3, 10, 24)
+    exact = _run(copy.deepcopy(ref), x, None)  # fp32, no autocast: peft's path in both
+    peft_out, fused_out = _run(ref, x, torch.bfloat16), _run(fast, x, torch.bfloat16)
+    assert fused_out[2].keys() == peft_out[2].keys() and len(fused_out[2]) == 4
+    assert all(g.dtype == torch.float32 for g in fused_out[2].values())  # the adapter's own dtype
+    for i in (0, 1):
+        assert _rel(fused_out[i], peft_out[i]) < 2e-2
+        assert _rel(fused_out[i], exact[i]) < 1.5 * _rel(peft_out[i], exact[i]) + 1e-3
+    for name, g in fused_out[2].items():
+        assert _rel(g, peft_out[2][name]) < 3e-2
+        assert _rel(g, exact[2][name]) < 1.5 * _rel(peft_out[2][name], exact[2][name]) + 1e-3
+
+
+def test_the_fused_path_runs_only_where_it_applies(monkeypatch):
+    """Without autocast, with dropout, with the adapter disabled or merged, peft's own forward runs (the same
+    numbers bit for bit); under autocast with one plain adapter the fused function runs."""
+    calls = []
+    real = fused._LoraLinear.apply
+    monkeypatch.setattr(fused._LoraLinear, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 5, 24)
+
+    def same(build, amp, change=None) -> bool:
+        ref, fast = build(), build()
+        fused.use_fused(fast)
+        for net in (ref, fast):
+            if change:
+                change(net)
+        a = torch.manual_seed(3) and _run(ref, x, amp)  # the same dropout masks in both
+        b = torch.manual_seed(3) and _run(fast, x, amp)
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    assert same(_net, None) and not calls  # no autocast
+    assert same(lambda: _net(dropout=0.5), torch.bfloat16) and not calls
+    for change in (lambda n: [n[i].enable_adapters(False) for i in (0, 2)], lambda n: [n[i].merge() for i in (0, 2)]):
+        assert same(_net, torch.bfloat16, change) and not calls
+    assert not same(_net, torch.bfloat16) and len(calls) == 2  # fused: within rounding, not bit for bit
+
+
+def test_use_fused_keeps_weights_names_and_pickles():
+    net = _net(bias=False)
+    keys = list(net.state_dict())
+    assert fused.use_fused(net) == 2 and fused.use_fused(net) == 0  # already fused: nothing twice
+    assert list(net.state_dict()) == keys
+    from peft.tuners.lora.layer import Linear
+
+    assert isinstance(net[0], Linear) and type(net[0]).__name__ == "FusedLoraLinear"
+    back = pickle.loads(pickle.dumps(net))
+    assert type(back[0]) is type(net[0]) and torch.equal(
+        back[0].lora_A["default"].weight, net[0].lora_A["default"].weight
+    )
+
+
+def test_auto_takes_the_fused_kernel_on_cuda_without_checkpointing_only():
+    cfg = resolve(recipe="sdxl-lora-8gb", sets=["memory.activations.kind=none"]).config
+    assert cfg.speed.lora_kernel == "auto"
+    assert speed.lora_kernel_auto(cfg, torch.device("cpu")) == "peft"
+    assert speed.lora_kernel_auto(cfg, torch.device("cuda")) == "fused"
+    # the recipe as shipped checkpoints: the fused backward's tensors would be kept (more memory than its card)
+    assert speed.lora_kernel_auto(resolve(recipe="sdxl-lora-8gb").config, torch.device("cuda")) == "peft"
+    keep = resolve(recipe="sdxl-lora-8gb", sets=["memory.activations.kind=none", "speed.lora_kernel=peft"]).config
+    assert speed.lora_kernel_auto(keep, torch.device("cuda")) == "peft"
+    named = resolve(recipe="sdxl-lora-8gb", sets=["speed.lora_kernel=fused"]).config
+    assert speed.lora_kernel_auto(named, torch.device("cuda")) == "fused"  # named: it stands
+    assert speed.warm_key(cfg) != speed.warm_key(keep)  # another compiled graph: another cache entry
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sets", "compiled", "device", "expect"),
+    [
+        ("sdxl-lora-8gb", [], True, "cuda", True),
+        ("sdxl-lora-4gb", [], True, "cuda", True),
+        ("sdxl-lora-8gb", [], False, "cuda", False),  # eager: not measured
+        ("sdxl-lora-8gb", [], True, "cpu", False),
+        ("sdxl-full-12gb", [], True, "cuda", False),  # full fine-tune: not measured
+        ("sdxl-lora-8gb", ["memory.engine.kind=deepspeed"], True, "cuda", False),
+        ("sdxl-lora-8gb", ["memory.weights.kind=fp8"], True, "cuda", False),  # fp8 convolutions: not measured
+        ("sd3-lora-8gb", [], True, "cuda", False),  # a transformer: no convolutions
+        ("sdxl-lora-8gb", ["speed.channels_last=false"], True, "cuda", False),
+        ("sdxl-lora-8gb", ["speed.channels_last=true"], False, "cpu", True),
+    ],
+)
+def test_channels_last_auto(recipe, sets, compiled, device, expect):
+    from difftrain.families.registry import row
+
+    cfg = resolve(recipe=recipe, sets=sets).config
+    assert speed.channels_last_auto(cfg, row(cfg.family).channels_last, compiled, torch.device(device)) is expect
