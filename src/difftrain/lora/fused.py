@@ -7,10 +7,10 @@ the sum; in the backward the same again. Where the step is bound by memory traff
 is a measurable share of the step: peft's adapters cost 0.50 ms of a 1.82 ms SDXL transformer block (batch 4,
 1280 channels, compiled, H100; benchmarks/lora_block.py). Here the low-rank path reads ``x`` once for the
 down-projection, and the base and the up-projection are one matmul over ``[x, x a^T]`` (the backward's input
-gradient likewise), with no casts of the activations. Same weights, names and state dict: only the forward of the layer changes, so checkpoints, exports and
-peft's own tools see peft's layer. Anything this does not cover (several active adapters, dropout, DoRA and
-other variants, a merged or disabled adapter, a base layer that is not a plain ``nn.Linear``, no autocast) runs
-peft's own forward.
+gradient likewise), with no casts of the activations. Same weights, names and state dict: only the forward of the
+layer changes, so checkpoints, exports and peft's own tools see peft's layer. Anything this does not cover
+(several active adapters, dropout, DoRA and other variants, a merged or disabled adapter, a base layer that is not
+a plain ``nn.Linear``, no autocast) runs peft's own forward.
 """
 
 from __future__ import annotations
