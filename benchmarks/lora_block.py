@@ -7,7 +7,12 @@ it (the block is the region, CUDA graphs), under bf16 autocast, forward and back
 - ``frozen``: no LoRA, only the input needs a gradient: what the block costs without any adapter;
 - ``lora``: peft's LoRA at rank 16 on to_q, to_k, to_v, to_out.0 (sdxl-lora-8gb's targets), fp32 adapter weights,
   as difftrain adds it;
-- ``fused``: the same adapters with difftrain's fused forward and backward (difftrain.lora.fused, speed.lora_kernel).
+- ``fused-linear``: the same adapters, each LoRA Linear with difftrain's fused forward and backward
+  (difftrain.lora.fused) but diffusers' own attention processor: q, k and v one by one (last session's kernel);
+- ``fused``: speed.lora_kernel fused as shipped: also the self-attention's q, k and v as one fused call (one read of
+  ``x``, one low-rank gradient matmul per factor);
+- ``fused-addmm``: ``fused`` with the backward's input gradient as ``addmm(gm a, g, w)`` instead of one matmul over
+  ``[g, gm]`` (which copies the 3x-wide q, k, v gradient into the concatenation).
 
 The difference to ``frozen``, times SDXL's 60 + 10 blocks, is what the adapters cost a step. The input's gradient
 of ``fused`` is compared with ``lora``'s (relative norm of the difference).
@@ -25,8 +30,10 @@ import json
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 # name: (tokens per sample, channels, heads); SDXL has 60 blocks at 1280 channels, 10 at 640
+KINDS = ("frozen", "lora", "fused-linear", "fused", "fused-addmm")
 SHAPES = {"1280ch-32x32": (1024, 1280, 20, 60), "640ch-64x64": (4096, 640, 10, 10)}
 
 
@@ -37,6 +44,7 @@ def build(kind: str, dim: int, heads: int):
     from difftrain.config.schema import LoraConfig
     from difftrain.lora.adapters import add_lora
 
+    torch._dynamo.reset()  # a fresh compile for each kind: a cached graph of another kind would pass the guards
     torch.manual_seed(0)
     block = BasicTransformerBlock(
         dim, heads, dim // heads, cross_attention_dim=2048, activation_fn="geglu", attention_bias=False
@@ -54,11 +62,25 @@ def build(kind: str, dim: int, heads: int):
                 if "lora_B" in n:
                     p.normal_(0, 0.02)
         if kind.startswith("fused"):
+            from diffusers.models.attention_processor import AttnProcessor2_0
+
             from difftrain.lora import fused
 
             fused.use_fused(block)
+            if kind == "fused-linear":
+                block.attn1.set_processor(AttnProcessor2_0())
+            if kind == "fused-addmm":  # the last kind built: the blocks compiled before keep the shipped backward
+                fused._LoraLinear.backward = staticmethod(_addmm_backward)
     block.compile(mode="reduce-overhead")
     return block
+
+
+def _addmm_backward(ctx, grad):
+    x2, mid, weight, a, b = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gm = g2 @ (b * ctx.scale)
+    gx = torch.addmm(gm @ a, g2, weight).view(ctx.shape)
+    return gx, None, None, gm.t() @ x2, (g2.t() @ mid) * ctx.scale, None
 
 
 def time_it(block, x, ctx, g, n=40) -> tuple[float, torch.Tensor]:
@@ -117,9 +139,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # each kind and shape compiles the block class again: past dynamo's default of 8 versions the rest would run
     # eagerly (difftrain's own limit, speed.configure_compile)
-    import torch._dynamo
-
     torch._dynamo.config.recompile_limit = 64
+    from difftrain.lora import fused
+
+    shipped = fused._LoraLinear.backward
     rows = []
     if args.profile:
         tokens, dim, heads, _ = SHAPES["1280ch-32x32"]
@@ -127,7 +150,7 @@ def main() -> None:
         ctx = torch.randn(args.batch, 77, 2048, device="cuda", dtype=torch.bfloat16)
         g = torch.randn_like(x)
         found = {}
-        for kind in ("frozen", "lora", "fused"):
+        for kind in KINDS:
             block = build(kind, dim, heads)
             time_it(block, x, ctx, g, n=5)
             found[kind] = kernels(block, x, ctx, g)
@@ -142,24 +165,24 @@ def main() -> None:
         ctx = torch.randn(args.batch, 77, 2048, device="cuda", dtype=torch.bfloat16)
         g = torch.randn_like(x)
         ms, grads = {}, {}
-        for kind in ("frozen", "lora", "fused"):
+        for kind in KINDS:
             ms[kind], grads[kind] = time_it(build(kind, dim, heads), x, ctx, g)
-        diff = ((grads["fused"].float() - grads["lora"].float()).norm() / grads["lora"].float().norm()).item()
         rows.append({"shape": name, "blocks": count, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}})
-        rows[-1]["fused_grad_rel_diff"] = float(f"{diff:.3g}")
+        for kind in KINDS[2:]:
+            diff = ((grads[kind].float() - grads["lora"].float()).norm() / grads["lora"].float().norm()).item()
+            rows[-1][f"{kind}_grad_rel_diff"] = float(f"{diff:.3g}")
         print(json.dumps(rows[-1]), flush=True)
+        fused._LoraLinear.backward = staticmethod(shipped)  # the next shape builds fused-addmm again
     (args.out / "lora_block.json").write_text(json.dumps(rows, indent=1))
-    print("\n| shape | blocks | frozen ms | peft LoRA ms | fused ms | a step: peft's cost ms | fused's | grad diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    tot = [0.0, 0.0]
+    print("\n| shape | blocks | " + " | ".join(f"{k} ms" for k in KINDS) + " | grad diff to peft's |")
+    print("|---|---|" + "---|" * len(KINDS) + "---|")
+    tot = dict.fromkeys(KINDS[1:], 0.0)
     for r in rows:
-        cost = [(r[k] - r["frozen_ms"]) * r["blocks"] for k in ("lora_ms", "fused_ms")]
-        tot = [t + c for t, c in zip(tot, cost, strict=True)]
-        print(
-            f"| {r['shape']} | {r['blocks']} | {r['frozen_ms']:.3f} | {r['lora_ms']:.3f} | {r['fused_ms']:.3f} "
-            f"| {cost[0]:.1f} | {cost[1]:.1f} | {r['fused_grad_rel_diff']} |"
-        )
-    print(f"LoRA over SDXL's 70 blocks a step: peft {tot[0]:.1f} ms, fused {tot[1]:.1f} ms")
+        for k in tot:
+            tot[k] += (r[f"{k}_ms"] - r["frozen_ms"]) * r["blocks"]
+        diffs = ", ".join(str(r[f"{k}_grad_rel_diff"]) for k in KINDS[2:])
+        print(f"| {r['shape']} | {r['blocks']} | " + " | ".join(f"{r[f'{k}_ms']:.4f}" for k in KINDS) + f" | {diffs} |")
+    print("LoRA over SDXL's 70 blocks a step (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in tot.items()))
 
 
 if __name__ == "__main__":

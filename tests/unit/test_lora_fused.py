@@ -144,3 +144,84 @@ def test_channels_last_auto(recipe, sets, compiled, device, expect):
 
     cfg = resolve(recipe=recipe, sets=sets).config
     assert speed.channels_last_auto(cfg, row(cfg.family).channels_last, compiled, torch.device(device)) is expect
+
+
+def _block() -> torch.nn.Module:
+    """A tiny SDXL transformer block (self-attention, cross-attention, GEGLU) with LoRA on SDXL's targets."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from peft import inject_adapter_in_model
+
+    torch.manual_seed(0)
+    block = BasicTransformerBlock(32, 2, 16, cross_attention_dim=24, activation_fn="geglu", attention_bias=False)
+    block.requires_grad_(False)
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    block = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets), block)
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return block
+
+
+def _run_block(block: torch.nn.Module, x: torch.Tensor, ctx: torch.Tensor, amp: torch.dtype | None):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
+        y = block(x, encoder_hidden_states=ctx)
+    y.float().pow(2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+    return y.detach().float(), x.grad.float(), grads
+
+
+def test_self_attention_q_k_v_run_as_one_fused_pass(monkeypatch):
+    """use_fused gives the self-attention (not the cross-attention) the processor that computes to_q, to_k and
+    to_v as one fused call; outputs and every adapter's gradient match peft's within bf16 rounding, no further
+    from fp32 than peft's; the state dict and pickling are unchanged."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    ref = _block()
+    fast = copy.deepcopy(ref)
+    keys = list(fast.state_dict())
+    assert fused.use_fused(fast) == 8
+    assert type(fast.attn1.processor).__name__ == "FusedQKVAttnProcessor"
+    assert type(fast.attn2.processor) is AttnProcessor2_0  # its key and value read the text, not x
+    assert list(fast.state_dict()) == keys
+    widths = []
+    real = fused._LoraLinear.apply
+    monkeypatch.setattr(fused._LoraLinear, "apply", lambda *a: widths.append(a[1].shape[0]) or real(*a))
+    x, ctx = torch.randn(2, 12, 32), torch.randn(2, 5, 24)
+    exact = _run_block(copy.deepcopy(ref), x, ctx, None)
+    peft_out, fused_out = _run_block(ref, x, ctx, torch.bfloat16), _run_block(fast, x, ctx, torch.bfloat16)
+    # one 96-wide call for attn1's q, k, v; attn1's out and attn2's four one by one
+    assert sorted(widths) == [32] * 5 + [96]
+    assert fused_out[2].keys() == peft_out[2].keys() and len(fused_out[2]) == 16
+    for i in (0, 1):
+        assert _rel(fused_out[i], peft_out[i]) < 2e-2
+        assert _rel(fused_out[i], exact[i]) < 1.5 * _rel(peft_out[i], exact[i]) + 1e-3
+    for name, g in fused_out[2].items():
+        assert g.dtype == torch.float32
+        assert _rel(g, peft_out[2][name]) < 3e-2, name
+        assert _rel(g, exact[2][name]) < 1.5 * _rel(peft_out[2][name], exact[2][name]) + 1e-3, name
+    back = pickle.loads(pickle.dumps(fast))
+    assert type(back.attn1.processor) is type(fast.attn1.processor)
+    widths.clear()
+    for net in (fast, ref):  # one of the three not plain: diffusers' own processor path, bit for bit without autocast
+        net.attn1.to_k.enable_adapters(False)
+    assert torch.equal(_run_block(fast, x, ctx, None)[0], _run_block(ref, x, ctx, None)[0])
+    _run_block(fast, x, ctx, torch.bfloat16)
+    assert 96 not in widths and widths.count(32) == 7  # q and v and the rest one by one, k through peft
+
+
+def test_the_one_pass_q_k_v_survive_torch_compile():
+    """dynamo traces the processor's fused path (it once did not: a check that called a functools.cache'd class
+    factory built a new class under tracing, so every compiled self-attention fell back to q, k, v one by one)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    block = _block()
+    fused.use_fused(block)
+    block.compile(backend=backend)
+    _run_block(block, torch.randn(2, 12, 32), torch.randn(2, 5, 24), torch.bfloat16)
+    assert len(graphs) == 1 and "block_diag" in graphs[0]

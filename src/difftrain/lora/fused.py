@@ -11,6 +11,12 @@ gradient likewise), with no casts of the activations. Same weights, names and st
 layer changes, so checkpoints, exports and peft's own tools see peft's layer. Anything this does not cover
 (several active adapters, dropout, DoRA and other variants, a merged or disabled adapter, a base layer that is not
 a plain ``nn.Linear``, no autocast) runs peft's own forward.
+
+A self-attention's to_q, to_k and to_v read the same ``x``: diffusers' AttnProcessor2_0 runs them one by one, so
+the fused layer would still read ``x`` three times for three 16-column down-projections. ``use_fused`` gives such
+an attention a processor of our own that runs the three as one fused call (stacked weights, the up-projections on
+a block diagonal): SDXL's 1280-channel block 1.622 against 1.655 ms, 640-channel 3.087 against 3.155 (H200, batch
+4, benchmarks/lora_block.py).
 """
 
 from __future__ import annotations
@@ -87,9 +93,61 @@ def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _LoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name]))
 
 
+def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """A self-attention's query, key and value from one pass of the fused layer (None where any of the three is not
+    the plain case): its weights stacked ``[w_q; w_k; w_v]``, the down-projections stacked ``[a_q; a_k; a_v]`` and
+    the scaled up-projections on the diagonal of one block matrix, so ``x`` is read once for the three
+    down-projections and once for the three base projections, and the backward has one low-rank gradient matmul
+    for each factor instead of three."""
+    layers = (attn.to_q, attn.to_k, attn.to_v)
+    # the class's forward, not fused_class(): torch.compile traces through functools.cache (a new class each call)
+    if any(getattr(type(m), "forward", None) is not _forward for m in layers):
+        return None
+    names = [_plain(m, x, (), {}) for m in layers]
+    biases = [m.base_layer.bias for m in layers]
+    if None in names or len({b is None for b in biases}) != 1:
+        return None
+    dt = torch.get_autocast_dtype(x.device.type)
+    weight = torch.cat([m.base_layer.weight for m in layers]).to(dt)
+    bias = None if biases[0] is None else torch.cat(biases).to(dt)
+    a = torch.cat([m.lora_A[n].weight for m, n in zip(layers, names, strict=True)]).to(dt)
+    b = torch.block_diag(*(m.lora_B[n].weight * m.scaling[n] for m, n in zip(layers, names, strict=True))).to(dt)
+    y = _LoraLinear.apply(x.to(dt), weight, bias, a, b, 1.0)
+    return y.split([m.out_features for m in layers], -1)
+
+
+def _attention(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kw):
+    """diffusers' AttnProcessor2_0 for a self-attention without mask or norms, its q, k and v from :func:`_qkv`;
+    every other call, and a self-attention whose projections are not the plain case, runs diffusers' own."""
+    plain = not (args or kw or encoder_hidden_states is not None or attention_mask is not None)
+    plain = plain and attn.spatial_norm is None and attn.group_norm is None and hidden_states.ndim == 3
+    qkv = _qkv(attn, hidden_states) if plain else None
+    if qkv is None:
+        return super(type(self), self).__call__(
+            attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kw
+        )
+    import torch.nn.functional as F  # looked up at each call: speed.attention fa4 routes it (fa4.routed)
+
+    batch = hidden_states.shape[0]
+    query, key, value = qkv
+    head_dim = key.shape[-1] // attn.heads
+    query, key, value = (t.view(batch, -1, attn.heads, head_dim).transpose(1, 2) for t in (query, key, value))
+    if attn.norm_q is not None:
+        query = attn.norm_q(query)
+    if attn.norm_k is not None:
+        key = attn.norm_k(key)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+    out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
+    out = attn.to_out[1](attn.to_out[0](out))
+    if attn.residual_connection:
+        out = out + hidden_states
+    return out / attn.rescale_output_factor
+
+
 def use_fused(module: torch.nn.Module) -> int:
-    """Gives every peft LoRA Linear under ``module`` the fused forward; returns how many. Weights, names and the
-    state dict are untouched."""
+    """Gives every peft LoRA Linear under ``module`` the fused forward, and every self-attention of diffusers'
+    AttnProcessor2_0 whose to_q, to_k and to_v are among them the processor that runs the three as one
+    (:func:`_qkv`); returns how many Linears. Weights, names and the state dict are untouched."""
     from peft.tuners.lora.layer import Linear
 
     n = 0
@@ -97,6 +155,12 @@ def use_fused(module: torch.nn.Module) -> int:
         if type(m) is Linear:
             m.__class__ = fused_class()
             n += 1
+    plain = _processor_base()
+    for m in module.modules():
+        qkv = [getattr(m, k, None) for k in ("to_q", "to_k", "to_v")]
+        self_attention = type(getattr(m, "processor", None)) is plain and not m.is_cross_attention
+        if self_attention and all(type(q) is fused_class() for q in qkv):
+            m.set_processor(processor_class()())
     return n
 
 
@@ -108,7 +172,21 @@ def fused_class() -> type:
     return type("FusedLoraLinear", (Linear,), {"forward": _forward, "__module__": __name__})
 
 
-def __getattr__(name: str) -> Any:  # pickle and copy find the class by its name
+def _processor_base() -> type:
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0
+
+
+@functools.cache
+def processor_class() -> type:
+    """diffusers' AttnProcessor2_0 with q, k and v in one fused pass (built on first use)."""
+    return type("FusedQKVAttnProcessor", (_processor_base(),), {"__call__": _attention, "__module__": __name__})
+
+
+def __getattr__(name: str) -> Any:  # pickle and copy find the classes by their names
     if name == "FusedLoraLinear":
         return fused_class()
+    if name == "FusedQKVAttnProcessor":
+        return processor_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
