@@ -11,8 +11,9 @@ it (the block is the region, CUDA graphs), under bf16 autocast, forward and back
   (difftrain.lora.fused) but diffusers' own attention processor: q, k and v one by one (last session's kernel);
 - ``fused``: speed.lora_kernel fused as shipped: also the self-attention's q, k and v as one fused call (one read of
   ``x``, one low-rank gradient matmul per factor);
-- ``fused-addmm``: ``fused`` with the backward's input gradient as ``addmm(gm a, g, w)`` instead of one matmul over
-  ``[g, gm]`` (which copies the 3x-wide q, k, v gradient into the concatenation).
+- ``fused-cat``, ``fused-addmm``: ``fused`` with the backward's input gradient always as one matmul over ``[g, gm]``
+  (which copies the output gradient into the concatenation), or always as ``addmm(gm a, g, w)`` (which copies an
+  input-sized tensor); ``fused`` takes the second where the output is wider than the input (q, k, v in one).
 
 The difference to ``frozen``, times SDXL's 60 + 10 blocks, is what the adapters cost a step. The input's gradient
 of ``fused`` is compared with ``lora``'s (relative norm of the difference).
@@ -32,8 +33,13 @@ from pathlib import Path
 import torch
 import torch._dynamo
 
+from difftrain.lora import fused
+
+#: the backward as shipped, before any kind below swaps another in
+SHIPPED = fused._LoraLinear.backward
+
 # name: (tokens per sample, channels, heads); SDXL has 60 blocks at 1280 channels, 10 at 640
-KINDS = ("frozen", "lora", "fused-linear", "fused", "fused-addmm")
+KINDS = ("frozen", "lora", "fused-linear", "fused", "fused-cat", "fused-addmm")
 SHAPES = {"1280ch-32x32": (1024, 1280, 20, 60), "640ch-64x64": (4096, 640, 10, 10)}
 
 
@@ -64,23 +70,30 @@ def build(kind: str, dim: int, heads: int):
         if kind.startswith("fused"):
             from diffusers.models.attention_processor import AttnProcessor2_0
 
-            from difftrain.lora import fused
-
             fused.use_fused(block)
             if kind == "fused-linear":
                 block.attn1.set_processor(AttnProcessor2_0())
-            if kind == "fused-addmm":  # the last kind built: the blocks compiled before keep the shipped backward
-                fused._LoraLinear.backward = staticmethod(_addmm_backward)
+            # each kind compiles afresh (dynamo reset above), with the backward it names
+            fused._LoraLinear.backward = staticmethod(BACKWARDS.get(kind, SHIPPED))
     block.compile(mode="reduce-overhead")
     return block
 
 
-def _addmm_backward(ctx, grad):
-    x2, mid, weight, a, b = ctx.saved_tensors
-    g2 = grad.reshape(-1, grad.shape[-1])
-    gm = g2 @ (b * ctx.scale)
-    gx = torch.addmm(gm @ a, g2, weight).view(ctx.shape)
-    return gx, None, None, gm.t() @ x2, (g2.t() @ mid) * ctx.scale, None
+def _backward(addmm: bool):
+    def backward(ctx, grad):
+        x2, mid, weight, a, b = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gm = g2 @ (b * ctx.scale)
+        if addmm:
+            gx = torch.addmm(gm @ a, g2, weight)
+        else:
+            gx = torch.cat([g2, gm], 1) @ torch.cat([weight, a], 0)
+        return gx.view(ctx.shape), None, None, gm.t() @ x2, (g2.t() @ mid) * ctx.scale, None
+
+    return backward
+
+
+BACKWARDS = {"fused-cat": _backward(False), "fused-addmm": _backward(True)}
 
 
 def time_it(block, x, ctx, g, n=40) -> tuple[float, torch.Tensor]:
@@ -140,9 +153,6 @@ def main() -> None:
     # each kind and shape compiles the block class again: past dynamo's default of 8 versions the rest would run
     # eagerly (difftrain's own limit, speed.configure_compile)
     torch._dynamo.config.recompile_limit = 64
-    from difftrain.lora import fused
-
-    shipped = fused._LoraLinear.backward
     rows = []
     if args.profile:
         tokens, dim, heads, _ = SHAPES["1280ch-32x32"]
@@ -172,7 +182,6 @@ def main() -> None:
             diff = ((grads[kind].float() - grads["lora"].float()).norm() / grads["lora"].float().norm()).item()
             rows[-1][f"{kind}_grad_rel_diff"] = float(f"{diff:.3g}")
         print(json.dumps(rows[-1]), flush=True)
-        fused._LoraLinear.backward = staticmethod(shipped)  # the next shape builds fused-addmm again
     (args.out / "lora_block.json").write_text(json.dumps(rows, indent=1))
     print("\n| shape | blocks | " + " | ".join(f"{k} ms" for k in KINDS) + " | grad diff to peft's |")
     print("|---|---|" + "---|" * len(KINDS) + "---|")

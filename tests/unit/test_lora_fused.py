@@ -42,10 +42,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_the_fused_function_has_the_gradients_of_its_formula():
+@pytest.mark.parametrize("out", [5, 9])  # narrower and wider than the input: the backward's two forms of x's gradient
+def test_the_fused_function_has_the_gradients_of_its_formula(out):
     """float64 gradcheck of x w^T + bias + s (x a^T) b^T, every input needing a gradient (the base too)."""
     torch.manual_seed(0)
-    args = [torch.randn(2, 3, 6), torch.randn(5, 6), torch.randn(5), torch.randn(2, 6), torch.randn(5, 2)]
+    args = [torch.randn(2, 3, 6), torch.randn(out, 6), torch.randn(out), torch.randn(2, 6), torch.randn(out, 2)]
     args = [t.double().requires_grad_(True) for t in args]
     assert torch.autograd.gradcheck(lambda *t: fused._LoraLinear.apply(*t, 0.7), args)
     x, w, bias, a, b = args
