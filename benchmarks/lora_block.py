@@ -8,12 +8,12 @@ it (the block is the region, CUDA graphs), under bf16 autocast, forward and back
 - ``lora``: peft's LoRA at rank 16 on to_q, to_k, to_v, to_out.0 (sdxl-lora-8gb's targets), fp32 adapter weights,
   as difftrain adds it;
 - ``fused-linear``: the same adapters, each LoRA Linear with difftrain's fused forward and backward
-  (difftrain.lora.fused) but diffusers' own attention processor: q, k and v one by one (last session's kernel);
-- ``fused``: speed.lora_kernel fused as shipped: also the self-attention's q, k and v as one fused call (one read of
-  ``x``, one low-rank gradient matmul per factor);
-- ``fused-cat``, ``fused-addmm``: ``fused`` with the backward's input gradient always as one matmul over ``[g, gm]``
-  (which copies the output gradient into the concatenation), or always as ``addmm(gm a, g, w)`` (which copies an
-  input-sized tensor); ``fused`` takes the second where the output is wider than the input (q, k, v in one).
+  (difftrain.lora.fused) but diffusers' own attention processor: q, k and v one by one (a session before's kernel);
+- ``fused-qkv``: also the self-attention's q, k and v as one fused call (one read of ``x``, one low-rank gradient
+  matmul per factor), the cross-attention's one by one;
+- ``fused``: speed.lora_kernel fused as shipped: also the cross-attention's k and v (both read the text) as one;
+- ``fused-addmm``: ``fused`` with the backward's input gradient as ``addmm(gm a, g, w)`` instead of one matmul over
+  ``[g, gm]`` (which copies the output gradient into the concatenation; addmm copies an input-sized tensor).
 
 The difference to ``frozen``, times SDXL's 60 + 10 blocks, is what the adapters cost a step. The input's gradient
 of ``fused`` is compared with ``lora``'s (relative norm of the difference).
@@ -39,7 +39,7 @@ from difftrain.lora import fused
 SHIPPED = fused._LoraLinear.backward
 
 # name: (tokens per sample, channels, heads); SDXL has 60 blocks at 1280 channels, 10 at 640
-KINDS = ("frozen", "lora", "fused-linear", "fused", "fused-cat", "fused-addmm")
+KINDS = ("frozen", "lora", "fused-linear", "fused-qkv", "fused", "fused-addmm")
 SHAPES = {"1280ch-32x32": (1024, 1280, 20, 60), "640ch-64x64": (4096, 640, 10, 10)}
 
 
@@ -71,8 +71,8 @@ def build(kind: str, dim: int, heads: int):
             from diffusers.models.attention_processor import AttnProcessor2_0
 
             fused.use_fused(block)
-            if kind == "fused-linear":
-                block.attn1.set_processor(AttnProcessor2_0())
+            for attn in (block.attn1, block.attn2)[{"fused-linear": 0, "fused-qkv": 1}.get(kind, 2) :]:
+                attn.set_processor(AttnProcessor2_0())
             # each kind compiles afresh (dynamo reset above), with the backward it names
             fused._LoraLinear.backward = staticmethod(BACKWARDS.get(kind, SHIPPED))
     block.compile(mode="reduce-overhead")
@@ -93,7 +93,7 @@ def _backward(addmm: bool):
     return backward
 
 
-BACKWARDS = {"fused-cat": _backward(False), "fused-addmm": _backward(True)}
+BACKWARDS = {"fused-addmm": _backward(True)}
 
 
 def time_it(block, x, ctx, g, n=40) -> tuple[float, torch.Tensor]:

@@ -12,11 +12,11 @@ layer changes, so checkpoints, exports and peft's own tools see peft's layer. An
 (several active adapters, dropout, DoRA and other variants, a merged or disabled adapter, a base layer that is not
 a plain ``nn.Linear``, no autocast) runs peft's own forward.
 
-A self-attention's to_q, to_k and to_v read the same ``x``: diffusers' AttnProcessor2_0 runs them one by one, so
-the fused layer would still read ``x`` three times for three 16-column down-projections. ``use_fused`` gives such
-an attention a processor of our own that runs the three as one fused call (stacked weights, the up-projections on
-a block diagonal): SDXL's 1280-channel block 1.622 against 1.655 ms, 640-channel 3.087 against 3.155 (H200, batch
-4, benchmarks/lora_block.py).
+A self-attention's to_q, to_k and to_v read the same ``x`` (a cross-attention's to_k and to_v the same text):
+diffusers' AttnProcessor2_0 runs them one by one, so the fused layer would still read ``x`` three times for three
+16-column down-projections. ``use_fused`` gives such an attention a processor of our own that runs them as one
+fused call (stacked weights, the up-projections on a block diagonal): SDXL's 1280-channel block 1.547 against
+1.630 ms, 640-channel 3.070 against 3.161 (H200, batch 4, benchmarks/lora_block.py, self-attention only).
 """
 
 from __future__ import annotations
@@ -52,12 +52,7 @@ class _LoraLinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         gm = g2 @ (b * ctx.scale)  # the down-projection's output gradient (rows x rank)
         gx = gw = gbias = ga = gb = None
-        if need_x and weight.shape[0] > weight.shape[1]:
-            # the output is wider than the input (a self-attention's q, k, v in one): adding the low-rank part with
-            # addmm copies an input-sized tensor, concatenating [g, g s b] an output-sized one. SDXL's 1280-channel
-            # block, H200: 1.589 against 1.622 ms (benchmarks/lora_block.py, fused-cat)
-            gx = torch.addmm(gm @ a, g2, weight).view(ctx.shape)
-        elif need_x:  # [g, g s b] [w; a], as the forward
+        if need_x:  # [g, g s b] [w; a], as the forward (an addmm form measured the same: lora_block.py)
             gx = (torch.cat([g2, gm], 1) @ torch.cat([weight, a], 0)).view(ctx.shape)
         if need_w:  # the base layer trained too: not LoRA's case, kept correct
             gw = g2.t() @ x2
@@ -98,13 +93,13 @@ def _forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return _LoraLinear.apply(x.to(dt), base.weight.to(dt), bias, a, b, float(self.scaling[name]))
 
 
-def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """A self-attention's query, key and value from one pass of the fused layer (None where any of the three is not
-    the plain case): its weights stacked ``[w_q; w_k; w_v]``, the down-projections stacked ``[a_q; a_k; a_v]`` and
-    the scaled up-projections on the diagonal of one block matrix, so ``x`` is read once for the three
-    down-projections and once for the three base projections, and the backward has one low-rank gradient matmul
-    for each factor instead of three."""
-    layers = (attn.to_q, attn.to_k, attn.to_v)
+def _stacked(layers: tuple[Any, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The outputs of several fused LoRA Linears of the same input from one pass of the fused layer (None where any
+    of them is not the plain case): their weights stacked ``[w_q; w_k; w_v]``, the down-projections stacked
+    ``[a_q; a_k; a_v]`` and the scaled up-projections on the diagonal of one block matrix, so ``x`` is read once for
+    the down-projections and once for the base projections, and the backward has one low-rank gradient matmul for
+    each factor instead of one per layer. (The stacked weight is a new tensor, kept for the backward: about 0.6 GiB
+    over SDXL's self-attentions.)"""
     # the class's forward, not fused_class(): torch.compile traces through functools.cache (a new class each call)
     if any(getattr(type(m), "forward", None) is not _forward for m in layers):
         return None
@@ -122,11 +117,17 @@ def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
 
 
 def _attention(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kw):
-    """diffusers' AttnProcessor2_0 for a self-attention without mask or norms, its q, k and v from :func:`_qkv`;
-    every other call, and a self-attention whose projections are not the plain case, runs diffusers' own."""
-    plain = not (args or kw or encoder_hidden_states is not None or attention_mask is not None)
+    """diffusers' AttnProcessor2_0 for an attention without mask or norms of its inputs, with a self-attention's q,
+    k and v, or a cross-attention's k and v (both read the text), from one :func:`_stacked` call; every other call,
+    and one whose projections are not the plain case, runs diffusers' own."""
+    plain = not (args or kw or attention_mask is not None)
     plain = plain and attn.spatial_norm is None and attn.group_norm is None and hidden_states.ndim == 3
-    qkv = _qkv(attn, hidden_states) if plain else None
+    qkv: tuple[torch.Tensor, ...] | None = None
+    if plain and encoder_hidden_states is None:
+        qkv = _stacked((attn.to_q, attn.to_k, attn.to_v), hidden_states)
+    elif plain and not attn.norm_cross:
+        kv = _stacked((attn.to_k, attn.to_v), encoder_hidden_states)
+        qkv = None if kv is None else (attn.to_q(hidden_states), *kv)
     if qkv is None:
         return super(type(self), self).__call__(
             attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kw
@@ -150,9 +151,9 @@ def _attention(self, attn, hidden_states, encoder_hidden_states=None, attention_
 
 
 def use_fused(module: torch.nn.Module) -> int:
-    """Gives every peft LoRA Linear under ``module`` the fused forward, and every self-attention of diffusers'
-    AttnProcessor2_0 whose to_q, to_k and to_v are among them the processor that runs the three as one
-    (:func:`_qkv`); returns how many Linears. Weights, names and the state dict are untouched."""
+    """Gives every peft LoRA Linear under ``module`` the fused forward, and every attention of diffusers'
+    AttnProcessor2_0 whose to_q, to_k and to_v are among them the processor that runs those of one input as one
+    (:func:`_stacked`); returns how many Linears. Weights, names and the state dict are untouched."""
     from peft.tuners.lora.layer import Linear
 
     n = 0
@@ -163,8 +164,7 @@ def use_fused(module: torch.nn.Module) -> int:
     plain = _processor_base()
     for m in module.modules():
         qkv = [getattr(m, k, None) for k in ("to_q", "to_k", "to_v")]
-        self_attention = type(getattr(m, "processor", None)) is plain and not m.is_cross_attention
-        if self_attention and all(type(q) is fused_class() for q in qkv):
+        if type(getattr(m, "processor", None)) is plain and all(type(q) is fused_class() for q in qkv):
             m.set_processor(processor_class()())
     return n
 
