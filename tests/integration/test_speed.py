@@ -236,7 +236,8 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
 
 def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, dataset, tmp_path):
     """speed.lora_kernel fused (auto's choice on CUDA) under bf16 autocast: the same losses as peft's forward
-    within bf16 rounding, every LoRA Linear of the UNet swapped, the same LoRA file names."""
+    within bf16 rounding, every LoRA Linear of the UNet swapped and every attention's projections of one input run
+    as one call, the same LoRA file names."""
     from safetensors import safe_open
 
     common = {
@@ -255,6 +256,10 @@ def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, 
 
     lora = [m for m in t.parts.comps["unet"].modules() if isinstance(m, Linear)]
     assert lora and all(type(m).__name__ == "FusedLoraLinear" for m in lora)
+    from difftrain.lora import fused
+
+    attentions = [m for m in t.parts.comps["unet"].modules() if hasattr(m, "processor")]
+    assert attentions and fused.fused_attentions(t.parts.comps["unet"]) == len(attentions)
     assert out.losses == pytest.approx(ref.losses, rel=2e-2)
     assert out.losses != ref.losses  # the fused arithmetic ran (bf16 rounds it apart from peft's)
     files = sorted(p.name for p in ref.output_dir.glob("*.safetensors"))

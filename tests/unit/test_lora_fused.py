@@ -186,6 +186,7 @@ def test_self_attention_q_k_v_run_as_one_fused_pass(monkeypatch):
     assert type(fast.attn1.processor).__name__ == "FusedQKVAttnProcessor"
     assert type(fast.attn2.processor) is type(fast.attn1.processor)  # its key and value read the text: one call
     assert type(ref.attn1.processor) is AttnProcessor2_0
+    assert fused.fused_attentions(fast) == 2 and fused.fused_attentions(ref) == 0
     assert list(fast.state_dict()) == keys
     widths = []
     real = fused._LoraLinear.apply

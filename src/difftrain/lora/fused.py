@@ -165,8 +165,13 @@ def use_fused(module: torch.nn.Module) -> int:
     for m in module.modules():
         qkv = [getattr(m, k, None) for k in ("to_q", "to_k", "to_v")]
         if type(getattr(m, "processor", None)) is plain and all(type(q) is fused_class() for q in qkv):
-            m.set_processor(processor_class()())
+            m.set_processor(processor_class()())  # type: ignore[operator]  # diffusers' Attention, found by duck type
     return n
+
+
+def fused_attentions(module: torch.nn.Module) -> int:
+    """How many attentions under ``module`` run their projections of one input as one call."""
+    return sum(type(getattr(m, "processor", None)).__name__ == "FusedQKVAttnProcessor" for m in module.modules())
 
 
 @functools.cache

@@ -214,7 +214,10 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     sp = b.cfg.speed
     _geglu(b, part, module)
     if sp.lora_kernel == "fused" and b.cfg.train.method == "lora" and (n := lora_fused.use_fused(module)):
-        info(f"speed.lora_kernel: {n} LoRA Linears of {part} take difftrain's fused forward and backward")
+        info(
+            f"speed.lora_kernel: {n} LoRA Linears of {part} take difftrain's fused forward and backward; "
+            f"{lora_fused.fused_attentions(module)} attentions run q, k and v of one input as one call"
+        )
     if sp.channels_last is True and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
     elif sp.channels_last is True:
