@@ -16,7 +16,8 @@ A self-attention's to_q, to_k and to_v read the same ``x`` (a cross-attention's 
 diffusers' AttnProcessor2_0 runs them one by one, so the fused layer would still read ``x`` three times for three
 16-column down-projections. ``use_fused`` gives such an attention a processor of our own that runs them as one
 fused call (stacked weights, the up-projections on a block diagonal): SDXL's 1280-channel block 1.547 against
-1.630 ms, 640-channel 3.070 against 3.161 (H200, batch 4, benchmarks/lora_block.py, self-attention only).
+1.629 ms, 640-channel 3.049 against 3.156 (H200, batch 4, benchmarks/lora_block.py); SDXL LoRA b4 as shipped
+40.3 % MFU on an H100 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
