@@ -79,21 +79,16 @@ def build(kind: str, dim: int, heads: int):
     return block
 
 
-def _backward(addmm: bool):
-    def backward(ctx, grad):
-        x2, mid, weight, a, b = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gm = g2 @ (b * ctx.scale)
-        if addmm:
-            gx = torch.addmm(gm @ a, g2, weight)
-        else:
-            gx = torch.cat([g2, gm], 1) @ torch.cat([weight, a], 0)
-        return gx.view(ctx.shape), None, None, gm.t() @ x2, (g2.t() @ mid) * ctx.scale, None
-
-    return backward
+def _addmm_backward(ctx, grad):
+    """The shipped backward with x's gradient as ``addmm(gm a, g, w)`` (the shipped one is the ``[g, gm]`` form)."""
+    x2, mid, weight, a, b = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gm = g2 @ (b * ctx.scale)
+    gx = torch.addmm(gm @ a, g2, weight)
+    return gx.view(ctx.shape), None, None, gm.t() @ x2, (g2.t() @ mid) * ctx.scale, None
 
 
-BACKWARDS = {"fused-addmm": _backward(True)}
+BACKWARDS = {"fused-addmm": _addmm_backward}
 
 
 def time_it(block, x, ctx, g, n=40) -> tuple[float, torch.Tensor]:

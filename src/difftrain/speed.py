@@ -558,8 +558,8 @@ def channels_last_auto(cfg: Config, convolutions: bool, compiled: bool, device: 
 
 def lora_kernel_auto(cfg: Config, device: torch.device) -> str:
     """speed.lora_kernel as this run uses it: ``auto`` is difftrain's fused LoRA Linear (lora/fused.py) on CUDA
-    without gradient checkpointing, where it was measured (SDXL LoRA batch 4 with channels-last: 0.1858 against
-    0.1958 s/step and 1.3 GiB less memory, H100), peft's own elsewhere. With checkpointing inside compiled blocks
+    without gradient checkpointing, where it was measured (SDXL LoRA batch 4 as shipped, with channels-last: 0.1830
+    against 0.1962 s/step with neither, 40.3 % MFU, 0.64 GiB less memory, H100), peft's own elsewhere. With checkpointing inside compiled blocks
     sdxl-lora-8gb peaked at 6.43 GiB allocated against peft's 5.77 and no longer fit its card (H200, 2026-11-26;
     why is not known: on the CPU the checkpointed blocks save the same tensors either way)."""
     if cfg.speed.lora_kernel != "auto":

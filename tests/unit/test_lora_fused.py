@@ -29,10 +29,10 @@ def _net(dropout: float = 0.0, bias: bool = True) -> torch.nn.Module:
     return net
 
 
-def _run(net: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None):
+def _run(net: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None, **kwargs):
     x = x.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
-        y = net(x)
+        y = net(x, **kwargs)
     y.float().pow(2).mean().backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
     return y.detach().float(), x.grad.float(), grads
@@ -164,15 +164,6 @@ def _block() -> torch.nn.Module:
     return block
 
 
-def _run_block(block: torch.nn.Module, x: torch.Tensor, ctx: torch.Tensor, amp: torch.dtype | None):
-    x = x.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None):
-        y = block(x, encoder_hidden_states=ctx)
-    y.float().pow(2).mean().backward()
-    grads = {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
-    return y.detach().float(), x.grad.float(), grads
-
-
 def test_self_attention_q_k_v_run_as_one_fused_pass(monkeypatch):
     """use_fused gives the attentions the processor that computes the self-attention's to_q, to_k and to_v, and
     the cross-attention's to_k and to_v, as one fused call each; outputs and every adapter's gradient match peft's within bf16 rounding, no further
@@ -192,8 +183,11 @@ def test_self_attention_q_k_v_run_as_one_fused_pass(monkeypatch):
     real = fused._LoraLinear.apply
     monkeypatch.setattr(fused._LoraLinear, "apply", lambda *a: widths.append(a[1].shape[0]) or real(*a))
     x, ctx = torch.randn(2, 12, 32), torch.randn(2, 5, 24)
-    exact = _run_block(copy.deepcopy(ref), x, ctx, None)
-    peft_out, fused_out = _run_block(ref, x, ctx, torch.bfloat16), _run_block(fast, x, ctx, torch.bfloat16)
+    exact = _run(copy.deepcopy(ref), x, None, encoder_hidden_states=ctx)
+    peft_out, fused_out = (
+        _run(ref, x, torch.bfloat16, encoder_hidden_states=ctx),
+        _run(fast, x, torch.bfloat16, encoder_hidden_states=ctx),
+    )
     # one 96-wide call for attn1's q, k, v, one 64-wide for attn2's k, v; the outputs and attn2's q one by one
     assert sorted(widths) == [32] * 3 + [64, 96]
     assert fused_out[2].keys() == peft_out[2].keys() and len(fused_out[2]) == 16
@@ -209,8 +203,10 @@ def test_self_attention_q_k_v_run_as_one_fused_pass(monkeypatch):
     widths.clear()
     for net in (fast, ref):  # one of the three not plain: diffusers' own processor path, bit for bit without autocast
         net.attn1.to_k.enable_adapters(False)
-    assert torch.equal(_run_block(fast, x, ctx, None)[0], _run_block(ref, x, ctx, None)[0])
-    _run_block(fast, x, ctx, torch.bfloat16)
+    assert torch.equal(
+        _run(fast, x, None, encoder_hidden_states=ctx)[0], _run(ref, x, None, encoder_hidden_states=ctx)[0]
+    )
+    _run(fast, x, torch.bfloat16, encoder_hidden_states=ctx)
     assert sorted(widths) == [32] * 5 + [64]  # attn1's q, v and out one by one, its k through peft; attn2 as before
 
 
@@ -226,5 +222,5 @@ def test_the_one_pass_q_k_v_survive_torch_compile():
     block = _block()
     fused.use_fused(block)
     block.compile(backend=backend)
-    _run_block(block, torch.randn(2, 12, 32), torch.randn(2, 5, 24), torch.bfloat16)
+    _run(block, torch.randn(2, 12, 32), torch.bfloat16, encoder_hidden_states=torch.randn(2, 5, 24))
     assert len(graphs) == 1 and "block_diag" in graphs[0]

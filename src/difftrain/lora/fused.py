@@ -157,22 +157,23 @@ def use_fused(module: torch.nn.Module) -> int:
     (:func:`_stacked`); returns how many Linears. Weights, names and the state dict are untouched."""
     from peft.tuners.lora.layer import Linear
 
-    n = 0
+    fused, n = fused_class(), 0
     for m in module.modules():
         if type(m) is Linear:
-            m.__class__ = fused_class()
+            m.__class__ = fused
             n += 1
     plain = _processor_base()
-    for m in module.modules():
+    for m in module.modules():  # a second pass: an attention comes before its projections in modules()
         qkv = [getattr(m, k, None) for k in ("to_q", "to_k", "to_v")]
-        if type(getattr(m, "processor", None)) is plain and all(type(q) is fused_class() for q in qkv):
+        if type(getattr(m, "processor", None)) is plain and all(type(q) is fused for q in qkv):
             m.set_processor(processor_class()())  # type: ignore[operator]  # diffusers' Attention, found by duck type
     return n
 
 
 def fused_attentions(module: torch.nn.Module) -> int:
     """How many attentions under ``module`` run their projections of one input as one call."""
-    return sum(type(getattr(m, "processor", None)).__name__ == "FusedQKVAttnProcessor" for m in module.modules())
+    cls = processor_class()
+    return sum(type(getattr(m, "processor", None)) is cls for m in module.modules())
 
 
 @functools.cache
