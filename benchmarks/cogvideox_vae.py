@@ -23,7 +23,7 @@ def run_case(name: str) -> dict:
     import torch
     from diffusers import AutoencoderKLCogVideoX
 
-    from difftrain.families.cogvideox import CogVideoX, bundled_config_dir
+    from difftrain.families.cogvideox.family import CogVideoX, bundled_config_dir
 
     slicing, tiling = CASES[name]
     cfg = json.loads((bundled_config_dir("cogvideox-5b") / "vae" / "config.json").read_text())

@@ -43,7 +43,7 @@ def build(folder: Path, double: int, single: int) -> None:
     from diffusers import FluxTransformer2DModel
 
     from difftrain.families.common import bundled_dir, read_json, write_part
-    from difftrain.families.flux import known_configs
+    from difftrain.families.flux.family import known_configs
 
     cfg = read_json(bundled_dir("flux-dev", "Flux", known_configs) / "transformer" / "config.json")
     cfg.update(num_layers=double, num_single_layers=single)

@@ -25,7 +25,8 @@ def build(work: Path) -> Path:
     import torch
     from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
-    from difftrain.families.sd3 import bundled_config_dir, tiny_t5_tokenizer
+    from difftrain.families.sd3.family import bundled_config_dir
+    from difftrain.families.tokenizers import tiny_t5_tokenizer
 
     folder = work / "sd3"
     if (folder / "text_encoder_3" / "config.json").exists():

@@ -79,7 +79,7 @@ def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):
 
 def test_single_file_loads_straight_to_cuda(tiny_model, tmp_path):
     from difftrain.config.schema import ModelConfig
-    from difftrain.families.sdxl import PARTS, SDXL
+    from difftrain.families.sdxl.family import PARTS, SDXL
 
     comps = SDXL().load(ModelConfig(path=tiny_model), PARTS)
     f = SDXL().save_single_file(

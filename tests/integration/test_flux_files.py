@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from conftest import tiny_sets
 from difftrain.config.load import resolve
 from difftrain.config.schema import ModelConfig
-from difftrain.families import flux
-from difftrain.families import flux_single_file as sf
+from difftrain.families.common import LazyTensors
+from difftrain.families.flux import family as flux
+from difftrain.families.flux import single_file as sf
 from difftrain.families.registry import get_family
-from difftrain.families.sd3_single_file import LazyTensors
 from difftrain.lora import kohya
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import train

@@ -12,7 +12,7 @@ import torch
 
 from conftest import tiny_sets
 from difftrain.config.load import resolve
-from difftrain.families import flux
+from difftrain.families.flux import family as flux
 from difftrain.families.registry import get_family
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import train

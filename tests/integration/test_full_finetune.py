@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from conftest import tiny_sets
 from difftrain.config.load import resolve
 from difftrain.config.schema import ModelConfig
-from difftrain.families import sdxl_single_file as sf
-from difftrain.families.sdxl import PARTS, SDXL, bundled_config_dir
+from difftrain.families.sdxl import single_file as sf
+from difftrain.families.sdxl.family import PARTS, SDXL, bundled_config_dir
 from difftrain.trainers.loop import train
 
 

@@ -7,7 +7,7 @@ import torch
 
 from difftrain.config.schema import ModelConfig
 from difftrain.errors import ModelLoadError, UnsafeCheckpoint
-from difftrain.families.sdxl import PARTS, SDXL
+from difftrain.families.sdxl.family import PARTS, SDXL
 
 
 def _state(comps):

@@ -97,7 +97,7 @@ def test_fused_backward_adafactor_steps_during_backward():
 
 def test_planner_counts_the_factored_state():
     from difftrain.families.common import read_json
-    from difftrain.families.sdxl import _new_module, bundled_config_dir
+    from difftrain.families.sdxl.family import _new_module, bundled_config_dir
 
     cfg = resolve(recipe="tiny-sdxl-lora", sets=["train.method=full", "memory.optimizer={kind: adafactor}"]).config
     e = plan_memory(cfg)

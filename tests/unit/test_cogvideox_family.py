@@ -27,7 +27,7 @@ from difftrain.errors import (
     ModelLoadError,
     UnsafeCheckpoint,
 )
-from difftrain.families.cogvideox import (
+from difftrain.families.cogvideox.family import (
     PARTS,
     T5_TOKENS,
     CogVideoX,

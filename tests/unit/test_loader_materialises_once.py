@@ -11,7 +11,7 @@ import torch
 
 from difftrain.config.schema import ModelConfig
 from difftrain.families import common
-from difftrain.families.sdxl import PARTS, SDXL
+from difftrain.families.sdxl.family import PARTS, SDXL
 
 INITS = (
     "kaiming_uniform_",

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from difftrain.config.schema import ModelConfig, T5Options, TextEncodersConfig
 from difftrain.errors import BackendUnavailable, ModelLoadError, UnsafeCheckpoint
-from difftrain.families.sd3 import (
+from difftrain.families.sd3.family import (
     PARTS,
     SD3,
     _new_module,

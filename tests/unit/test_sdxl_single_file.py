@@ -1,4 +1,4 @@
-"""SDXL single-file <-> diffusers conversion (difftrain.families.sdxl_single_file).
+"""SDXL single-file <-> diffusers conversion (difftrain.families.sdxl.single_file).
 
 Tiny components are built from the bundled `sdxl-tiny` configs with every
 parameter (norms included) drawn from a seeded generator, so a swapped or
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import difftrain.families as families_pkg
 from difftrain.errors import ModelLoadError
-from difftrain.families.sdxl_single_file import (
+from difftrain.families.sdxl.single_file import (
     COMPONENTS,
     detect_sdxl_single_file,
     diffusers_to_original,

@@ -674,3 +674,24 @@ def t5_stage_tag(stage: str, options) -> str:
     if stage == "t5":
         return f"t5:{options.t5.precision}:{options.t5.max_length}" if options.t5.enabled else "t5:off"
     return ""
+
+
+class LazyTensors(Mapping):
+    """A read-only mapping whose values are computed when read (a fused qkv is concatenated on demand).
+
+    ``stream_save_safetensors`` reads each value twice (header, then data) and
+    keeps none, so at most one computed tensor exists at a time: saving a model
+    on the GPU never holds a second full copy of it.
+    """
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]):
+        self._makers = makers
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._makers[key]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)

@@ -1,4 +1,5 @@
-"""The model families: the one list. Adding a family is its module (a :class:`~difftrain.families.base.ModelFamily`
+"""The model families: the one list. Adding a family is its package ``families/<name>/`` (a
+:class:`~difftrain.families.base.ModelFamily`
 subclass), its bundled configs under families/configs/, and one row here.
 
 A row holds the facts that are read before any weight or torch is imported (the config's validation, the command
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Registered:
     name: str  # the config's ``family`` value (and the class's ``name``)
-    module: str  # difftrain.families.<module>
+    module: str  # its package, difftrain.families.<module>, which exports the class
     cls: str  # its ModelFamily subclass
     #: the bundled architecture (families/configs/<name>) when model.config is not set
     default_architecture: str

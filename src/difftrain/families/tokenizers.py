@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import string
 from pathlib import Path
 
 from ..errors import ModelLoadError
@@ -79,3 +80,31 @@ def clip_vocab_from_open_clip(folder: Path, pad_token: str = EOS) -> Path:
     vocab_list += ["".join(m.split()) for m in merges]
     vocab_list += [BOS, EOS]
     return _write(folder, {tok: i for i, tok in enumerate(vocab_list)}, merges, pad_token)
+
+
+def tiny_t5_tokenizer(folder: Path) -> Path:
+    """Write a tiny character-level T5 tokenizer (Unigram, ids < 140) to ``folder``, offline.
+
+    Special ids as T5's: <pad> 0, </s> 1, <unk> 2; "$A </s>" appended like T5's
+    post-processor; "▁"-prefixed words like SentencePiece. Enough for tests and
+    quickstart, where the tiny T5 has a 300-token embedding table.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
+
+    folder = Path(folder)
+    chars = [c for c in string.printable if c not in string.whitespace]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [(c, -3.0) for c in chars] + [("▁" + c, -2.5) for c in string.ascii_lowercase + string.digits]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    fast = T5TokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0, model_max_length=512
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    return folder

@@ -107,7 +107,7 @@ def _encode_images(
 ) -> torch.Tensor:
     """An image family's latents of ``pix`` in as many images at a time as the GPU holds: planned from its free
     memory before the first batch, halved (and said once) if it runs out all the same."""
-    if device.type != "cuda" or family.video:  # the video VAE tiles its own encode (families/cogvideox.py)
+    if device.type != "cuda" or family.video:  # the video VAE tiles its own encode (families/cogvideox/family.py)
         return family.encode_images(comps, pix)
     n = vae_chunk(chunk.size, vae_dtype, pix.shape[-1] * pix.shape[-2], gpu_room(device))  # at most chunk.size
     out: list[torch.Tensor] = []

@@ -27,12 +27,13 @@ module's LDM-VAE map (the same layout), the text encoders by prefix.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError
-from . import sdxl_single_file
+from ...errors import CheckpointError
+from ..common import LazyTensors
+from ..ldm_vae import vae_to_original
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -143,27 +144,6 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
     """Stability's final adaLN gives (shift, scale); diffusers' AdaLayerNormContinuous (scale, shift). An involution."""
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
-
-
-class LazyTensors(Mapping):
-    """A read-only mapping whose values are computed when read (a fused qkv is concatenated on demand).
-
-    ``stream_save_safetensors`` reads each value twice (header, then data) and
-    keeps none, so at most one computed tensor exists at a time: saving a model
-    on the GPU never holds a second full copy of it.
-    """
-
-    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]):
-        self._makers = makers
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._makers[key]()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._makers)
-
-    def __len__(self) -> int:
-        return len(self._makers)
 
 
 # diffusers block sub-module -> Stability's (for the parts renamed one to one)
@@ -291,7 +271,7 @@ def diffusers_to_original(
             makers.update(_transformer_to_original(sd, configs["transformer"]))
         elif part == "vae":
             # the SD3 VAE is the LDM autoencoder under first_stage_model., as in SDXL files
-            vae = sdxl_single_file.diffusers_to_original({"vae": sd}, {"vae": configs["vae"]})
+            vae = vae_to_original(sd, configs["vae"])
             makers.update({k: _constant(v) for k, v in vae.items()})
         else:
             prefix = PREFIXES[part]

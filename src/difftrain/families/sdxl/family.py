@@ -13,14 +13,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config.schema import ModelConfig
-from ..errors import ModelLoadError
-from ..utils import atomic_dir, stream_save_safetensors
-from . import common
-from . import sdxl_single_file as single_file
-from .base import CachedItem, ModelFamily
-from .common import read_json as _read_json
-from .tokenizers import tiny_clip_vocab
+from ...config.schema import ModelConfig
+from ...errors import ModelLoadError
+from ...utils import atomic_dir, stream_save_safetensors
+from .. import common
+from ..base import CachedItem, ModelFamily
+from ..common import read_json as _read_json
+from ..tokenizers import tiny_clip_vocab
+from . import single_file
 
 PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 #: how save_diffusers writes each part: a diffusers class, or a transformers (architecture, model_type)

@@ -32,14 +32,25 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, ModelLoadError
+from ...errors import CheckpointError, ModelLoadError
+from ..ldm_vae import (
+    VAE_ATTN_CONV,
+    VAE_PREFIX,
+    PrefixMap,
+    config_json,
+    few,
+    unmapped_error,
+    unsupported,
+    vae_map,
+    vae_to_original,
+)
 
 COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 # File prefix of each component in the single-file layout.
 PREFIXES = {
     "unet": "model.diffusion_model.",
-    "vae": "first_stage_model.",
+    "vae": VAE_PREFIX,
     "text_encoder": "conditioner.embedders.0.transformer.",
     "text_encoder_2": "conditioner.embedders.1.model.",
 }
@@ -48,57 +59,9 @@ PREFIXES = {
 # generation); transformers' text model has no such weight. SDXL ships ln(100).
 _LOGIT_SCALE = math.log(100.0)
 
-# How many names an error message lists before "...".
-_SHOW = 8
-
-
 # ---------------------------------------------------------------------------
 # Prefix renaming table
 # ---------------------------------------------------------------------------
-
-
-class _PrefixMap:
-    """Two-way key renaming built from module-level rules.
-
-    A rule maps a diffusers module path to an original module path, e.g.
-    ``down_blocks.0.resnets.1`` <-> ``input_blocks.2.0``. Everything after the
-    module path is kept, unless the rule carries ``inner`` renames for the first
-    component(s) of the rest (e.g. resnet ``norm1`` <-> ``in_layers.0``); then
-    the rest must start with one of them, or the key is unmapped.
-    A key is matched against its longest registered module path.
-    """
-
-    def __init__(self) -> None:
-        self._to_orig: dict[str, tuple[str, dict[str, str] | None]] = {}
-        self._to_diff: dict[str, tuple[str, dict[str, str] | None]] = {}
-
-    def add(self, diffusers: str, original: str, inner: Mapping[str, str] | None = None) -> None:
-        self._to_orig[diffusers] = (original, dict(inner) if inner is not None else None)
-        self._to_diff[original] = (diffusers, {v: k for k, v in inner.items()} if inner is not None else None)
-
-    def to_original(self, key: str) -> str | None:
-        return self._lookup(self._to_orig, key)
-
-    def to_diffusers(self, key: str) -> str | None:
-        return self._lookup(self._to_diff, key)
-
-    @staticmethod
-    def _lookup(table: dict[str, tuple[str, dict[str, str] | None]], key: str) -> str | None:
-        parts = key.split(".")
-        # Always leave at least the parameter name ("weight", "bias") as rest.
-        for n in range(len(parts) - 1, 0, -1):
-            hit = table.get(".".join(parts[:n]))
-            if hit is None:
-                continue
-            target, inner = hit
-            rest = parts[n:]
-            if inner is None:
-                return ".".join([target, *rest])
-            for m in range(len(rest) - 1, 0, -1):
-                sub = inner.get(".".join(rest[:m]))
-                if sub is not None:
-                    return ".".join([target, sub, *rest[m:]])
-        return None
 
 
 # Resnet sub-module names, diffusers -> original.
@@ -112,30 +75,6 @@ _UNET_RESNET = {
     "conv2": "out_layers.3",
     "conv_shortcut": "skip_connection",
 }
-_VAE_RESNET = {
-    "norm1": "norm1",
-    "conv1": "conv1",
-    "norm2": "norm2",
-    "conv2": "conv2",
-    "conv_shortcut": "nin_shortcut",
-}
-# The VAE mid-block attention (diffusers Attention with group_norm) <-> LDM AttnBlock.
-_VAE_ATTENTION = {
-    "group_norm": "norm",
-    "to_q": "q",
-    "to_k": "k",
-    "to_v": "v",
-    "to_out.0": "proj_out",
-}
-# LDM's AttnBlock uses 1x1 convs ([C, C, 1, 1]); diffusers uses Linear ([C, C]).
-_VAE_ATTN_CONV = re.compile(r"(^|\.)mid\.attn_1\.(q|k|v|proj_out)\.weight$")
-
-
-def _unsupported(component: str, what: str) -> ModelLoadError:
-    return ModelLoadError(
-        f"The {component} config has {what}, which the SDXL single-file layout cannot express.",
-        hint="Only SDXL-shaped architectures convert to/from the single-file layout; use a diffusers folder instead.",
-    )
 
 
 def _per_block(value, n: int, name: str, component: str) -> list[int]:
@@ -144,15 +83,15 @@ def _per_block(value, n: int, name: str, component: str) -> list[int]:
         return [value] * n
     value = list(value)
     if len(value) != n:
-        raise _unsupported(component, f"{name}={value} for {n} blocks")
+        raise unsupported(component, f"{name}={value} for {n} blocks")
     return value
 
 
 @functools.lru_cache(maxsize=8)
-def _unet_map(config_json: str) -> _PrefixMap:
+def _unet_map(config_json: str) -> PrefixMap:
     """UNet2DConditionModel <-> SGM/LDM openaimodel UNet, from the diffusers config."""
     cfg = json.loads(config_json)
-    m = _PrefixMap()
+    m = PrefixMap()
     m.add("conv_in", "input_blocks.0.0")
     m.add("time_embedding.linear_1", "time_embed.0")
     m.add("time_embedding.linear_2", "time_embed.2")
@@ -169,10 +108,10 @@ def _unet_map(config_json: str) -> _PrefixMap:
     up_types = list(cfg["up_block_types"])
     for t in down_types:
         if t not in ("DownBlock2D", "CrossAttnDownBlock2D"):
-            raise _unsupported("unet", f"down block type {t!r}")
+            raise unsupported("unet", f"down block type {t!r}")
     for t in up_types:
         if t not in ("UpBlock2D", "CrossAttnUpBlock2D"):
-            raise _unsupported("unet", f"up block type {t!r}")
+            raise unsupported("unet", f"up block type {t!r}")
     n_down, n_up = len(down_types), len(up_types)
     layers = _per_block(cfg.get("layers_per_block", 2), n_down, "layers_per_block", "unet")
 
@@ -194,7 +133,7 @@ def _unet_map(config_json: str) -> _PrefixMap:
     # middle_block = [resnet, transformer, resnet].
     mid_type = cfg.get("mid_block_type", "UNetMidBlock2DCrossAttn")
     if mid_type != "UNetMidBlock2DCrossAttn":
-        raise _unsupported("unet", f"mid block type {mid_type!r}")
+        raise unsupported("unet", f"mid block type {mid_type!r}")
     m.add("mid_block.resnets.0", "middle_block.0", _UNET_RESNET)
     m.add("mid_block.attentions.0", "middle_block.1")
     m.add("mid_block.resnets.1", "middle_block.2", _UNET_RESNET)
@@ -217,57 +156,6 @@ def _unet_map(config_json: str) -> _PrefixMap:
     # out = [GroupNorm, SiLU, Conv].
     m.add("conv_norm_out", "out.0")
     m.add("conv_out", "out.2")
-    return m
-
-
-@functools.lru_cache(maxsize=8)
-def _vae_map(config_json: str) -> _PrefixMap:
-    """AutoencoderKL <-> LDM AutoencoderKL, from the diffusers config."""
-    cfg = json.loads(config_json)
-    down_types = list(cfg["down_block_types"])
-    up_types = list(cfg["up_block_types"])
-    for t in down_types:
-        if t != "DownEncoderBlock2D":
-            raise _unsupported("vae", f"down block type {t!r}")
-    for t in up_types:
-        if t != "UpDecoderBlock2D":
-            raise _unsupported("vae", f"up block type {t!r}")
-    layers = cfg.get("layers_per_block", 2)
-    if not isinstance(layers, int):
-        raise _unsupported("vae", f"layers_per_block={layers!r}")
-
-    m = _PrefixMap()
-    for part in ("encoder", "decoder"):
-        m.add(f"{part}.conv_in", f"{part}.conv_in")
-        m.add(f"{part}.conv_norm_out", f"{part}.norm_out")
-        m.add(f"{part}.conv_out", f"{part}.conv_out")
-        m.add(f"{part}.mid_block.resnets.0", f"{part}.mid.block_1", _VAE_RESNET)
-        m.add(f"{part}.mid_block.resnets.1", f"{part}.mid.block_2", _VAE_RESNET)
-        if cfg.get("mid_block_add_attention", True):
-            m.add(f"{part}.mid_block.attentions.0", f"{part}.mid.attn_1", _VAE_ATTENTION)
-
-    n_down = len(down_types)
-    for i in range(n_down):
-        for j in range(layers):
-            m.add(f"encoder.down_blocks.{i}.resnets.{j}", f"encoder.down.{i}.block.{j}", _VAE_RESNET)
-        if i < n_down - 1:
-            m.add(f"encoder.down_blocks.{i}.downsamplers.0.conv", f"encoder.down.{i}.downsample.conv")
-
-    # LDM's decoder numbers its levels by resolution (up.0 = full resolution,
-    # built last); diffusers numbers them in execution order. Each decoder
-    # level has layers+1 resnets; all but the last (diffusers order) upsample.
-    n_up = len(up_types)
-    for i in range(n_up):
-        level = n_up - 1 - i
-        for j in range(layers + 1):
-            m.add(f"decoder.up_blocks.{i}.resnets.{j}", f"decoder.up.{level}.block.{j}", _VAE_RESNET)
-        if i < n_up - 1:
-            m.add(f"decoder.up_blocks.{i}.upsamplers.0.conv", f"decoder.up.{level}.upsample.conv")
-
-    if cfg.get("use_quant_conv", True):
-        m.add("quant_conv", "quant_conv")
-    if cfg.get("use_post_quant_conv", True):
-        m.add("post_quant_conv", "post_quant_conv")
     return m
 
 
@@ -359,10 +247,6 @@ def _openclip_plan(okey: str) -> tuple[tuple[str, ...], Callable[[torch.Tensor],
 # ---------------------------------------------------------------------------
 
 
-def _config_json(config: Mapping) -> str:
-    return json.dumps(config, sort_keys=True, default=str)
-
-
 @functools.lru_cache(maxsize=8)
 def _reference_shapes(component: str, config_json: str) -> dict[str, tuple[int, ...]]:
     """Key -> shape of the component's state dict, from a model built on the meta device.
@@ -398,19 +282,6 @@ def _tower_prefix(reference: Mapping[str, object]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _unmapped_error(component: str, keys: list[str]) -> CheckpointError:
-    return CheckpointError(
-        f"{len(keys)} {component} weights have no place in the SDXL single-file layout: {_few(keys)}",
-        hint="The component does not have the SDXL architecture its config describes; save it as a diffusers folder instead.",
-    )
-
-
-def _few(keys: Iterable[str]) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:_SHOW])
-    return shown + (f", ... ({len(keys) - _SHOW} more)" if len(keys) > _SHOW else "")
-
-
 def _require_config(configs: Mapping[str, dict], component: str) -> dict:
     try:
         return configs[component]
@@ -419,7 +290,7 @@ def _require_config(configs: Mapping[str, dict], component: str) -> dict:
 
 
 def _unet_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    m = _unet_map(_config_json(config))
+    m = _unet_map(config_json(config))
     out, bad = {}, []
     for k, v in sd.items():
         ok = m.to_original(k)
@@ -428,23 +299,7 @@ def _unet_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str,
         else:
             out[PREFIXES["unet"] + ok] = v
     if bad:
-        raise _unmapped_error("unet", bad)
-    return out
-
-
-def _vae_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    m = _vae_map(_config_json(config))
-    out, bad = {}, []
-    for k, v in sd.items():
-        ok = m.to_original(k)
-        if ok is None:
-            bad.append(k)
-            continue
-        if _VAE_ATTN_CONV.search(ok) and v.ndim == 2:
-            v = v.reshape(*v.shape, 1, 1)  # Linear [C, C] -> 1x1 conv [C, C, 1, 1]
-        out[PREFIXES["vae"] + ok] = v
-    if bad:
-        raise _unmapped_error("vae", bad)
+        raise unmapped_error("unet", bad)
     return out
 
 
@@ -460,7 +315,7 @@ def _te1_to_original(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         out[PREFIXES["text_encoder"] + _TEXT_MODEL + flat] = v
     if bad:
-        raise _unmapped_error("text_encoder", bad)
+        raise unmapped_error("text_encoder", bad)
     return out
 
 
@@ -486,10 +341,10 @@ def _te2_to_original(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[prefix + ok] = v
     if bad:
-        raise _unmapped_error("text_encoder_2", bad)
+        raise unmapped_error("text_encoder_2", bad)
     for ok, parts in fused.items():
         if set(parts) != {"q", "k", "v"}:
-            raise _unmapped_error("text_encoder_2", [f"{ok} (has only {sorted(parts)} of q, k, v)"])
+            raise unmapped_error("text_encoder_2", [f"{ok} (has only {sorted(parts)} of q, k, v)"])
         # open_clip's nn.MultiheadAttention packs [q; k; v] along the output dim.
         out[prefix + ok] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
     if prefix + "logit_scale" not in out:
@@ -524,7 +379,7 @@ def diffusers_to_original(
         if component == "unet":
             out.update(_unet_to_original(sd, _require_config(configs, "unet")))
         elif component == "vae":
-            out.update(_vae_to_original(sd, _require_config(configs, "vae")))
+            out.update(vae_to_original(sd, _require_config(configs, "vae")))
         elif component == "text_encoder":
             out.update(_te1_to_original(sd))
         else:
@@ -554,13 +409,13 @@ def _conv1x1_to_linear(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _planner(component: str, config: dict, tower: str):
     """Returns (plan(original key without prefix) -> _Plan | None, original name of a diffusers key)."""
     if component in ("unet", "vae"):
-        m = _unet_map(_config_json(config)) if component == "unet" else _vae_map(_config_json(config))
+        m = _unet_map(config_json(config)) if component == "unet" else vae_map(config_json(config))
 
         def plan(okey: str) -> _Plan | None:
             dkey = m.to_diffusers(okey)
             if dkey is None:
                 return None
-            if component == "vae" and _VAE_ATTN_CONV.search(okey):
+            if component == "vae" and VAE_ATTN_CONV.search(okey):
                 return (dkey,), _conv1x1_to_linear
             return (dkey,), _identity
 
@@ -615,7 +470,7 @@ def original_to_diffusers(
             raise ModelLoadError(f"Unknown SDXL component {component!r}; expected one of {list(COMPONENTS)}.")
         config = _require_config(configs, component)
         prefix = PREFIXES[component]
-        reference = _reference_shapes(component, _config_json(config))
+        reference = _reference_shapes(component, config_json(config))
         plan, original_name = _planner(component, config, _tower_prefix(reference))
 
         # 1. Names only: what each file key becomes, and what is missing or extra.
@@ -643,9 +498,9 @@ def original_to_diffusers(
         if missing or unexpected:
             parts = []
             if missing:
-                parts.append(f"{len(missing)} missing ({_few(missing)})")
+                parts.append(f"{len(missing)} missing ({few(missing)})")
             if unexpected:
-                parts.append(f"{len(unexpected)} unexpected ({_few(unexpected)})")
+                parts.append(f"{len(unexpected)} unexpected ({few(unexpected)})")
             raise ModelLoadError(
                 f"The checkpoint's {component} weights do not match the SDXL layout for its config: "
                 + "; ".join(parts)
@@ -666,7 +521,7 @@ def original_to_diffusers(
                 sd[dkey] = t
         if wrong:
             raise ModelLoadError(
-                f"{len(wrong)} {component} weights of the checkpoint have the wrong shape for its config: {_few(wrong)}",
+                f"{len(wrong)} {component} weights of the checkpoint have the wrong shape for its config: {few(wrong)}",
                 hint="The file is probably a different architecture than the config (e.g. the SDXL refiner).",
             )
         # Same order as the model's own state_dict, for readability.

@@ -1,7 +1,7 @@
 """Stable Diffusion 3 / 3.5: an MMDiT on 16-channel VAE latents, conditioned by CLIP-L, CLIP-G and T5-XXL.
 
 Loads offline from a diffusers folder, or from a single-file checkpoint in the
-layout SD3 checkpoints are distributed in (see ``sd3_single_file``), using the
+layout SD3 checkpoints are distributed in (see ``single_file``), using the
 architecture configs bundled in ``configs/`` (sd3-medium, sd3.5-medium,
 sd3.5-large; sd3-tiny for tests). Trained with rectified flow
 (``objective = "flow"``): the denoiser sees ``x_t = (1 - s) x0 + s noise`` and
@@ -27,22 +27,21 @@ from __future__ import annotations
 
 import functools
 import json
-import string
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import CheckpointError, ConfigError, ModelLoadError
-from ..utils import atomic_dir, stream_save_safetensors
-from . import common
-from . import sd3_single_file as single_file
-from .base import CachedItem, ModelFamily
-from .common import hf_config as _hf_config
-from .common import read_json as _read_json
-from .tokenizers import tiny_clip_vocab
+from ...config.schema import ModelConfig, TextEncodersConfig
+from ...errors import CheckpointError, ConfigError, ModelLoadError
+from ...utils import atomic_dir, stream_save_safetensors
+from .. import common
+from ..base import CachedItem, ModelFamily
+from ..common import hf_config as _hf_config
+from ..common import read_json as _read_json
+from ..tokenizers import tiny_clip_vocab, tiny_t5_tokenizer
+from . import single_file
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 DEFAULT_CONFIG = "sd3-medium"
@@ -97,34 +96,6 @@ def _identity_projection(clip_l) -> None:
         raise ModelLoadError(f"SD3's CLIP-L needs projection_dim == hidden_size, got {tuple(w.shape)}.")
     with torch.no_grad():
         w.copy_(torch.eye(w.shape[0], dtype=w.dtype, device=w.device))
-
-
-def tiny_t5_tokenizer(folder: Path) -> Path:
-    """Write a tiny character-level T5 tokenizer (Unigram, ids < 140) to ``folder``, offline.
-
-    Special ids as T5's: <pad> 0, </s> 1, <unk> 2; "$A </s>" appended like T5's
-    post-processor; "▁"-prefixed words like SentencePiece. Enough for tests and
-    quickstart, where the tiny T5 has a 300-token embedding table.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
-
-    folder = Path(folder)
-    chars = [c for c in string.printable if c not in string.whitespace]
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    vocab += [(c, -3.0) for c in chars] + [("▁" + c, -2.5) for c in string.ascii_lowercase + string.digits]
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
-    )
-    fast = T5TokenizerFast(
-        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", extra_ids=0, model_max_length=512
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(folder)
-    return folder
 
 
 class SD3(ModelFamily):
@@ -591,7 +562,7 @@ class SD3(ModelFamily):
             lengths = [len(x) for x in comps["tokenizer_3"](captions, add_special_tokens=True).input_ids]
             long = [c for c, k in zip(captions, lengths) if k > n]
             if long:
-                from ..console import warn
+                from ...console import warn
 
                 warn(
                     f"{len(long)} caption(s) longer than text_encoders.t5.max_length ({n} tokens) are cut to it, "

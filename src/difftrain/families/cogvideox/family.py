@@ -52,20 +52,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import (
+from ...config.schema import ModelConfig, TextEncodersConfig
+from ...errors import (
     CacheMismatch,
     CheckpointError,
     ConfigError,
     DataError,
     ModelLoadError,
 )
-from ..utils import atomic_dir, stream_save_safetensors
-from . import common
-from .base import CachedItem, ModelFamily
-from .common import hf_config as _hf_config
-from .common import read_json as _read_json
-from .sd3 import tiny_t5_tokenizer
+from ...utils import atomic_dir, stream_save_safetensors
+from .. import common
+from ..base import CachedItem, ModelFamily
+from ..common import hf_config as _hf_config
+from ..common import read_json as _read_json
+from ..tokenizers import tiny_t5_tokenizer
 
 PARTS = ("transformer", "vae", "text_encoder")
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "T5-XXL text encoder"}
@@ -811,7 +811,7 @@ class CogVideoX(ModelFamily):
         te, tok = comps["text_encoder"], comps["tokenizer"]
         long = [c for c, ids in zip(captions, tok(captions, add_special_tokens=True).input_ids) if len(ids) > T5_TOKENS]
         if long:
-            from ..console import warn
+            from ...console import warn
 
             warn(
                 f"{len(long)} caption(s) longer than CogVideoX's {T5_TOKENS} T5 tokens are cut to it, "

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
+from ..ldm_vae import vae_to_original
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 
@@ -308,7 +309,6 @@ def to_single_file(
     """Component state dicts -> one file's makers: one part alone as its own file has it (the transformer in the
     BFL layout: flux1-dev.safetensors; ae, clip_l, t5xxl.safetensors), or several in ComfyUI's checkpoint layout
     (every part under its ``PREFIXES`` entry)."""
-    from . import sdxl_single_file
 
     unknown = set(state_dicts) - set(PARTS)
     if unknown:
@@ -323,7 +323,7 @@ def to_single_file(
         if part == "transformer":
             makers.update(transformer_to_bfl(sd, configs["transformer"], prefix))
         elif part == "vae":
-            vae = sdxl_single_file.diffusers_to_original({"vae": sd}, {"vae": configs["vae"]})
+            vae = vae_to_original(sd, configs["vae"])
             cut = len("first_stage_model.")
             makers.update({prefix + k[cut:]: _constant(v) for k, v in vae.items()})
         else:

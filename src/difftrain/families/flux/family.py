@@ -2,7 +2,7 @@
 conditioned by CLIP-L's pooled output and T5-XXL's token embeddings.
 
 Loads offline from a diffusers folder (or a Hub id), or from the single files people download
-(``flux_single_file``): the transformer alone in Black Forest Labs' names (``flux1-dev.safetensors``, fp8-stored
+(``single_file``): the transformer alone in Black Forest Labs' names (``flux1-dev.safetensors``, fp8-stored
 copies too) as model.path, with the VAE, CLIP-L and T5-XXL as their own files (model.ae / model.clip_l /
 model.t5xxl, sd-scripts' option names), or ComfyUI's one-file checkpoint; the architecture configs are bundled in
 ``configs/`` (flux-dev, flux-schnell; flux-tiny for tests). Trained with rectified flow
@@ -29,14 +29,14 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
-from . import common
-from . import flux_single_file as single_file
-from .base import CachedItem, ModelFamily
-from .common import hf_config as _hf_config
-from .common import read_json as _read_json
-from .tokenizers import tiny_clip_vocab
+from ...config.schema import ModelConfig, TextEncodersConfig
+from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from .. import common
+from ..base import CachedItem, ModelFamily
+from ..common import hf_config as _hf_config
+from ..common import read_json as _read_json
+from ..tokenizers import tiny_clip_vocab
+from . import single_file
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 DEFAULT_CONFIG = "flux-dev"
@@ -615,8 +615,8 @@ class Flux(ModelFamily):
         Diffusion Model", sd-scripts and the BFL code read it), or, given other parts too, ComfyUI's one-file
         checkpoint layout. Tensors are written one at a time, atomically; a fused projection is concatenated only
         while it is written."""
-        from ..utils import stream_save_safetensors
-        from .sd3_single_file import LazyTensors
+        from ...utils import stream_save_safetensors
+        from ..common import LazyTensors
 
         tensors = LazyTensors(single_file.to_single_file(sds, configs))
         arch = "flux-1-dev" if (configs.get("transformer") or {}).get("guidance_embeds", True) else "flux-1-schnell"
@@ -641,7 +641,7 @@ class Flux(ModelFamily):
         source folder with its tokenizers, scheduler and model_index.json, atomically."""
         import shutil
 
-        from ..utils import atomic_dir
+        from ...utils import atomic_dir
 
         kind, src = self._source(mcfg)
         if kind != "diffusers":
@@ -686,7 +686,7 @@ class Flux(ModelFamily):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
         from transformers import CLIPTokenizer, T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
-        from .sd3 import tiny_t5_tokenizer
+        from ..tokenizers import tiny_t5_tokenizer
 
         folder = Path(folder)
         cfgdir = bundled_config_dir("flux-tiny")
@@ -717,7 +717,7 @@ class Flux(ModelFamily):
         import json
         import shutil
 
-        from ..utils import atomic_dir
+        from ...utils import atomic_dir
 
         cfgdir = bundled_config_dir(config_name)
         comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
