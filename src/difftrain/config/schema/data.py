@@ -1,0 +1,148 @@
+"""``data``, ``precompute``, ``text_encoders`` and ``dreambooth``: the dataset and what is cached from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import Strict
+
+
+class DataConfig(Strict):
+    dir: Path | None = Field(default=None, description="folder of images with caption/tag files")
+    metadata: Path | None = Field(default=None, description="merge-tags JSON (optional)")
+    allow_outside_paths: bool = Field(
+        default=False,
+        description="let dataset files lead outside data.dir: links to files "
+        "elsewhere, videos.txt lines with absolute or ../ paths, metadata keys naming "
+        "other folders (off: refused, so a dataset from elsewhere cannot read your files)",
+    )
+    caption_ext: str = ".caption"
+    tag_ext: str = ".txt"
+    caption_source: Literal["caption_then_tags", "caption_and_tags", "tags"] = "caption_then_tags"
+    resolution: int = Field(default=1024, ge=64, le=16384, description="bucket max area = resolution^2")
+    bucket_step: int = Field(default=64, ge=8)
+    min_side: int = Field(default=512, ge=8, le=16384)
+    max_side: int = Field(default=2048, ge=8, le=16384)
+    no_upscale: bool = False
+    max_upscale: float | None = Field(
+        default=4.0,
+        ge=1,
+        description="skip (and report) an image that would have to be "
+        "enlarged more than this to fill its bucket; null: any",
+    )
+    random_crop: bool = False
+    cache_dir: Path | None = Field(default=None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
+    frames: int = Field(
+        default=49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)"
+    )
+    frame_sampling: Literal["uniform", "first"] = Field(
+        default="uniform", description="video families: frames spread evenly over the clip, or the first N"
+    )
+    caption_fallback: Literal["empty", "filename"] = Field(
+        default="empty",
+        description="an image with neither caption nor tags: the empty caption, or its file name "
+        "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags",
+    )
+    # caption augmentation (sd-scripts' names); works with cached text embeddings (see data/captions.py)
+    shuffle_caption: bool = Field(default=False, description="shuffle the comma-separated tags of each caption")
+    keep_tokens: int = Field(
+        default=0, ge=0, description="the first N tags stay first and are never shuffled or dropped"
+    )
+    keep_tokens_separator: str = Field(
+        default="",
+        description="if set and present in a caption, what precedes it is kept instead of the first keep_tokens tags",
+    )
+    caption_separator: str = Field(default=",", min_length=1, description="what separates tags in a caption")
+    caption_tag_dropout_rate: float = Field(
+        default=0.0, ge=0, lt=1, description="chance of dropping each (not kept) tag"
+    )
+    caption_dropout_rate: float = Field(default=0.0, ge=0, le=1, description="chance of training on the empty caption")
+    caption_variants: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description="with shuffle or tag dropout and cached text "
+        "embeddings: augmented versions of each caption precompute encodes",
+    )
+
+    @model_validator(mode="after")
+    def _sides(self):
+        if not self.min_side <= self.resolution <= self.max_side:
+            raise ValueError(
+                f"resolution ({self.resolution}) must lie between min_side ({self.min_side}) and max_side ({self.max_side}): "
+                "lower data.min_side or raise data.resolution"
+            )
+        if self.frames % 4 != 1:
+            raise ValueError(
+                f"data.frames ({self.frames}) must be 4k+1 (1, 5, ..., 49): the video VAE compresses time 4x "
+                "after the first frame"
+            )
+        if self.resolution % self.bucket_step:
+            raise ValueError(f"resolution ({self.resolution}) must be a multiple of bucket_step ({self.bucket_step})")
+        return self
+
+
+class PrecomputeConfig(Strict):
+    vae_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        default="fp32", description="SDXL's VAE gives NaN in fp16; fp32 or bf16 is safe"
+    )
+    text_encoder_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    batch_size: int = Field(default=4, ge=1)
+    device: str = Field(default="auto", description="auto | cpu | cuda | cuda:N")
+    shard_max_mb: float = Field(
+        default=512, gt=0, description="cache shard size: entries are written in files of about this size"
+    )
+    num_workers: int | None = Field(
+        default=None,
+        ge=0,
+        description="processes that decode and resize images while the "
+        "encoder runs; null: half the CPU cores (at most 8); 0: in the main process",
+    )
+
+
+class T5Options(Strict):
+    """SD3's T5-XXL: the largest encoder, used only at precompute time (its embeddings are cached)."""
+
+    precision: Literal["int8", "nf4", "bf16", "fp16", "fp32"] = Field(
+        default="int8",
+        description="int8/nf4 through bitsandbytes (CUDA only): 5.5 / 4.0 GiB loaded instead of 8.9 GiB in bf16 (measured)",
+    )
+    max_length: int = Field(default=256, ge=77, le=512, description="T5 tokens per caption (SD3 was trained with 256)")
+    enabled: bool = Field(
+        default=True, description="false: T5 is never loaded and its embeddings are zeros (SD3 allows it)"
+    )
+
+
+class TextEncodersConfig(Strict):
+    t5: T5Options = Field(default_factory=T5Options)
+
+
+class DreamBoothConfig(Strict):
+    """DreamBooth (the diffusers scripts' names): one instance prompt, optional prior preservation."""
+
+    instance_prompt: str | None = Field(
+        default=None, description='e.g. "a photo of sks dog": the caption of every training image'
+    )
+    use_captions: bool = Field(
+        default=False, description="per-image captions where an image has one, the instance prompt for the rest"
+    )
+    with_prior_preservation: bool = False
+    class_prompt: str | None = Field(default=None, description='e.g. "a photo of a dog"')
+    class_data_dir: Path | None = Field(
+        default=None, description="class images: supplied, or generated here up to num_class_images"
+    )
+    num_class_images: int = Field(default=100, ge=1)
+    prior_loss_weight: float = Field(default=1.0, ge=0)
+    class_sample_steps: int = Field(default=25, ge=1, description="denoising steps when generating class images")
+
+    @model_validator(mode="after")
+    def _prior(self):
+        if self.with_prior_preservation and not (self.class_prompt and self.class_data_dir):
+            raise ValueError(
+                "dreambooth.with_prior_preservation needs dreambooth.class_prompt and dreambooth.class_data_dir "
+                "(class images are generated there when it holds fewer than num_class_images)"
+            )
+        return self

@@ -1,0 +1,33 @@
+"""``model``: where the weights come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Strict
+
+
+class ModelConfig(Strict):
+    path: Path | None = Field(default=None, description="diffusers folder or single-file checkpoint")
+    config: str | None = Field(
+        default=None,
+        description="bundled architecture config used for single-file checkpoints (offline); "
+        "default: the family's base model (sdxl-base-1.0, sd3-medium)",
+    )
+    tokenizer_path: Path | None = Field(
+        default=None, description="folder with tokenizer/ and tokenizer_2/ for single-file checkpoints"
+    )
+    # Flux's parts as separate files, named as sd-scripts' flux_train_network.py names them (--ae, --clip_l, --t5xxl):
+    # model.path is then the transformer alone (flux1-dev.safetensors); each may also replace a folder's part
+    ae: Path | None = Field(default=None, description="Flux: the VAE file (ae.safetensors), BFL/LDM names")
+    clip_l: Path | None = Field(default=None, description="Flux: the CLIP-L file (clip_l.safetensors)")
+    t5xxl: Path | None = Field(
+        default=None, description="Flux: the T5-XXL encoder file (t5xxl_fp16.safetensors; fp8-stored ones too)"
+    )
+    allow_pickle: bool = Field(default=False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
+        default=None, description="override the scheduler's prediction type"
+    )
