@@ -72,7 +72,7 @@ print(json.dumps({"device": torch.cuda.get_device_name(d), "context_gib": o.cont
 PREBUILD = """
 import sys
 from pathlib import Path
-from difftrain.bench import _prepare
+from difftrain.flows.bench import _prepare
 from difftrain.config.load import resolve
 _prepare(resolve(recipe=sys.argv[1], sets=sys.argv[3:]).config, Path(sys.argv[2]), 4, None)
 """

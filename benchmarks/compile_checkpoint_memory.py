@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from difftrain import speed
 from difftrain.config.schema import SpeedConfig
 from difftrain.memory import fp8 as F8
+from difftrain.speed import regional_compile
 
 
 def _blocks():
@@ -73,7 +73,7 @@ def measure(name, block, make_inputs, weights, mode, device) -> dict:
     torch._dynamo.reset()
     b = _prepare(block, weights, device)
     if mode.startswith("compiled"):
-        speed.compile_blocks(
+        regional_compile.compile_blocks(
             torch.nn.Sequential(b),
             (name,),
             SpeedConfig(compile=True),

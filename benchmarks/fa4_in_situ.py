@@ -22,7 +22,7 @@ def main() -> None:
     a = ap.parse_args()
     from diffusers import CogVideoXTransformer3DModel
 
-    from difftrain import fa4
+    from difftrain.speed import fa4
 
     calls = {"n": 0}
     real = fa4._interface

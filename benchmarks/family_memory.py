@@ -104,8 +104,8 @@ def _tiny(recipe: str | None, sets: list[str]) -> tuple[str, list[str]]:
 def run_case(name: str, work: Path, steps: int) -> dict:
     import torch
 
-    from difftrain.bench import bench_memory
     from difftrain.config.load import resolve
+    from difftrain.flows.bench import bench_memory
 
     what, recipe, sets = CASES[name]
     if TINY:

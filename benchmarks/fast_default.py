@@ -116,7 +116,7 @@ def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup:
     if PROFILE is not None:  # two more steps: the profiler's warm-up, then the profiled one (as bench speed does)
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        from difftrain.bench import _profile_summary
+        from difftrain.flows.bench import _profile_summary
 
         acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         # repeat=1: with wait=0 a second cycle would start recording at once, and the table read after the block

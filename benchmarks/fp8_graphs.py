@@ -43,7 +43,7 @@ from pathlib import Path
 from difftrain.config.load import resolve
 from difftrain.families.registry import get_family
 from difftrain.precompute.run import precompute
-from difftrain.quickstart import make_dataset
+from difftrain.flows.quickstart import make_dataset
 from difftrain.trainers.loop import Trainer
 work, steps, sets = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 dev = "cuda" if torch.cuda.is_available() else "cpu"

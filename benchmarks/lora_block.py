@@ -8,7 +8,7 @@ it (the block is the region, CUDA graphs), under bf16 autocast, forward and back
 - ``lora``: peft's LoRA at rank 16 on to_q, to_k, to_v, to_out.0 (sdxl-lora-8gb's targets), fp32 adapter weights,
   as difftrain adds it;
 - ``fused-linear``: the same adapters, each LoRA Linear with difftrain's fused forward and backward
-  (difftrain.lora.fused) but diffusers' own attention processor: q, k and v one by one (a session before's kernel);
+  (difftrain.speed.lora_kernel) but diffusers' own attention processor: q, k and v one by one (a session before's kernel);
 - ``fused-qkv``: also the self-attention's q, k and v as one fused call (one read of ``x``, one low-rank gradient
   matmul per factor), the cross-attention's one by one;
 - ``fused``: speed.lora_kernel fused as shipped: also the cross-attention's k and v (both read the text) as one;
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 
-from difftrain.lora import fused
+from difftrain.speed import lora_kernel as fused
 
 #: the backward as shipped, before any kind below swaps another in
 SHIPPED = fused._LoraLinear.backward
@@ -46,9 +46,9 @@ SHAPES = {"1280ch-32x32": (1024, 1280, 20, 60), "640ch-64x64": (4096, 640, 10, 1
 def build(kind: str, dim: int, heads: int):
     from diffusers.models.attention import BasicTransformerBlock
 
-    from difftrain import geglu
     from difftrain.config.schema import LoraConfig
     from difftrain.lora.adapters import add_lora
+    from difftrain.speed import geglu
 
     torch._dynamo.reset()  # a fresh compile for each kind: a cached graph of another kind would pass the guards
     torch.manual_seed(0)

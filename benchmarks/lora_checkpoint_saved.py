@@ -1,5 +1,5 @@
 """What a tiny SDXL transformer block with LoRA saves for backward when it is checkpointed inside its compiled region
-(speed.checkpoint_inside, as the checkpointed tier recipes run): peft's LoRA Linear against difftrain's fused one
+(regional_compile.checkpoint_inside, as the checkpointed tier recipes run): peft's LoRA Linear against difftrain's fused one
 (speed.lora_kernel), counted with torch.autograd.graph.saved_tensors_hooks on the CPU under bf16 autocast.
 
     python3 benchmarks/lora_checkpoint_saved.py [inductor|aot_eager]
@@ -11,10 +11,10 @@ import torch
 from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.attention import BasicTransformerBlock
 
-from difftrain import speed
 from difftrain.config.schema import LoraConfig
-from difftrain.lora import fused
 from difftrain.lora.adapters import add_lora
+from difftrain.speed import lora_kernel as fused
+from difftrain.speed import regional_compile
 
 
 def build(kind: str, backend: str) -> torch.nn.Module:
@@ -25,7 +25,7 @@ def build(kind: str, backend: str) -> torch.nn.Module:
     add_lora(b, LoraConfig(rank=4, alpha=4), ["to_q", "to_k", "to_v", "to_out.0"])
     if kind == "fused":
         fused.use_fused(b)
-    speed.checkpoint_inside(torch.nn.ModuleDict({"block": b}), [b])
+    regional_compile.checkpoint_inside(torch.nn.ModuleDict({"block": b}), [b])
     b.compile(backend=backend)
     return b
 

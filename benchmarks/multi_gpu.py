@@ -331,10 +331,10 @@ def prepare(sets: list[str], work: Path, gpus: int, recipe: str | None = None) -
     """The random model file, stand-in tokenizers and a synthetic cache of 8 items per GPU."""
     import torch
 
-    from difftrain.bench import synthetic_cache, synthetic_tokenizers
     from difftrain.config.load import resolve
     from difftrain.families.registry import get_family
-    from difftrain.planning import plan_parts
+    from difftrain.flows.bench import synthetic_cache, synthetic_tokenizers
+    from difftrain.planning.parts import plan_parts
 
     cfg = resolve(recipe=recipe, sets=sets).config
     fam = get_family(cfg.family)

@@ -87,8 +87,8 @@ def build_model(work: Path) -> Path:
 
 def build_cache(work: Path) -> Path:
     """A cache of random latents and embeddings of the real shapes, and stand-in tokenizers in work/tok."""
-    from difftrain.bench import synthetic_cache, synthetic_tokenizers
     from difftrain.config.load import resolve
+    from difftrain.flows.bench import synthetic_cache, synthetic_tokenizers
 
     synthetic_tokenizers(work / "tok")
     cache_dir = work / "cache"
@@ -129,7 +129,7 @@ def run_sets(name: str, what: str, sets: list[str], work: Path, steps: int) -> d
     import torch
 
     from difftrain.config.load import resolve
-    from difftrain.planning import plan_memory
+    from difftrain.planning.estimate import plan_memory
     from difftrain.trainers.loop import Trainer
 
     sets = sets + [

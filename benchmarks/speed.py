@@ -419,7 +419,7 @@ def main() -> None:
             )
     profiled = [(name, r) for name, _, _, res in summary if res for r in res["rows"] if r.get("profile")]
     if profiled:  # --profile: where the GPU time of the last step went
-        from difftrain.bench import kinds_line
+        from difftrain.flows.bench import kinds_line
 
         print("\ncase | run | kernels (graphs) | GPU ms / profiled step ms | GPU time by kind")
         for name, r in profiled:

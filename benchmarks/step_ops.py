@@ -58,8 +58,8 @@ SD3_SETS = [
 
 
 def difftrain_step(work: Path, sets: list[str], family: str = "sdxl") -> tuple[collections.Counter, object]:
-    from difftrain.bench import _prepare
     from difftrain.config.load import resolve
+    from difftrain.flows.bench import _prepare
     from difftrain.trainers.loop import Trainer
 
     recipe, base = ("tiny-sd3-lora", SD3_SETS) if family == "sd3" else ("tiny-sdxl-lora", SETS)

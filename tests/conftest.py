@@ -86,7 +86,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def _dataset_master(tmp_path_factory) -> Path:
-    from difftrain.quickstart import make_dataset
+    from difftrain.flows.quickstart import make_dataset
 
     return make_dataset(tmp_path_factory.mktemp("data") / "images", n=8, seed=0)
 

@@ -38,7 +38,7 @@ def test_cache_shapes_of_the_real_architecture():
 
 @pytest.mark.gpu
 def test_bench_memory_on_cuda_reports_gpu_peaks(tmp_path):
-    from difftrain.bench import bench_memory
+    from difftrain.flows.bench import bench_memory
 
     r = bench_memory(resolve(recipe="tiny-sdxl-lora", sets=["train.device=cuda"]).config, tmp_path, steps=4)
     assert (
@@ -93,7 +93,7 @@ def test_bench_speed_baseline_keeps_only_the_speed_options_it_names(cli, tmp_pat
     """--baseline-set speed.X keeps the config's speed option X in the baseline (float8 against compiled bf16,
     max-autotune against compile's default); every other speed option is the eager diffusers-script way; a
     baseline that cannot run is refused with the reason, before anything is built."""
-    from difftrain.bench import EAGER, baseline_config
+    from difftrain.flows.bench import EAGER, baseline_config
 
     cfg = resolve(
         recipe="tiny-sdxl-lora",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from difftrain import doctor
+from difftrain.flows import doctor
 
 
 def test_doctor_lists_the_machine_and_a_recipe_fit(cli):
@@ -167,8 +167,8 @@ def test_xformers_attention_runs_or_says_what_to_do(monkeypatch):
 
 
 def test_flash_attention_4_says_whether_speed_auto_uses_it(monkeypatch):
-    from difftrain import fa4
     from difftrain.errors import BackendUnavailable
+    from difftrain.speed import fa4
 
     c = doctor._flash_attention_4((8, 9))  # an RTX 4090: FA4 has no kernels for it
     assert c.status == "info" and "9.x and 10.x" in c.found and "8.9" in c.found
@@ -223,7 +223,7 @@ def test_recipe_fit_compares_the_plan_with_free_memory(monkeypatch):
 
 def test_host_ram_without_an_available_figure_shows_the_total(monkeypatch):
     """A kernel without MemAvailable in /proc/meminfo: the total alone, not a crash formatting None."""
-    from difftrain import doctor
+    from difftrain.flows import doctor
 
     monkeypatch.setattr(doctor, "host_ram_gib", lambda: (31.2, None))
     line = next(c for c in doctor.checks() if c.name == "host ram")

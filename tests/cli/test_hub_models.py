@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from difftrain.hub import HubRef, parse_hub_id
+from difftrain.runtime.hub import HubRef, parse_hub_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -101,13 +101,15 @@ def test_a_single_file_in_a_repo_resolves_to_that_file(tmp_path):
     f.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     snap = hub_cache(cache, "org/single", {"sd_xl_base_1.0.safetensors": f})
     code = (
-        "from difftrain.hub import resolve_model_path; "
+        "from difftrain.runtime.hub import resolve_model_path; "
         "print(resolve_model_path('org/single/sd_xl_base_1.0.safetensors', ['unet'])[0])"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(cache))
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()) == snap / "sd_xl_base_1.0.safetensors"
-    code = "from difftrain.hub import resolve_model_path; resolve_model_path('org/single/other.safetensors', [])"
+    code = (
+        "from difftrain.runtime.hub import resolve_model_path; resolve_model_path('org/single/other.safetensors', [])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(cache))
     assert r.returncode != 0 and "not in the local Hugging Face cache" in r.stderr
 
@@ -141,7 +143,7 @@ def test_each_hub_refusal_names_the_next_step(monkeypatch, error, words, hint):
     from huggingface_hub import errors as hub_errors
 
     from difftrain.errors import ModelLoadError
-    from difftrain.hub import fetch, parse_hub_id
+    from difftrain.runtime.hub import fetch, parse_hub_id
 
     cls = getattr(hub_errors, error)
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_sets
-from difftrain.locks import LOCK_NAME, NOTE_NAME, holds, writer_lock
+from difftrain.runtime.locks import LOCK_NAME, NOTE_NAME, holds, writer_lock
 
 SCRIPT = str(Path(sys.executable).parent / "difftrain")
 
 # a process that holds a folder's lock until it is killed (the way a long run would)
 HOLDER = """
 import sys, time
-from difftrain.locks import writer_lock
+from difftrain.runtime.locks import writer_lock
 with writer_lock(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
     time.sleep(600)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from conftest import set_args, tiny_sets
-from difftrain.locks import LOCK_NAME
+from difftrain.runtime.locks import LOCK_NAME
 
 SCRIPT = str(Path(sys.executable).parent / "difftrain")
 

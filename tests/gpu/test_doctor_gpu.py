@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_doctor_engine_checks_run_on_the_gpu():
-    from difftrain.doctor import checks
+    from difftrain.flows.doctor import checks
 
     rows = {r.name: r for r in checks()}
     assert rows["bitsandbytes"].status == "ok", rows["bitsandbytes"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from difftrain import fa4
+from difftrain.speed import fa4
 
 
 def _fa4_ready() -> bool:
@@ -68,7 +68,7 @@ def test_check_passes_on_this_gpu():
 
 def test_auto_takes_fa4_on_this_gpu():
     from difftrain.config.schema import Config
-    from difftrain.speed import resolve_attention
+    from difftrain.speed.auto import resolve_attention
 
     cfg, line = resolve_attention(Config.model_validate({"family": "sdxl"}), torch.device("cuda"))
     assert cfg.speed.attention == "fa4" and line is not None and "FlashAttention-4" in line

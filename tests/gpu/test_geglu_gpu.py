@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_cuda_config
-from difftrain import geglu
 from difftrain.precompute.run import precompute
+from difftrain.speed import geglu
 from difftrain.trainers.loop import Trainer, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

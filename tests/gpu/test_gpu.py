@@ -568,7 +568,7 @@ def test_sweep_on_the_gpu_records_peak_memory_and_an_out_of_memory_trial(tiny_mo
     finishes with its peak GPU memory in the table."""
     import json
 
-    from difftrain.sweep import SweepSpec, run_sweep
+    from difftrain.flows.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(
         recipe="tiny-sdxl-lora",

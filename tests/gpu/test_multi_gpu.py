@@ -95,7 +95,7 @@ def test_two_gpus_train_as_one_gpu_with_the_global_batch(cache, tiny_model, _dat
 
 
 def test_sweep_two_trials_on_two_gpus(tiny_model, dataset, tmp_path):
-    from difftrain.sweep import SweepSpec, run_sweep
+    from difftrain.flows.sweep import SweepSpec, run_sweep
 
     spec = SweepSpec(
         recipe="tiny-sdxl-lora",

@@ -165,7 +165,7 @@ def test_auto_attention_leaves_cudnn_out_for_a_family_that_asks():
     torch choose among the other kernels for it, and attention still runs forward and backward."""
     from difftrain.config.schema import SpeedConfig
     from difftrain.families.registry import get_family
-    from difftrain.speed import attention_context
+    from difftrain.speed.attention import attention_context
 
     dev = torch.device("cuda")
     assert get_family("flux").avoid_cudnn_attention and not get_family("sd3").avoid_cudnn_attention

@@ -38,7 +38,7 @@ def test_images_train_as_one_frame_clips_and_the_lora_loads(tiny_cog, dataset, t
 
 
 def test_bench_on_video_shaped_latents_with_block_swap(tiny_cog, tmp_path):
-    from difftrain.bench import bench_memory
+    from difftrain.flows.bench import bench_memory
 
     cfg = resolve(
         recipe="tiny-cogvideox-lora",

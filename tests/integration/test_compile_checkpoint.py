@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from difftrain import speed
 from difftrain.config.schema import SpeedConfig
+from difftrain.speed import regional_compile
 
 
 def _block(which: str, device: str = "cpu"):
@@ -87,7 +87,7 @@ def test_checkpoint_inside_compiled_fp8_block_keeps_its_inputs_only(which, devic
         torch._dynamo.reset()
         b = copy.deepcopy(block)
         if mode != "eager":
-            n = speed.compile_blocks(
+            n = regional_compile.compile_blocks(
                 torch.nn.Sequential(b),
                 (which,),
                 SpeedConfig(compile=True),

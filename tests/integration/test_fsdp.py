@@ -201,7 +201,7 @@ def test_an_fsdp_checkpoint_is_not_resumed_by_another_engine(tiny_model, dataset
     """A resume under engine auto keeps FSDP (its checkpoint holds shares, not whole tensors), and says so where the
     config cannot train with it; a config naming another engine is refused with what to resume with."""
     from difftrain.errors import CheckpointError, ConfigError
-    from difftrain.planning import choose_engine
+    from difftrain.planning.engines import choose_engine
 
     def cfg(**extra):
         sets = tiny_sets(tiny_model, dataset, tmp_path, **{**FULL, "data.cache_dir": tmp_path / "cache", **extra})

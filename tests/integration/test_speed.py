@@ -179,7 +179,7 @@ def test_speed_options_that_cannot_work_together_are_refused():
 
 
 def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
-    """speed.attention math and speed.optimizer_kernels fused train to the same losses as the defaults (CPU);
+    """speed.attention math and speed_auto.optimizer_kernels fused train to the same losses as the defaults (CPU);
     a kernel the CPU lacks is refused before the model loads, with the fix."""
     from difftrain.errors import BackendUnavailable
 
@@ -201,7 +201,7 @@ def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
             dataset,
             tmp_path / "b",
             **common,
-            **{"speed.attention": "math", "speed.optimizer_kernels": "fused"},
+            **{"speed.attention": "math", "speed_auto.optimizer_kernels": "fused"},
         )
     )
     assert fast.losses == pytest.approx(ref.losses, rel=1e-4)
@@ -222,7 +222,7 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     precompute(base)
     ref = train(base)
     t = Trainer(
-        _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.channels_last": "true"})
+        _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"memory_format.channels_last": "true"})
     )
     out = t.run()
     conv = (
@@ -256,7 +256,7 @@ def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, 
 
     lora = [m for m in t.parts.comps["unet"].modules() if isinstance(m, Linear)]
     assert lora and all(type(m).__name__ == "FusedLoraLinear" for m in lora)
-    from difftrain.lora import fused
+    from difftrain.speed import lora_kernel as fused
 
     attentions = [m for m in t.parts.comps["unet"].modules() if hasattr(m, "processor")]
     assert attentions and fused.fused_attentions(t.parts.comps["unet"]) == len(attentions)
@@ -271,9 +271,9 @@ def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, 
 
 
 def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
-    """speed.cuda_graphs and speed.compile_mode map onto torch.compile's four modes, and every block is compiled."""
-    from difftrain import speed
+    """speed.cuda_graphs and regional_compile.compile_mode map onto torch.compile's four modes, and every block is compiled."""
     from difftrain.config.schema import SpeedConfig
+    from difftrain.speed import regional_compile
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self).__name__, kw["mode"])))
@@ -289,7 +289,9 @@ def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
     for (mode, graphs), torch_mode in expect.items():
         seen.clear()
         assert (
-            speed.compile_blocks(net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs))
+            regional_compile.compile_blocks(
+                net, ("Linear",), SpeedConfig(compile=True, compile_mode=mode, cuda_graphs=graphs)
+            )
             == 2
         )
         assert seen == [("Linear", torch_mode)] * 2
@@ -298,21 +300,21 @@ def test_compile_mode_follows_cuda_graphs_and_autotune(monkeypatch):
 def test_compile_regions_compiles_the_named_outer_modules_not_the_blocks_inside_them(monkeypatch):
     """speed.compile_regions: a region inside another named one is compiled as part of it (compiling it as well
     would nest two compiled regions); a name the model lacks is refused, naming it."""
-    from difftrain import speed
     from difftrain.config.schema import SpeedConfig
     from difftrain.errors import ConfigError
+    from difftrain.speed import regional_compile
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(type(self).__name__))
     inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     net = torch.nn.ModuleList([inner, torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))])
     sp = SpeedConfig(compile=True, compile_regions=["Sequential", "Linear"])
-    assert speed.compile_blocks(net, tuple(sp.compile_regions), sp) == 3
+    assert regional_compile.compile_blocks(net, tuple(sp.compile_regions), sp) == 3
     assert sorted(seen) == ["Linear", "Sequential", "Sequential"]  # the Linears inside the Sequentials are not
     seen.clear()
     sp = SpeedConfig(compile=True, compile_regions=["Sequential", "Transformer2DModel"])
     with pytest.raises(ConfigError, match="Transformer2DModel") as e:
-        speed.compile_blocks(net, tuple(sp.compile_regions), sp)
+        regional_compile.compile_blocks(net, tuple(sp.compile_regions), sp)
     assert "Sequential" not in str(e.value.message) and seen == []
 
 
@@ -323,7 +325,7 @@ def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_mode
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from difftrain.bench import step_flops
+    from difftrain.flows.bench import step_flops
 
     common = {"train.batch_size": 1, "memory.activations.kind": "none", "data.cache_dir": tmp_path / "cache"}
     precompute(_cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "p", **common))
@@ -382,7 +384,7 @@ def test_speed_attention_fa4_says_after_the_first_step_whether_any_attention_rea
     check is skipped and, in the second run, the kernel is SDPA behind FA4's call counter."""
     import torch.nn.functional as F
 
-    from difftrain import fa4
+    from difftrain.speed import fa4
 
     common = {"train.max_steps": 2, "train.checkpoint_every": 1000, "data.cache_dir": tmp_path / "cache",
               "speed.attention": "fa4"}  # fmt: skip

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from difftrain.bench import _prepare
 from difftrain.config.load import resolve
-from difftrain.speed import recompile_limit_hits
+from difftrain.flows.bench import _prepare
+from difftrain.speed.regional_compile import recompile_limit_hits
 from difftrain.trainers.loop import Hooks, Trainer
 
 BUCKETS = [(128, 128), (96, 160), (160, 96)]
@@ -82,7 +82,7 @@ def test_a_recompile_limit_hit_is_named_not_silent():
     import torch._dynamo
 
     from difftrain.config.schema import SpeedConfig
-    from difftrain.speed import configure_compile
+    from difftrain.speed.regional_compile import configure_compile
 
     configure_compile(SpeedConfig(compile=True))
     torch._dynamo.reset()

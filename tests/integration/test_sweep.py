@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from difftrain.sweep import SweepSpec, expand, load_spec, parse_dist, parse_grid, sort_rows, trial_name
+from difftrain.flows.sweep import SweepSpec, expand, load_spec, parse_dist, parse_grid, sort_rows, trial_name
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 from difftrain.config.load import resolve
 from difftrain.config.schema import MemoryConfig
 from difftrain.memory.optimizers import AdafactorBF16, FusedBackward, make_optimizer
-from difftrain.planning import plan_memory
+from difftrain.planning.estimate import plan_memory
 
 
 def _grads(shape, i):

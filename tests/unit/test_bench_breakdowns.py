@@ -2,7 +2,7 @@
 Hopper's cuBLAS/cuDNN/flash/inductor kernels are called), so a missed MFU target says where the time went; a
 compiled run reports where compiling went."""
 
-from difftrain.bench import compile_phases, kernel_breakdown, kernel_kind
+from difftrain.flows.bench import compile_phases, kernel_breakdown, kernel_kind
 
 
 def test_kernel_names_sort_into_kinds():
@@ -55,7 +55,7 @@ def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
     import torch._dynamo
 
     torch._dynamo.reset()
-    from difftrain.bench import _compile_totals
+    from difftrain.flows.bench import _compile_totals
 
     before = compile_phases()["graphs"]
 

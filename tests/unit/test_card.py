@@ -12,7 +12,7 @@ import pytest
 
 from difftrain.config.load import resolve
 from difftrain.memory import card
-from difftrain.planning import plan_memory
+from difftrain.planning.estimate import plan_memory
 
 # the console script the package installs; the GPU machine runs the tree from PYTHONPATH, without one
 _SCRIPT = Path(sys.executable).with_name("difftrain")
@@ -70,7 +70,7 @@ def test_estimate_card_total_and_what_must_be_free():
 
 
 def test_largest_term_names_the_technique_that_cuts_it():
-    from difftrain.bench import largest_term
+    from difftrain.flows.bench import largest_term
 
     e = plan_memory(resolve(recipe="sdxl-full").config)
     name = max(e.gpu, key=lambda k: e.gpu[k])

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from difftrain import distributed as d
+from difftrain.runtime import distributed as d
 
 
 def test_world_comes_from_torchruns_environment():
@@ -124,7 +124,7 @@ def test_fused_backward_on_several_ddp_processes_is_refused_before_any_process_s
     from pathlib import Path
 
     from difftrain.config.load import resolve
-    from difftrain.distributed import engine_problem
+    from difftrain.runtime.distributed import engine_problem
 
     full = ["train.method=full", "memory.fused_backward=true", "memory.optimizer.kind=adafactor",
             "train.max_grad_norm=null"]  # fmt: skip

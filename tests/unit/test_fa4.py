@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import clean_failure, script_train, set_args, tiny_sets
-from difftrain import fa4
 from difftrain.errors import BackendUnavailable
+from difftrain.speed import fa4
 
 
 def _fake(*shape, device="cuda", dtype=torch.bfloat16):
@@ -133,22 +133,22 @@ def _cfg(attention="auto"):
 
 
 def test_auto_takes_fa4_where_it_is_installed_and_runs_and_says_so(monkeypatch):
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
 
     checked = []
     monkeypatch.setattr(fa4, "unavailable", lambda device: None)
     monkeypatch.setattr(fa4, "check", checked.append)
-    cfg, line = speed.resolve_attention(_cfg(), torch.device("cpu"))
+    cfg, line = speed_auto.resolve_attention(_cfg(), torch.device("cpu"))
     assert cfg.speed.attention == "fa4" and checked == [torch.device("cpu")]
     assert line is not None and "FlashAttention-4" in line and "4,096 keys" in line
     assert _cfg().speed.attention == "auto"  # the user's config is not changed, a resolved copy is returned
 
 
 def test_auto_stays_on_sdpa_where_fa4_is_missing_or_fails(monkeypatch):
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
 
     cpu = torch.device("cpu")
-    cfg, line = speed.resolve_attention(_cfg(), cpu)  # this machine: no GPU, no flash-attn-4
+    cfg, line = speed_auto.resolve_attention(_cfg(), cpu)  # this machine: no GPU, no flash-attn-4
     assert cfg.speed.attention == "auto" and line is None
     assert fa4.unavailable(cpu) == "the device is cpu"
 
@@ -158,25 +158,25 @@ def test_auto_stays_on_sdpa_where_fa4_is_missing_or_fails(monkeypatch):
     monkeypatch.setattr(fa4, "unavailable", lambda device: None)
     monkeypatch.setattr(fa4, "installed", lambda: True)
     monkeypatch.setattr(fa4, "check", broken)
-    cfg, line = speed.resolve_attention(_cfg(), cpu)  # installed but its kernels do not run: said, not fatal
+    cfg, line = speed_auto.resolve_attention(_cfg(), cpu)  # installed but its kernels do not run: said, not fatal
     assert cfg.speed.attention == "auto" and line is not None and "torch's SDPA" in line and "no sm_90a" in line
 
 
 def test_an_explicit_kernel_is_checked_and_kept(monkeypatch):
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
 
     monkeypatch.setattr(fa4, "unavailable", lambda device: pytest.fail("auto's probe ran for an explicit kernel"))
-    cfg, line = speed.resolve_attention(_cfg("math"), torch.device("cpu"))
+    cfg, line = speed_auto.resolve_attention(_cfg("math"), torch.device("cpu"))
     assert cfg.speed.attention == "math" and line is None
     with pytest.raises(BackendUnavailable, match="CUDA GPUs only"):
-        speed.resolve_attention(_cfg("fa4"), torch.device("cpu"))
+        speed_auto.resolve_attention(_cfg("fa4"), torch.device("cpu"))
 
 
 def test_fa4_for_a_family_that_avoids_cudnn_keeps_cudnn_out_of_the_calls_left_to_sdpa(monkeypatch):
     from torch.nn.attention import SDPBackend
 
-    from difftrain import speed
     from difftrain.config.schema import SpeedConfig
+    from difftrain.speed import attention as speed_attention
 
     entered = []
     import torch.nn.attention as attention_mod
@@ -186,10 +186,10 @@ def test_fa4_for_a_family_that_avoids_cudnn_keeps_cudnn_out_of_the_calls_left_to
     )
     original = F.scaled_dot_product_attention
     sp = SpeedConfig(attention="fa4")
-    with speed.attention_context(sp, torch.device("cuda"), avoid_cudnn=True):
+    with speed_attention.attention_context(sp, torch.device("cuda"), avoid_cudnn=True):
         assert F.scaled_dot_product_attention is fa4.sdpa
     assert F.scaled_dot_product_attention is original
     assert len(entered) == 1 and SDPBackend.CUDNN_ATTENTION not in entered[0]
-    with speed.attention_context(sp, torch.device("cuda")):
+    with speed_attention.attention_context(sp, torch.device("cuda")):
         assert F.scaled_dot_product_attention is fa4.sdpa
     assert len(entered) == 1  # no cuDNN restriction for the other families

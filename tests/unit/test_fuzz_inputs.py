@@ -302,7 +302,7 @@ def test_caption_augmentation(caption, tags, source, data):
     )
 )
 def test_sweep_files_of_any_structure(data):
-    from difftrain.sweep import expand, load_spec
+    from difftrain.flows.sweep import expand, load_spec
 
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "sweep.yaml"

@@ -1,4 +1,4 @@
-"""speed.geglu: diffusers' GEGLU with difftrain's backward (geglu.py). The Triton kernel itself runs on the GPU
+"""speed.geglu: diffusers' GEGLU with difftrain's backward (speed/geglu.py). The Triton kernel itself runs on the GPU
 (tests/gpu/test_geglu_gpu.py); here its torch reference, the module swap and the choice are checked on the CPU."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pickle
 import pytest
 import torch
 
-from difftrain import geglu
 from difftrain.config.load import resolve
 from difftrain.errors import BackendUnavailable
+from difftrain.speed import geglu
 
 
 def _pair(dtype):
@@ -78,35 +78,38 @@ def test_auto_is_torch_off_cuda_and_triton_there_is_refused():
     assert cfg.speed.geglu == "auto"
     cpu = torch.device("cpu")
     assert geglu.available(cpu) == "not a CUDA device"
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
 
-    assert speed.resolve_geglu(cfg, cpu).speed.geglu == "torch"
-    assert speed.resolve_geglu(resolve(recipe="sdxl-lora-8gb", sets=["speed.geglu=torch"]).config, cpu).speed.geglu == (
-        "torch"
-    )
+    assert speed_auto.resolve_geglu(cfg, cpu).speed.geglu == "torch"
+    assert speed_auto.resolve_geglu(
+        resolve(recipe="sdxl-lora-8gb", sets=["speed.geglu=torch"]).config, cpu
+    ).speed.geglu == ("torch")
     with pytest.raises(BackendUnavailable, match=r"speed\.geglu triton needs a CUDA GPU and Triton") as e:
-        speed.resolve_geglu(resolve(recipe="sdxl-lora-8gb", sets=["speed.geglu=triton"]).config, cpu)
+        speed_auto.resolve_geglu(resolve(recipe="sdxl-lora-8gb", sets=["speed.geglu=triton"]).config, cpu)
     assert "speed.geglu: auto" in (e.value.hint or "")
 
 
 def test_a_gpu_older_than_triton_supports_keeps_diffusers_ops(monkeypatch):
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
     assert geglu.available(torch.device("cuda")) == "compute capability 6.1 (Triton needs 7.0 or newer)"
     cfg = resolve(recipe="sdxl-lora-8gb").config
-    assert speed.resolve_geglu(cfg, torch.device("cuda")).speed.geglu == "torch"
+    assert speed_auto.resolve_geglu(cfg, torch.device("cuda")).speed.geglu == "torch"
 
 
 def test_auto_takes_triton_where_it_runs(monkeypatch):
-    from difftrain import speed
+    from difftrain.speed import auto as speed_auto
+    from difftrain.speed import regional_compile
 
     monkeypatch.setattr(geglu, "available", lambda device: None)
     cfg = resolve(recipe="sdxl-lora-8gb").config
-    assert speed.resolve_geglu(cfg, torch.device("cuda")).speed.geglu == "triton"
+    assert speed_auto.resolve_geglu(cfg, torch.device("cuda")).speed.geglu == "triton"
     keep = resolve(recipe="sdxl-lora-8gb", sets=["speed.geglu=torch"]).config
-    assert speed.resolve_geglu(keep, torch.device("cuda")).speed.geglu == "torch"
-    assert speed.warm_key(speed.resolve_geglu(cfg, torch.device("cuda"))) != speed.warm_key(keep)
+    assert speed_auto.resolve_geglu(keep, torch.device("cuda")).speed.geglu == "torch"
+    assert regional_compile.warm_key(speed_auto.resolve_geglu(cfg, torch.device("cuda"))) != regional_compile.warm_key(
+        keep
+    )
 
 
 def test_train_with_the_triton_gate_on_the_cpu_fails_cleanly_before_loading(tiny_model, dataset, tmp_path):

@@ -1,4 +1,4 @@
-"""speed.lora_kernel: peft's LoRA Linear with difftrain's fused forward and backward (lora/fused.py). What it buys
+"""speed.lora_kernel: peft's LoRA Linear with difftrain's fused forward and backward (speed/lora_kernel.py). What it buys
 is measured on a GPU (benchmarks/lora_block.py); here its arithmetic, its fall-backs to peft and the choice."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from difftrain import speed
 from difftrain.config.load import resolve
-from difftrain.lora import fused
+from difftrain.speed import auto as speed_auto
+from difftrain.speed import lora_kernel as fused
+from difftrain.speed import regional_compile
 
 
 def _net(dropout: float = 0.0, bias: bool = True) -> torch.nn.Module:
@@ -114,15 +115,17 @@ def test_use_fused_keeps_weights_names_and_pickles():
 def test_auto_takes_the_fused_kernel_on_cuda_without_checkpointing_only():
     cfg = resolve(recipe="sdxl-lora-8gb", sets=["memory.activations.kind=none"]).config
     assert cfg.speed.lora_kernel == "auto"
-    assert speed.lora_kernel_auto(cfg, torch.device("cpu")) == "peft"
-    assert speed.lora_kernel_auto(cfg, torch.device("cuda")) == "fused"
+    assert speed_auto.lora_kernel_auto(cfg, torch.device("cpu")) == "peft"
+    assert speed_auto.lora_kernel_auto(cfg, torch.device("cuda")) == "fused"
     # the recipe as shipped checkpoints: the fused backward's tensors would be kept (more memory than its card)
-    assert speed.lora_kernel_auto(resolve(recipe="sdxl-lora-8gb").config, torch.device("cuda")) == "peft"
+    assert speed_auto.lora_kernel_auto(resolve(recipe="sdxl-lora-8gb").config, torch.device("cuda")) == "peft"
     keep = resolve(recipe="sdxl-lora-8gb", sets=["memory.activations.kind=none", "speed.lora_kernel=peft"]).config
-    assert speed.lora_kernel_auto(keep, torch.device("cuda")) == "peft"
+    assert speed_auto.lora_kernel_auto(keep, torch.device("cuda")) == "peft"
     named = resolve(recipe="sdxl-lora-8gb", sets=["speed.lora_kernel=fused"]).config
-    assert speed.lora_kernel_auto(named, torch.device("cuda")) == "fused"  # named: it stands
-    assert speed.warm_key(cfg) != speed.warm_key(keep)  # another compiled graph: another cache entry
+    assert speed_auto.lora_kernel_auto(named, torch.device("cuda")) == "fused"  # named: it stands
+    assert regional_compile.warm_key(cfg) != regional_compile.warm_key(
+        keep
+    )  # another compiled graph: another cache entry
 
 
 @pytest.mark.parametrize(
@@ -136,15 +139,15 @@ def test_auto_takes_the_fused_kernel_on_cuda_without_checkpointing_only():
         ("sdxl-lora-8gb", ["memory.engine.kind=deepspeed"], True, "cuda", False),
         ("sdxl-lora-8gb", ["memory.weights.kind=fp8"], True, "cuda", False),  # fp8 convolutions: not measured
         ("sd3-lora-8gb", [], True, "cuda", False),  # a transformer: no convolutions
-        ("sdxl-lora-8gb", ["speed.channels_last=false"], True, "cuda", False),
-        ("sdxl-lora-8gb", ["speed.channels_last=true"], False, "cpu", True),
+        ("sdxl-lora-8gb", ["memory_format.channels_last=false"], True, "cuda", False),
+        ("sdxl-lora-8gb", ["memory_format.channels_last=true"], False, "cpu", True),
     ],
 )
 def test_channels_last_auto(recipe, sets, compiled, device, expect):
     from difftrain.families.registry import row
 
     cfg = resolve(recipe=recipe, sets=sets).config
-    assert speed.channels_last_auto(cfg, row(cfg.family).channels_last, compiled, torch.device(device)) is expect
+    assert speed_auto.channels_last_auto(cfg, row(cfg.family).channels_last, compiled, torch.device(device)) is expect
 
 
 def _block() -> torch.nn.Module:

@@ -9,7 +9,7 @@ import pytest
 from difftrain.config.load import resolve
 from difftrain.config.recipes import recipe_header, recipe_names
 from difftrain.memory.planner import COMPILED_ACTIVATIONS, GIB, ZERO3_MAX_LIVE, ZERO_BUCKET, estimate
-from difftrain.planning import plan_memory
+from difftrain.planning.estimate import plan_memory
 
 
 def _hints(**over):
@@ -319,7 +319,9 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     from difftrain.errors import DifftrainError
 
     cfg = resolve(recipe="sdxl-full").config
-    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (64.0, 60.0))  # host RAM is not what is tested here
+    monkeypatch.setattr(
+        "difftrain.flows.doctor.host_ram_gib", lambda: (64.0, 60.0)
+    )  # host RAM is not what is tested here
     monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GIB, 80 * GIB))
     e = plan_memory(cfg)  # torch's reservation and the CUDA libraries still to load must be free
@@ -341,7 +343,7 @@ def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     e = plan_memory(cfg)
     term = max(e.host, key=lambda k: e.host[k])
     assert term == "optimizer state"  # AdamW's state on the host: 4 copies of the weights
-    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (32.0, 20.0))
+    monkeypatch.setattr("difftrain.flows.doctor.host_ram_gib", lambda: (32.0, 20.0))
     msg = rf"needs about {e.host_total:.1f} GiB of host RAM \(the largest term: optimizer state, "
     with pytest.raises(DifftrainError, match=msg + r".*and 20\.0 GiB is available"):
         train_cmd.check_memory(cfg, strict=True)
@@ -349,10 +351,10 @@ def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     train_cmd.check_memory(cfg, strict=False)
     err = capsys.readouterr().err
     assert "of host RAM" in err and "--ram 20GiB" in err
-    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (128.0, e.host_total + 1))
+    monkeypatch.setattr("difftrain.flows.doctor.host_ram_gib", lambda: (128.0, e.host_total + 1))
     train_cmd.check_memory(cfg, strict=True)
     assert "host RAM" not in capsys.readouterr().err
-    monkeypatch.setattr("difftrain.doctor.host_ram_gib", lambda: (None, None))  # unknown: nothing to compare
+    monkeypatch.setattr("difftrain.flows.doctor.host_ram_gib", lambda: (None, None))  # unknown: nothing to compare
     train_cmd.check_memory(cfg, strict=True)
 
 
@@ -540,7 +542,7 @@ def test_cuda_graphs_pool_is_reserved_where_graphs_may_be_recorded():
     """sdxl-lora-8gb as shipped (speed auto) may record CUDA graphs: their pool (+0.3 GiB reserved over six buckets on
     the H100) is in the reserved peak and the card's total, not in the allocated peak; graphs switched off, block swap
     or the CPU leave it out."""
-    from difftrain.speed import graphs_possible as graphs_expected
+    from difftrain.speed.auto import graphs_possible as graphs_expected
 
     def plan(*sets):
         cfg = resolve(recipe="sdxl-lora-8gb", sets=list(sets)).config
@@ -624,7 +626,7 @@ def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_scri
 
 
 def test_engine_auto_chooses_ddp_where_a_replica_fits_else_the_first_zero_stage_that_does():
-    from difftrain.planning import choose_engine
+    from difftrain.planning.engines import choose_engine
 
     full = resolve(recipe="sdxl-full").config  # AdamW8bit, checkpointing: ~22 GiB a replica on 2 GPUs
     assert full.memory.engine.kind == "auto"
@@ -667,7 +669,7 @@ def test_engine_auto_chooses_ddp_where_a_replica_fits_else_the_first_zero_stage_
 
 
 def test_engine_auto_keeps_the_engine_a_resumed_checkpoint_was_made_with():
-    from difftrain.planning import choose_engine
+    from difftrain.planning.engines import choose_engine
 
     full = resolve(recipe="sdxl-full").config
     z3 = {"kind": "deepspeed", "stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "none",
@@ -680,7 +682,7 @@ def test_engine_auto_keeps_the_engine_a_resumed_checkpoint_was_made_with():
 
 
 def test_plan_says_what_is_measured_of_each_engines_scaling():
-    from difftrain.planning import choose_engine, expected_scaling
+    from difftrain.planning.engines import choose_engine, expected_scaling
 
     lora = resolve(recipe="sdxl-lora-8gb").config
     assert expected_scaling(lora, 1) is None
@@ -714,7 +716,7 @@ def test_plan_says_what_is_measured_of_each_engines_scaling():
 def test_fsdp_plan_shards_weights_gradients_and_adamw_over_the_gpus():
     """memory.engine fsdp: each GPU's fp32 master, gradient and AdamW shares shrink with the GPU count; what is
     gathered whole (the root and two blocks, in bf16) does not."""
-    from difftrain.planning import plan_memory
+    from difftrain.planning.estimate import plan_memory
 
     def est(n, **extra):
         sets = ["memory.engine={kind: fsdp}", "memory.optimizer.kind=adamw"] + [f"{k}={v}" for k, v in extra.items()]

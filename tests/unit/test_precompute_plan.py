@@ -17,8 +17,8 @@ from difftrain.data.cache import DataCache
 from difftrain.data.captions import CaptionAugment
 from difftrain.data.index import IndexItem
 from difftrain.data.sources import ImageRecord
-from difftrain.distributed import World
 from difftrain.precompute.plan import Buckets, Placement, PlanItem, make_plan, place, scan
+from difftrain.runtime.distributed import World
 from difftrain.utils import atomic_write_json
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "cache-v1"

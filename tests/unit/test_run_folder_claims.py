@@ -162,7 +162,7 @@ def test_only_faults_a_restart_could_get_past_restart_the_group():
     in the code (a shape that does not match) does not."""
     import torch.distributed as tdist
 
-    from difftrain.distributed import restart_may_help
+    from difftrain.runtime.distributed import restart_may_help
 
     assert not restart_may_help(RuntimeError("output with shape [0] doesn't match the broadcast shape [320, 640]"))
     assert not restart_may_help(ValueError("invalid literal for int() with base 10: '0a'"))

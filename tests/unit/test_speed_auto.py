@@ -10,7 +10,7 @@ import pytest
 from difftrain.config.load import resolve
 from difftrain.config.schema import SpeedConfig
 from difftrain.errors import BackendUnavailable
-from difftrain.speed import (
+from difftrain.speed.auto import (
     MAX_GRAPH_SHAPES,
     PAYBACK,
     CompileCost,
@@ -18,10 +18,9 @@ from difftrain.speed import (
     RunFacts,
     decide,
     graphs_possible,
-    is_warm,
-    mark_warm,
     platform_facts,
 )
+from difftrain.speed.regional_compile import is_warm, mark_warm
 
 COST = CompileCost(
     cold_s=120.0, warm_s=30.0, saved_s=0.8, saved_s_no_graphs=0.3, dynamic_s=3.0, shape_s=1.0, record_s=10.0
@@ -101,7 +100,7 @@ def test_cuda_graphs_stay_off_where_they_do_not_fit_and_say_why(run, words):
 def test_lora_block_swap_records_cuda_graphs_and_a_full_fine_tunes_does_not():
     # LoRA's swapped blocks are frozen: they land in fixed GPU slots and the graphs replay (measured on
     # sdxl-lora-4gb); a full fine-tune's are stepped and copied home, not measured with graphs
-    from difftrain.speed import run_facts
+    from difftrain.speed.auto import run_facts
 
     lora_facts = run_facts(resolve(recipe="sdxl-lora-4gb").config, steps=5000)
     assert not lora_facts.block_swap_trained and run_facts(resolve(recipe="sdxl-full-8gb").config, 5).block_swap_trained
@@ -209,7 +208,7 @@ def test_the_warm_marker_is_per_config_and_survives_damage(tmp_path):
 
 def test_the_warm_key_follows_what_compiles():
     from difftrain.config.load import resolve
-    from difftrain.speed import warm_key
+    from difftrain.speed.regional_compile import warm_key
 
     a = resolve(recipe="sdxl-lora-8gb").config
     b = resolve(recipe="sdxl-lora-8gb", sets=["train.learning_rate=3e-4"]).config
@@ -231,7 +230,7 @@ def test_the_flux_fp8_recipe_compiles_without_cuda_graphs():
     """flux-lora-24gb stores the transformer in fp8: auto compiles it without graphs (with them the H100 step was
     10.2 s against 1.43 eager)."""
     from difftrain.config.load import resolve
-    from difftrain.speed import run_facts
+    from difftrain.speed.auto import run_facts
 
     facts = run_facts(resolve(recipe="flux-lora-24gb").config, steps=2000)
     assert facts.fp8_weights and not run_facts(resolve(recipe="sd3-lora-8gb").config, steps=2000).fp8_weights

@@ -120,8 +120,8 @@ def _cli_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, .
 
 def _peer_lost(e: BaseException) -> bool:
     """Whether ``e`` says another process of the group died (read only under a launcher, where torch, which
-    difftrain.distributed imports, is loaded already: a usage error stays quick)."""
-    from ..distributed import PEER_LOST
+    difftrain.runtime.distributed imports, is loaded already: a usage error stays quick)."""
+    from ..runtime.distributed import PEER_LOST
 
     return any(m in str(e) for m in PEER_LOST)
 

@@ -53,7 +53,7 @@ def memory(
     json_out: Annotated[Path | None, typer.Option("--json", help="write the figures here too")] = None,
 ) -> None:
     """Train a config for a few steps on random data of the real shapes; print peak memory, step time and the plan."""
-    from ..bench import bench_memory
+    from ..flows.bench import bench_memory
     from ..memory.card import parse_card
     from ..utils import atomic_write_text
 
@@ -154,8 +154,8 @@ def speed(
 ) -> None:
     """Time a config against the eager baseline (the same config with the speed section off, or --baseline-set)
     in the same run: s/step, samples/s, model TFLOP/s and MFU against this device's measured matmul peak."""
-    from ..bench import baseline_config, bench_speed
     from ..config.load import parse_set
+    from ..flows.bench import baseline_config, bench_speed
 
     resolved = resolved_config(recipe, config, set_)
     cfg = resolved.config
@@ -210,7 +210,7 @@ def _size(size: str | None, option: str = "--size") -> tuple[int, int] | None:
 
 def _print_speed(r: dict, what: str | Path, steps: int, warmup: int, folder: Path) -> None:
     """bench_speed's result ``r`` for the config ``what``: the table of runs, then profiles, compile times, notes."""
-    from ..bench import kinds_line
+    from ..flows.bench import kinds_line
 
     t = Table(
         title=f"bench speed: {what} on {r['device']} ({warmup} + {steps} steps; matmul peak {r['peak_tflops']} TFLOP/s)"

@@ -69,7 +69,7 @@ def prune(
     if dry_run:  # reads only
         r = prune_cache(folder, dry_run=True)
     else:
-        from ..locks import writer_lock
+        from ..runtime.locks import writer_lock
 
         with writer_lock(folder, "cache"):  # not while a precompute writes into it
             r = prune_cache(folder, dry_run=False)

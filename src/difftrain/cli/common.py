@@ -20,7 +20,7 @@ def with_hub_model(res: Resolved) -> Resolved:
     run's config.yaml says exactly which weights trained."""
     from ..console import info
     from ..families.registry import get_family
-    from ..hub import resolve_model_path
+    from ..runtime.hub import resolve_model_path
 
     cfg = res.config
     path, ref = resolve_model_path(cfg.model.path, get_family(cfg.family).parts)

@@ -166,7 +166,7 @@ def precompute(
         return
     with_hub_model(res)  # before the processes start: they find it in the cache
     if gpus > 1 and "LOCAL_RANK" not in os.environ:
-        from ..distributed import launch
+        from ..runtime.distributed import launch
         from .common import invoked_argv
 
         launch(gpus, invoked_argv())

@@ -18,7 +18,7 @@ def doctor(
 ) -> None:
     """Check this machine: versions, GPUs, host RAM, optional engines, several-process support; with --recipe,
     whether that config fits. Exit code 1 when something fails."""
-    from ..doctor import checks, environment_lines, recipe_fit
+    from ..flows.doctor import checks, environment_lines, recipe_fit
 
     rows = checks()
     if recipe or config:

@@ -65,17 +65,11 @@ def plan(
     ] = 1,
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
-    from ..distributed import engine_problem
     from ..families.registry import get_family
     from ..memory.planner import as_set_lines, candidates, speed_cost
-    from ..planning import (
-        choose_engine,
-        expected_scaling,
-        launch_problem,
-        memory_hints,
-        plan_memory,
-        precompute_lines,
-    )
+    from ..planning.engines import choose_engine, expected_scaling, launch_problem
+    from ..planning.estimate import memory_hints, plan_memory, precompute_lines
+    from ..runtime.distributed import engine_problem
 
     res = resolved_config(recipe, config, set_)
     cfg = res.config

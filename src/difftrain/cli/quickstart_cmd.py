@@ -30,7 +30,7 @@ def quickstart(
 ) -> None:
     """Run the whole flow on a family's tiny seeded model and synthetic data: no downloads, a few minutes on a CPU."""
     from ..families.registry import DEFAULT_FAMILY, get_family
-    from ..quickstart import quickstart_families, run_quickstart
+    from ..flows.quickstart import quickstart_families, run_quickstart
 
     family = family or DEFAULT_FAMILY
     known = quickstart_families()

@@ -48,7 +48,7 @@ def sweep(
     if ctx.invoked_subcommand is not None:
         return
     from ..errors import UsageError
-    from ..sweep import SweepSpec, load_spec, parse_dist, parse_gpus, parse_grid, run_sweep
+    from ..flows.sweep import SweepSpec, load_spec, parse_dist, parse_gpus, parse_grid, run_sweep
 
     spec = load_spec(spec_file) if spec_file else SweepSpec()
     spec.recipe = recipe or spec.recipe
@@ -92,7 +92,7 @@ def report(
 ) -> None:
     """Redraw a sweep's table, CSV/JSON and report.html from its trial folders."""
     from ..errors import UsageError
-    from ..sweep import write_results
+    from ..flows.sweep import write_results
 
     if not (folder / "sweep.json").is_file():
         raise UsageError(

@@ -85,9 +85,9 @@ def train(
             )
         extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
         res = resolved_config(recipe, config, set_, extra)  # config errors, once
-        from ..distributed import ENGINE_HINT
         from ..errors import ConfigError
-        from ..planning import launch_problem
+        from ..planning.engines import launch_problem
+        from ..runtime.distributed import ENGINE_HINT
 
         problem = launch_problem(res.config, gpus * nodes)
         if problem:
@@ -96,7 +96,7 @@ def train(
         if not no_precompute:  # once, here, before the processes start
             if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
                 from ..data.cache import cache_dir_for
-                from ..locks import writer_lock
+                from ..runtime.locks import writer_lock
 
                 with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
                     precompute_missing(res.config)
@@ -159,8 +159,8 @@ def launch_claimed(out, gpus: int, argv: list[str], resume, overwrite: bool, nod
     import contextlib
     import os
 
-    from ..distributed import launch
-    from ..locks import writer_lock
+    from ..runtime.distributed import launch
+    from ..runtime.locks import writer_lock
     from ..trainers import run_folder as rf
 
     first = node_rank == 0
@@ -219,9 +219,9 @@ def check_memory(cfg, strict: bool) -> None:
     import torch
 
     from ..console import warn
-    from ..doctor import host_ram_gib
     from ..errors import DifftrainError
-    from ..planning import plan_memory
+    from ..flows.doctor import host_ram_gib
+    from ..planning.estimate import plan_memory
     from ..utils import pick_device
 
     plan = plan_memory(cfg)

@@ -94,7 +94,7 @@ def resolve_source(
         raise ModelLoadError("No model was given.", hint=no_model_hint)
     p = Path(mcfg.path).expanduser()
     if not p.exists():
-        from ..hub import parse_hub_id, resolve_model_path
+        from ..runtime.hub import parse_hub_id, resolve_model_path
 
         if parse_hub_id(mcfg.path) is not None:  # a Hub id (the CLI resolved it already; a sweep's trial, a library
             p = resolve_model_path(mcfg.path, parts)[0] or p  # caller reach it here): the HF cache, or fetched

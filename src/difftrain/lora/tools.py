@@ -117,7 +117,7 @@ def _family_of(base: Path, keys: list[str] | None) -> ModelFamily:
 def _base(base: Path, family: str | None, config: str | None):
     """(family, model config, parts present, weight files) of a single-file checkpoint or a diffusers folder."""
     from ..families.registry import get_family
-    from ..hub import parse_hub_id, resolve_model_path
+    from ..runtime.hub import parse_hub_id, resolve_model_path
 
     if not Path(base).expanduser().exists() and parse_hub_id(base) is not None:
         # a Hub id: the parts a merge writes into (the denoiser and text encoders), from the cache or downloaded

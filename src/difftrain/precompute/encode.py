@@ -17,11 +17,11 @@ import torch
 from ..config.schema import Config
 from ..console import info, progress
 from ..data.cache import DataCache, merge_manifests
-from ..distributed import World
-from ..distributed import barrier as dist_barrier
 from ..errors import DataError
 from ..families.base import ModelFamily
 from ..memory.planner import VAE_ENCODE_BYTES_PER_PIXEL, vae_chunk
+from ..runtime.distributed import World
+from ..runtime.distributed import barrier as dist_barrier
 from ..utils import to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .plan import Plan, PlanItem, Skipped

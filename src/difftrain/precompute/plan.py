@@ -21,10 +21,10 @@ from ..data.captions import CaptionAugment, caption_variants
 from ..data.index import CacheIndex, IndexItem, TextKeys
 from ..data.keys import CacheKeys
 from ..data.sources import ImageRecord, scan_dataset
-from ..distributed import World
-from ..distributed import barrier as dist_barrier
 from ..errors import UsageError
 from ..families.base import ModelFamily
+from ..runtime.distributed import World
+from ..runtime.distributed import barrier as dist_barrier
 from ..utils import sha256_file
 from .prior import ensure_class_images
 

@@ -22,12 +22,12 @@ from ..console import warn
 from ..data.cache import DataCache, cache_dir_for
 from ..data.captions import CaptionAugment
 from ..data.sources import ImageRecord
-from ..distributed import World, world_from_env
-from ..distributed import barrier as dist_barrier
-from ..distributed import init as dist_init
 from ..errors import DataError, UsageError
 from ..families.base import ModelFamily
 from ..families.registry import get_family
+from ..runtime.distributed import World, world_from_env
+from ..runtime.distributed import barrier as dist_barrier
+from ..runtime.distributed import init as dist_init
 from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, pick_device
 from .encode import encode_latents, encode_texts, gather, merge_shards
 from .plan import Placement, Plan, buckets_for, make_plan, place_all, scan
@@ -72,7 +72,7 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     cache = DataCache(cache_dir_for(cfg), shard_max_bytes=int(cfg.precompute.shard_max_mb * 2**20), writer=world.rank)
     if plan_only or not world.main:  # a plan writes nothing; the first process holds the lock for all of them
         return _precompute(cfg, family, world, device, cache, strict, plan_only)
-    from ..locks import writer_lock
+    from ..runtime.locks import writer_lock
 
     with writer_lock(cache.root, "cache"):
         return _precompute(cfg, family, world, device, cache, strict, plan_only)

@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import distributed as dist_
 from ..config.schema import Config
 from ..console import info
 from ..errors import CheckpointError, DifftrainError
 from ..lora.adapters import trainable_state
+from ..runtime import distributed as dist_
 from ..utils import atomic_dir
 from .state import load_tree, save_tree
 
 if TYPE_CHECKING:  # a cycle at import time otherwise
     from .export import Exporter
     from .feed import Feed, Position
-    from .setup import Parts
+    from .parts import Parts
 
 PREFIX = "step-"
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed as dist_
 from ..config.schema import Config
 from ..console import info
 from ..families.base import ModelFamily
 from ..lora.adapters import adapter_metadata, export_layers
+from ..runtime import distributed as dist_
 from ..utils import to_dtype
-from .setup import Parts
+from .parts import Parts
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

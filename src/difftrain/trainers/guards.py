@@ -15,10 +15,10 @@ from typing import NoReturn
 
 import torch
 
-from .. import distributed as dist_
 from ..config.schema import Config
 from ..console import warn
 from ..errors import DifftrainError, LossNotFinite
+from ..runtime import distributed as dist_
 from . import checkpoint as ckpt
 
 #: train.nonfinite skip: this many dropped updates in a row stop the run

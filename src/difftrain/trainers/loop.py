@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from rich.progress import TextColumn
 
-from .. import distributed as dist_
-from .. import speed as speed_
 from ..config.schema import Config
 from ..console import RateColumn, info, progress, warn
 from ..data.index import IndexItem
 from ..errors import DifftrainError, Interrupted, unexpected_words
 from ..families.registry import get_family
 from ..memory.plan import weights_dtype
-from ..planning import live_stages, plan_parts
+from ..planning.parts import live_stages, plan_parts
+from ..runtime import distributed as dist_
+from ..speed import attention as speed_attention
+from ..speed import auto as speed_auto
+from ..speed import regional_compile
 from ..utils import atomic_write_text, read_json_object
 from . import checkpoint as ckpt
 from . import run_folder as rf
@@ -104,8 +106,8 @@ class Trainer:
         self.cfg = cfg = choose_engine(cfg, self.world, self.device, resume)
         # auto resolved (FA4 where installed and running); an attention kernel the device lacks, named before loading
         self._attention_asked = cfg.speed.attention
-        self.cfg, line = speed_.resolve_attention(cfg, self.device)
-        self.cfg = cfg = speed_.resolve_geglu(self.cfg, self.device)
+        self.cfg, line = speed_auto.resolve_attention(cfg, self.device)
+        self.cfg = cfg = speed_auto.resolve_geglu(self.cfg, self.device)
         if line and self.world.main:
             info(line)
         self.feed = Feed(cfg, fam, self.device)
@@ -214,7 +216,7 @@ class Trainer:
             if not self.world.main:
                 rf.check_failure(self.out)  # a restart after a user error: the same error, at once
                 return self._run(None, stop_at)  # the first process's claim reaches it after the group forms
-            from ..locks import writer_lock
+            from ..runtime.locks import writer_lock
 
             by_launcher = os.environ.get(rf.ENV_CLAIMED) == "1"
             with contextlib.nullcontext() if by_launcher else writer_lock(self.out, "run folder"):
@@ -303,12 +305,12 @@ class Trainer:
     def _fa4_calls(self) -> int | None:
         if self.cfg.speed.attention != "fa4":
             return None
-        from .. import fa4
+        from ..speed import fa4
 
         return fa4.calls
 
     def _say_fa4(self, before: int) -> None:
-        from .. import fa4
+        from ..speed import fa4
 
         ran, line = fa4.first_step_line(before)
         if self.world.main:  # only an explicit fa4 that no call reached is worth a warning
@@ -341,7 +343,7 @@ class Trainer:
                             compiling = False
                             bar.update(task, description="training")
                             if self.world.main:
-                                speed_.mark_warm(self.cfg.speed, speed_.warm_key(self.cfg))
+                                regional_compile.mark_warm(self.cfg.speed, regional_compile.warm_key(self.cfg))
                 if pos.batch_pos >= len(batches):
                     self._end_epoch(result)
         if pos.step >= self.total_steps:
@@ -377,7 +379,7 @@ class Trainer:
         sync = self.parts.no_sync() if acc.micro + 1 < t.grad_accum else contextlib.nullcontext()
         if cfg.speed.cuda_graphs:  # a new step: the graphs' earlier outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
-        with sync, speed_.attention_context(cfg.speed, self.device, self.family.avoid_cudnn_attention):
+        with sync, speed_attention.attention_context(cfg.speed, self.device, self.family.avoid_cudnn_attention):
             loss, prior_value = self._micro_step(batch, prior, scale)
         acc.prior = acc.prior + prior_value
         acc.loss = acc.loss + loss

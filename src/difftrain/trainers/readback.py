@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .. import distributed as dist_
 from ..config.schema import Config
+from ..runtime import distributed as dist_
 from .guards import Guards
 
 

@@ -9,7 +9,6 @@ comes after it in that list and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 from collections.abc import Callable
@@ -20,16 +19,12 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import distributed as dist_
-from .. import geglu as geglu_
-from .. import speed as speed_
 from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
 from ..families.common import mapped_reads
 from ..families.registry import row
-from ..lora import fused as lora_fused
 from ..lora.adapters import adapter_metadata, add_lora
 from ..memory import pinned as pinned_
 from ..memory.plan import (
@@ -41,8 +36,15 @@ from ..memory.plan import (
     make_optimizer,
     weights_dtype,
 )
+from ..runtime import distributed as dist_
+from ..speed import auto as speed_auto
+from ..speed import float8 as speed_float8
+from ..speed import geglu as geglu_
+from ..speed import lora_kernel as lora_fused
+from ..speed import memory_format, regional_compile
 from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, gpu_index_gib, pick_device, stored_float_dtype
 from .ema import EMA
+from .parts import DDP, Parts
 
 
 def training_device(cfg: Config, world: dist_.World) -> torch.device:
@@ -77,45 +79,6 @@ def prepare_process(cfg: Config, world: dist_.World, device: torch.device) -> No
 
 
 @dataclass
-class Parts:
-    """The loaded components, what trains, and what steps it."""
-
-    comps: dict[str, Any]  # every loaded part (and tokenizers), by name
-    trained: dict[str, torch.nn.Module]  # the parts that train (LoRA-adapted or whole)
-    params: list[torch.nn.Parameter]  # their trainable parameters, in optimizer order
-    groups: list[dict]  # optimizer parameter groups (params, lr) per trained part
-    block_swap: Any = None  # the denoiser's block swap, when memory.offload is block_swap
-    engine: Any = None  # DeepSpeed's engine (it then owns the optimizer step)
-    optimizer: Any = None
-    wrapped: dict[str, torch.nn.Module] = field(default_factory=dict)  # DDP wrappers, for the forward passes only
-    ema: EMA | None = None
-    fsdp: bool = False  # the trained denoiser is sharded by FSDP2 (memory.engine fsdp)
-
-    def forward_module(self, part: str) -> torch.nn.Module:
-        """What a forward pass of ``part`` runs: its DDP wrapper on several processes, else the part."""
-        w = self.wrapped.get(part)
-        return w if w is not None else self.comps[part]
-
-    def denoiser(self, name: str) -> Any:
-        """The denoiser as the family runs it: through DeepSpeed's engine, a DDP wrapper, or as it is."""
-        if self.engine is not None:
-            return EngineView(self.engine, self.comps[name])
-        return self.forward_module(name)
-
-    def no_sync(self) -> contextlib.ExitStack:
-        """DDP's no_sync on every wrapper: micro-batches before the last of an accumulation keep their gradients
-        local."""
-        stack = contextlib.ExitStack()
-        for w in self.wrapped.values():
-            stack.enter_context(w.no_sync())  # type: ignore[operator]  # DDP's no_sync, an untyped method
-        if self.fsdp:
-            from ..memory.fsdp import no_sync
-
-            stack.enter_context(no_sync(list(self.trained.values())))
-        return stack
-
-
-@dataclass
 class Build:
     """What applying the techniques needs and collects, part by part."""
 
@@ -145,7 +108,7 @@ def _weights_before_adapters(b: Build, part: str, module: torch.nn.Module) -> No
 def _float8(b: Build, part: str, module: torch.nn.Module) -> None:
     """speed.float8: torchao float8 training of the trained denoiser's Linear layers (full fine-tunes)."""
     if b.cfg.speed.float8 and part == b.family.denoiser and part in b.lrs:
-        n = speed_.float8_training(module, b.device)
+        n = speed_float8.float8_training(module, b.device)
         info(f"speed.float8: {n} Linear layers of {part} compute in fp8 (torchao float8 training)")
 
 
@@ -221,7 +184,7 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
     if sp.channels_last is True and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
     elif sp.channels_last is True:
-        speed_.channels_last(module)
+        memory_format.channels_last(module)
         info(f"speed.channels_last: the convolutions of {part} run in channels-last memory format")
     if sp.compile:
         act = b.cfg.memory.activations
@@ -231,12 +194,12 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""
         hooks_outside = bool(hooks)
         regions = tuple(sp.compile_regions or b.family.repeated_blocks)
-        n = speed_.compile_blocks(module, regions, sp, checkpoint_every=every, hooks_outside=hooks_outside)
+        n = regional_compile.compile_blocks(module, regions, sp, checkpoint_every=every, hooks_outside=hooks_outside)
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
             f"{', checkpointed inside the compiled region' if every else ''}"
             f"{' (their forward only: ' + hooks + ' hooks around them)' if hooks_outside else ''}"
-            f" (cache: {speed_.compile_cache_dir(sp)})"
+            f" (cache: {regional_compile.compile_cache_dir(sp)})"
         )
 
 
@@ -251,7 +214,7 @@ def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume:
     """memory.engine ``auto`` resolved for this run (planning.choose_engine; the same choice on every process: the
     first one reads the resumed checkpoint's engine and shares it), said in one line; what the chosen engine cannot
     train on these processes is refused before anything loads."""
-    from ..planning import choose_engine as choose
+    from ..planning.engines import choose_engine as choose
     from .checkpoint import Checkpointer
 
     if cfg.memory.engine.kind != "auto":
@@ -273,18 +236,20 @@ def choose_engine(cfg: Config, world: dist_.World, device: torch.device, resume:
 
 def choose_speed(
     cfg: Config, family: ModelFamily, world: dist_.World, device: torch.device, steps: int, shapes: int
-) -> tuple[Config, speed_.SpeedChoice]:
+) -> tuple[Config, speed_auto.SpeedChoice]:
     """speed.compile and speed.cuda_graphs decided for this run (``auto`` resolved, explicit values kept), and
     the config with them set: everything after this reads plain booleans."""
-    warm = speed_.is_warm(cfg.speed, speed_.warm_key(cfg))
-    run = speed_.run_facts(cfg, steps, shapes=shapes, processes=world.size, warm=warm)
-    choice = speed_.decide(cfg.speed, speed_.CompileCost(**family.compile_cost), speed_.platform_facts(device), run)
+    warm = regional_compile.is_warm(cfg.speed, regional_compile.warm_key(cfg))
+    run = speed_auto.run_facts(cfg, steps, shapes=shapes, processes=world.size, warm=warm)
+    choice = speed_auto.decide(
+        cfg.speed, speed_auto.CompileCost(**family.compile_cost), speed_auto.platform_facts(device), run
+    )
     resolved = cfg.speed.model_copy(
         update={
             "compile": choice.compile,
             "cuda_graphs": choice.cuda_graphs,
-            "channels_last": speed_.channels_last_auto(cfg, row(cfg.family).channels_last, choice.compile, device),
-            "lora_kernel": speed_.lora_kernel_auto(cfg, device),
+            "channels_last": speed_auto.channels_last_auto(cfg, row(cfg.family).channels_last, choice.compile, device),
+            "lora_kernel": speed_auto.lora_kernel_auto(cfg, device),
         }
     )
     return cfg.model_copy(update={"speed": resolved}), choice
@@ -464,7 +429,7 @@ def _optimizer(cfg: Config, family: ModelFamily, parts: Parts) -> None:
             cfg, parts.trained[family.denoiser], parts.params, family.zero3_settings
         )
     else:
-        kernels = speed_.optimizer_kernels(cfg.speed, parts.params)
+        kernels = speed_auto.optimizer_kernels(cfg.speed, parts.params)
         parts.optimizer = make_optimizer(
             cfg.memory, parts.groups, cfg.train.learning_rate, seed=cfg.train.seed, kernels=kernels
         )
@@ -499,27 +464,3 @@ def _wrap_ddp(cfg: Config, world: dist_.World, device: torch.device, parts: Part
         parts.wrapped[part] = DDP(module, device_ids=ids, **opts)
     if cfg.memory.engine.kind == "single":
         info(f"{world.size} processes: gradients averaged with DDP (memory.engine ddp)")
-
-
-class EngineView:
-    """The DeepSpeed engine as the family sees the denoiser: calls run through the engine, attribute reads
-    go to the model (the engine has a ``config`` of its own: DeepSpeed's, not the transformer's)."""
-
-    def __init__(self, engine: Any, module: torch.nn.Module) -> None:
-        self._engine, self._module = engine, module
-
-    def __call__(self, *args, **kwargs):
-        return self._engine(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-
-class DDP(DistributedDataParallel):
-    """DDP whose attribute reads fall through to the wrapped module (family code reads ``.config``)."""
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.module, name)

@@ -96,7 +96,7 @@ class NoSinks:
 def write_report_page(out: Path) -> None:
     """The run's report.html (report.html: true), from the metrics it wrote."""
     try:
-        from ..report import write_run_report
+        from .report import write_run_report
 
         write_run_report(out)
     except ImportError as e:  # matplotlib missing: the run's results stand without their page

@@ -78,7 +78,7 @@ class SpeedConfig(Strict):
     lora_kernel: Literal["auto", "fused", "peft"] = Field(
         default="auto",
         description="how a LoRA Linear of the denoiser computes: fused: difftrain's forward and backward in fewer "
-        "passes over the activations, an attention's q, k and v of one input as one call (difftrain.lora.fused; "
+        "passes over the activations, an attention's q, k and v of one input as one call (difftrain.speed.lora_kernel; "
         "the same weights and files, bf16/fp16 autocast, one adapter without dropout, else peft's own); peft: "
         "peft's op by op; auto: fused on CUDA without gradient checkpointing (with it, sdxl-lora-8gb measured "
         "0.66 GiB more memory), peft elsewhere",

@@ -193,7 +193,7 @@ class SDXL(ModelFamily):
             module = self.empty_part(mcfg, part)
         if part != "unet":
             return common.adaptable_paths(module, common.clip_kohya_path)
-        rules = single_file._unet_map(single_file._config_json(common.module_config(module)))
+        rules = single_file._unet_map(single_file.config_json(common.module_config(module)))
 
         def rename(path: str) -> str | None:
             orig = rules.to_original(path + ".weight")

@@ -14,8 +14,8 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from . import distributed as dist_
-from .errors import DifftrainError
+from ..errors import DifftrainError
+from ..runtime import distributed as dist_
 
 
 @dataclass
@@ -56,7 +56,7 @@ def host_ram_gib() -> tuple[float | None, float | None]:
 def checks(platform_name: str = sys.platform) -> list[Check]:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     out = [
         Check("difftrain", "ok", __version__),
@@ -313,7 +313,7 @@ def _xformers(cuda: bool, device: str = "cuda") -> Check:
 
 def _flash_attention_4(capability: tuple[int, int] | None, device: str = "cuda") -> Check:
     """flash-attn-4 (speed.attention auto's choice where it runs): whether this GPU can use it, and whether it does."""
-    from . import fa4
+    from ..speed import fa4
 
     fix = "pip install flash-attn-4 (speed.attention auto then uses it: CogVideoX-2b LoRA steps 1.2x on an H100)"
     if capability is None:
@@ -383,7 +383,7 @@ def recipe_fit(cfg) -> Check:
     """The planner's peak for a config against this machine's free GPU memory (and available host RAM)."""
     import torch
 
-    from .planning import plan_memory
+    from ..planning.estimate import plan_memory
 
     plan = plan_memory(cfg)
     need, host = plan.free_needed, plan.host_total

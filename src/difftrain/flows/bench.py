@@ -15,20 +15,22 @@ from pathlib import Path
 
 import torch
 
-from .config.load import validate
-from .config.schema import Config, SpeedConfig
-from .data.cache import DataCache
-from .data.index import CacheIndex, IndexItem
-from .errors import UsageError
-from .families.registry import get_family
-from .families.tokenizers import tiny_clip_vocab
-from .memory.card import Overhead, allocator_budget, measure_overhead
-from .memory.planner import Estimate
-from .planning import plan_memory, plan_parts
-from .speed import peak_matmul_tflops, recompile_limit_hits
-from .trainers.loop import Hooks, Trainer
-from .trainers.profile import LAUNCH_KEYS
-from .utils import pick_device
+from ..config.load import validate
+from ..config.schema import Config, SpeedConfig
+from ..data.cache import DataCache
+from ..data.index import CacheIndex, IndexItem
+from ..errors import UsageError
+from ..families.registry import get_family
+from ..families.tokenizers import tiny_clip_vocab
+from ..memory.card import Overhead, allocator_budget, measure_overhead
+from ..memory.planner import Estimate
+from ..planning.estimate import plan_memory
+from ..planning.parts import plan_parts
+from ..speed.measure import peak_matmul_tflops
+from ..speed.regional_compile import recompile_limit_hits
+from ..trainers.loop import Hooks, Trainer
+from ..trainers.profile import LAUNCH_KEYS
+from ..utils import pick_device
 
 
 @dataclass
@@ -268,8 +270,8 @@ def baseline_config(base: Config, speed_keys: set[str]) -> Config:
     values - so float8 can be timed against a compiled bf16 run, or max-autotune against compile's default."""
     from pydantic import ValidationError
 
-    from .config.load import validation_problems
-    from .errors import ConfigError
+    from ..config.load import validation_problems
+    from ..errors import ConfigError
 
     speed = {**EAGER.model_dump(), **{k: getattr(base.speed, k) for k in speed_keys}}
     try:

@@ -24,7 +24,7 @@ nan) are skipped, an interrupted one resumes from its last checkpoint. Every
 trial folder holds its resolved ``config.yaml``, the run's files (metrics.jsonl,
 TensorBoard events, report.html) and ``result.json``. The cache is built before
 the first trial, once per distinct data/model/precompute setting, in this
-process; trials then run in child processes (``python -m difftrain.sweep
+process; trials then run in child processes (``python -m difftrain.flows.sweep
 TRIAL_DIR``), one after another, or one per GPU at once with ``gpus`` (each child
 sees one device through CUDA_VISIBLE_DEVICES). A child per trial keeps one trial's
 out-of-memory, divergence or crash from taking down the sweep, and gives every
@@ -58,11 +58,11 @@ from typing import Any
 
 import yaml
 
-from .config.load import Resolved, parse_set, read_yaml, resolve, validate
-from .console import info, warn
-from .errors import ConfigError, DifftrainError, UsageError
-from .report import STAT_LABELS, run_summary, write_sweep_report
-from .utils import atomic_write_text, read_json_object
+from ..config.load import Resolved, parse_set, read_yaml, resolve, validate
+from ..console import info, warn
+from ..errors import ConfigError, DifftrainError, UsageError
+from ..trainers.report import STAT_LABELS, run_summary, write_sweep_report
+from ..utils import atomic_write_text, read_json_object
 
 #: statuses of a trial that a rerun does not run again
 FINISHED = ("ok", "failed", "oom", "nan")
@@ -349,7 +349,7 @@ def parse_gpus(gpus: str | None) -> list[str]:
 def run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None = None, sort: str | None = None) -> list[dict]:
     """Run every unfinished trial of ``spec`` under ``out``; return the results rows (also written to disk). One
     sweep at a time in a folder (its writer lock; each trial's run folder has its own)."""
-    from .locks import writer_lock
+    from ..runtime.locks import writer_lock
 
     with writer_lock(Path(out), "sweep folder"):
         return _run_sweep(spec, Path(out), gpus, sort)
@@ -396,7 +396,7 @@ def _run_sweep(spec: SweepSpec, out: Path, gpus: list[str] | None, sort: str | N
         info(f"sweep: {skipped} trial(s) already finished in {out} (skipped)")
 
     # the cache: built once per distinct data/model/precompute setting, before the first trial
-    from .precompute.run import precompute
+    from ..precompute.run import precompute
 
     built: dict[str, str | None] = {}
     for t, resolved in todo:
@@ -499,7 +499,7 @@ def _start(t: Trial, gpu: str | None, parallel: int) -> tuple[subprocess.Popen, 
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = open(t.folder / "train.log", "a", encoding="utf-8")  # noqa: SIM115 (the child writes it; closed when it ends)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "difftrain.sweep", str(t.folder)], stdout=log, stderr=subprocess.STDOUT, env=env
+        [sys.executable, "-m", "difftrain.flows.sweep", str(t.folder)], stdout=log, stderr=subprocess.STDOUT, env=env
     )
     return proc, time.time(), log
 
@@ -518,9 +518,9 @@ def run_trial(folder: Path) -> dict:
     with the status: ok, oom (out of memory), nan (the loss diverged) or failed (anything else)."""
     import torch
 
-    from .errors import LossNotFinite
-    from .trainers.checkpoint import resolve_resume
-    from .trainers.loop import train
+    from ..errors import LossNotFinite
+    from ..trainers.checkpoint import resolve_resume
+    from ..trainers.loop import train
 
     folder = Path(folder)
     text = (folder / "config.yaml").read_text(encoding="utf-8")
@@ -552,7 +552,7 @@ def run_trial(folder: Path) -> dict:
     res.update(run_summary(folder))
     if res["status"] != "ok":
         try:  # a report of what the trial did before it stopped
-            from .report import write_run_report
+            from ..trainers.report import write_run_report
 
             write_run_report(folder)
         except Exception:  # noqa: BLE001 - the result matters more than its page
@@ -650,7 +650,7 @@ def _print_table(rows: list[dict], axes: list[str]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .console import console
+    from ..console import console
 
     table = Table(title="sweep results")
     for col in [
@@ -686,5 +686,5 @@ def _fmt4(v) -> str:
     return "–" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
 
 
-if __name__ == "__main__":  # the trial child: python -m difftrain.sweep TRIAL_DIR
+if __name__ == "__main__":  # the trial child: python -m difftrain.flows.sweep TRIAL_DIR
     run_trial(Path(sys.argv[1]))

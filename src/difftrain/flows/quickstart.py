@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config.load import resolve
-from .console import info
-from .data.tags import merge_tags
-from .families.registry import get_family
-from .precompute.run import precompute
-from .trainers.export import LORA_FILE
-from .trainers.loop import train
+from ..config.load import resolve
+from ..console import info
+from ..data.tags import merge_tags
+from ..families.registry import get_family
+from ..precompute.run import precompute
+from ..trainers.export import LORA_FILE
+from ..trainers.loop import train
 
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
@@ -34,14 +34,14 @@ SIZES = ((256, 256), (320, 192), (192, 320), (256, 128))
 
 def quickstart_families() -> list[str]:
     """The families ``quickstart --family`` runs: those with a tiny recipe, in the registry's order."""
-    from .families.registry import names
+    from ..families.registry import names
 
     return [n for n in names() if get_family(n).tiny_recipe]
 
 
 def _flow_sets(family: str) -> tuple[str, list[str]]:
     """(the family's tiny recipe, the settings that make it this family's tiny model when the recipe is another's)."""
-    from .config.recipes import load_recipe
+    from ..config.recipes import load_recipe
 
     fam = get_family(family)
     recipe = fam.tiny_recipe
@@ -59,7 +59,7 @@ def make_clips(folder: Path, n: int = 3, frames: int = 12, size: int = 64, seed:
     """Write ``n`` short mp4 clips (a white square moving over a plain colour) with a .caption each."""
     import numpy as np
 
-    from .data.video import write_mp4
+    from ..data.video import write_mp4
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -115,7 +115,7 @@ class QuickstartResult:
 
 
 def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: str | None = None) -> QuickstartResult:
-    from .families.registry import DEFAULT_FAMILY
+    from ..families.registry import DEFAULT_FAMILY
 
     family = family or DEFAULT_FAMILY
     recipe, family_sets = _flow_sets(family)

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .utils import atomic_write_bytes, atomic_write_text, read_json_object
+from ..utils import atomic_write_bytes, atomic_write_text, read_json_object
 
 #: columns of a results table with their header text (trials add one column per swept path)
 STAT_LABELS = {

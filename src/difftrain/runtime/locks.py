@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import DifftrainError
+from ..errors import DifftrainError
 
 LOCK_NAME = ".difftrain.lock"
 NOTE_NAME = ".difftrain.lock.json"
@@ -74,7 +74,7 @@ def writer_lock(folder: Path, what: str, wait_s: float = 0) -> Iterator[None]:
         except Timeout:
             if not wait_s:
                 raise
-            from .console import info
+            from ..console import info
 
             info(f"waiting for the {what} {folder}: {_who(_note(folder))} holds it")
             lock.acquire(timeout=wait_s)
@@ -86,7 +86,7 @@ def writer_lock(folder: Path, what: str, wait_s: float = 0) -> Iterator[None]:
     try:
         left = _note(folder)
         if left:  # its writer was killed before it could remove the note: the lock itself went with the process
-            from .console import warn
+            from ..console import warn
 
             warn(f"taking over the {what} {folder}: {_who(left)} left its lock note and is no longer running")
         note = {

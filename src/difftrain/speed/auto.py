@@ -1,31 +1,21 @@
-"""The speed section: regional compilation, the attention kernel, channels-last, fp8 training, peak FLOP/s.
-
-Nothing here changes what a step computes (within rounding), only how fast.
-Regional compilation follows diffusers' ``ModelMixin.compile_repeated_blocks``
-(``submodule.compile()`` on every block of a repeated class), with the block
-classes given by the family: diffusers lists only the UNet's transformer block
-and nothing for SD3's or CogVideoX's transformers.
-"""
+"""speed auto: what each ``auto`` of the speed section becomes for a run. Compiling and CUDA graphs are decided
+from what compiling a family costs and saves (measured), the platform and the run's length (``decide``); the
+attention kernel, the GEGLU backward, channels-last, the LoRA kernel and the optimizer's kernels from what is
+installed and was measured faster where it is on."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from .config.schema import Config, SpeedConfig
-from .errors import BackendUnavailable, ConfigError, DifftrainError
+from ..config.schema import Config, SpeedConfig
+from ..errors import BackendUnavailable
+from .attention import check_attention
 
-_SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 
-
-# ----------------------------------------------------------------- speed: auto
 @dataclass(frozen=True)
 class CompileCost:
     """What compiling a family's denoiser costs and saves, measured on an H100 at the family's usual case (SDXL
@@ -48,6 +38,8 @@ class CompileCost:
 
 #: at least this many times the compile time must come back in saved step time (auto)
 PAYBACK = 1.25
+
+
 #: auto keeps CUDA graphs up to this many bucket shapes (a real aspect-bucketed dataset has 5 to 15). Measured on
 #: an H100 (docs/benchmarks.md, "Fast by default", second pass): sdxl-lora-8gb over six SDXL buckets in random
 #: order, compiled with CUDA graphs, 0.159 s/step once every shape was recorded (6.3x the plain eager loop),
@@ -288,229 +280,6 @@ def decide(speed: SpeedConfig, cost: CompileCost, platform: Platform, run: RunFa
     return SpeedChoice(True, True, "speed.compile: true; CUDA graphs auto", compile_s=cost.cold_s)
 
 
-def compile_cache_dir(speed: SpeedConfig) -> Path:
-    return Path(speed.compile_cache_dir or Path.home() / ".cache" / "difftrain" / "torch-compile").expanduser()
-
-
-class _RecompileLimitWatch(logging.Handler):
-    """Dynamo answers a block past its recompile limit by running it eagerly from then on, with one log warning
-    among many: this names it as difftrain's own warning, once per function, and keeps the count."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.hits: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if "hit config." not in msg or "recompile_limit" not in msg:
-            return
-        lines = msg.splitlines()
-        func = next((ln.split("function:", 1)[1].strip() for ln in lines if "function:" in ln), "?")
-        self.hits.append(func)
-        from .console import warn
-
-        warn(
-            f"torch.compile reached its recompile limit ({lines[0].split('(')[-1].rstrip(')')}) for {func}: "
-            "that block now runs eagerly (slower, same result). Many bucket shapes or changing options cause it; "
-            "set speed.dynamic: true, or report it with TORCH_LOGS=recompiles"
-        )
-
-
-_WATCH = _RecompileLimitWatch()
-
-
-def recompile_limit_hits() -> list[str]:
-    """The functions that dynamo left eager at its recompile limit in this process (``configure_compile`` on)."""
-    return list(_WATCH.hits)
-
-
-def configure_compile(speed: SpeedConfig) -> None:
-    """Point inductor's on-disk caches (FX graphs, AOT autograd) at a lasting folder, so a second run of the same
-    config reuses the compiled kernels; allow enough recompiles for every block shape of a model."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(speed)))
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    # SDXL's ResnetBlock2D comes in ~10 shapes and layouts (with and without a shortcut); torch's default of 8
-    # compiled versions per block class would silently leave the rest eager
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(64, getattr(cfg, name)))
-    # ... and each shape of each of them once more for every bucket (dynamic after the second): the limit over
-    # all blocks together (256 by default) would leave the blocks seen last eager, silently
-    if hasattr(cfg, "accumulated_recompile_limit"):
-        cfg.accumulated_recompile_limit = max(4096, cfg.accumulated_recompile_limit)
-    log = logging.getLogger("torch._dynamo.convert_frame")  # where dynamo reports a recompile limit hit
-    if _WATCH not in log.handlers:
-        log.addHandler(_WATCH)
-    import torch._inductor.config as inductor_cfg
-
-    # CUDA graphs record one graph per block shape and bucket: a warning past 8 sizes per block is noise here
-    if hasattr(inductor_cfg.triton, "cudagraph_dynamic_shape_warn_limit"):
-        inductor_cfg.triton.cudagraph_dynamic_shape_warn_limit = None
-
-
-def compile_blocks(
-    module: torch.nn.Module,
-    block_classes: tuple[str, ...],
-    speed: SpeedConfig,
-    checkpoint_every: int = 0,
-    hooks_outside: bool = False,
-) -> int:
-    """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
-
-    ``Module.compile`` keeps the module's parameters and state-dict names (no ``_orig_mod`` wrapper), so
-    checkpoints, LoRA export and EMA see the same module. With ``checkpoint_every`` k > 0 (gradient
-    checkpointing), every k-th block is checkpointed *inside* its compiled region instead of by diffusers around
-    it (see ``checkpoint_inside``). ``hooks_outside``: only each block's ``forward`` is compiled, so the module
-    hooks around it (block swap's, which move weights) run eagerly; the compiled forward reads the parameters
-    as inputs (dynamo lifts them), so a weight that block swap brought back to a new address needs no recompile.
-    """
-    configure_compile(speed)
-    mode = compile_mode(speed)
-    # by the class or one it derives from: FSDP2 turns each sharded block into a subclass of its own
-    # (FSDPBasicTransformerBlock)
-    blocks = [sub for sub in module.modules() if any(c.__name__ in block_classes for c in type(sub).__mro__)]
-    if speed.compile_regions:
-        found = {c.__name__ for sub in blocks for c in type(sub).__mro__}
-        missing = [name for name in speed.compile_regions if name not in found]
-        if missing:
-            raise ConfigError(
-                f"speed.compile_regions names {', '.join(missing)}, which this model has no submodule of.",
-                hint=f"Name classes of {type(module).__name__}'s submodules, or leave speed.compile_regions null.",
-            )
-    # a region inside another compiled one is compiled as part of it
-    inner = {id(m) for b in blocks for m in b.modules() if m is not b}
-    blocks = [b for b in blocks if id(b) not in inner]
-    if checkpoint_every:
-        checkpoint_inside(module, blocks[::checkpoint_every])
-    for sub in blocks:
-        if hooks_outside:
-            sub.forward = torch.compile(sub.forward, mode=mode, dynamic=speed.dynamic)
-        else:
-            sub.compile(mode=mode, dynamic=speed.dynamic)
-    return len(blocks)
-
-
-def warm_key(cfg) -> str:
-    """What decides whether inductor's cache holds this run's compiled blocks: the model, what is trained and
-    how the blocks compute (an estimate for ``auto``: inductor's own cache keys on the graphs themselves)."""
-    import hashlib
-    import json
-
-    m, sp = cfg.memory, cfg.speed
-    parts = {
-        "family": cfg.family,
-        "architecture": cfg.model.config,
-        "torch": torch.__version__,
-        "method": cfg.train.method,
-        "lora": [cfg.lora.rank, list(cfg.lora.targets or [])] if cfg.train.method == "lora" else None,
-        "weights": m.weights.kind,
-        "activations": m.activations.kind,
-        "mode": sp.compile_mode,
-        "regions": sp.compile_regions,
-        "geglu": sp.geglu,
-        "channels_last": sp.channels_last,
-        "lora_kernel": sp.lora_kernel,
-        "precision": cfg.train.mixed_precision,
-        "hooks_outside": m.offload.kind == "block_swap",  # only the blocks' forward compiles
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-_WARM_FILE = "difftrain-compiled.json"
-
-
-def is_warm(speed: SpeedConfig, key: str) -> bool:
-    """Whether a run with this ``warm_key`` compiled into this cache before (``mark_warm``)."""
-    from .utils import read_json_object
-
-    return key in read_json_object(compile_cache_dir(speed) / _WARM_FILE)  # {} when missing or damaged
-
-
-def mark_warm(speed: SpeedConfig, key: str) -> None:
-    """Record that the blocks of a run with this key compiled into the cache (after its first step)."""
-    from .utils import atomic_write_text, read_json_object
-
-    path = compile_cache_dir(speed) / _WARM_FILE
-    try:
-        seen = read_json_object(path)
-        seen[key] = time.strftime("%Y-%m-%d %H:%M:%S")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        import json
-
-        atomic_write_text(path, json.dumps(seen, indent=1) + "\n")
-    except (OSError, ValueError, DifftrainError) as e:  # a marker that cannot be written is only a guess lost
-        from .console import warn
-
-        warn(f"could not note the compiled blocks in {path}: {e}")
-
-
-def compile_mode(speed: SpeedConfig) -> str | None:
-    """torch.compile's mode for the speed section: CUDA graphs (reduce-overhead) and autotuning chosen apart."""
-    autotune = speed.compile_mode != "default"
-    if speed.cuda_graphs:
-        return "max-autotune" if autotune else "reduce-overhead"
-    return "max-autotune-no-cudagraphs" if autotune else None
-
-
-def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
-    """Gradient checkpointing moved into the compiled blocks (the way torchtitan pairs the two).
-
-    diffusers checkpoints a block by calling it through ``torch.utils.checkpoint`` from its parent, so the
-    compiled block's forward runs again, eagerly re-entered, inside backward: twice the launches, and CUDA graphs
-    replay over outputs still in use (measured: SDXL fails). Here the checkpoint call sits inside the traced
-    forward: dynamo captures it as one region, and AOT autograd's partitioner saves only the block's inputs and
-    recomputes the rest inside the compiled backward graph - the same memory as diffusers' checkpointing, one
-    forward and one backward graph per block.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for m in module.modules():  # diffusers' own switches off: the blocks checkpoint themselves
-        if isinstance(getattr(m, "gradient_checkpointing", None), bool):
-            m.gradient_checkpointing = False  # type: ignore[assignment]  # diffusers' bool; torch: Tensor | Module
-    for block in blocks:
-        inner = block.forward
-
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward
-
-
-def attention_context(speed: SpeedConfig, device: torch.device, avoid_cudnn: bool = False):
-    """A context choosing the scaled-dot-product-attention kernel (held over forward and backward: checkpointed
-    blocks recompute their forward inside backward). ``auto`` leaves torch's choice, but for a family whose shapes
-    cuDNN's kernel fails on (``avoid_cudnn``: Flux) it lets torch choose among the others."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # torch's choice among all but cuDNN, for auto and for the calls fa4 leaves to SDPA
-    no_cudnn = None
-    if avoid_cudnn and device.type == "cuda" and speed.attention in ("auto", "fa4"):
-        others = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-        no_cudnn = sdpa_kernel(others, set_priority=True)
-    if speed.attention == "auto":
-        return no_cudnn or contextlib.nullcontext()
-
-    if speed.attention == "fa4":  # FA4 for long self-attention, SDPA (torch's choice) for the rest: fa4.py
-        from . import fa4
-
-        if no_cudnn is None:
-            return fa4.routed()
-        stack = contextlib.ExitStack()
-        stack.enter_context(fa4.routed())
-        stack.enter_context(no_cudnn)
-        return stack
-    if device.type != "cuda" and speed.attention in ("cudnn", "efficient"):
-        raise BackendUnavailable(
-            f"speed.attention {speed.attention} runs on CUDA GPUs only.",
-            hint="Use speed.attention: auto (or flash / math) on this device.",
-        )
-    return sdpa_kernel(getattr(SDPBackend, _SDPA[speed.attention]))
-
-
 def resolve_attention(cfg: Config, device: torch.device) -> tuple[Config, str | None]:
     """speed.attention as this run uses it, and the line that says so (None: nothing to say). ``auto`` takes
     FlashAttention-4 for the long attention where flash-attn-4 is installed and runs on this GPU (measured a
@@ -557,7 +326,7 @@ def channels_last_auto(cfg: Config, convolutions: bool, compiled: bool, device: 
 
 
 def lora_kernel_auto(cfg: Config, device: torch.device) -> str:
-    """speed.lora_kernel as this run uses it: ``auto`` is difftrain's fused LoRA Linear (lora/fused.py) on CUDA
+    """speed.lora_kernel as this run uses it: ``auto`` is difftrain's fused LoRA Linear (speed/lora_kernel.py) on CUDA
     without gradient checkpointing, where it was measured (SDXL LoRA batch 4 as shipped, with channels-last: 0.1830
     against 0.1962 s/step with neither, 40.3 % MFU, 0.64 GiB less memory, H100), peft's own elsewhere. With checkpointing inside compiled blocks
     sdxl-lora-8gb peaked at 6.43 GiB allocated against peft's 5.77 and no longer fit its card (H200, 2026-11-26;
@@ -584,92 +353,9 @@ def resolve_geglu(cfg: Config, device: torch.device) -> Config:
     return cfg.model_copy(update={"speed": cfg.speed.model_copy(update={"geglu": kind})})
 
 
-def check_attention(speed: SpeedConfig, device: torch.device) -> None:
-    """Run the chosen kernel once on a small input, so an unsupported choice is named before the model loads."""
-    if speed.attention == "auto":
-        return
-    if speed.attention == "fa4":
-        from . import fa4
-
-        fa4.check(device)
-        return
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype, requires_grad=True)
-    try:
-        with attention_context(speed, device):
-            torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward()
-    except RuntimeError as e:
-        raise BackendUnavailable(
-            f"speed.attention {speed.attention} does not run on this device: {str(e).splitlines()[0][:200]}",
-            hint="Use speed.attention: auto.",
-        ) from None
-
-
 def optimizer_kernels(speed: SpeedConfig, params: Sequence[torch.Tensor]) -> dict:
     """torch AdamW's implementation switches for these parameters."""
     kind = speed.optimizer_kernels
     if kind == "auto":
         kind = "fused" if params and all(p.is_cuda for p in params) else "foreach"
     return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[kind]
-
-
-def channels_last(module: torch.nn.Module) -> None:
-    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs omit memory_format
-
-
-def float8_training(module: torch.nn.Module, device: torch.device) -> int:
-    """torchao's float8 training on every Linear whose sizes fp8 matmuls take (multiples of 16); returns how many.
-    Why torchao: it is the fp8 training recipe PyTorch maintains (dynamic scaling, FSDP-aware), nothing to rewrite."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise BackendUnavailable(
-            "speed.float8 needs a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper).",
-            hint="Set speed.float8: false on this device.",
-        )
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise BackendUnavailable(
-            "speed.float8 needs torchao, which is not installed.",
-            hint="pip install 'difftrain[torchao]', or set speed.float8: false",
-        ) from None
-    before = sum(isinstance(m, torch.nn.Linear) for m in module.modules())
-    # pad_inner_dim: a weight gradient's inner dimension is the token count (SDXL's 77 text tokens, SD3's 333),
-    # which an fp8 matmul takes only in multiples of 16 (measured: the tiny SDXL's 2 x 77 failed without it)
-    convert_to_float8_training(module, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=float8_eligible)
-    return before - sum(type(m) is torch.nn.Linear for m in module.modules())
-
-
-def float8_eligible(mod: torch.nn.Module, fqn: str) -> bool:
-    """Linear layers over tokens with fp8-sized features. Not the embedding and adaptive-norm layers (``*emb*``,
-    ``*norm*``): they take one vector per sample, and an fp8 matmul needs the rows (the batch) in multiples of 16."""
-    name = fqn.lower()
-    return (
-        isinstance(mod, torch.nn.Linear)
-        and mod.in_features % 16 == 0
-        and mod.out_features % 16 == 0
-        and "emb" not in name
-        and "norm" not in name
-    )
-
-
-def peak_matmul_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
-    """The measured dense matmul peak in TFLOP/s (bf16 on CUDA, fp32 on the CPU): MFU's denominator, measured
-    in the same run so a throttled or shared device is compared with itself."""
-    if device.type != "cuda":
-        n, reps = 1024, 5
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,70 +1,17 @@
-"""What a config trains and loads, and the planner's estimate for it: no weight is read.
-
-``difftrain plan``, ``train``'s memory pre-check, ``bench`` and ``doctor`` ask these questions before anything
-loads, and the trainer asks the same ones when it builds the parts (trainers/setup.py): one answer for all,
-without importing the trainer.
-"""
+"""memory.engine ``auto`` on several processes: which engine trains a config (DDP where a replica fits, else the
+fastest sharded engine that fits, in the measured order), what a launch cannot train, and the scaling measured
+for the choice."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .config.schema import Config
-from .families.registry import get_family
+from ..config.schema import Config
+from ..families.registry import get_family
+from .estimate import plan_memory
 
 if TYPE_CHECKING:
-    from .families.base import ModelFamily
-    from .memory.planner import Estimate
-
-
-def plan_parts(cfg: Config, family: ModelFamily) -> tuple[list[str], dict[str, float]]:
-    """Which parts training loads, and the learning rate of each trained part.
-
-    A text stage runs on the fly when one of its encoders trains; the other
-    stages come from the cache (SD3 trains CLIP LoRA over cached T5 embeddings).
-    """
-    t = cfg.train
-    te = family.trainable_text_encoders
-    lrs = {}
-    if t.method == "lora":
-        lrs[family.denoiser] = t.learning_rate
-        if t.train_text_encoders:
-            lrs.update(dict.fromkeys(te, t.learning_rate))
-    else:
-        f = cfg.full
-        if f.train_unet:
-            lrs[family.denoiser] = t.learning_rate
-        if f.train_text_encoder_1:
-            lrs[te[0]] = f.learning_rate_te1 or t.learning_rate
-        if f.train_text_encoder_2:
-            lrs[te[1]] = f.learning_rate_te2 or t.learning_rate
-    parts = [family.denoiser] + [p for s in live_stages(cfg, family, lrs) for p in family.text_stages[s]]
-    return parts, lrs
-
-
-def live_stages(cfg: Config, family: ModelFamily, lrs: dict) -> list[str]:
-    """The text stages encoded each step (one of their encoders trains)."""
-    return [s for s in family.enabled_stages(cfg.text_encoders) if any(p in lrs for p in family.text_stages[s])]
-
-
-def memory_hints(cfg: Config) -> dict:
-    """The family's plain numbers for the memory planner (parameter counts, measured activation data)."""
-    family = get_family(cfg.family)
-    parts, lrs = plan_parts(cfg, family)
-    video = {"frames": cfg.data.frames} if family.video else {}
-    return family.memory_hints(
-        cfg.model, cfg.lora.targets, cfg.lora.rank, cfg.data.resolution, parts, list(lrs), cfg.train.method, **video
-    )
-
-
-def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
-    """The planner's estimate for a config, per GPU of ``processes``: no weight is loaded."""
-    from .memory.planner import estimate
-    from .speed import CompileCost, graphs_possible
-
-    hints = memory_hints(cfg)
-    hints["graphs"] = graphs_possible(cfg, CompileCost(**get_family(cfg.family).compile_cost))
-    return estimate(cfg, hints, processes)
+    pass
 
 
 def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None:
@@ -83,7 +30,7 @@ def _with_why(cfg: Config, memory: dict, train: dict | None = None) -> tuple[Con
     try:
         return Config.model_validate(data), None
     except ValidationError as err:
-        from .config.load import validation_problems
+        from ..config.load import validation_problems
 
         return None, validation_problems(err)[0][1]  # the first problem, as the config's own errors say it
 
@@ -94,9 +41,9 @@ def choose_engine(
     """memory.engine ``auto`` resolved for ``processes`` processes on GPUs of ``gpu_gib`` (None: no CUDA GPU), and
     the line that says why (None: nothing to say). ``recorded``: the engine a resumed checkpoint was made with.
     Another engine named in the config is kept as it is; the config returned never says ``auto``."""
-    from .config.schema import EngineDDP, EngineDeepSpeed, EngineFSDP, EngineSingle
-    from .distributed import engine_problem
-    from .memory.planner import SHARDED_ORDER, sharded_memory
+    from ..config.schema import EngineDDP, EngineDeepSpeed, EngineFSDP, EngineSingle
+    from ..memory.planner import SHARDED_ORDER, sharded_memory
+    from ..runtime.distributed import engine_problem
 
     if cfg.memory.engine.kind != "auto":
         return cfg, None
@@ -168,7 +115,7 @@ def launch_problem(cfg: Config, processes: int) -> str | None:
     whose processes choose once they see their GPU)."""
     import torch
 
-    from .distributed import engine_problem
+    from ..runtime.distributed import engine_problem
 
     problem = engine_problem(cfg, processes)  # auto is checked as DDP would run it
     if problem and cfg.memory.engine.kind == "auto":
@@ -211,7 +158,7 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
             + "): it gathers every weight each step; prefer DDP or FSDP where they fit"
         )
     if e.kind == "deepspeed":
-        from .memory.planner import SPEED
+        from ..memory.planner import SPEED
 
         if e.offload_optimizer_device == "none":
             return "expected per GPU: ~0.6x one GPU's best recipe (measured, SDXL full on ZeRO-2 at 2 H100s: 0.62x)"
@@ -230,45 +177,3 @@ def expected_scaling(cfg: Config, processes: int) -> str | None:
             f"one GPU's recipe compiled with CUDA graphs on 2 H200s ({1.01 if keep else 1.26:.2f}x its eager step)"
         )
     return None
-
-
-def precompute_lines(cfg: Config, card_gib: float) -> list[str]:
-    """What precompute will do on a card of ``card_gib`` (what the card leaves torch): how many images of the
-    config's resolution its VAE encodes at a time, or that one does not fit; and whether T5-XXL's stage fits at its
-    precision. Video families' VAE tiles its encode (no VAE line)."""
-    from .memory.card import allocator_budget, stored_overhead
-    from .memory.planner import GIB, T5_PRECOMPUTE_GIB, VAE_ENCODE_BYTES_PER_PIXEL, VAE_PARAMS, vae_chunk
-
-    family = get_family(cfg.family)
-    pc, res = cfg.precompute, cfg.data.resolution
-    budget = allocator_budget(card_gib, stored_overhead())
-    lines = []
-    if not family.video:
-        weights = VAE_PARAMS * (4 if pc.vae_dtype == "fp32" else 2) / GIB
-        one = VAE_ENCODE_BYTES_PER_PIXEL[pc.vae_dtype] * res * res / GIB
-        if one + weights > budget:
-            lines.append(
-                f"[yellow]note:[/yellow] precompute: one {res}x{res} image needs ~{one + weights:.1f} GiB with the VAE "
-                f"in {pc.vae_dtype}, more than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: set "
-                + ("precompute.vae_dtype: bf16, or " if pc.vae_dtype == "fp32" else "")
-                + "precompute.device: cpu"
-            )
-        else:
-            n = vae_chunk(pc.batch_size, pc.vae_dtype, res * res, (budget - weights) * GIB)
-            lines.append(
-                f"precompute: the VAE encodes {n} {res}x{res} image(s) at a time in {pc.vae_dtype} on this card "
-                f"(~{one:.1f} GiB each; precompute.batch_size {pc.batch_size})"
-            )
-    t5 = cfg.text_encoders.t5
-    if "t5" in family.enabled_stages(cfg.text_encoders):
-        need = T5_PRECOMPUTE_GIB[t5.precision]
-        if need > budget:
-            lines.append(
-                f"[yellow]note:[/yellow] precompute: T5-XXL in {t5.precision} takes ~{need:.1f} GiB (measured), more "
-                f"than the {budget:.2f} GiB a {card_gib:g} GiB card leaves torch: precompute once on a larger GPU "
-                "(the cache is the same), or on the CPU (precompute.device: cpu with text_encoders.t5.precision: "
-                "bf16, ~9 GB of host RAM, slow)"
-            )
-        else:
-            lines.append(f"precompute: T5-XXL in {t5.precision} fits this card (~{need:.1f} GiB, one stage at a time)")
-    return lines

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-from .errors import BackendUnavailable
+from ..errors import BackendUnavailable
 
 #: the fewest keys a call needs to go to FA4 (measured: 4,096 faster, 1,024 and 77 slower than SDPA)
 MIN_KEYS = 4096

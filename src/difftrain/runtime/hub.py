@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 _ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<file>/[^@]+)?(?:@(?P<rev>[\w./-]+))?$")
 #: copies a diffusers repo may hold that difftrain never reads

@@ -98,7 +98,7 @@ def backend_for(device: torch.device) -> str:
     if device.type == "cuda" and dist.is_nccl_available():
         return "nccl"
     if not dist.is_gloo_available():
-        from .errors import BackendUnavailable
+        from ..errors import BackendUnavailable
 
         raise BackendUnavailable(
             "This torch build has neither NCCL (for CUDA) nor gloo: it cannot run several processes.",
@@ -321,8 +321,8 @@ def launch(nproc: int, argv: list[str], failure_note=None, **where) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from .errors import DifftrainError
-    from .utils import read_json_object
+    from ..errors import DifftrainError
+    from ..utils import read_json_object
 
     env = launcher_env(dict(os.environ))
     os.environ.update(env)
