@@ -23,8 +23,9 @@ from PIL import Image
 from difftrain.config.load import parse_set, read_yaml, resolve
 from difftrain.config.schema import Config
 from difftrain.data.captions import CaptionAugment, augment_caption, caption_variants
+from difftrain.data.paths import read_text_file
 from difftrain.data.sources import MetadataIndex, caption_for, scan_dataset, sidecar_texts
-from difftrain.data.tags import TagRules, apply_rules, load_metadata, normalize_tags, parse_tag_file, read_text_file
+from difftrain.data.tags import TagRules, apply_rules, load_metadata, normalize_tags, parse_tag_file
 from difftrain.data.video import scan_videos
 from difftrain.errors import DifftrainError
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from difftrain.data.paths import read_text_file
 from difftrain.data.sources import scan_dataset
-from difftrain.data.tags import merge_tags, read_text_file
+from difftrain.data.tags import merge_tags
 from difftrain.data.video import scan_videos
 from difftrain.errors import DataError
 

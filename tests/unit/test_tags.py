@@ -8,19 +8,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from difftrain.data.paths import IMAGE_EXTS, list_images, normalize_ext, read_text_file
 from difftrain.data.tags import (
-    IMAGE_EXTS,
     MergeReport,
     TagRules,
     apply_rules,
     image_key,
-    list_images,
     merge_tags,
-    normalize_ext,
     normalize_tags,
     parse_tag_file,
     read_drop_list,
-    read_text_file,
 )
 from difftrain.errors import DataError
 

@@ -20,7 +20,8 @@ from typing import Any, Literal, cast
 from PIL import Image
 
 from ..errors import DataError
-from .tags import IMAGE_EXTS, list_images, load_metadata, normalize_ext, normalize_tags, read_text_file, unused_media
+from .paths import IMAGE_EXTS, list_images, normalize_ext, read_text_file, unused_media
+from .tags import load_metadata, normalize_tags
 
 CaptionSource = Literal["caption_then_tags", "caption_and_tags", "tags"]
 CAPTION_SOURCES: tuple[str, ...] = ("caption_then_tags", "caption_and_tags", "tags")

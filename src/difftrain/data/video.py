@@ -68,8 +68,8 @@ from PIL import Image
 
 from ..errors import BackendUnavailable, DataError
 from .buckets import Bucket, fit_to_bucket, make_buckets, nearest_bucket
+from .paths import OUTSIDE_HINT, check_inside, is_inside, normalize_ext, read_text_file
 from .sources import load_rgb, read_image_size, record_key
-from .tags import OUTSIDE_HINT, check_inside, is_inside, normalize_ext, read_text_file
 
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 CLIP_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")

@@ -17,7 +17,7 @@ import torch
 
 from ..config.schema import Config
 from ..console import info, progress
-from ..data.tags import list_images
+from ..data.paths import list_images
 from ..families.base import ModelFamily, stage_precisions
 
 
