@@ -69,9 +69,11 @@ class ModelFamily(ABC):
     #: failed on the family's shapes ("mha_graph.execute ... is_good()": Flux.1 [dev] LoRA at 1024 px, 4 608 tokens,
     #: H100, torch 2.11 + CUDA 13, 2026-11-25)
     avoid_cudnn_attention: ClassVar[bool] = False
+    #: conditioning inputs ``denoise`` takes in float32 whatever the compute precision (SDXL's size and crop ids)
+    full_precision_inputs: ClassVar[tuple[str, ...]] = ()
     #: a video family: cached latents have a frame axis, ``memory_hints`` and ``cache_shapes`` take a frame count
     video: ClassVar[bool] = False
-    #: the denoiser also takes first-frame image latents (precompute calls ``encode_first_frame``)
+    #: the denoiser also takes first-frame image latents (precompute caches ``image_condition_entries``)
     image_conditioned: ClassVar[bool] = False
     #: the recipe that trains the family's tiny seeded model (``build_tiny``): what ``difftrain quickstart --family``
     #: runs; None: no quickstart. A family sharing another's recipe (image-to-video) sets its own config over it
@@ -111,6 +113,13 @@ class ModelFamily(ABC):
         self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """Image-to-video families: the image conditioning of a batch of clips (cached beside their latents)."""
+        raise NotImplementedError(f"{self.name} is not image-conditioned")
+
+    def image_condition_entries(
+        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Image-to-video families: what precompute caches beside a batch's latents for the image conditioning, by
+        the names ``conditioning`` reads them back under."""
         raise NotImplementedError(f"{self.name} is not image-conditioned")
 
     def drop_image_conditioning(

@@ -151,10 +151,10 @@ def _encode_batch(
     lat = _encode_images(family, comps, pix, device, vae_dtype, chunk)
     extra = {}
     if family.image_conditioned:
-        # image-to-video: the noise-augmented first frame, seeded by the clip's content; only its
-        # first latent frame is stored (the rest are zeros, added back at training time)
+        # image-to-video: the family's image conditioning (the noise-augmented first frame), seeded by the clip's
+        # content
         g = torch.Generator().manual_seed(int(b["keys"][0][:15], 16))
-        extra["image_latents"] = family.encode_first_frame(comps, pix, generator=g)[:, :, :1]
+        extra.update(family.image_condition_entries(comps, pix, generator=g))
     if not torch.isfinite(lat).all():
         raise DataError(
             "The VAE produced NaN/inf latents.",

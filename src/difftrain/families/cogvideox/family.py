@@ -1056,8 +1056,8 @@ class CogVideoX(ModelFamily):
 class CogVideoXI2V(CogVideoX):
     """Image-to-video CogVideoX (5b-I2V, 1.5-5b-I2V): the first frame's latents condition every step.
 
-    Precompute stores ``encode_first_frame``'s output in each latent entry as
-    "image_latents"; ``conditioning`` hands it to ``denoise``, which concatenates
+    Precompute stores ``encode_first_frame``'s first latent frame in each latent entry as
+    "image_latents" (``image_condition_entries``); ``conditioning`` hands it to ``denoise``, which concatenates
     it to the noisy latents on channels, as CogVideoXImageToVideoPipeline does.
     """
 
@@ -1093,6 +1093,13 @@ class CogVideoXI2V(CogVideoX):
         latents = latents / sf if getattr(vae.config, "invert_scale_latents", False) else latents * sf
         pad = latent_frames(video.shape[2]) - 1
         return torch.cat([latents, latents.new_zeros(b, latents.shape[1], pad, *latents.shape[3:])], dim=2)
+
+    def image_condition_entries(
+        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The noise-augmented first frame's latents (``encode_first_frame``); only its first latent frame is stored
+        (the rest are zeros, added back at training time by ``conditioning``)."""
+        return {"image_latents": self.encode_first_frame(comps, pixels, generator=generator)[:, :, :1]}
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{"image_latents": [16, F, h, w]} from the latent entry (a one-frame entry is zero-padded to the video's frames)."""

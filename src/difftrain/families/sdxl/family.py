@@ -112,6 +112,8 @@ class SDXL(ModelFamily):
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "unet": ("conv_in", "conv_out", "time_embedding*", "add_embedding*")
     }
+    #: the micro-conditioning ids (sizes and crop in pixels) stay exact: the UNet embeds them itself
+    full_precision_inputs = ("time_ids",)
 
     # ------------------------------------------------------------ loading
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
