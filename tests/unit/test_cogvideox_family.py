@@ -27,18 +27,18 @@ from difftrain.errors import (
     ModelLoadError,
     UnsafeCheckpoint,
 )
+from difftrain.families.cogvideox import CogVideoXI2V
 from difftrain.families.cogvideox.family import (
     PARTS,
     T5_TOKENS,
     CogVideoX,
-    CogVideoXI2V,
     _new_module,
     _read_json,
     bundled_config_dir,
     config_name_of,
     known_configs,
-    resample_positional_table,
 )
+from difftrain.families.cogvideox.positions import resample_positional_table
 
 CAPTIONS = ["a red cat on a mat", "two dogs, " + "running far away " * 30]
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "configs" / "cogvideox_2b_transformer.json"

@@ -130,7 +130,11 @@ class Objective:
         amp = self.amp_dtype
         with torch.autocast(self.device.type, dtype=amp or torch.float32, enabled=amp is not None):
             cond = {
-                k: (v.to(self.compute_dtype) if v.is_floating_point() and k not in self.family.full_precision_inputs else v)
+                k: (
+                    v.to(self.compute_dtype)
+                    if v.is_floating_point() and k not in self.family.full_precision_inputs
+                    else v
+                )
                 for k, v in batch.items()
             }
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)

@@ -66,6 +66,7 @@ from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..tokenizers import tiny_t5_tokenizer
+from .positions import _fit_table, _resize_crop_region, _restore_table, latent_frames
 
 PARTS = ("transformer", "vae", "text_encoder")
 LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "T5-XXL text encoder"}
@@ -145,83 +146,6 @@ def config_name_of(transformer_cfg: dict) -> str | None:
         if _architecture(_read_json(common.configs_root() / name / "transformer" / "config.json")) == arch:
             return name
     return None
-
-
-def latent_frames(frames: int) -> int:
-    """Latent frames of a clip of ``frames`` pixel frames (4k + 1 -> k + 1; the VAE compresses time 4x)."""
-    return (frames - 1) // 4 + 1
-
-
-def _resize_crop_region(
-    src: tuple[int, int], tgt_width: int, tgt_height: int
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """The grid's crop box inside the base grid, as CogVideoX's pipelines place RoPE positions (1.0 models)."""
-    h, w = src
-    if h / w > tgt_height / tgt_width:
-        rh, rw = tgt_height, round(tgt_height / h * w)
-    else:
-        rw, rh = tgt_width, round(tgt_width / w * h)
-    top, left = round((tgt_height - rh) / 2.0), round((tgt_width - rw) / 2.0)
-    return (top, left), (top + rh, left + rw)
-
-
-def resample_positional_table(pe, frames: int, height: int, width: int) -> torch.Tensor:
-    """``pe.pos_embedding`` (``[1, text + T*H*W, D]``, text rows zero) for ``frames`` latent frames of
-    ``height`` x ``width`` latents, sampled where the model's 3D RoPE puts those patches.
-
-    Time: patch ``t`` takes the table's frame ``t`` (RoPE's temporal positions are
-    the integers 0, 1, ...; frames past the table's last repeat it). Space: the
-    grid is fitted inside the table's grid with the crop box and linspace
-    positions of CogVideoXPipeline's RoPE (``_resize_crop_region``), and rows and
-    columns are interpolated linearly between table cells (clamped at the
-    edges). At the native size every position is an integer and the result is
-    the table itself. A ViT-style resize of a learned table, placed as RoPE
-    places the patches, so both position signals agree.
-    """
-    p, text = pe.patch_size, pe.max_text_seq_length
-    t0, h0, w0 = latent_frames(pe._difftrain_native[0]), pe._difftrain_native[1] // p, pe._difftrain_native[2] // p
-    table = pe.pos_embedding
-    grid = table[:, text:].reshape(t0, h0, w0, table.shape[-1]).float()
-    gh, gw = height // p, width // p
-    (top, left), (bottom, right) = _resize_crop_region((gh, gw), w0, h0)
-    rows = torch.linspace(top, bottom * (gh - 1) / gh, gh, device=table.device, dtype=torch.float64)
-    cols = torch.linspace(left, right * (gw - 1) / gw, gw, device=table.device, dtype=torch.float64)
-    times = torch.arange(frames, device=table.device, dtype=torch.float64)
-    for dim, pos in ((0, times), (1, rows), (2, cols)):
-        grid = _lerp_along(grid, pos, dim)
-    return torch.cat([table[:, :text], grid.reshape(1, -1, table.shape[-1]).to(table.dtype)], dim=1)
-
-
-def _lerp_along(x: torch.Tensor, pos: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` sampled at fractional indices ``pos`` along ``dim``: linear between neighbours, clamped to the ends."""
-    pos = pos.clamp(0, x.shape[dim] - 1)
-    lo = pos.floor().long()
-    hi = (lo + 1).clamp(max=x.shape[dim] - 1)
-    shape = [1] * x.dim()
-    shape[dim] = -1
-    frac = (pos - lo).to(x.dtype).view(shape)
-    a, b = x.index_select(dim, lo), x.index_select(dim, hi)
-    return torch.where(frac == 0, a, a + (b - a) * frac)  # exact at integer positions
-
-
-def _fit_table(pe, args) -> None:
-    """patch_embed pre-hook: for a batch off the table's size, swap in the resampled table (and the sizes
-    diffusers compares against) for this one call; ``_restore_table`` puts the stored one back."""
-    _restore_table(pe, args, None)  # a previous call that raised left the resampled table in place
-    _, frames, _, height, width = args[1].shape
-    size = ((frames - 1) * pe.temporal_compression_ratio + 1, height, width)
-    if size == pe._difftrain_native:
-        return
-    table = pe.pos_embedding
-    pe.pos_embedding = resample_positional_table(pe, frames, height, width)
-    pe._difftrain_table = table
-    pe.sample_frames, pe.sample_height, pe.sample_width = size
-
-
-def _restore_table(pe, args, output) -> None:
-    if pe._difftrain_table is not None:
-        pe.pos_embedding, pe._difftrain_table = pe._difftrain_table, None
-        pe.sample_frames, pe.sample_height, pe.sample_width = pe._difftrain_native
 
 
 class CogVideoX(ModelFamily):
@@ -1051,78 +975,3 @@ class CogVideoX(ModelFamily):
         finally:
             shutil.rmtree(tokdir, ignore_errors=True)
         return folder
-
-
-class CogVideoXI2V(CogVideoX):
-    """Image-to-video CogVideoX (5b-I2V, 1.5-5b-I2V): the first frame's latents condition every step.
-
-    Precompute stores ``encode_first_frame``'s first latent frame in each latent entry as
-    "image_latents" (``image_condition_entries``); ``conditioning`` hands it to ``denoise``, which concatenates
-    it to the noisy latents on channels, as CogVideoXImageToVideoPipeline does.
-    """
-
-    name = "cogvideox-i2v"
-    image_conditioned = True
-    default_config = DEFAULT_I2V_CONFIG
-    tiny_config = "cogvideox-tiny-i2v"
-
-    def encode_first_frame(
-        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """The image conditioning of videos [B, 3, F, H, W]: [B, 16, (F - 1) / 4 + 1, H / 8, W / 8] (float32).
-
-        As diffusers' CogVideoX image-to-video training does: the first frame is
-        noise-augmented (pixels + N(0, 1) * sigma, sigma = exp(N(-3, 0.5)) per
-        sample), encoded, a posterior sample taken and scaled, and zero frames
-        appended up to the video's latent frame count. The scale follows the
-        image-to-video pipeline: x scaling_factor, or / scaling_factor for a VAE
-        with ``invert_scale_latents`` (CogVideoX 1.5). ``generator`` (a CPU one)
-        makes the augmentation reproducible, so a cache entry is a function of its
-        inputs and the seed.
-        """
-        vae = comps["vae"]
-        video = self._video(pixels)
-        first = video[:, :, :1].float().cpu()
-        b = first.shape[0]
-        sigma = torch.exp(torch.normal(IMAGE_NOISE_MEAN, IMAGE_NOISE_STD, size=(b,), generator=generator))
-        noisy = first + torch.randn(first.shape, generator=generator) * sigma.view(b, 1, 1, 1, 1)
-        dist = vae.encode(noisy.to(vae.device, vae.dtype)).latent_dist
-        eps = torch.randn(dist.mean.shape, generator=generator).to(dist.mean.device, dist.mean.dtype)
-        latents = (dist.mean + dist.std * eps).float()  # DiagonalGaussianDistribution.sample with this generator
-        sf = vae.config.scaling_factor
-        latents = latents / sf if getattr(vae.config, "invert_scale_latents", False) else latents * sf
-        pad = latent_frames(video.shape[2]) - 1
-        return torch.cat([latents, latents.new_zeros(b, latents.shape[1], pad, *latents.shape[3:])], dim=2)
-
-    def image_condition_entries(
-        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The noise-augmented first frame's latents (``encode_first_frame``); only its first latent frame is stored
-        (the rest are zeros, added back at training time by ``conditioning``)."""
-        return {"image_latents": self.encode_first_frame(comps, pixels, generator=generator)[:, :, :1]}
-
-    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """{"image_latents": [16, F, h, w]} from the latent entry (a one-frame entry is zero-padded to the video's frames)."""
-        img = latent_entry.get("image_latents")
-        if img is None:
-            raise CacheMismatch(
-                "The cached latents have no image latents, which image-to-video CogVideoX needs.",
-                hint="Run `difftrain precompute` with family: cogvideox-i2v (the cache is per family).",
-            )
-        frames = latent_entry["latents"].shape[1]
-        if img.shape[1] < frames:
-            img = torch.cat([img, img.new_zeros(img.shape[0], frames - img.shape[1], *img.shape[2:])], dim=1)
-        return {"image_latents": img}
-
-    def drop_image_conditioning(
-        self, batch: dict[str, torch.Tensor], generator: torch.Generator, p: float = IMAGE_DROPOUT
-    ) -> dict[str, torch.Tensor]:
-        """A copy of ``batch`` whose image latents are zeroed per sample with probability ``p``.
-
-        diffusers' I2V script zeroes the whole batch's with probability 0.05
-        (``--noised_image_dropout``); per sample is the same at batch size 1. Draws
-        one number per sample from ``generator`` (the trainer's, so resume is exact).
-        """
-        img = batch["image_latents"]
-        keep = torch.rand(img.shape[0], generator=generator, device=generator.device) >= p
-        return {**batch, "image_latents": img * keep.to(img.device, img.dtype).view(-1, *([1] * (img.ndim - 1)))}
