@@ -1,6 +1,6 @@
 """The model families: the one list. Adding a family is its package ``families/<name>/`` (a
-:class:`~difftrain.families.base.ModelFamily`
-subclass), its bundled configs under families/configs/, and one row here.
+:class:`~difftrain.families.base.ModelFamily` subclass, exported by the package), its bundled configs under
+families/configs/, and one row here.
 
 A row holds the facts that are read before any weight or torch is imported (the config's validation, the command
 line): the family's name, where its class is, its default bundled architecture, and which sd-scripts scripts map
