@@ -1,1 +1,1 @@
-"""Configuration: pydantic schema (schema.py), layered loading (load.py), recipes (recipes.py)."""
+"""Configuration: the pydantic schema (schema/, one module per section), layered loading (load.py), recipes (recipes.py)."""

@@ -501,7 +501,7 @@ SHARDED_ORDER: tuple[dict, ...] = (
 
 
 def sharded_memory(engine: dict) -> dict:
-    """memory fields for a sharded ``engine`` (DeepSpeed or FSDP) with what it needs beside it (config/schema.py's
+    """memory fields for a sharded ``engine`` (DeepSpeed or FSDP) with what it needs beside it (config/schema/root.py's
     _deepspeed and _fsdp): an AdamW (DeepSpeed's own, or torch's over the shares), bf16 weights, no fused backward
     or block swap."""
     return {

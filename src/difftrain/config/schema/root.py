@@ -284,7 +284,7 @@ class Config(Strict):
             )
 
     def _speed(self, facts: FamilyFacts | None) -> None:
-        # only what is set explicitly is refused here; "auto" decides at start (difftrain.speed.decide) and says why
+        # only what is set explicitly is refused here; "auto" decides at start (difftrain.speed.auto.decide) and says why
         sp, m, t = self.speed, self.memory, self.train
         if sp.cuda_graphs is True and sp.compile is False:
             raise ValueError("speed.cuda_graphs replays compiled blocks: set speed.compile: true (or auto)")
