@@ -1,12 +1,15 @@
-"""Code-shape figures for docs/benchmarks.md: largest file and function, functions over a length, lint and
-type-checker findings. The architecture issue's before/after table is made with this script.
+"""Code-shape figures for docs/benchmarks.md: largest file and function, functions over a length, the package's
+top-level modules, its import circles, lint and type-checker findings. The architecture issues' before/after tables
+are made with this script.
 
 Usage (from the repository root, in the dev environment):
 
     python benchmarks/code_metrics.py [--limit 80] [--no-tools] [--json out.json] [--root CHECKOUT]
 
 Function length counts the lines from the ``def`` to the last line of its body (decorators excluded), as
-``ast`` reports them. ruff and mypy are run as configured in pyproject.toml (``ruff check src tests
+``ast`` reports them. Import circles are the strongly connected sets of modules in grimp's import graph (the one
+import-linter builds: every import statement, inside functions and under TYPE_CHECKING too), computed in a
+subprocess with ``ROOT/src`` first on the path so that ``--root`` measures that checkout's code. ruff and mypy are run as configured in pyproject.toml (``ruff check src tests
 benchmarks``, ``mypy``); where they are not configured the figure says so.
 """
 
@@ -58,6 +61,47 @@ def tool_count(cmd: list[str], pattern: str, root: Path = ROOT) -> int | str:
     return f"not run (exit {r.returncode}: {text.strip().splitlines()[-1][:120] if text.strip() else ''})"
 
 
+_CIRCLES = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import grimp
+g = grimp.build_graph("difftrain")
+mods = sorted(m for m in g.modules if m.split(".")[0] == "difftrain")
+edges = {m: sorted(g.find_modules_directly_imported_by(m)) for m in mods}
+sys.setrecursionlimit(100000)
+index, low, stack, on, out = {}, {}, [], set(), []
+def visit(v):
+    index[v] = low[v] = len(index); stack.append(v); on.add(v)
+    for w in edges.get(v, []):
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        scc = []
+        while True:
+            w = stack.pop(); on.discard(w); scc.append(w)
+            if w == v:
+                break
+        if len(scc) > 1:
+            out.append(sorted(scc))
+for m in mods:
+    if m not in index:
+        visit(m)
+print(json.dumps(out))
+"""
+
+
+def import_circles(root: Path) -> list[list[str]] | str:
+    """The import circles of ``root``'s difftrain (see the module docstring), or why they could not be computed."""
+    r = subprocess.run(
+        [sys.executable, "-c", _CIRCLES, str(root / "src")], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    if r.returncode != 0:
+        return f"not run (exit {r.returncode}: {r.stderr.strip().splitlines()[-1][:120] if r.stderr.strip() else ''})"
+    return json.loads(r.stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=80, help="function length (lines) counted as long")
@@ -83,7 +127,13 @@ def main() -> None:
         "largest_function": f"{biggest_fn[0]}:{biggest_fn[1]} ({biggest_fn[2]} lines)",
         f"functions_over_{args.limit}": len(long),
         f"functions_over_{args.limit}_list": [f"{p}:{n} ({ln})" for p, n, ln in long],
+        "top_level_modules": sorted(f.stem for f in src.glob("*.py") if f.stem not in ("__init__", "__main__")),
+        "top_level_packages": sorted(d.name for d in src.iterdir() if (d / "__init__.py").is_file()),
     }
+    circles = import_circles(root)
+    fig["import_circles"] = len(circles) if isinstance(circles, list) else circles
+    if isinstance(circles, list):
+        fig["import_circles_list"] = [" <-> ".join(c) for c in circles]
     if not args.no_tools:
         fig["ruff_findings"] = tool_count(
             [sys.executable, "-m", "ruff", "check", "--statistics", "src", "tests", "benchmarks"],

@@ -45,7 +45,7 @@ class Split(torch.nn.Module):
 def build(kind: str, dim: int, inner: int):
     from diffusers.models.activations import GEGLU
 
-    from difftrain import geglu as kg
+    from difftrain.speed import geglu as kg
 
     torch.manual_seed(0)
     act = ref = GEGLU(dim, inner)  # every kind starts from these weights

@@ -179,7 +179,7 @@ def test_speed_options_that_cannot_work_together_are_refused():
 
 
 def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
-    """speed.attention math and speed_auto.optimizer_kernels fused train to the same losses as the defaults (CPU);
+    """speed.attention math and speed.optimizer_kernels fused train to the same losses as the defaults (CPU);
     a kernel the CPU lacks is refused before the model loads, with the fix."""
     from difftrain.errors import BackendUnavailable
 
@@ -201,7 +201,7 @@ def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
             dataset,
             tmp_path / "b",
             **common,
-            **{"speed.attention": "math", "speed_auto.optimizer_kernels": "fused"},
+            **{"speed.attention": "math", "speed.optimizer_kernels": "fused"},
         )
     )
     assert fast.losses == pytest.approx(ref.losses, rel=1e-4)
@@ -222,7 +222,7 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     precompute(base)
     ref = train(base)
     t = Trainer(
-        _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"memory_format.channels_last": "true"})
+        _cfg("tiny-sdxl-lora", tiny_model, dataset, tmp_path / "b", **common, **{"speed.channels_last": "true"})
     )
     out = t.run()
     conv = (

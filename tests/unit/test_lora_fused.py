@@ -139,8 +139,8 @@ def test_auto_takes_the_fused_kernel_on_cuda_without_checkpointing_only():
         ("sdxl-lora-8gb", ["memory.engine.kind=deepspeed"], True, "cuda", False),
         ("sdxl-lora-8gb", ["memory.weights.kind=fp8"], True, "cuda", False),  # fp8 convolutions: not measured
         ("sd3-lora-8gb", [], True, "cuda", False),  # a transformer: no convolutions
-        ("sdxl-lora-8gb", ["memory_format.channels_last=false"], True, "cuda", False),
-        ("sdxl-lora-8gb", ["memory_format.channels_last=true"], False, "cpu", True),
+        ("sdxl-lora-8gb", ["speed.channels_last=false"], True, "cuda", False),
+        ("sdxl-lora-8gb", ["speed.channels_last=true"], False, "cpu", True),
     ],
 )
 def test_channels_last_auto(recipe, sets, compiled, device, expect):

@@ -51,7 +51,7 @@ def choose_engine(
     if recorded is not None and recorded.get("kind") == "fsdp":  # its checkpoint holds FSDP's optimizer state
         fsdp = _with(cfg, {"engine": EngineFSDP.model_validate(recorded).model_dump()})
         if fsdp is None:
-            from .errors import ConfigError
+            from ..errors import ConfigError
 
             raise ConfigError(
                 "The checkpoint resumed was made with memory.engine fsdp, which this config cannot train with.",
