@@ -48,6 +48,7 @@ def test_bench_memory_on_cuda_reports_gpu_peaks(tmp_path):
     assert torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_bench_speed_times_the_config_against_its_eager_baseline(cli, tmp_path):
     """Both runs on the same random model and cache; FLOPs counted once (eager, no checkpointing); MFU is FLOP/s
     over the measured matmul peak, so the faster run has the higher MFU."""
@@ -155,6 +156,7 @@ def test_bench_speed_of_a_full_fine_tune_crosses_epochs_without_exporting(cli, t
     assert trainer.export_model("epoch-0001") == []
 
 
+@pytest.mark.slow
 def test_bench_speed_profiles_a_step_after_the_timed_ones(cli, tmp_path):
     """--profile adds the profiler's warm-up and profiled steps after the timed ones (so they do not slow the
     timing) and reports the profiled step's own duration and kernels by kind."""

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import tiny_sets
 
 
@@ -87,6 +89,7 @@ def test_pickle_checkpoint_refused_without_flag(cli, dataset, tmp_path):
     _no_traceback(r)
 
 
+@pytest.mark.slow
 def test_debug_env_shows_traceback_and_console_script_exit_code(tmp_path):
     env = dict(os.environ, DIFFTRAIN_DEBUG="1")
     p = subprocess.run(

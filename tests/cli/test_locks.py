@@ -67,6 +67,7 @@ def test_the_lock_is_reentrant_in_a_process_and_exclusive_between_processes(tmp_
     assert not holds(tmp_path) and not (tmp_path / NOTE_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_run_folder_refuses_at_once_and_changes_nothing(tiny_model, dataset, tmp_path):
     sets = tiny_sets(tiny_model, dataset, tmp_path, **{"train.max_steps": 2})
     args = [a for s in sets for a in ("--set", s)]
@@ -92,6 +93,7 @@ def test_a_second_run_into_a_busy_run_folder_refuses_at_once_and_changes_nothing
     )  # no file of the first run changed: not its metrics, config, LoRA or checkpoints
 
 
+@pytest.mark.slow
 def test_precompute_into_a_busy_cache_refuses_and_a_killed_writers_lock_is_taken_over(dataset, tiny_model, tmp_path):
     sets = tiny_sets(tiny_model, dataset, tmp_path)
     args = [a for s in sets for a in ("--set", s)]

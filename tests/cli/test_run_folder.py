@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import set_args, tiny_sets
 from difftrain.runtime.locks import LOCK_NAME
 
@@ -45,6 +47,7 @@ def _train(model, data, root: Path, *extra, steps: int = 4, lr: str = "1e-3") ->
     return _run("train", "--recipe", "tiny-sdxl-lora", *set_args(sets), *extra)
 
 
+@pytest.mark.slow
 def test_a_new_run_into_a_finished_runs_folder_refuses_and_overwrite_starts_over(tiny_model, dataset, tmp_path):
     first = _train(tiny_model, dataset, tmp_path)
     assert first.returncode == 0, first.stderr
@@ -75,6 +78,7 @@ def test_a_new_run_into_a_finished_runs_folder_refuses_and_overwrite_starts_over
     assert state["run_id"] == new["run_id"]
 
 
+@pytest.mark.slow
 def test_another_runs_checkpoint_is_refused_into_a_taken_folder_and_a_resume_rewrites_its_steps_once(
     tiny_model, dataset, tmp_path
 ):

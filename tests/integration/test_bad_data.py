@@ -8,6 +8,7 @@ import io
 import json
 import random
 
+import pytest
 from PIL import Image
 
 from conftest import tiny_sets
@@ -99,6 +100,7 @@ def test_caption_fallback_empty_is_counted(tiny_model, dataset, tmp_path):
     assert r.captions == {"caption": 6, "tags": 1, "empty": 1}
 
 
+@pytest.mark.slow
 def test_files_difftrain_does_not_read_are_counted_and_listed(tiny_model, dataset, tmp_path):
     """A .gif, a multi-page .tif, a video and an animated WebP beside the images: merge-tags' and precompute's
     summaries count them (through the console script) and precompute-report.json lists each with its reason."""

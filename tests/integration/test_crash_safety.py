@@ -69,6 +69,7 @@ def _wait_for_steps(run_dir, n, proc, timeout=120):
     raise AssertionError("no training step logged in time")
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_then_exits_and_the_resumed_run_ends_as_an_uninterrupted_one(
     reference, tiny_model, _dataset_master, tmp_path
 ):

@@ -151,6 +151,7 @@ def test_two_processes_train_the_tiny_flux_as_one_with_the_same_global_batch(tin
     assert losses("two") == pytest.approx(losses("one"), rel=1e-4) and len(losses("one")) == 3
 
 
+@pytest.mark.slow
 def test_flux_dreambooth_with_prior_preservation_and_validation_samples(tiny_flux, dataset, tmp_path):
     """DreamBooth on Flux: the class images are drawn by FluxPipeline and cached beside the instance images, the
     class loss is added each step; validation samples are drawn at step 2 and at the end (issue 27, item 3)."""
@@ -183,6 +184,7 @@ def test_flux_dreambooth_with_prior_preservation_and_validation_samples(tiny_flu
     assert Image.open(step2).tobytes() != Image.open(final).tobytes()  # training changed what it draws
 
 
+@pytest.mark.slow
 def test_flux_caption_augmentation_and_a_sweep_over_one_cache(tiny_flux, _dataset_master, tmp_path, cli):
     """Shuffled tag captions (variants cached through both Flux text stages) and `difftrain sweep` with two
     trials over one cache, through the CLI's entry point."""

@@ -41,6 +41,7 @@ def _close(a: dict, b: dict, rel: float) -> None:
     assert ((va - vb).norm() / vb.norm()).item() < rel
 
 
+@pytest.mark.slow
 def test_fsdp_on_one_process_trains_as_the_plain_engine_and_checkpoints_whole_tensors(tiny_model, dataset, tmp_path):
     def cfg(out, **extra):
         sets = tiny_sets(tiny_model, dataset, tmp_path / out, **{**FULL, "data.cache_dir": tmp_path / "cache", **extra})
@@ -76,6 +77,7 @@ def test_fsdp_on_one_process_trains_as_the_plain_engine_and_checkpoints_whole_te
     assert {"o:conv_in.weight:exp_avg", "o:conv_in.weight:exp_avg_sq", "o:conv_in.weight:step"} <= keys
 
 
+@pytest.mark.slow
 def test_fsdp_is_refused_where_it_cannot_train(tiny_model, dataset, tmp_path):
     from difftrain.errors import ConfigError
 
@@ -179,6 +181,7 @@ def test_fsdp_trains_every_family_as_the_plain_engine(family, recipe, _dataset_m
     assert len(a.losses) == 3 and b.losses == pytest.approx(a.losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_with_offloaded_shares_trains_as_without_and_resumes(tiny_model, dataset, tmp_path):
     """memory.engine.offload_params (torch's CPUOffloadPolicy: the shares and AdamW's step on the CPU): on the CPU
     it moves nothing, so the plumbing is what is checked here: the same losses, and an exact resume."""
@@ -197,6 +200,7 @@ def test_fsdp_with_offloaded_shares_trains_as_without_and_resumes(tiny_model, da
     assert c.losses == pytest.approx(b.losses[2:], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_is_not_resumed_by_another_engine(tiny_model, dataset, tmp_path):
     """A resume under engine auto keeps FSDP (its checkpoint holds shares, not whole tensors), and says so where the
     config cannot train with it; a config naming another engine is refused with what to resume with."""

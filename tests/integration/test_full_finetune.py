@@ -46,6 +46,7 @@ def _identical(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_full_unet_only(cli, tiny_model, dataset, tmp_path, original_file):
     sets = tiny_sets(
         tiny_model,
@@ -144,6 +145,7 @@ def _full_cfg(tiny_model, data, out, **extra):
     return resolve(recipe="tiny-sdxl-lora", sets=tiny_sets(tiny_model, data, out, **base)).config
 
 
+@pytest.mark.slow
 def test_bf16_full_with_ema_resumes_exactly_and_exports_ema(tiny_model, dataset, tmp_path):
     from difftrain.precompute.run import precompute
 

@@ -52,6 +52,7 @@ LORA_BF16 = ("memory.weights.kind=bf16", "train.mixed_precision=bf16")
 FULL = ("train.method=full", "memory.weights.kind=fp32", "train.max_grad_norm=null", "train.learning_rate=1e-4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,sets,tol",
     [
@@ -73,6 +74,7 @@ def test_lora_technique_tracks_plain_bf16(runs, name, sets, tol):
         assert unet.conv_in.weight.dtype == torch.bfloat16  # the family's high-precision layers stay
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ref_name,ref_sets",
     [
@@ -94,6 +96,7 @@ def test_block_swap_changes_nothing_but_where_weights_live(runs, ref_name, ref_s
     assert lora and all(p.dtype == torch.float32 for p in lora)
 
 
+@pytest.mark.slow
 def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
     t_all, _ = runs("checkpoint-all", *LORA_BF16, "memory.activations={kind: checkpoint}")
     t_two, _ = runs("checkpoint-every-2", *LORA_BF16, "memory.activations={kind: checkpoint, every: 2}")
@@ -105,6 +108,7 @@ def test_checkpoint_every_k_checkpoints_fewer_blocks(runs):
     assert all(flags(t_all)) and 0 < sum(flags(t_two)) < len(flags(t_two))
 
 
+@pytest.mark.slow
 def test_fused_backward_equals_plain_full_finetune(runs):
     _, plain = runs("full-plain", *FULL)
     t, fused = runs("full-fused", *FULL, "memory.fused_backward=true")
@@ -113,6 +117,7 @@ def test_fused_backward_equals_plain_full_finetune(runs):
     assert all(p.grad is None for p in t.parts.params)  # gradients were freed inside backward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixed", [False, True], ids=["fresh-buffers", "fixed-slots"])
 def test_block_swap_with_fused_adafactor_steps_swapped_weights_and_writes_them_home(runs, monkeypatch, fixed):
     """Full fine-tune, block swap + fused backward + Adafactor (sdxl-full-8gb's plan): the swapped units' weights are
@@ -153,6 +158,7 @@ SWAP_ADAFACTOR = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), SWAP_ADAFACTOR], ids=["adamw", "adafactor-block-swap"])
 def test_fused_backward_resumes_exactly(tiny_model, dataset, tmp_path, extra):
     sets = (*FULL, "memory.fused_backward=true", "memory.weights.kind=bf16", "train.mixed_precision=bf16", *extra)

@@ -93,6 +93,7 @@ def test_skip_mode_drops_the_bad_steps_and_finishes(tiny_model, dataset, tmp_pat
     assert recs[3].get("skipped") and recs[4].get("skipped") and not recs[5].get("skipped")
 
 
+@pytest.mark.slow
 def test_skip_mode_stops_after_five_bad_steps_in_a_row(tiny_model, dataset, tmp_path, monkeypatch):
     cfg = _cfg(tiny_model, dataset, tmp_path / "run", **{"train.max_steps": 12, "train.nonfinite": "skip"})
     precompute(cfg)
@@ -101,6 +102,7 @@ def test_skip_mode_stops_after_five_bad_steps_in_a_row(tiny_model, dataset, tmp_
         train(cfg)
 
 
+@pytest.mark.slow
 def test_fp16_scaler_skips_are_counted(tiny_model, dataset, tmp_path, monkeypatch):
     """A scale so large that fp16 gradients overflow: the scaler skips steps (halving its scale each time) and the
     run reports how many."""

@@ -38,6 +38,7 @@ def _args(tiny_model, data, out):
     return ["precompute", "--recipe", "tiny-sdxl-lora", *[a for s in sets for a in ("--set", s)]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [3, 11], ids=["during-latents", "during-captions"])
 def test_killed_precompute_resumes_to_the_clean_result(tiny_model, dataset, tmp_path, cli, kill_at):
     env = {**os.environ, "KILL_AT_SHARD": str(kill_at), "DIFFTRAIN_PROGRESS": "0"}

@@ -109,6 +109,7 @@ def test_int8_t5_on_cpu_is_refused_with_the_way_out(cli, tiny_sd3, dataset, tmp_
     assert "text_encoders.t5.precision: bf16" in r.err and "Traceback" not in r.err
 
 
+@pytest.mark.slow
 def test_dreambooth_prior_preservation_generates_caches_and_adds_the_class_loss(tiny_sd3, dataset, tmp_path):
     import json
 
@@ -181,6 +182,7 @@ def test_the_whole_sd3_flow_through_the_cli(cli, tiny_sd3, dataset, tmp_path):
     assert r.code == 0 and "sd3" in r.err
 
 
+@pytest.mark.slow
 def test_sd3_full_finetune_exports_a_single_file_and_a_diffusers_folder(tiny_sd3, dataset, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 

@@ -126,6 +126,7 @@ def test_sdxl_compiled_by_larger_regions_trains_as_the_eager_model_does(tiny_mod
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_losses_read_back_in_batches_equal_per_step_reads(tiny_model, dataset, tmp_path, monkeypatch):
     """speed.sync_seconds: reading the losses every step or only at forced points (checkpoints, the end) gives the
     same losses and the same metrics records; the batched run flushes far less often."""
@@ -178,6 +179,7 @@ def test_speed_options_that_cannot_work_together_are_refused():
     assert validate(swap).speed.cuda_graphs is True
 
 
+@pytest.mark.slow
 def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
     """speed.attention math and speed.optimizer_kernels fused train to the same losses as the defaults (CPU);
     a kernel the CPU lacks is refused before the model loads, with the fix."""
@@ -211,6 +213,7 @@ def test_attention_and_optimizer_kernel_choices(tiny_model, dataset, tmp_path):
         ).run()
 
 
+@pytest.mark.slow
 def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tmp_path):
     common = {
         "train.max_steps": 3,
@@ -234,6 +237,7 @@ def test_channels_last_unet_trains_as_the_default_layout(tiny_model, dataset, tm
     assert out.losses == pytest.approx(ref.losses, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fused_lora_kernel_trains_as_peft_and_exports_the_same_file(tiny_model, dataset, tmp_path):
     """speed.lora_kernel fused (auto's choice on CUDA) under bf16 autocast: the same losses as peft's forward
     within bf16 rounding, every LoRA Linear of the UNet swapped and every attention's projections of one input run
@@ -318,6 +322,7 @@ def test_compile_regions_compiles_the_named_outer_modules_not_the_blocks_inside_
     assert "Sequential" not in str(e.value.message) and seen == []
 
 
+@pytest.mark.slow
 def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_model, dataset, tmp_path):
     """bench speed's FLOP count of a compiled config (a compiled baseline, as float8 against compiled bf16 needs):
     the compiled blocks run eagerly under the counter, so it sees the same matmuls as the eager model, and nothing
@@ -348,6 +353,7 @@ def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_mode
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("python", [False, True])
 def test_the_profile_environment_profiles_the_named_step_and_training_goes_on(
     tiny_model, dataset, tmp_path, monkeypatch, python
@@ -376,6 +382,7 @@ def test_the_profile_environment_profiles_the_named_step_and_training_goes_on(
     assert "save_checkpoint" not in table and "precompute" not in table  # and nothing outside the step
 
 
+@pytest.mark.slow
 def test_speed_attention_fa4_says_after_the_first_step_whether_any_attention_reached_it(
     tiny_model, dataset, tmp_path, monkeypatch, capsys
 ):

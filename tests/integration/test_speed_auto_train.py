@@ -28,6 +28,7 @@ def _cfg(tmp_path, *sets):
     return base
 
 
+@pytest.mark.slow
 def test_train_prints_what_speed_auto_chose(tiny_model, dataset, tmp_path):
     """Through the console script: the one line saying what auto chose and why (the CPU: eager)."""
     from conftest import set_args, tiny_sets

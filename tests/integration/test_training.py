@@ -78,6 +78,7 @@ def test_resume_gives_the_same_weights_and_losses(tiny_model, dataset, tmp_path)
         torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_exported_lora_changes_the_diffusers_pipeline_output(tiny_model, dataset, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
@@ -135,6 +136,7 @@ def test_text_encoder_lora_trains_and_loads(tiny_model, dataset, tmp_path):
     assert any(isinstance(m, LoraLayer) for m in pipe.text_encoder_2.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp16", "checkpoint"])
 def test_precision_and_checkpointing_track_the_plain_run(tiny_model, dataset, tmp_path, mode):
     """fp16 autocast with the grad scaler, and gradient checkpointing, follow the fp32 eager losses."""

@@ -19,6 +19,7 @@ def _trainer(recipe, model, data, out, **extra):
     return Trainer(cfg)
 
 
+@pytest.mark.slow
 def test_sdxl_validation_loss_is_held_out_logged_and_repeatable(tiny_model, dataset, tmp_path):
     t = _trainer(
         "tiny-sdxl-lora",

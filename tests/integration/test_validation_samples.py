@@ -12,6 +12,7 @@ from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import Trainer
 
 
+@pytest.mark.slow
 def test_sdxl_samples_every_n_steps_and_at_the_end(tiny_model, dataset, tmp_path):
     sets = tiny_sets(
         tiny_model,

@@ -78,6 +78,7 @@ def test_largest_term_names_the_technique_that_cuts_it():
     assert advice.startswith(f"{name} ({e.gpu[name]:.2f} GiB planned)") and "memory." in advice
 
 
+@pytest.mark.slow
 def test_plan_prints_the_card_rows_and_fits_the_whole_card():
     p = _run("plan", "--recipe", "sdxl-lora-8gb")
     assert p.returncode == 0, p.stderr
@@ -95,12 +96,14 @@ def test_plan_prints_the_card_rows_and_fits_the_whole_card():
     assert "on the card" in p.stderr and "reserved by torch" in p.stderr
 
 
+@pytest.mark.slow
 def test_bench_memory_card_needs_a_cuda_gpu(tmp_path):
     p = _run("bench", "memory", "--recipe", "tiny-sdxl-lora", "--card", "4gb", "--steps", "2", "--work", str(tmp_path))
     assert p.returncode == 2, p.stderr
     assert "no CUDA GPU" in p.stderr and "difftrain plan --vram" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_bench_memory_card_refuses_a_size_it_cannot_read(tmp_path):
     p = _run("bench", "memory", "--recipe", "tiny-sdxl-lora", "--card", "big", "--work", str(tmp_path))
     assert p.returncode == 2 and "--card" in p.stderr and "write it like 4gb" in p.stderr
@@ -152,6 +155,7 @@ def test_bench_memory_card_on_cuda(tmp_path):
     assert json.loads(js.read_text())["card"]["fits"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("old", "new"), [("sdxl-lora-2gb", "sdxl-lora-3gb"), ("sdxl-full-2gb", "sdxl-full-3gb")])
 def test_a_renamed_tier_says_where_it_went(old, new):
     p = _run("plan", "--recipe", old)

@@ -117,6 +117,7 @@ def test_each_restart_of_the_group_keeps_its_keys_apart_in_the_agents_store():
     assert d.attempt_store(world, datetime.timedelta(seconds=10), {}) is None  # not under the agent: torch's own
 
 
+@pytest.mark.slow
 def test_fused_backward_on_several_ddp_processes_is_refused_before_any_process_starts(tiny_model, dataset, tmp_path):
     """fused_backward steps each weight inside backward, before DDP averages its gradient: on 2 gloo processes the
     run trained to its end, then stopped on "different weights". The launcher now refuses it at once, and so does

@@ -81,6 +81,7 @@ def test_a_device_without_fa4_is_named_with_the_fix():
         assert "pip install flash-attn-4" in (e.value.hint or "")
 
 
+@pytest.mark.slow
 def test_train_with_fa4_on_the_cpu_fails_cleanly_before_loading(tiny_model, dataset, tmp_path):
     sets = tiny_sets(tiny_model, dataset, tmp_path, **{"speed.attention": "fa4", "train.device": "cpu"})
     r = script_train("--recipe", "tiny-sdxl-lora", "--no-precompute", *set_args(sets))

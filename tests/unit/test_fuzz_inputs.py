@@ -15,6 +15,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -121,6 +122,7 @@ def test_yaml_config_files_of_any_structure(data):
         _ok_or_difftrain(resolve, config_file=f)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     st.text(max_size=200)

@@ -112,6 +112,7 @@ def test_auto_takes_triton_where_it_runs(monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_train_with_the_triton_gate_on_the_cpu_fails_cleanly_before_loading(tiny_model, dataset, tmp_path):
     from conftest import clean_failure, script_train, set_args, tiny_sets
 

@@ -117,6 +117,7 @@ def test_speed_auto_with_lora_block_swap_plans_the_fixed_slots_graphs_need():
     assert weights["auto"] > weights["off"] + 0.1
 
 
+@pytest.mark.slow
 def test_plan_search_offers_block_swap_below_what_fp8_reaches(cli):
     r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "3GiB")
     assert r.code == 0, r
@@ -295,6 +296,7 @@ def test_recipe_planner_estimate_stays_under_its_tier(name):
     assert "Measured peak" in recipe_header(name)
 
 
+@pytest.mark.slow
 def test_plan_cli_search(cli):
     r = cli("plan", "--recipe", "sdxl-lora-8gb", "--vram", "5GiB")  # the whole card (context, libraries, display)
     assert r.code == 0, r
@@ -591,6 +593,7 @@ def test_per_gpu_terms_on_several_processes():
     assert "not measured" in " ".join(c.notes)
 
 
+@pytest.mark.slow
 def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_script():
     import subprocess
     import sys
@@ -625,6 +628,7 @@ def test_plan_for_several_gpus_searches_the_zero_stages_through_the_console_scri
     assert "memory.offload={kind: none}" in r.stdout
 
 
+@pytest.mark.slow
 def test_engine_auto_chooses_ddp_where_a_replica_fits_else_the_first_zero_stage_that_does():
     from difftrain.planning.engines import choose_engine
 
@@ -733,6 +737,7 @@ def test_fsdp_plan_shards_weights_gradients_and_adamw_over_the_gpus():
     assert off.gpu["optimizer state"] == 0 and off.host["FSDP shares (weights, gradients, AdamW)"] > 10
 
 
+@pytest.mark.slow
 def test_plan_with_vram_says_what_precompute_encodes_at_a_time_through_the_console_script():
     import os
     import subprocess
