@@ -65,10 +65,8 @@ def plan(
     ] = 1,
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
-    from ..families.registry import get_family
-    from ..memory.planner import as_set_lines, candidates, speed_cost
     from ..planning.engines import choose_engine, expected_scaling, launch_problem
-    from ..planning.estimate import memory_hints, plan_memory, precompute_lines
+    from ..planning.estimate import plan_memory
     from ..runtime.distributed import engine_problem
 
     res = resolved_config(recipe, config, set_)
@@ -98,6 +96,17 @@ def plan(
         info(f"[yellow]note:[/yellow] {n}", markup=True)
     if vram is None:
         return
+    _fastest_fit(cfg, recipe, config, set_, vram, ram, gpus)
+
+
+def _fastest_fit(cfg, recipe, config, set_, vram: str, ram: str | None, gpus: int) -> None:
+    """plan --vram: what precompute does on that card, and the fastest of the planner's candidates predicted to fit
+    it (and --ram), printed as --set lines; exit 1 when none does."""
+    from ..families.registry import get_family
+    from ..memory.planner import as_set_lines, candidates, speed_cost
+    from ..planning.estimate import memory_hints, plan_memory, precompute_lines
+    from ..runtime.distributed import engine_problem
+
     limit, host_limit = parse_size(vram), parse_size(ram) if ram else None
     for pre in precompute_lines(cfg, limit):
         info(pre, markup=True)

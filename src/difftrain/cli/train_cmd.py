@@ -76,42 +76,15 @@ def train(
     from ..trainers.loop import train as run
 
     if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
-        from ..errors import UsageError
-        from .common import invoked_argv
-
-        if gpus < 1 or nodes < 1 or not 0 <= node_rank < nodes:
-            raise UsageError(
-                f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
-            )
-        extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
-        res = resolved_config(recipe, config, set_, extra)  # config errors, once
-        from ..errors import ConfigError
-        from ..planning.engines import launch_problem
-        from ..runtime.distributed import ENGINE_HINT
-
-        problem = launch_problem(res.config, gpus * nodes)
-        if problem:
-            raise ConfigError(problem, hint=ENGINE_HINT)
-        with_hub_model(res)  # fetched once here: the processes find it in the cache
-        if not no_precompute:  # once, here, before the processes start
-            if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
-                from ..data.cache import cache_dir_for
-                from ..runtime.locks import writer_lock
-
-                with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
-                    precompute_missing(res.config)
-            else:
-                precompute_missing(res.config)
         where = {
             "nodes": nodes,
             "node_rank": node_rank,
             "master_addr": master_addr,
             "master_port": master_port,
             "rdzv_endpoint": rdzv_endpoint,
-            "max_restarts": res.config.train.max_restarts,
         }
-        launch_claimed(res.config.train.output_dir, gpus, invoked_argv(), resume, overwrite, node_rank, where)
-        info(f"trained on {gpus * nodes} processes")
+        extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
+        _launch(recipe, config, set_, extra, gpus, where, resume, overwrite, no_precompute)
         return
 
     res = resolved_config(
@@ -133,6 +106,42 @@ def train(
         info(f"model: {p}")
     if r.checkpoints:
         info(f"checkpoint: {r.checkpoints[-1]}")
+
+
+def _launch(
+    recipe, config, set_, extra: dict, gpus: int, where: dict, resume: str | None, overwrite: bool, no_precompute: bool
+) -> None:
+    """``train --gpus N`` / ``--nodes M`` on the launching process: the config checked once, the Hub model fetched
+    and the cache completed once, then the run folder claimed and torchrun's elastic agent started."""
+    nodes, node_rank = where["nodes"], where["node_rank"]
+    from ..errors import UsageError
+    from .common import invoked_argv
+
+    if gpus < 1 or nodes < 1 or not 0 <= node_rank < nodes:
+        raise UsageError(
+            f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
+        )
+    res = resolved_config(recipe, config, set_, extra)  # config errors, once
+    from ..errors import ConfigError
+    from ..planning.engines import launch_problem
+    from ..runtime.distributed import ENGINE_HINT
+
+    problem = launch_problem(res.config, gpus * nodes)
+    if problem:
+        raise ConfigError(problem, hint=ENGINE_HINT)
+    with_hub_model(res)  # fetched once here: the processes find it in the cache
+    if not no_precompute:  # once, here, before the processes start
+        if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
+            from ..data.cache import cache_dir_for
+            from ..runtime.locks import writer_lock
+
+            with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
+                precompute_missing(res.config)
+        else:
+            precompute_missing(res.config)
+    where = {**where, "max_restarts": res.config.train.max_restarts}
+    launch_claimed(res.config.train.output_dir, gpus, invoked_argv(), resume, overwrite, node_rank, where)
+    info(f"trained on {gpus * nodes} processes")
 
 
 def _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts) -> dict:
