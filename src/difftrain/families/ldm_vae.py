@@ -164,6 +164,8 @@ def vae_map(config_json: str) -> PrefixMap:
 
 
 def vae_to_original(sd: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL state dict in the single file's names, under ``first_stage_model.`` (its
+    attention's Linear weights as the 1x1 convolutions LDM stores)."""
     m = vae_map(config_json(config))
     out, bad = {}, []
     for k, v in sd.items():

@@ -40,8 +40,7 @@ from ..runtime import distributed as dist_
 from ..speed import auto as speed_auto
 from ..speed import float8 as speed_float8
 from ..speed import geglu as geglu_
-from ..speed import lora_kernel as lora_fused
-from ..speed import memory_format, regional_compile
+from ..speed import lora_kernel, memory_format, regional_compile
 from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, gpu_index_gib, pick_device, stored_float_dtype
 from .ema import EMA
 from .parts import DDP, Parts
@@ -176,10 +175,10 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         return
     sp = b.cfg.speed
     _geglu(b, part, module)
-    if sp.lora_kernel == "fused" and b.cfg.train.method == "lora" and (n := lora_fused.use_fused(module)):
+    if sp.lora_kernel == "fused" and b.cfg.train.method == "lora" and (n := lora_kernel.use_fused(module)):
         info(
             f"speed.lora_kernel: {n} LoRA Linears of {part} take difftrain's fused forward and backward; "
-            f"{lora_fused.fused_attentions(module)} attentions run q, k and v of one input as one call"
+            f"{lora_kernel.fused_attentions(module)} attentions run q, k and v of one input as one call"
         )
     if sp.channels_last is True and b.cfg.memory.engine.kind == "fsdp":
         warn("speed.channels_last is not applied to FSDP's sharded weights (not measured there)")
