@@ -8,8 +8,9 @@ Usage (from the repository root, in the dev environment):
 
 Function length counts the lines from the ``def`` to the last line of its body (decorators excluded), as
 ``ast`` reports them. Import circles are the strongly connected sets of modules in grimp's import graph (the one
-import-linter builds: every import statement, inside functions and under TYPE_CHECKING too), computed in a
-subprocess with ``ROOT/src`` first on the path so that ``--root`` measures that checkout's code. ruff and mypy are run as configured in pyproject.toml (``ruff check src tests
+import-linter builds: every import statement, inside functions and under TYPE_CHECKING too), found by this
+checkout's ``tests/unit/test_layers.circles`` (the check the tests run) in a subprocess with ``--root``'s ``src``
+first on the path, so that ``--root`` measures that checkout's code. ruff and mypy are run as configured in pyproject.toml (``ruff check src tests
 benchmarks``, ``mypy``); where they are not configured the figure says so.
 """
 
@@ -61,41 +62,23 @@ def tool_count(cmd: list[str], pattern: str, root: Path = ROOT) -> int | str:
     return f"not run (exit {r.returncode}: {text.strip().splitlines()[-1][:120] if text.strip() else ''})"
 
 
+# the circle check of tests/unit/test_layers.py (this checkout's), over the code under argv[1] (first on the path)
 _CIRCLES = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
-import grimp
-g = grimp.build_graph("difftrain")
-mods = sorted(m for m in g.modules if m.split(".")[0] == "difftrain")
-edges = {m: sorted(g.find_modules_directly_imported_by(m)) for m in mods}
-sys.setrecursionlimit(100000)
-index, low, stack, on, out = {}, {}, [], set(), []
-def visit(v):
-    index[v] = low[v] = len(index); stack.append(v); on.add(v)
-    for w in edges.get(v, []):
-        if w not in index:
-            visit(w); low[v] = min(low[v], low[w])
-        elif w in on:
-            low[v] = min(low[v], index[w])
-    if low[v] == index[v]:
-        scc = []
-        while True:
-            w = stack.pop(); on.discard(w); scc.append(w)
-            if w == v:
-                break
-        if len(scc) > 1:
-            out.append(sorted(scc))
-for m in mods:
-    if m not in index:
-        visit(m)
-print(json.dumps(out))
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from test_layers import circles
+print(json.dumps(circles("difftrain")))
 """
 
 
 def import_circles(root: Path) -> list[list[str]] | str:
     """The import circles of ``root``'s difftrain (see the module docstring), or why they could not be computed."""
     r = subprocess.run(
-        [sys.executable, "-c", _CIRCLES, str(root / "src")], capture_output=True, text=True, timeout=600, cwd=root
+        [sys.executable, "-c", _CIRCLES, str(root / "src"), str(ROOT / "tests" / "unit")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
     )
     if r.returncode != 0:
         return f"not run (exit {r.returncode}: {r.stderr.strip().splitlines()[-1][:120] if r.stderr.strip() else ''})"

@@ -4,14 +4,9 @@ for the choice."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..config.schema import Config
 from ..families.registry import get_family
 from .estimate import plan_memory
-
-if TYPE_CHECKING:
-    pass
 
 
 def _with(cfg: Config, memory: dict, train: dict | None = None) -> Config | None:
