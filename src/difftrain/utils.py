@@ -333,3 +333,16 @@ def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:
             if dt is not None:
                 sizes[dt] = sizes.get(dt, 0) + int(offsets[1]) - int(offsets[0])
     return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def set_tensor(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    """``t`` as the parameter or buffer ``name`` of ``root`` (as ``load_state_dict(assign=True)`` sets it: a
+    parameter keeps its requires_grad)."""
+    owner, _, leaf = name.rpartition(".")
+    m = root.get_submodule(owner)
+    old = m._parameters.get(leaf)
+    if old is not None or leaf in m._parameters:
+        grad = old.requires_grad if old is not None else False
+        m._parameters[leaf] = torch.nn.Parameter(t, requires_grad=grad and t.is_floating_point())
+    else:
+        m._buffers[leaf] = t

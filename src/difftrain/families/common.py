@@ -24,6 +24,7 @@ import torch
 from ..config.schema import ModelConfig
 from ..errors import BackendUnavailable, ConfigError, ModelLoadError, UnsafeCheckpoint
 from ..utils import DTYPES, SafetensorsReader, sha256_file, stream_save_safetensors
+from . import streaming
 from .tokenizers import clip_vocab_from_open_clip
 
 PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
@@ -264,8 +265,9 @@ def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> tor
     Why not from_pretrained: diffusers reads the files through safetensors' mapping, and on the CPU the weights it
     returns are views of that mapping, which lives until the last of them is dropped. Every page read stays in the
     RSS: FLUX.1's transformer loaded on the host for fp8 or block swap kept its 22 GiB of file pages beside the 11 GiB
-    of fp8 copies made from them (35.2 GiB peak RSS for flux-lora-8gb on the H100). Read here, the model is private
-    memory that each layer's fp8 copy or pinned copy frees as it is made (benchmarks/host_load.py).
+    of fp8 copies made from them (35.2 GiB peak RSS for flux-lora-8gb on the H100). Read here, each tensor is private
+    memory until it is assigned, or, under the trainer's placement (``streaming.placing``), until its destination (the
+    GPU, an fp8 copy, a pinned block-swap slab) has it, before the next is read (benchmarks/host_load.py).
 
     Returns None (the caller uses from_pretrained, which also words its errors) for anything this does not cover:
     no safetensors weights, classes that are not diffusers models, or keys that are not exactly the model's (older
@@ -288,24 +290,28 @@ def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> tor
         if {k for ks in keys for k in ks} != expected:
             return None
         keep32 = getattr(cls, "_keep_in_fp32_modules", None) or []
-        sd = {}
-        for h, ks in zip(handles, keys):
-            for k in ks:
-                t = h.get_tensor(k)
-                if t.is_floating_point():
-                    want = torch.float32 if any(m in k.split(".") for m in keep32) else dtype
-                    t = t.to(device=device, dtype=want)
-                else:
-                    t = t.to(device)
-                sd[k] = t
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for h, ks in zip(handles, keys):
+                for k in ks:
+                    t = h.get_tensor(k)
+                    if t.is_floating_point():
+                        want = torch.float32 if any(m in k.split(".") for m in keep32) else dtype
+                        t = t.to(device=device, dtype=want)
+                    else:
+                        t = t.to(device)
+                    yield k, t
+                    del t  # not held while the next one is read
+
+        def mismatch(what: str) -> ModelLoadError:
+            return ModelLoadError(f"The weights in {sub} do not fit its config.json: {what}")
+
+        # one tensor at a time: gathered and assigned, or each sent where the trainer's placement says (streaming)
+        streaming.fill(module, sub.name, tensors(), mismatch, assign_state_dict)
     finally:
         for h in handles:
             h.close()
 
-    def mismatch(what: str) -> ModelLoadError:
-        return ModelLoadError(f"The weights in {sub} do not fit its config.json: {what}")
-
-    assign_state_dict(module, sd, mismatch)
     module.register_to_config(_name_or_path=sub.parent)  # as from_pretrained records it (model folder, subfolder)
     module.eval()
     return module
@@ -315,7 +321,8 @@ def freeze(comps: Mapping[str, Any], parts: Iterable[str], device, quant: Mappin
     """Frozen, in eval mode, on ``device`` (bitsandbytes modules are placed by device_map and refuse .to())."""
     for part in parts:
         comps[part].requires_grad_(False).eval()
-        if part not in (quant or {}):
+        # a part the trainer's placement streamed is where it belongs (the GPU, fp8, pinned block-swap slabs)
+        if part not in (quant or {}) and not streaming.is_placed(part):
             comps[part].to(device)
 
 

@@ -43,6 +43,13 @@ import torch
 from .pinned import host_like
 
 
+def choose_swapped(sizes: list[int], blocks_to_swap: int) -> list[int]:
+    """The units that live in host RAM: the ``blocks_to_swap`` largest (of equal ones, the later in forward order),
+    in forward order. The streaming load (memory/placement.py) and the planner choose with it too."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], -i))
+    return sorted(order[: min(blocks_to_swap, len(sizes))])
+
+
 class BlockSwap:
     def __init__(
         self,
@@ -55,12 +62,15 @@ class BlockSwap:
         poison: bool = False,
         write_back: bool = False,
         fixed: bool = False,
+        swapped: list[int] | None = None,
     ):
         """Place ``root`` (which may sit on the CPU) on ``device`` except the swapped units' weights.
 
         ``write_back``: units dropped after their backward are copied home first (their weights were stepped on
         the GPU). ``poison`` (tests on CPU): evicted tensors become empty, so a use while evicted raises.
         ``fixed``: every fetch of a unit lands in the same slot, at the same addresses (for CUDA graphs).
+        ``swapped``: the units to swap, as the streaming load chose them and put their weights in host RAM
+        (default: :func:`choose_swapped` over the units' sizes now).
         """
         self.units = units
         self.write_back = write_back
@@ -72,8 +82,7 @@ class BlockSwap:
             sum(p.numel() * p.element_size() for p in u.parameters() if swap_trainable or not p.requires_grad)
             for u in units
         ]
-        order = sorted(range(len(units)), key=lambda i: (-sizes[i], -i))
-        self.swapped = sorted(order[: min(blocks_to_swap, len(units))])
+        self.swapped = sorted(swapped) if swapped is not None else choose_swapped(sizes, blocks_to_swap)
         self.index = {i: k for k, i in enumerate(self.swapped)}  # unit index -> position among swapped
         self.swapped_bytes = sum(sizes[i] for i in self.swapped)
         self.params: dict[int, list[torch.nn.Parameter]] = {}
@@ -133,7 +142,10 @@ class BlockSwap:
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped; pageable past
-        # memory.pinned_limit_gib or when the driver refuses (pinned.py)
+        # memory.pinned_limit_gib or when the driver refuses (pinned.py). A weight the streaming load already put
+        # in pinned memory (or in host memory, off CUDA) stays where it is: a second copy would double the RAM.
+        if t.device.type == "cpu" and (not self.cuda or t.is_pinned()):
+            return t
         return host_like(t, pinned=self.cuda)
 
     # ------------------------------------------------------------ moves

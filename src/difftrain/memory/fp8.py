@@ -184,7 +184,19 @@ def _conv_backward(ctx, gy):
 fp8_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
-class Fp8Linear(torch.nn.Linear):
+class _MadeByStore:
+    """fp8 layers are made by :func:`store` (a class change of a loaded layer), never constructed. peft constructs
+    a conv LoRA's two layers as ``type(base_layer)(...)``: over an fp8 base (the streaming load stores fp8 before
+    the adapters are added) that call gets the plain layer, as it did over the bf16 base. A call without arguments
+    (copy.deepcopy, pickle) makes the fp8 class as usual."""
+
+    def __new__(cls, *args, **kwargs):
+        if args or kwargs:
+            return cls.__mro__[2](*args, **kwargs)  # Fp8Conv2d -> _MadeByStore -> nn.Conv2d
+        return super().__new__(cls)
+
+
+class Fp8Linear(_MadeByStore, torch.nn.Linear):
     def forward(self, x):
         if torch.compiler.is_compiling():
             dtype = _compute_dtype(x)
@@ -194,7 +206,7 @@ class Fp8Linear(torch.nn.Linear):
         return _Fp8Linear.apply(x, self.weight, self.fp8_scale, self.bias)
 
 
-class Fp8Conv2d(torch.nn.Conv2d):
+class Fp8Conv2d(_MadeByStore, torch.nn.Conv2d):
     def forward(self, x):
         if self.padding_mode != "zeros":  # pragma: no cover - diffusers' convs are zero-padded
             raise NotImplementedError("fp8 Conv2d supports zero padding only")
@@ -215,6 +227,34 @@ class Fp8Conv2d(torch.nn.Conv2d):
         )
 
 
+def convertible(m: torch.nn.Module, name: str, skip: tuple[str, ...] = ()) -> type | None:
+    """The fp8 class ``m`` (named ``name`` in its model) becomes, or None where it stays as it is: frozen
+    Linear / zero-padded Conv2d layers only, not those ``skip`` names (fnmatch patterns; a LoRA-wrapped layer's
+    weight sits in ``<name>.base_layer``: the layer's own name is matched)."""
+    kind = {torch.nn.Linear: Fp8Linear, torch.nn.Conv2d: Fp8Conv2d}.get(type(m))
+    plain = name.removesuffix(".base_layer")
+    if kind is None or any(fnmatch.fnmatch(plain, pat) for pat in skip):
+        return None
+    if kind is Fp8Conv2d and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
+        return None
+    return kind
+
+
+def store(m: torch.nn.Module, w8: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> None:
+    """Make ``m`` (a layer :func:`convertible` accepts) an fp8 layer holding ``w8`` and its ``scale``.
+
+    ``compute_dtype``: the dtype the weight had, which peft reads (a layer's ``compute_dtype``, as bitsandbytes'
+    layers have) to give LoRA adapters added over it that dtype rather than fp8's: the adapter's initial weights
+    are rounded as over a bf16 layer, whether the fp8 copy was made before the adapter (the streaming load) or
+    after it."""
+    kind = convertible(m, "")
+    assert kind is not None, f"{type(m).__name__} has no fp8 form"
+    m.weight = torch.nn.Parameter(w8, requires_grad=False)
+    m.register_buffer("fp8_scale", scale)
+    m.compute_dtype = compute_dtype
+    m.__class__ = kind
+
+
 def convert(module: torch.nn.Module, device, per_channel: bool = False, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Store every frozen Linear/Conv2d weight of ``module`` in fp8 on ``device``, layer by layer.
 
@@ -225,19 +265,13 @@ def convert(module: torch.nn.Module, device, per_channel: bool = False, skip: tu
     counts = {"fp8_params": 0, "kept_params": 0}
     with torch.no_grad():
         for name, m in module.named_modules():
-            kind = {torch.nn.Linear: Fp8Linear, torch.nn.Conv2d: Fp8Conv2d}.get(type(m))
-            # a LoRA-wrapped layer's weight sits in "<name>.base_layer": match the layer's own name
-            plain = name.removesuffix(".base_layer")
-            if kind is None or m.weight.requires_grad or any(fnmatch.fnmatch(plain, pat) for pat in skip):
+            if convertible(m, name, skip) is None or m.weight.requires_grad:
                 continue
-            if kind is Fp8Conv2d and (m.padding_mode != "zeros" or isinstance(m.padding, str)):
-                continue
+            dtype = m.weight.dtype
             w8, scale = quantize(m.weight.to(device), per_channel)
-            m.weight = torch.nn.Parameter(w8, requires_grad=False)
-            m.register_buffer("fp8_scale", scale)
             if m.bias is not None:
                 m.bias = torch.nn.Parameter(m.bias.to(device), requires_grad=False)
-            m.__class__ = kind
+            store(m, w8, scale, dtype)
             counts["fp8_params"] += w8.numel()
     module.to(device)  # everything else (norms, embeddings, LoRA, skipped layers) as it is
     counts["kept_params"] = sum(p.numel() for p in module.parameters() if p.dtype != FP8)

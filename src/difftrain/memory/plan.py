@@ -50,13 +50,24 @@ def apply_weights_before_adapters(
 
 
 def apply_weights(
-    mem: MemoryConfig, module: torch.nn.Module, device: torch.device, keep: tuple[str, ...] = (), swapped: bool = False
+    mem: MemoryConfig,
+    module: torch.nn.Module,
+    device: torch.device,
+    keep: tuple[str, ...] = (),
+    swapped: bool = False,
+    placed: bool = False,
 ) -> None:
     """Store the frozen weights as the plan says (fp8: quantize layer by layer), after the adapters.
 
     ``swapped``: the module's blocks will be placed by block swap, so it stays
-    where it is (fp8 quantizes on the CPU then).
+    where it is (fp8 quantizes on the CPU then). ``placed``: the streaming load already stored and placed every
+    weight (memory/placement.py); what it did not read (the adapters, buffers the constructor made) joins them on
+    ``device``, or, with block swap, where block swap puts it.
     """
+    if placed:
+        if not swapped:
+            module.to(device)
+        return
     target = torch.device("cpu") if swapped else device
     if mem.weights.kind in ("nf4", "int8"):
         module.to(device)  # the bnb layers are already there; the rest follows
@@ -75,9 +86,11 @@ def apply_offload(
     device: torch.device,
     full: bool,
     fixed: bool = False,
+    swapped: list[int] | None = None,
 ):
     """Block swap over the family's units (returns the BlockSwap, or None when the plan has none). ``fixed``: each
-    block lands at the same GPU addresses every time (CUDA graphs replay the addresses they recorded)."""
+    block lands at the same GPU addresses every time (CUDA graphs replay the addresses they recorded). ``swapped``:
+    the units the streaming load put in host RAM (memory/placement.py)."""
     if mem.offload.kind != "block_swap":
         return None
     from .block_swap import BlockSwap
@@ -92,6 +105,7 @@ def apply_offload(
         swap_trainable=full,
         write_back=full and mem.fused_backward,  # stepped on the GPU inside backward (the validator checks the pair)
         fixed=fixed,
+        swapped=swapped,
     )
 
 

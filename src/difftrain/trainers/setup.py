@@ -23,10 +23,12 @@ from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
 from ..families.base import ModelFamily, stage_precisions
+from ..families import streaming
 from ..families.common import mapped_reads
 from ..families.registry import row
 from ..lora.adapters import adapter_metadata, add_lora
 from ..memory import pinned as pinned_
+from ..memory.placement import WeightPlacement
 from ..memory.plan import (
     apply_activations,
     apply_offload,
@@ -90,6 +92,8 @@ class Build:
     trained: dict[str, torch.nn.Module] = field(default_factory=dict)
     groups: list[dict] = field(default_factory=list)
     block_swap: Any = None
+    placed: set[str] = field(default_factory=set)  # parts the streaming load stored and placed (memory/placement.py)
+    swapped: list[int] | None = None  # the denoiser's units the streaming load put in host RAM
 
     def keep(self, part: str) -> tuple[str, ...]:
         return self.family.high_precision_modules.get(part, ())
@@ -145,7 +149,8 @@ def _swapped(b: Build, part: str) -> bool:
 def _weights(b: Build, part: str, module: torch.nn.Module) -> None:
     """Placement and storage precision (fp8, nf4 ...) of the frozen weights."""
     if not (b.prebuilt and part == b.family.denoiser):  # ZeRO-3 / FSDP placed each share where it belongs
-        apply_weights(b.cfg.memory, module, b.device, keep=b.keep(part), swapped=_swapped(b, part))
+        placed = part in b.placed
+        apply_weights(b.cfg.memory, module, b.device, keep=b.keep(part), swapped=_swapped(b, part), placed=placed)
 
 
 def _offload(b: Build, part: str, module: torch.nn.Module) -> None:
@@ -156,7 +161,9 @@ def _offload(b: Build, part: str, module: torch.nn.Module) -> None:
         warn("block swap on the CPU only copies weights around: it saves memory on a GPU")
     full = part in b.lrs and b.cfg.train.method == "full"
     graphs = b.cfg.speed.cuda_graphs is True  # resolved before the parts are built (choose_speed)
-    b.block_swap = apply_offload(b.cfg.memory, module, b.family.swap_blocks(module), b.device, full=full, fixed=graphs)
+    units = b.family.swap_blocks(module)
+    swapped = b.swapped if part in b.placed else None
+    b.block_swap = apply_offload(b.cfg.memory, module, units, b.device, full=full, fixed=graphs, swapped=swapped)
     swap = b.block_swap
     info(
         f"block swap: {len(swap.swapped)} of {len(swap.units)} blocks of {part} "
@@ -358,6 +365,25 @@ def _partitioned_denoiser(cfg: Config, family: ModelFamily, world: dist_.World) 
         ) from None
 
 
+def _placement(
+    cfg: Config, family: ModelFamily, device: torch.device, loaded: list[str], lrs: dict[str, float]
+) -> WeightPlacement:
+    """The streaming load's placement (memory/placement.py): fp8 storage and block swap's host copies made as each
+    tensor is read, so the part is never whole in host memory (issue 50). Parts it does not take load as before.
+    DIFFTRAIN_STREAMING_LOAD=0 takes none (the load before issue 50, for comparison in benchmarks and tests)."""
+    full = [part for part in lrs if cfg.train.method == "full"]
+    return WeightPlacement(
+        cfg.memory,
+        device,
+        weights_dtype(cfg.memory),
+        loaded if os.environ.get("DIFFTRAIN_STREAMING_LOAD") != "0" else [],
+        family.denoiser,
+        full_trained=full,
+        keep=family.high_precision_modules,
+        units=family.swap_blocks if cfg.memory.offload.kind == "block_swap" else None,
+    )
+
+
 def build_parts(
     cfg: Config,
     family: ModelFamily,
@@ -374,22 +400,24 @@ def build_parts(
     zero3 = _zero3_builds_denoiser(cfg, family, parts)
     loaded = [part for part in parts if not ((zero3 or sharded) and part == den)]
     precision = stage_precisions(family, cfg.text_encoders, live)
-    comps = (
-        family.load(
-            cfg.model,
-            loaded,
-            dtype=weights_dtype(cfg.memory),
-            device=load_device(cfg.memory, device),
-            precision=precision,
+    placement = _placement(cfg, family, device, loaded, lrs)
+    with streaming.placing(placement) as placed:
+        comps = (
+            family.load(
+                cfg.model,
+                loaded,
+                dtype=weights_dtype(cfg.memory),
+                device=load_device(cfg.memory, device),
+                precision=precision,
+            )
+            if loaded
+            else {}
         )
-        if loaded
-        else {}
-    )
     if sharded:
         comps[den] = _sharded_denoiser(cfg, family, world, device)
     elif zero3:
         comps[den] = _partitioned_denoiser(cfg, family, world)
-    b = Build(cfg, family, device, lrs, zero3 or sharded, init)
+    b = Build(cfg, family, device, lrs, zero3 or sharded, init, placed=set(placed), swapped=placement.swapped)
     for part in parts:
         for technique in TECHNIQUES:
             technique(b, part, comps[part])

@@ -61,7 +61,7 @@ from ...errors import (
     ModelLoadError,
 )
 from ...utils import atomic_dir, stream_save_safetensors
-from .. import common
+from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
@@ -476,8 +476,9 @@ class CogVideoX(ModelFamily):
         wrong = [f"{k}: {shape(k)} in the file, {expected[k]} in the config" for k in keys if shape(k) != expected[k]]
         if wrong:
             raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
-        sd = {k: get(k).to(device=device, dtype=dtype) for k in keys}  # one tensor at a time from the mapped file
-        common.assign_state_dict(module, sd, mismatch)
+        # one tensor at a time from the file: gathered, or each sent where the trainer's placement says
+        tensors = ((k, get(k).to(device=device, dtype=dtype)) for k in keys)
+        streaming.fill(module, "transformer", tensors, mismatch, common.assign_state_dict)
         return module
 
     # ------------------------------------------------------------ saving

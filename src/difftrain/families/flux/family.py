@@ -23,7 +23,7 @@ The two text encoders are two precompute stages, each cached on its own: CLIP-L 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -31,7 +31,7 @@ import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
-from .. import common
+from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
@@ -374,10 +374,15 @@ class Flux(ModelFamily):
         read = common.single_file_reader(
             get, dtype, device, quant is not None, part == "text_encoder_2" and dtype == torch.float16
         )
+        if part == "transformer":  # streamed: each tensor read, converted and set before the next
+            with init_empty_weights(include_buffers=False):
+                module = _new_module(part, config)
+            names = [k[len(prefix) :] for k in part_keys]
+            tensors = single_file.transformer_tensors(names, lambda k: read(prefix + k), config)
+            streaming.fill(module, part, tensors, self._file_mismatch(f, part, keys, arch), common.assign_state_dict)
+            return module
         ckpt = {k: read(k) for k in part_keys}
-        if part == "transformer":
-            sd = single_file.transformer_to_diffusers({k[len(prefix) :]: v for k, v in ckpt.items()}, config)
-        elif part == "vae":
+        if part == "vae":
             sd = single_file.vae_to_diffusers(ckpt, config)
         elif part == "text_encoder":
             sd = single_file.clip_to_diffusers(ckpt, prefix)
@@ -387,6 +392,17 @@ class Flux(ModelFamily):
         if quant is not None:
             return common.quantized_t5_from_state_dict(sd, config, quant, dtype, device)
 
+        with init_empty_weights(include_buffers=False):
+            module = _new_module(part, config)
+        if part == "text_encoder" and not hasattr(module, "text_model"):  # transformers >= 5.6: no wrapper
+            sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+        common.assign_state_dict(module, sd, self._file_mismatch(f, part, keys, arch))
+        if part == "text_encoder_2":  # assign=True replaced shared.weight: re-tie the encoder's embedding
+            module.encoder.embed_tokens.weight = module.shared.weight
+        return module
+
+    @staticmethod
+    def _file_mismatch(f: Path, part: str, keys: Sequence[str], arch: str) -> Callable[[str], ModelLoadError]:
         def mismatch(what: str) -> ModelLoadError:
             guess = single_file.guess_architecture(keys) if part == "transformer" else None
             hint = f"Set model.config to the file's architecture (bundled: {', '.join(known_configs())})."
@@ -397,14 +413,7 @@ class Flux(ModelFamily):
                 hint=hint,
             )
 
-        with init_empty_weights(include_buffers=False):
-            module = _new_module(part, config)
-        if part == "text_encoder" and not hasattr(module, "text_model"):  # transformers >= 5.6: no wrapper
-            sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
-        common.assign_state_dict(module, sd, mismatch)
-        if part == "text_encoder_2":  # assign=True replaced shared.weight: re-tie the encoder's embedding
-            module.encoder.embed_tokens.weight = module.shared.weight
-        return module
+        return mismatch
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         module = _new_module(part, _read_json(self._config_dir(mcfg, part) / part / "config.json"))

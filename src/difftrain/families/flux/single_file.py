@@ -23,7 +23,7 @@ The same table names the LoRA layers of the sd-scripts / ComfyUI layout (``kohya
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -213,27 +213,39 @@ def transformer_to_diffusers(checkpoint: Mapping[str, torch.Tensor], config: Map
 
     Tensors the table does not place come back as ``<unconverted> name`` and missing ones are absent: the
     caller's ``load_state_dict`` reports both."""
+    return dict(transformer_tensors(list(checkpoint), checkpoint.__getitem__, config))
+
+
+def transformer_tensors(
+    keys: Iterable[str], get: Callable[[str], torch.Tensor], config: Mapping
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(diffusers name, tensor) of each BFL-named transformer tensor (no prefix), each file tensor read by ``get``
+    only when its turn comes (a fused projection's pieces are views of it): the load streams them one at a time.
+    What the table does not place comes as ``<unconverted> name``."""
     inner = int(config["num_attention_heads"]) * int(config["attention_head_dim"])
-    left = dict(checkpoint)
-    out: dict[str, torch.Tensor] = {}
+    left = dict.fromkeys(keys)
     for pair in module_pairs(config):
         for kind in ("weight", "bias"):
-            t = left.pop(f"{pair.bfl}.{kind}", None)
-            if t is None:
+            key = f"{pair.bfl}.{kind}"
+            if key not in left:
                 continue
+            del left[key]
+            t = get(key)
             if pair.swap:
                 t = swap_halves(t)
             if len(pair.members) == 1:
-                out[f"{pair.members[0]}.{kind}"] = t
+                yield f"{pair.members[0]}.{kind}", t
                 continue
             sizes = _split_sizes(pair, t.shape[0], inner)
             for member, piece in zip(pair.members, torch.split(t, sizes, dim=0), strict=True):
-                out[f"{member}.{kind}"] = piece
+                yield f"{member}.{kind}", piece
+            del t, piece
     for bfl, dif in param_pairs(config).items():
         if bfl in left:
-            out[dif] = left.pop(bfl)
-    out.update({f"<unconverted> {k}": v for k, v in left.items()})
-    return out
+            del left[bfl]
+            yield dif, get(bfl)
+    for k in left:
+        yield f"<unconverted> {k}", get(k)
 
 
 def vae_to_diffusers(checkpoint: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

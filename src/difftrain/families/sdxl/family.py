@@ -7,7 +7,8 @@ using the architecture configs bundled in ``configs/``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ import torch
 from ...config.schema import ModelConfig
 from ...errors import ModelLoadError
 from ...utils import atomic_dir, stream_save_safetensors
-from .. import common
+from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import read_json as _read_json
 from ..tokenizers import tiny_clip_vocab
@@ -232,30 +233,49 @@ class SDXL(ModelFamily):
                 f"{p.name} does not look like an SDXL checkpoint (no model.diffusion_model / conditioner.embedders keys).",
                 hint="Is it an SD 1.x/2.x or SD3 file? Pick the matching family, or give a diffusers folder.",
             )
-        try:
-            # each tensor goes from the memory-mapped file to the device on its own, so host
-            # RAM never holds more than one tensor beyond the OS page cache of the file
-            sds = single_file.original_to_diffusers(
-                lambda k: get(k).to(device=device, dtype=dtype), keys, configs, components=parts
-            )
-        except ModelLoadError as e:
+
+        def read(k: str) -> torch.Tensor:
+            return get(k).to(device=device, dtype=dtype)
+
+        def reworded(e: ModelLoadError) -> ModelLoadError:
             known = ", ".join(known_configs())
-            raise ModelLoadError(
+            return ModelLoadError(
                 f"{p.name} does not fit the bundled architecture {_arch(mcfg)!r}: {e.message}",
                 hint=f"Set model.config to this checkpoint's architecture (bundled: {known}). {e.hint or ''}".strip(),
-            ) from None
+            )
+
+        def reworded_errors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            try:
+                yield from tensors
+            except ModelLoadError as e:
+                raise reworded(e) from None
+
+        def mismatch(part: str, what: str) -> ModelLoadError:
+            return ModelLoadError(
+                f"{p.name} does not match the bundled config {_arch(mcfg)!r} for {part}: {what}",
+                hint="Set model.config to the architecture of this checkpoint.",
+            )
+
+        try:
+            # each tensor goes from the file to the device on its own, so host RAM never holds more than one tensor
+            # beyond the OS page cache of the file; the parts the trainer's placement takes are streamed below
+            # instead, each tensor sent where it will live before the next is read (families/streaming.py)
+            eager = [part for part in parts if not streaming.takes(part)]
+            sds = single_file.original_to_diffusers(read, keys, configs, components=eager) if eager else {}
+            for part in parts:  # the streamed parts' names checked too before a byte of them is read
+                if part not in sds:
+                    single_file.component_steps(keys, configs, part)
+        except ModelLoadError as e:
+            raise reworded(e) from None
         out = {}
         for part in parts:
             with init_empty_weights():
                 module = _new_module(part, configs[part])
-            missing, unexpected = module.load_state_dict(sds.pop(part), strict=False, assign=True)
-            missing = [m for m in missing if not m.endswith("position_ids")]
-            if missing or unexpected:
-                raise ModelLoadError(
-                    f"{p.name} does not match the bundled config {_arch(mcfg)!r} for {part}: "
-                    f"missing {missing[:3]}, unexpected {unexpected[:3]}.",
-                    hint="Set model.config to the architecture of this checkpoint.",
-                )
+            if part in sds:
+                common.assign_state_dict(module, sds.pop(part), functools.partial(mismatch, part))
+            else:
+                tensors = reworded_errors(single_file.component_tensors(read, keys, configs, part))
+                streaming.fill(module, part, tensors, functools.partial(mismatch, part), common.assign_state_dict)
             out[part] = module
         return out
 

@@ -28,7 +28,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -448,6 +448,73 @@ def _ignored(component: str, okey: str) -> bool:
     return okey.endswith("position_ids") or (component == "text_encoder_2" and okey == "logit_scale")
 
 
+def component_steps(keys: list[str], configs: dict[str, dict], component: str) -> tuple[list, dict]:
+    """Names only: what each file key of ``component`` becomes (its steps) and the model's shapes, missing or
+    unexpected keys raised as ModelLoadError before a tensor is read."""
+    if component not in PREFIXES:
+        raise ModelLoadError(f"Unknown SDXL component {component!r}; expected one of {list(COMPONENTS)}.")
+    config = _require_config(configs, component)
+    prefix = PREFIXES[component]
+    reference = _reference_shapes(component, config_json(config))
+    plan, original_name = _planner(component, config, _tower_prefix(reference))
+
+    steps: list[tuple[str, _Plan]] = []
+    unexpected: list[str] = []
+    produced: set[str] = set()
+    for key in keys:
+        if not key.startswith(prefix):
+            continue
+        okey = key[len(prefix) :]
+        if _ignored(component, okey):
+            continue
+        p = plan(okey)
+        if p is None or any(d not in reference for d in p[0]):
+            unexpected.append(key)
+            continue
+        steps.append((key, p))
+        produced.update(p[0])
+    if not steps and not unexpected:
+        raise ModelLoadError(
+            f"The checkpoint has no {component} weights (no key starts with {prefix!r}).",
+            hint="Load only the components the file has (components=...) and take the others from a diffusers folder.",
+        )
+    missing = sorted({prefix + (original_name(d) or d) for d in reference if d not in produced})
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({few(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({few(unexpected)})")
+        raise ModelLoadError(
+            f"The checkpoint's {component} weights do not match the SDXL layout for its config: "
+            + "; ".join(parts)
+            + ".",
+            hint=(
+                "Check that the file is an SDXL base-architecture checkpoint (not SD 1.x/2.x or the refiner). "
+                "If it lacks some components, load only those present (components=...)."
+            ),
+        )
+
+    return steps, reference
+
+
+def component_tensors(
+    get: Callable[[str], torch.Tensor], keys: Iterable[str], configs: dict[str, dict], component: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One component's (diffusers name, tensor) pairs, each read by ``get`` only when its turn comes (the load
+    streams them); names checked first as :func:`original_to_diffusers` does, a wrong shape raised as it comes."""
+    steps, reference = component_steps(list(keys), configs, component)
+    for key, (dkeys, fn) in steps:
+        for dkey, t in zip(dkeys, fn(get(key))):
+            if tuple(t.shape) != reference[dkey]:
+                raise ModelLoadError(
+                    f"1 {component} weights of the checkpoint have the wrong shape for its config: "
+                    f"{key} {tuple(t.shape)} (expected {reference[dkey]} for {dkey})",
+                    hint="The file is probably a different architecture than the config (e.g. the SDXL refiner).",
+                )
+            yield dkey, t
+
+
 def original_to_diffusers(
     get: Callable[[str], torch.Tensor],
     keys: Iterable[str],
@@ -466,50 +533,7 @@ def original_to_diffusers(
     keys = list(keys)
     result: dict[str, dict[str, torch.Tensor]] = {}
     for component in components:
-        if component not in PREFIXES:
-            raise ModelLoadError(f"Unknown SDXL component {component!r}; expected one of {list(COMPONENTS)}.")
-        config = _require_config(configs, component)
-        prefix = PREFIXES[component]
-        reference = _reference_shapes(component, config_json(config))
-        plan, original_name = _planner(component, config, _tower_prefix(reference))
-
-        # 1. Names only: what each file key becomes, and what is missing or extra.
-        steps: list[tuple[str, _Plan]] = []
-        unexpected: list[str] = []
-        produced: set[str] = set()
-        for key in keys:
-            if not key.startswith(prefix):
-                continue
-            okey = key[len(prefix) :]
-            if _ignored(component, okey):
-                continue
-            p = plan(okey)
-            if p is None or any(d not in reference for d in p[0]):
-                unexpected.append(key)
-                continue
-            steps.append((key, p))
-            produced.update(p[0])
-        if not steps and not unexpected:
-            raise ModelLoadError(
-                f"The checkpoint has no {component} weights (no key starts with {prefix!r}).",
-                hint="Load only the components the file has (components=...) and take the others from a diffusers folder.",
-            )
-        missing = sorted({prefix + (original_name(d) or d) for d in reference if d not in produced})
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} missing ({few(missing)})")
-            if unexpected:
-                parts.append(f"{len(unexpected)} unexpected ({few(unexpected)})")
-            raise ModelLoadError(
-                f"The checkpoint's {component} weights do not match the SDXL layout for its config: "
-                + "; ".join(parts)
-                + ".",
-                hint=(
-                    "Check that the file is an SDXL base-architecture checkpoint (not SD 1.x/2.x or the refiner). "
-                    "If it lacks some components, load only those present (components=...)."
-                ),
-            )
+        steps, reference = component_steps(keys, configs, component)
 
         # 2. Read one tensor at a time and check shapes against the model.
         sd: dict[str, torch.Tensor] = {}

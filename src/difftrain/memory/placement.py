@@ -1,0 +1,111 @@
+"""The memory plan's storage and placement of frozen weights, applied as the load reads each tensor (issue 50).
+
+Before, a part stored in fp8 or swapped block by block was first loaded whole into host memory (the compute
+dtype), and the techniques then made each layer's fp8 copy and each swapped block's pinned copy from it: FLUX.1's
+transformer took 24 GiB of host RAM on every recipe, the 24 GB-card one included. Here the load hands each
+tensor over as it is read (``families.streaming``): an fp8-stored weight is quantized on the training device and
+kept there, or in the pinned block-swap store when its block is swapped; every other tensor goes to the device
+or, in a swapped block, to the pinned store. The host then holds one tensor of the model at a time, beyond what
+block swap keeps there by design.
+
+The same rules as the techniques that run after the adapters (``memory.plan.apply_weights``, ``BlockSwap``):
+which layers become fp8 (``fp8.convertible``, the family's high-precision modules kept) and which blocks are
+swapped (``block_swap.choose_swapped`` over the sizes the blocks will have), so a streamed part ends as the
+techniques would have left it. bitsandbytes' nf4/int8 weights are not streamed (their layers are made before the
+adapters from the loaded model; no recipe stores the denoiser so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..config.schema import MemoryConfig
+from ..utils import set_tensor
+from . import fp8
+from .block_swap import choose_swapped
+from .pinned import host_like
+
+Units = Callable[[torch.nn.Module], list[torch.nn.Module]]
+#: families.streaming's Put: sets one tensor of a part, by its name, into the part's module
+Put = Callable[[torch.nn.Module, str, torch.Tensor], None]
+
+
+class WeightPlacement:
+    """A ``families.streaming.Placement`` for the trainer's parts (``streaming.placing(...)`` around the load; the
+    shape only: memory and families do not import each other)."""
+
+    def __init__(
+        self,
+        mem: MemoryConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        parts: Sequence[str],
+        denoiser: str,
+        full_trained: Sequence[str] = (),
+        keep: Mapping[str, tuple[str, ...]] | None = None,
+        units: Units | None = None,
+    ):
+        """``parts``: those the load reads; ``full_trained``: parts trained whole (never fp8); ``keep``: each part's
+        modules that stay in high precision; ``units``: the denoiser's block-swap units (the family's
+        swap_blocks); ``dtype``: the compute dtype the weights are loaded in."""
+        self.mem = mem
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.denoiser = denoiser
+        self.full_trained = set(full_trained)
+        self.keep = dict(keep or {})
+        self.units = units
+        self.fp8 = mem.weights.kind == "fp8"
+        self.swap = mem.offload.kind == "block_swap" and units is not None
+        self.parts = {p for p in parts if (self.fp8 and p not in self.full_trained) or (self.swap and p == denoiser)}
+        self.swapped: list[int] | None = None  # the denoiser's swapped units, once it is placed
+        self.pinned = self.device.type == "cuda"
+
+    def takes(self, part: str) -> bool:
+        return part in self.parts
+
+    def _fp8(self, part: str) -> bool:
+        return self.fp8 and part not in self.full_trained
+
+    def put_for(self, part: str, module: torch.nn.Module) -> Put:
+        modules = dict(module.named_modules())
+        keep = self.keep.get(part, ())
+        use_fp8 = self._fp8(part)
+        fp8_names = {
+            f"{name}.weight" if name else "weight"
+            for name, m in modules.items()
+            if use_fp8 and fp8.convertible(m, name, keep) is not None
+        }
+        host: set[str] = set()
+        if self.swap and part == self.denoiser:
+            assert self.units is not None
+            units = self.units(module)
+            names = {id(m): n for n, m in modules.items()}
+            itemsize = self.dtype.itemsize
+
+            def size(u: torch.nn.Module) -> int:  # the bytes the unit will have in host RAM (block_swap's sizes)
+                pre = names[id(u)]
+                return sum(
+                    p.numel() * (1 if f"{pre}.{n}" in fp8_names else itemsize if p.is_floating_point() else 8)
+                    for n, p in u.named_parameters()
+                )
+
+            self.swapped = choose_swapped([size(u) for u in units], self.mem.offload.blocks_to_swap)
+            for i in self.swapped:
+                pre = names[id(units[i])]
+                host.update(f"{pre}.{n}" for n, _ in units[i].named_parameters())
+        per_channel = getattr(self.mem.weights, "scale", "tensor") == "channel"
+
+        def put(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+            with torch.no_grad():
+                if name in fp8_names:
+                    w8, scale = fp8.quantize(t.to(self.device), per_channel)
+                    if name in host:
+                        w8 = host_like(w8, pinned=self.pinned)
+                    fp8.store(modules[name.rpartition(".")[0]], w8, scale, compute_dtype=t.dtype)
+                    return
+                set_tensor(root, name, host_like(t, pinned=self.pinned) if name in host else t.to(self.device))
+
+        return put
