@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
 from ..errors import ConfigError, DifftrainError, ModelLoadError
-from ..families.base import ModelFamily, stage_precisions
 from ..families import streaming
+from ..families.base import ModelFamily, stage_precisions
 from ..families.common import mapped_reads
 from ..families.registry import row
 from ..lora.adapters import adapter_metadata, add_lora
