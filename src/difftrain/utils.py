@@ -335,6 +335,17 @@ def stored_float_dtype(files, prefix: str = "") -> torch.dtype | None:
     return max(sizes, key=sizes.__getitem__) if sizes else None
 
 
+def own_parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    """A parameter holding ``t`` with a version counter of its own. ``Parameter(t)`` would share ``t``'s, and a view
+    into a pinned slab (memory/pinned.py) shares its slab's with every other tensor carved from it: an in-place
+    write to one (block swap's write-back, an optimizer step) would count as a change to all of them, and autograd
+    refuses a backward through a weight changed since its forward (measured on the H100: sdxl-full-3gb and
+    flux-full-24gb failed so). ``.data`` assignment keeps the parameter's own counter, as block swap's moves do."""
+    p = torch.nn.Parameter(torch.empty(0, dtype=t.dtype, device=t.device), requires_grad=requires_grad)
+    p.data = t
+    return p
+
+
 def set_tensor(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
     """``t`` as the parameter or buffer ``name`` of ``root`` (as ``load_state_dict(assign=True)`` sets it: a
     parameter keeps its requires_grad)."""
@@ -343,6 +354,6 @@ def set_tensor(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
     old = m._parameters.get(leaf)
     if old is not None or leaf in m._parameters:
         grad = old.requires_grad if old is not None else False
-        m._parameters[leaf] = torch.nn.Parameter(t, requires_grad=grad and t.is_floating_point())
+        m._parameters[leaf] = own_parameter(t, requires_grad=grad and t.is_floating_point())
     else:
         m._buffers[leaf] = t

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 import torch.nn.grad  # a submodule torch.nn loads but does not name for type checkers
 
+from ..utils import own_parameter
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
@@ -249,7 +251,7 @@ def store(m: torch.nn.Module, w8: torch.Tensor, scale: torch.Tensor, compute_dty
     after it."""
     kind = convertible(m, "")
     assert kind is not None, f"{type(m).__name__} has no fp8 form"
-    m.weight = torch.nn.Parameter(w8, requires_grad=False)
+    m.weight = own_parameter(w8, requires_grad=False)  # w8 may be a view into a pinned slab (block swap)
     m.register_buffer("fp8_scale", scale)
     m.compute_dtype = compute_dtype
     m.__class__ = kind
