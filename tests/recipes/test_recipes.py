@@ -73,9 +73,84 @@ def test_recipes_list_chooses_by_card_ram_and_family_through_the_console_script(
         return found
 
     small = rows("--vram", "4GiB", "--ram", "8GiB")
-    assert small == {"sdxl-lora-3gb", "sdxl-lora-4gb", "sd3-lora-4gb"}  # sdxl-full-3gb needs 26 GiB of host RAM
+    assert small == {"sdxl-lora-3gb", "sdxl-lora-4gb", "sd3-lora-4gb"}
+    # a 16 GB desktop with an 8 GB card: every Flux LoRA that fits the card, since the streaming load (issue 50)
+    assert {"flux-lora-8gb", "sdxl-full-8gb"} <= rows("--vram", "8GiB", "--ram", "16GiB")
     assert rows("--family", "sd3") == {"sd3-lora-4gb", "sd3-lora-8gb", "sd3-lora-16gb", "tiny-sd3-lora"}
     everything = rows()
     assert "tiny-sdxl-lora" in everything and "cogvideox-5b-full-12gb" in everything
     bad = subprocess.run([script, "recipes", "list", "--vram", "lots"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "Cannot read the size 'lots'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_every_gpu_recipe_keeps_the_host_ram_budget_of_its_card():
+    """Issue 50's rule: a recipe for a card of N GB trains in the RAM of the desktop such a card sits in (N <= 8:
+    16 GiB, N <= 24: 32 GiB, larger: 64 GiB), or less where its header promises less; a header may promise more only
+    for a card above 24 GB, with its reason. The measured peak RSS (recipes/measured.json) must be within it."""
+    import re
+
+    from difftrain.config.recipes import host_budget, recipe_measurements, recipe_tier, rule_host_budget
+
+    assert (rule_host_budget(3), rule_host_budget(8), rule_host_budget(12), rule_host_budget(24)) == (16, 16, 32, 32)
+    assert rule_host_budget(48) == 64
+    measured = recipe_measurements()["recipes"]
+    over = {}
+    for name, m in measured.items():
+        tier, budget = recipe_tier(name), host_budget(name)
+        assert budget is not None and tier is not None, name
+        stated = re.search(r"^Host budget: ([0-9.]+) GiB(.*)$", recipe_header(name), re.M)
+        if stated and budget > rule_host_budget(tier):
+            assert tier > 24 and len(stated.group(2).strip()) > 10, f"{name}: more than its card's rule, and why"
+        if m["host_rss_gib"] > budget:
+            over[name] = (m["host_rss_gib"], budget)
+    assert not over, over
+    # issue 50's Flux targets, stated in the headers
+    assert (host_budget("flux-lora-24gb"), host_budget("flux-lora-16gb")) == (8, 8)
+    assert (host_budget("flux-full-24gb"), host_budget("flux-lora-8gb")) == (12, 16)
+
+
+def test_the_rule_fails_a_recipe_over_its_budget(monkeypatch):
+    """The check above can fail: a measurement over the card's budget is caught."""
+    from difftrain.config import recipes
+
+    real = recipes.recipe_measurements()
+    fake = {
+        **real,
+        "recipes": {**real["recipes"], "sdxl-lora-8gb": {**real["recipes"]["sdxl-lora-8gb"], "host_rss_gib": 16.5}},
+    }
+    monkeypatch.setattr(recipes, "recipe_measurements", lambda: fake)
+    with pytest.raises(AssertionError, match="sdxl-lora-8gb"):
+        test_every_gpu_recipe_keeps_the_host_ram_budget_of_its_card()
+
+
+def test_recipes_list_sorts_by_the_shipped_speed_through_the_console_script():
+    """`recipes list --sort speed`: the shipped seconds per step, fastest first, the recipes without one after;
+    both figures and the compile cost shown; a wrong --sort is a usage error."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from difftrain.config.recipes import recipe_measurements
+
+    script = str(Path(sys.executable).parent / "difftrain")
+    env = {**os.environ, "COLUMNS": "80"}
+    r = subprocess.run([script, "recipes", "list", "--sort", "speed"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    measured = recipe_measurements()["recipes"]
+    text = r.stdout + r.stderr  # the table goes to stderr with difftrain's other messages
+    order = [ln.split()[0] for ln in text.splitlines() if ln.split() and ln.split()[0] in measured]
+    shipped = [measured[n]["shipped"]["s_per_step"] for n in order if "shipped" in measured[n]]
+    assert len(shipped) >= 5 and shipped == sorted(shipped)
+    first_unmeasured = next(i for i, n in enumerate(order) if "shipped" not in measured[n])
+    assert all("shipped" not in measured[n] for n in order[first_unmeasured:])
+    row = next(ln for ln in text.splitlines() if ln.split() and ln.split()[0] == "sdxl-lora-8gb")
+    m = measured["sdxl-lora-8gb"]
+    assert re.search(
+        rf"{m['s_per_step']:.2f}\s+{m['shipped']['s_per_step']:.3f}\s+{m['shipped']['first_step_s']:.0f} s", row
+    )
+    by_name = subprocess.run([script, "recipes", "list"], capture_output=True, text=True, env=env).stderr
+    names = [ln.split()[0] for ln in by_name.splitlines() if ln.split() and ln.split()[0] in measured]
+    assert names == sorted(names) and names != order
+    bad = subprocess.run([script, "recipes", "list", "--sort", "fastest"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--sort 'fastest'" in bad.stderr and "Traceback" not in bad.stderr

@@ -156,12 +156,19 @@ def test_bench_memory_card_on_cuda(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("old", "new"), [("sdxl-lora-2gb", "sdxl-lora-3gb"), ("sdxl-full-2gb", "sdxl-full-3gb")])
-def test_a_renamed_tier_says_where_it_went(old, new):
+def test_a_renamed_tier_says_where_it_went():
+    old, new = "sdxl-lora-2gb", "sdxl-lora-3gb"
     p = _run("plan", "--recipe", old)
     assert p.returncode == 2 and f"is now {new!r}" in p.stderr and f"--recipe {new}" in p.stderr
     assert "2 GB card" in p.stderr and "Traceback" not in p.stderr
     assert _run("plan", "--recipe", new).returncode == 0
+
+
+@pytest.mark.parametrize("old", ["sdxl-full-3gb", "sdxl-full-2gb"])  # the second was renamed to the first before
+def test_a_retired_recipe_says_why_and_what_to_use(old):
+    p = _run("train", "--recipe", old, "--data-dir", "nowhere")
+    assert p.returncode == 2 and f"{old!r} was retired" in p.stderr and "26 GiB of host RAM" in p.stderr, p.stderr
+    assert "--recipe sdxl-full-8gb" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_expandable_segments_is_set_only_on_cuda(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,10 @@ from difftrain.config.load import resolve
 from difftrain.config.recipes import recipe_header, recipe_names
 from difftrain.memory.planner import COMPILED_ACTIVATIONS, GIB, ZERO3_MAX_LIVE, ZERO_BUCKET, estimate
 from difftrain.planning.estimate import plan_memory
+
+#: sdxl-full-3gb as it shipped until issue 50 retired it (over the host RAM budget of its tier): the pins below were
+#: measured with it, and it still tests the planner's CPU-optimizer terms
+RETIRED_FULL_3GB = Path(__file__).parents[1] / "fixtures" / "retired" / "sdxl-full-3gb.yaml"
 
 
 def _hints(**over):
@@ -279,7 +284,6 @@ def test_tiered_recipes_exist():
         "sdxl-lora-3gb",
         "sdxl-lora-4gb",
         "sdxl-lora-8gb",
-        "sdxl-full-3gb",
         "sdxl-full-8gb",
         "sdxl-full-12gb",
         "sd3-lora-4gb",
@@ -341,7 +345,7 @@ def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     from difftrain.cli import train_cmd
     from difftrain.errors import DifftrainError
 
-    cfg = resolve(recipe="sdxl-full-3gb", sets=["train.device=cpu"]).config
+    cfg = resolve(recipe=str(RETIRED_FULL_3GB), sets=["train.device=cpu"]).config
     e = plan_memory(cfg)
     term = max(e.host, key=lambda k: e.host[k])
     assert term == "optimizer state"  # AdamW's state on the host: 4 copies of the weights
@@ -368,7 +372,12 @@ MEASURED_HOST = {
     "sdxl-lora-4gb": 6.56,
     "sdxl-lora-8gb": 1.99,
     "sdxl-full-8gb": 6.49,
-    "sdxl-full-3gb": 26.03,
+    str(RETIRED_FULL_3GB): 26.03,
+    # Flux as shipped with the streaming load (issue 50, 2026-11-27; flux-full-24gb swapping 13 blocks, on an H200)
+    "flux-lora-24gb": 2.10,
+    "flux-lora-16gb": 6.62,
+    "flux-lora-8gb": 13.36,
+    "flux-full-24gb": 10.60,
     "cogvideox-5b-full-12gb": 12.40,
     "sd3-lora-4gb": 5.80,
     "cogvideox-5b-lora-12gb": 12.48,
@@ -383,9 +392,18 @@ MEASURED_HOST = {
 }
 
 
+#: measured with the load before issue 50, which held the whole bf16 UNet on the host (its peak was the load's, 6.49
+#: GiB at load and in training): the streaming load holds one tensor, so the plan is under that figure now; to be
+#: measured again on a GPU
+LOADED_WHOLE = {"sdxl-full-8gb"}
+
+
 @pytest.mark.parametrize("name", sorted(MEASURED_HOST))
 def test_planner_host_ram_within_ten_percent_of_measured(name):
     predicted = plan_memory(resolve(recipe=name).config).host_total
+    if name in LOADED_WHOLE:
+        assert predicted < MEASURED_HOST[name] * 0.9, (predicted, MEASURED_HOST[name])
+        return
     assert abs(predicted - MEASURED_HOST[name]) / MEASURED_HOST[name] < 0.10, (predicted, MEASURED_HOST[name])
 
 
@@ -439,7 +457,7 @@ MEASURED_CARD = {
     "sdxl-lora-3gb": (1.299, 1.76),
     "sdxl-lora-4gb": (2.04, 2.59),
     "sdxl-lora-8gb": (5.853, 6.348),
-    "sdxl-full-3gb": (1.041, 1.457),
+    str(RETIRED_FULL_3GB): (1.041, 1.457),
     "sdxl-full-8gb": (4.173, 4.479),
     "sdxl-full-12gb": (6.894, 7.625),
     "sdxl-full": (15.07, 15.79),
@@ -456,7 +474,7 @@ MEASURED_CARD = {
     "flux-lora-24gb": (14.37, 15.65),
     "flux-lora-16gb": (10.01, 11.07),
     "flux-lora-8gb": (3.60, 4.55),
-    "flux-full-24gb": (3.70, 5.86),
+    "flux-full-24gb": (17.52, 19.44),  # 13 blocks swapped since issue 50 (2026-11-27, an H200 capped as the card)
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -470,7 +488,7 @@ MEASURED_EAGER = {
     "flux-lora-24gb": (14.71, 15.42),
     "flux-lora-16gb": (10.35, 11.28),
     "flux-lora-8gb": (3.94, 4.75),
-    "flux-full-24gb": (3.88, 6.18),
+    "flux-full-24gb": (17.36, 19.44),  # 13 blocks swapped (2026-11-27, H100)
 }
 
 #: compiled CogVideoX holds less beside its allocated peak than the eager runs the planner's reserved terms were fitted
@@ -482,7 +500,7 @@ RESERVED_OVER = {"cogvideox-2b-lora-6gb": 0.15, "cogvideox-5b-lora-12gb": 0.15, 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 21 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 20 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 

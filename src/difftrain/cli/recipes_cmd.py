@@ -16,6 +16,9 @@ from ..errors import UsageError
 app = typer.Typer(help="The recipes shipped with difftrain.", no_args_is_help=True)
 
 
+SORTS = ("name", "speed", "vram", "ram")
+
+
 @app.command("list")
 def list_(
     family: Annotated[str | None, typer.Option("--family", help="only this family's recipes (sdxl, sd3, ...)")] = None,
@@ -25,33 +28,43 @@ def list_(
     ram: Annotated[
         str | None, typer.Option("--ram", help="only recipes whose measured host RAM peak fits this, e.g. 16GiB")
     ] = None,
+    sort: Annotated[
+        str,
+        typer.Option(
+            "--sort",
+            help="name; speed (the shipped seconds per step, fastest first; unmeasured ones last); vram; ram",
+        ),
+    ] = "name",
 ) -> None:
-    """Choose a recipe: family, method, the card it is for, its measured GPU and host RAM peaks and step time."""
+    """Choose a recipe: the card it is for, its measured GPU and host RAM peaks, and its seconds per step
+    eager and as shipped (speed auto: compiled blocks, CUDA graphs where they pay) with the one-time compile cost."""
     from ..config.recipes import load_recipe, recipe_measurements, recipe_tier
     from .plan_cmd import parse_size
 
+    if sort not in SORTS:
+        raise UsageError(f"--sort {sort!r} is not one of {', '.join(SORTS)}.", hint="e.g. --sort speed")
     vram_gib = parse_size(vram) if vram else None
     ram_gib = parse_size(ram) if ram else None
     measured = recipe_measurements()
     # the title on a line of its own (longer than the table); one space of padding, the box's column rule another:
-    # seven columns in 79 characters (two spaces of padding made 85)
-    title = f"recipes: GPU and host RAM peaks in GiB, measured on an {measured['measured_on']}"
+    # seven columns in 80 characters (the family and the method are in every recipe's name: sdxl-lora-8gb, ...)
+    title = (
+        f"recipes: GPU and host RAM peaks in GiB and seconds per step, eager and as shipped, measured on an "
+        f"{measured['measured_on']}"
+    )
     table = Table(
-        box=box.SIMPLE_HEAD,  # no vertical rules and no edge padding: the seven columns fit an 80-column terminal
+        box=box.SIMPLE_HEAD,  # no vertical rules and no edge padding: the columns fit an 80-column terminal
         pad_edge=False,
         padding=(0, 1, 0, 0),
     )
     longest = max(len(n) for n in recipe_names())
     table.add_column("recipe", style="cyan", min_width=longest, no_wrap=True)  # a name is never cut
-    table.add_column("family", no_wrap=True, min_width=13)  # cogvideox-i2v
-    table.add_column("method", no_wrap=True, min_width=6)
-    for col in ("card", "GPU", "RAM", "s/step"):
+    for col in ("card", "GPU", "RAM", "eager", "shipped", "compile"):
         table.add_column(col, justify="right", no_wrap=True, min_width=len(col) if col != "GPU" else 5)
-    shown = 0
+    rows = []
     for name in recipe_names():
         data = load_recipe(name)
         fam = str(data.get("family", "?"))
-        method = str((data.get("train") or {}).get("method", "lora"))
         tier = recipe_tier(name)
         m = measured["recipes"].get(name, {})
         if family and fam != family:
@@ -60,25 +73,45 @@ def list_(
             continue
         if ram_gib is not None and (not m or m["host_rss_gib"] > ram_gib):
             continue
-        gib = lambda v: f"{v:.2f}" if v is not None else "-"
+        rows.append((name, fam, tier, m))
+    inf = float("inf")
+    if sort == "speed":  # the shipped figure; recipes without one after, by their eager one; CPU recipes last
+        rows.sort(key=lambda r: (r[3].get("shipped") is None, (r[3].get("shipped") or r[3]).get("s_per_step", inf)))
+    elif sort == "vram":
+        rows.sort(key=lambda r: (r[3].get("gpu_reserved_gib", inf), r[0]))
+    elif sort == "ram":
+        rows.sort(key=lambda r: (r[3].get("host_rss_gib", inf), r[0]))
+    gib = lambda v: f"{v:.2f}" if v is not None else "-"
+    rough = False
+    for name, fam, tier, m in rows:
+        shipped = m.get("shipped") or {}
+        fast = "-"
+        if shipped:
+            rough = rough or shipped["run"] != "long"
+            fast = f"{shipped['s_per_step']:.3f}" + ("*" if shipped["run"] != "long" else "")
+        first = shipped.get("first_step_s")
         table.add_row(
             name,
-            fam,
-            method,
             f"{tier:g}" if tier else "CPU",
             gib(m.get("gpu_reserved_gib")),
             gib(m.get("host_rss_gib")),
             f"{m['s_per_step']:.2f}" if m else "-",
+            fast,
+            f"{first:.0f} s" if first is not None else "-",
         )
-        shown += 1
     console.print(title)
     console.print(table)
-    if not shown:
+    if not rows:
         info(
             "no recipe matches these filters: widen --vram or --ram, or `difftrain plan --vram N --ram M` finds a plan"
         )
-    else:
-        info("`difftrain recipes show NAME` prints one with its header; `difftrain plan --recipe NAME` its memory plan")
+        return
+    info(
+        "eager: speed.compile false; shipped: speed auto on a long run (steady seconds per step), after a first step "
+        "of `compile` seconds once per run (less with a warm cache)"
+        + ("; * a 4-step run capped as the card (rough), no long run measured yet" if rough else "")
+    )
+    info("`difftrain recipes show NAME` prints one with its header; `difftrain plan --recipe NAME` its memory plan")
 
 
 @app.command("show")

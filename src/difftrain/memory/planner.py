@@ -184,9 +184,13 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     if swapped_bytes or m.optimizer.kind == "cpu_offload":
         # pinned copies are packed into slabs (memory/pinned.py): on average half a slab is left unused
         e.host["pinned slabs' free tail"] = SLAB / 2 / GIB
-    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
-        # loaded on the host first; with block swap the swapped tensors become the pinned copies one by one
+    if wk in ("nf4", "int8"):
+        # loaded on the host first (bitsandbytes' layers are made from the loaded model before the adapters)
         e.host["load (one high-precision copy, freed)"] = max(0.0, loaded * BYTES[compute] - swapped_bytes) / GIB
+    elif wk == "fp8" or m.offload.kind == "block_swap":
+        # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8 on the GPU, the
+        # pinned store) before the next is read: the one read and the copy being made of it (issue 50)
+        e.host["load (one tensor at a time)"] = 2 * hints.get("largest_param", 0) * BYTES[compute] / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":
         e.host["EMA"] = trainable * 4 / GIB
     elif cfg.ema.enabled:
