@@ -83,7 +83,7 @@ def list_(
         rows.sort(key=lambda r: (r[3].get("host_rss_gib", inf), r[0]))
     gib = lambda v: f"{v:.2f}" if v is not None else "-"
     rough = False
-    for name, fam, tier, m in rows:
+    for name, _family, tier, m in rows:
         shipped = m.get("shipped") or {}
         fast = "-"
         if shipped:
