@@ -32,7 +32,6 @@ ORDER = [
     "sdxl-lora-3gb",
     "sdxl-lora-4gb",
     "sdxl-lora-8gb",
-    "sdxl-full-3gb",
     "sdxl-full-8gb",
     "sdxl-full-12gb",
     "sd3-lora-4gb",

@@ -7,7 +7,10 @@ two ways, each in a fresh process:
 
 - ``mapped``: diffusers' from_pretrained (safetensors' mapping; what difftrain did before
   ``families.common.read_diffusers_model``, and still does under ZeRO-3's partitioned build);
-- ``difftrain``: ``common.load_diffusers_parts`` as it is now (difftrain's SafetensorsReader, private reads).
+- ``difftrain``: ``common.load_diffusers_parts`` with difftrain's SafetensorsReader (private reads), the load
+  between issue 27 and issue 50: the model whole in private memory, then converted;
+- ``streamed``: the same reads under the trainer's placement (issue 50, ``memory.placement``): each tensor stored in
+  fp8 in block swap's host store as it is read.
 
 Block swap here copies to pageable host memory (pinned memory needs CUDA); on a GPU the copies are pinned slabs of
 the same size. Peak RSS is the kernel's VmHWM; file pages are RssFile after the step.
@@ -68,7 +71,21 @@ def case(mode: str, folder: Path) -> dict:
 
     fix_malloc_mmap_threshold()  # as the trainer sets it before loading (trainers/setup.py prepare_process)
     rows = {"start": _status()}
-    ctx = common.mapped_reads() if mode == "mapped" else contextlib.nullcontext()
+    fam = get_family("flux")
+    place = None
+    if mode == "streamed":  # issue 50: fp8 and block swap's host copies made as each tensor is read
+        from difftrain.config.load import resolve
+        from difftrain.families import streaming
+        from difftrain.memory.placement import WeightPlacement
+
+        sets = ["memory.weights={kind: fp8}", "memory.activations={kind: checkpoint}",
+                "memory.offload={kind: block_swap, blocks_to_swap: 1000}"]  # fmt: skip
+        mem = resolve(recipe="tiny-flux-lora", sets=sets).config.memory
+        place = WeightPlacement(mem, torch.device("cpu"), torch.bfloat16, ["transformer"], "transformer",
+                                keep=fam.high_precision_modules, units=fam.swap_blocks)  # fmt: skip
+        ctx = streaming.placing(place)
+    else:
+        ctx = common.mapped_reads() if mode == "mapped" else contextlib.nullcontext()
     with ctx:
         comps = common.load_diffusers_parts(
             folder, ["transformer"], {"transformer": FluxTransformer2DModel}, {"transformer": torch.bfloat16}, "cpu",
@@ -77,10 +94,11 @@ def case(mode: str, folder: Path) -> dict:
     m = comps["transformer"].requires_grad_(False)
     params = sum(p.numel() for p in m.parameters())
     rows["loaded"] = _status()
-    convert(m, torch.device("cpu"))
+    if place is None:
+        convert(m, torch.device("cpu"))
     rows["fp8"] = _status()
-    units = get_family("flux").swap_blocks(m)
-    BlockSwap(m, units, len(units), torch.device("cpu"))
+    units = fam.swap_blocks(m)
+    BlockSwap(m, units, len(units), torch.device("cpu"), swapped=place.swapped if place else None)
     rows["swapped"] = _status()
     return {"mode": mode, "params": params, "steps": rows}
 
@@ -100,7 +118,7 @@ def main() -> None:
     if not (folder / "transformer").is_dir():
         build(folder, a.double, a.single)
     results = []
-    for mode in ("mapped", "difftrain"):
+    for mode in ("mapped", "difftrain", "streamed"):
         cmd = [sys.executable, __file__, "--out", str(a.out), "--work", str(a.work), "--case", mode,
                "--double", str(a.double), "--single", str(a.single)]  # fmt: skip
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -253,7 +253,7 @@ def store(m: torch.nn.Module, w8: torch.Tensor, scale: torch.Tensor, compute_dty
     assert kind is not None, f"{type(m).__name__} has no fp8 form"
     m.weight = own_parameter(w8, requires_grad=False)  # w8 may be a view into a pinned slab (block swap)
     m.register_buffer("fp8_scale", scale)
-    m.compute_dtype = compute_dtype
+    m.compute_dtype = compute_dtype  # type: ignore[assignment]  # a plain attribute (Module types unknown ones)
     m.__class__ = kind
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..config.schema import MemoryConfig
+from ..config.schema import MemoryConfig, OffloadBlockSwap
 from ..utils import set_tensor
 from . import fp8
 from .block_swap import choose_swapped
@@ -92,7 +92,9 @@ class WeightPlacement:
                     for n, p in u.named_parameters()
                 )
 
-            self.swapped = choose_swapped([size(u) for u in units], self.mem.offload.blocks_to_swap)
+            offload = self.mem.offload
+            assert isinstance(offload, OffloadBlockSwap)  # self.swap says so
+            self.swapped = choose_swapped([size(u) for u in units], offload.blocks_to_swap)
             for i in self.swapped:
                 pre = names[id(units[i])]
                 host.update(f"{pre}.{n}" for n, _ in units[i].named_parameters())
