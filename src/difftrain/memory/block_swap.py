@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .pinned import host_like
+from .pinned import budget, host_like
 
 
 def choose_swapped(sizes: list[int], blocks_to_swap: int) -> list[int]:
@@ -143,8 +143,8 @@ class BlockSwap:
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped; pageable past
         # memory.pinned_limit_gib or when the driver refuses (pinned.py). A weight the streaming load already put
-        # in pinned memory (or in host memory, off CUDA) stays where it is: a second copy would double the RAM.
-        if t.device.type == "cpu" and (not self.cuda or t.is_pinned()):
+        # in the pinned store stays where it is: a second copy would double the RAM.
+        if t.device.type == "cpu" and (budget().holds(t) or (self.cuda and t.is_pinned())):
             return t
         return host_like(t, pinned=self.cuda)
 

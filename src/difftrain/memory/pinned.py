@@ -92,6 +92,11 @@ class PinnedBudget:
             return flat.as_strided(t.shape, t.stride())  # keep a channels-last weight channels-last
         return flat.view(t.shape)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in one of this budget's slabs (a copy the streaming load already made)."""
+        p = t.data_ptr()
+        return t.device.type == "cpu" and any(b.data_ptr() <= p < b.data_ptr() + b.numel() for b, _ in self.slabs)
+
     def empty_like(self, t: torch.Tensor, pinned: bool = True) -> torch.Tensor:
         """An uninitialised host tensor like ``t``: a view into a pinned slab (when asked: a CUDA run) while the cap
         lasts, else pageable memory of its own."""
