@@ -154,3 +154,12 @@ def test_recipes_list_sorts_by_the_shipped_speed_through_the_console_script():
     assert names == sorted(names) and names != order
     bad = subprocess.run([script, "recipes", "list", "--sort", "fastest"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--sort 'fastest'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_recipes_a_machine_holds_are_named_smallest_card_first():
+    from difftrain.config.recipes import recipes_within
+
+    assert recipes_within("flux", "lora", 16.0) == ["flux-lora-8gb", "flux-lora-16gb", "flux-lora-24gb"]
+    assert recipes_within("flux", "lora", 8.0) == ["flux-lora-16gb", "flux-lora-24gb"]  # 8gb's blocks take 13.4
+    assert recipes_within("flux", "lora", 16.0, card_gib=16.0) == ["flux-lora-8gb", "flux-lora-16gb"]
+    assert recipes_within("flux", "full", 11.0) == ["flux-full-24gb"] and recipes_within("flux", "full", 10.0) == []

@@ -227,6 +227,7 @@ def check_memory(cfg, strict: bool) -> None:
     anything: a warning each (``strict``: an error)."""
     import torch
 
+    from ..config.recipes import recipe_measurements, recipes_within
     from ..console import warn
     from ..errors import DifftrainError
     from ..flows.doctor import host_ram_gib
@@ -236,16 +237,21 @@ def check_memory(cfg, strict: bool) -> None:
     plan = plan_memory(cfg)
     short: list[tuple[str, str]] = []
     avail = host_ram_gib()[1]
+    device = pick_device(cfg.train.device)
     if avail is not None and plan.host_total > avail:
         term, gib = max(plan.host.items(), key=lambda kv: kv[1])
+        card = torch.cuda.mem_get_info(device)[1] / 2**30 if device.type == "cuda" else None
+        fits = recipes_within(cfg.family, cfg.train.method, avail, card)
+        measured = recipe_measurements()["recipes"]
+        named = ", ".join(f"{n} ({measured[n]['host_rss_gib']:.1f} GiB measured)" for n in fits[:3])
         short.append(
             (
                 f"The plan needs about {plan.host_total:.1f} GiB of host RAM (the largest term: {term}, {gib:.1f} GiB) "
                 f"and {avail:.1f} GiB is available.",
-                f"`difftrain plan ... --ram {avail:.0f}GiB` prints settings predicted to fit; or close programs.",
+                (f"Recipes that fit it: {named}. " if fits else "")
+                + f"`difftrain plan ... --ram {avail:.0f}GiB` prints settings predicted to fit; or close programs.",
             )
         )
-    device = pick_device(cfg.train.device)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] / 2**30
         need = plan.free_needed

@@ -162,6 +162,22 @@ def rule_host_budget(card_gib: float) -> float:
     return next((ram for card, ram in HOST_BUDGETS if card_gib <= card), LARGE_CARD_HOST_GIB)
 
 
+def recipes_within(family: str, method: str, ram_gib: float, card_gib: float | None = None) -> list[str]:
+    """The shipped recipes of ``family`` and ``method`` (lora | full) whose measured host RAM peak fits ``ram_gib``
+    (and whose card fits ``card_gib`` when given), the smallest card first: what `train` names when the machine
+    lacks the RAM a plan needs."""
+    measured = recipe_measurements()["recipes"]
+    found = []
+    for name, m in measured.items():
+        data = load_recipe(name)
+        tier = recipe_tier(name)
+        if data.get("family") != family or str((data.get("train") or {}).get("method", "lora")) != method:
+            continue
+        if m["host_rss_gib"] <= ram_gib and tier is not None and (card_gib is None or tier <= card_gib):
+            found.append((tier, m["host_rss_gib"], name))
+    return [name for _, _, name in sorted(found)]
+
+
 def recipe_measurements() -> dict:
     """recipes/measured.json: each GPU recipe's measured peaks and step time, and where they were measured."""
     import json
