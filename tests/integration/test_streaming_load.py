@@ -294,3 +294,37 @@ def test_a_child_loading_a_file_several_times_its_budget_stays_inside_it(tmp_pat
         assert got["hwm"] - got["base"] < size / 4, (path, got, size)
     before = child(folder.parent, False)  # the load before: the whole model read into host memory
     assert before["hwm"] - before["base"] > 0.8 * size, (before, size)
+
+
+def test_the_sd3_single_file_streams_its_transformer_as_diffusers_converter_reads_it(tmp_path):
+    from difftrain.families.sd3 import single_file as sd3_sf
+    from difftrain.utils import SafetensorsReader
+
+    fam = get_family("sd3")
+    folder = fam.build_tiny(tmp_path / "tiny-sd3", seed=0)
+    comps = fam.load(ModelConfig(path=folder), list(fam.parts), tokenizers=False)
+    file = tmp_path / "sd3.safetensors"
+    fam.save_single_file({p: comps[p].state_dict() for p in fam.parts}, fam.module_configs(comps), file)
+    config = fam.module_configs(comps)["transformer"]
+    with SafetensorsReader(file) as f:
+        in_file = f.keys()  # a list (SafetensorsReader is not a mapping)
+        keys = [k for k in in_file if k.startswith(sd3_sf.PREFIXES["transformer"])]
+        eager = sd3_sf.original_to_diffusers("transformer", {k: f.get_tensor(k) for k in keys}, config)
+        reads = []
+        streamed = dict(
+            sd3_sf.transformer_tensors(keys, f.get_shape, lambda k: reads.append(k) or f.get_tensor(k), config)
+        )
+    assert sorted(reads) == sorted(keys)  # each file tensor read once
+    assert streamed.keys() == eager.keys() and all(torch.equal(streamed[k], eager[k]) for k in eager)
+    # through the family's load under an fp8 placement: the loaded-then-converted transformer, bitwise
+    cfg = resolve(recipe="tiny-sd3-lora", sets=["memory.weights={kind: fp8}"]).config
+    place = WeightPlacement(cfg.memory, torch.device("cpu"), torch.bfloat16, ["transformer"], "transformer",
+                            keep=fam.high_precision_modules)  # fmt: skip
+    mcfg = ModelConfig(path=file, config="sd3-tiny", tokenizer_path=folder)
+    with streaming.placing(place) as placed:
+        got = fam.load(mcfg, ["transformer"], dtype=torch.bfloat16, device="cpu")["transformer"]
+    assert placed == {"transformer"}
+    ref = fam.load(ModelConfig(path=folder), ["transformer"], dtype=torch.bfloat16, device="cpu")["transformer"]
+    fp8.convert(ref, torch.device("cpu"), skip=fam.high_precision_modules.get("transformer", ()))
+    a, b = ref.state_dict(), got.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)

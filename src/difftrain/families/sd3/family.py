@@ -36,7 +36,7 @@ import torch
 from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CheckpointError, ConfigError, ModelLoadError
 from ...utils import atomic_dir, stream_save_safetensors
-from .. import common
+from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
@@ -235,8 +235,8 @@ class SD3(ModelFamily):
         if opened is None:
             comps = self._load_diffusers(p, parts, dtypes, quant, device)
         else:
-            keys, get = opened
-            comps = self._load_single(keys, get, p, mcfg, parts, dtypes, quant, device)
+            keys, get, shape = opened
+            comps = self._load_single(keys, get, shape, p, mcfg, parts, dtypes, quant, device)
         if "transformer" in comps:
             self.joint_attention_dim = int(comps["transformer"].config.joint_attention_dim)
         common.freeze(comps, parts, device, quant)
@@ -286,9 +286,11 @@ class SD3(ModelFamily):
 
         return common.load_diffusers_parts(p, parts, classes, dtypes, device, missing_hint, quant)
 
-    def _open_checked(self, kind: str, p: Path, parts: list[str]) -> tuple[list[str], Callable[[str], torch.Tensor]]:
-        """The file's keys and a reader, once its layout is SD3's and it holds every requested part."""
-        keys, get, _, _ = common.open_checkpoint(kind, p)
+    def _open_checked(
+        self, kind: str, p: Path, parts: list[str]
+    ) -> tuple[list[str], Callable[[str], torch.Tensor], Callable[[str], tuple[int, ...]]]:
+        """The file's keys, a reader and a shape reader, once its layout is SD3's and it holds every requested part."""
+        keys, get, shape, _ = common.open_checkpoint(kind, p)
         if not single_file.detect_sd3_single_file(keys):
             sdxl = any(k.startswith("model.diffusion_model.input_blocks.") for k in keys)
             raise ModelLoadError(
@@ -309,10 +311,19 @@ class SD3(ModelFamily):
             if "text_encoder_3" in missing:
                 hint += " To train without T5, set text_encoders.t5.enabled: false."
             raise ModelLoadError(f"{p.name} has no {names} weights (it holds {has}).", hint=hint)
-        return keys, get
+        return keys, get, shape
 
     def _load_single(
-        self, keys: list[str], get, p: Path, mcfg: ModelConfig, parts: list[str], dtypes: dict, quant: dict, device
+        self,
+        keys: list[str],
+        get,
+        shape,
+        p: Path,
+        mcfg: ModelConfig,
+        parts: list[str],
+        dtypes: dict,
+        quant: dict,
+        device,
     ) -> dict[str, Any]:
         from accelerate import init_empty_weights
 
@@ -339,6 +350,15 @@ class SD3(ModelFamily):
                 get, dt, device, part in quant, part == "text_encoder_3" and dt == torch.float16
             )
 
+            if part == "transformer" and streaming.takes(part):
+                # streamed: each file tensor read once, split as diffusers' converter splits it, and sent where the
+                # trainer's placement says before the next is read
+                with init_empty_weights(include_buffers=True):
+                    module = _new_module(part, config)
+                tensors = single_file.transformer_tensors(part_keys, shape, read, config)
+                streaming.fill(module, part, tensors, functools.partial(mismatch, part), common.assign_state_dict)
+                out[part] = module
+                continue
             # each tensor goes from the memory-mapped file to the device on its own; diffusers' converters
             # then rename (and split the fused qkv) on the device
             ckpt = {k: read(k) for k in part_keys}

@@ -27,7 +27,7 @@ module's LDM-VAE map (the same layout), the text encoders by prefix.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -93,6 +93,51 @@ def guess_architecture(keys: Iterable[str]) -> str | None:
 # ---------------------------------------------------------------------------
 # original -> diffusers (diffusers' converters)
 # ---------------------------------------------------------------------------
+
+
+def transformer_tensors(
+    keys: Iterable[str], shape: Callable[[str], tuple[int, ...]], get: Callable[[str], torch.Tensor], config: dict
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(diffusers name, tensor) of the MMDiT's tensors in a single file, each file tensor read by ``get`` once, when
+    its turn comes (the load streams them: families/streaming.py).
+
+    Which rows of which file tensor each diffusers tensor is, diffusers' converter tells: it runs on stand-ins, each
+    file tensor as a column of (its key's number, its row) with the real number of rows, and it only chunks,
+    concatenates and swaps halves along the first dimension. Why not a table of our own: the converter is diffusers'
+    single source of the SD3 / SD3.5 layouts (qk norms, the second attention of 3.5-medium, the last block's context
+    half), and one table would have to follow it. Whatever the stand-ins cannot express comes out with a wrong shape,
+    which the load refuses by name; tests compare this with the converter run on the real tensors."""
+    prefix = PREFIXES["transformer"]
+    names = [k for k in keys if k.startswith(prefix)]
+    stand = {}
+    for i, k in enumerate(names):
+        n = (shape(k) or (1,))[0]
+        stand[k] = torch.stack([torch.full((n,), float(i), dtype=torch.float64),
+                                torch.arange(n, dtype=torch.float64)], dim=1)  # fmt: skip
+    converted = original_to_diffusers("transformer", stand, config)
+    number = {**{k: i for i, k in enumerate(names)}, **{k[len(prefix) :]: i for i, k in enumerate(names)}}
+    by_source: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in converted.items():
+        if name.startswith("<unconverted> "):
+            by_source.setdefault(number[name.removeprefix("<unconverted> ")], []).append((name, torch.empty(0)))
+            continue
+        src = t[:, 0].unique()
+        if len(src) != 1:
+            raise CheckpointError(f"the SD3 converter mixed several file tensors into {name}")
+        by_source.setdefault(int(src.item()), []).append((name, t[:, 1].long()))
+    for i in sorted(by_source):
+        t = get(names[i])
+        for name, rows in by_source[i]:
+            whole = name.startswith("<unconverted> ") or (
+                rows.numel() == t.shape[0] and bool((rows == torch.arange(t.shape[0])).all())
+            )
+            if whole:
+                yield name, t
+            elif rows.numel() and bool((rows[1:] - rows[:-1] == 1).all()):
+                yield name, t[int(rows[0]) : int(rows[-1]) + 1]
+            else:
+                yield name, t.index_select(0, rows)
+        del t
 
 
 def original_to_diffusers(part: str, checkpoint: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
