@@ -2,9 +2,9 @@
 
 Every loader builds its part on the meta device and reads the file one tensor at a time. Without a placement
 the tensors are gathered and assigned (``common.assign_state_dict``), as they always were: on the GPU they went
-there one at a time, on the host the model is host memory anyway. With a placement (the trainer's, for the
-denoiser it stores in fp8, in bitsandbytes' formats or with block swap: ``memory.placement``) each tensor goes to
-its destination before the next is read (fp8 on the GPU, a pinned block-swap slab ...), so the high-precision model
+there one at a time, on the host the model is host memory anyway. With a placement (the trainer's, for the parts
+it stores in fp8 and the denoiser it swaps block by block: ``memory.placement``) each tensor goes to its
+destination before the next is read (fp8 on the GPU, a pinned block-swap slab ...), so the high-precision model
 is never whole in host memory: FLUX.1's 22 GiB transformer took 24 GiB of host RAM on a 24 GB-card recipe before
 (issue 50).
 
