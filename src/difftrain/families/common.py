@@ -334,12 +334,7 @@ def assign_state_dict(
         missing, unexpected = module.load_state_dict(sd, strict=False, assign=True)
     except RuntimeError as e:  # shape mismatches
         raise mismatch(str(e).splitlines()[-1].strip()) from None
-    missing = [m for m in missing if not m.endswith("position_ids")]
-    if missing or unexpected:
-        raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
-    empty = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if empty:
-        raise mismatch(f"no weights for {empty[:3]}.")
+    streaming.check_complete(module, missing, unexpected, mismatch)
 
 
 def offline_clip_tokenizers() -> Path:

@@ -101,10 +101,18 @@ def fill(
         put(module, name, t)
         seen.add(name)
         del t  # the host copy goes as soon as its destination has it
-    missing = [n for n in expected if n not in seen and not n.endswith("position_ids")]
+    check_complete(module, [n for n in expected if n not in seen], unexpected, mismatch)
+    _STATE.placed.add(part)
+
+
+def check_complete(
+    module: torch.nn.Module, missing: list[str], unexpected: list[str], mismatch: Callable[[str], Exception]
+) -> None:
+    """``mismatch(what)`` for names the file lacks (transformers' position ids aside, which the model makes) or the
+    module lacks, and for a weight still on the meta device: a filled part is complete, gathered or streamed."""
+    missing = [m for m in missing if not m.endswith("position_ids")]
     if missing or unexpected:
         raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
     empty = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if empty:
         raise mismatch(f"no weights for {empty[:3]}.")
-    _STATE.placed.add(part)

@@ -144,7 +144,7 @@ class BlockSwap:
         # pinned (page-locked) memory: the copy to the GPU can run on a side stream, overlapped; pageable past
         # memory.pinned_limit_gib or when the driver refuses (pinned.py). A weight the streaming load already put
         # in the pinned store stays where it is: a second copy would double the RAM.
-        if t.device.type == "cpu" and (budget().holds(t) or (self.cuda and t.is_pinned())):
+        if budget().holds(t):
             return t
         return host_like(t, pinned=self.cuda)
 

@@ -259,12 +259,10 @@ class SDXL(ModelFamily):
         try:
             # each tensor goes from the file to the device on its own, so host RAM never holds more than one tensor
             # beyond the OS page cache of the file; the parts the trainer's placement takes are streamed below
-            # instead, each tensor sent where it will live before the next is read (families/streaming.py)
+            # instead (their names checked first there too), each tensor sent where it will live before the next is
+            # read (families/streaming.py)
             eager = [part for part in parts if not streaming.takes(part)]
             sds = single_file.original_to_diffusers(read, keys, configs, components=eager) if eager else {}
-            for part in parts:  # the streamed parts' names checked too before a byte of them is read
-                if part not in sds:
-                    single_file.component_steps(keys, configs, part)
         except ModelLoadError as e:
             raise reworded(e) from None
         out = {}

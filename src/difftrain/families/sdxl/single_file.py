@@ -448,7 +448,7 @@ def _ignored(component: str, okey: str) -> bool:
     return okey.endswith("position_ids") or (component == "text_encoder_2" and okey == "logit_scale")
 
 
-def component_steps(keys: list[str], configs: dict[str, dict], component: str) -> tuple[list, dict]:
+def _component_steps(keys: list[str], configs: dict[str, dict], component: str) -> tuple[list, dict]:
     """Names only: what each file key of ``component`` becomes (its steps) and the model's shapes, missing or
     unexpected keys raised as ModelLoadError before a tensor is read."""
     if component not in PREFIXES:
@@ -503,7 +503,7 @@ def component_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One component's (diffusers name, tensor) pairs, each read by ``get`` only when its turn comes (the load
     streams them); names checked first as :func:`original_to_diffusers` does, a wrong shape raised as it comes."""
-    steps, reference = component_steps(list(keys), configs, component)
+    steps, reference = _component_steps(list(keys), configs, component)
     for key, (dkeys, fn) in steps:
         for dkey, t in zip(dkeys, fn(get(key))):
             if tuple(t.shape) != reference[dkey]:
@@ -533,7 +533,7 @@ def original_to_diffusers(
     keys = list(keys)
     result: dict[str, dict[str, torch.Tensor]] = {}
     for component in components:
-        steps, reference = component_steps(keys, configs, component)
+        steps, reference = _component_steps(keys, configs, component)
 
         # 2. Read one tensor at a time and check shapes against the model.
         sd: dict[str, torch.Tensor] = {}
