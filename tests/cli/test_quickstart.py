@@ -43,6 +43,7 @@ def test_quickstart_twice(cli, tmp_path):
         ("flux", "sample.png"),
         ("cogvideox", "run/samples/final/00.mp4"),
         ("cogvideox-i2v", "run/samples/final/00.mp4"),
+        ("wan", "run/samples/final/00.mp4"),
     ],
 )
 def test_quickstart_of_every_family(cli, tmp_path, family, sample):
@@ -55,7 +56,7 @@ def test_quickstart_of_every_family(cli, tmp_path, family, sample):
     r = cli("quickstart", "--family", family, "--out", out, "--steps", "4")
     assert r.code == 0, r
     assert (out / "model" / "model_index.json").exists() and (out / "run" / "config.yaml").exists()
-    video = family.startswith("cogvideox")
+    video = family.startswith(("cogvideox", "wan"))
     media = sorted((out / "data").glob("*.mp4" if video else "*.png"))
     assert len(media) == (3 if video else 12)
     with safe_open(str(out / "run" / "pytorch_lora_weights.safetensors"), "pt") as f:

@@ -1,0 +1,177 @@
+"""The Wan family on its tiny seeded model: loading (diffusers folder, the original single file, fp8-stored and
+ComfyUI-prefixed too), what precompute encodes (against WanPipeline's own encoding), the flow objective against
+its formulas, and the inputs it refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from difftrain.config.schema import ModelConfig, TextEncodersConfig
+from difftrain.errors import DataError, ModelLoadError
+from difftrain.families.wan import Wan
+from difftrain.families.wan import single_file as sf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return Wan().build_tiny(tmp_path_factory.mktemp("wan") / "tiny-wan", seed=0)
+
+
+def _mcfg(path, **kw) -> ModelConfig:
+    return ModelConfig(path=path, **kw)
+
+
+def _sd(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_the_original_single_file_loads_as_the_folder_does(tiny, tmp_path):
+    """save_single_file writes the original names (blocks.N.self_attn.q, head.head ...); load reads them back,
+    prefixed as ComfyUI's one-file checkpoints are or not, into the transformer the folder holds."""
+    fam = Wan()
+    ref = fam.load(_mcfg(tiny), ["transformer"])["transformer"]
+    path = fam.save_single_file(
+        {"transformer": _sd(ref)}, fam.module_configs({"transformer": ref}), tmp_path / "w.safetensors"
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())  # noqa: SIM118  # safe_open has no __iter__
+    assert "blocks.0.self_attn.q.weight" in keys and "head.head.weight" in keys and "blocks.0.norm3.weight" in keys
+    assert not any(k.startswith(("attn1", "condition_embedder")) or ".attn1." in k for k in keys)
+    got = fam.load(_mcfg(path, config="wan-tiny"), ["transformer"])["transformer"]
+    want = _sd(ref)
+    assert set(got.state_dict()) == set(want)
+    assert all(torch.equal(got.state_dict()[k], want[k]) for k in want)
+    # ComfyUI's prefix
+    from safetensors.torch import load_file
+
+    prefixed = tmp_path / "comfy.safetensors"
+    save_file({sf.PREFIX + k: v for k, v in load_file(path).items()}, prefixed)
+    got2 = fam.load(_mcfg(prefixed, config="wan-tiny"), ["transformer"])["transformer"]
+    assert all(torch.equal(got2.state_dict()[k], want[k]) for k in want)
+
+
+def test_an_fp8_scaled_file_loads_its_weights_times_their_scales(tiny, tmp_path):
+    """ComfyUI's *_fp8_scaled files: float8 Linear weights with a scale_weight each (and a scaled_fp8 marker)."""
+    from safetensors.torch import load_file
+
+    fam = Wan()
+    ref = fam.load(_mcfg(tiny), ["transformer"])["transformer"]
+    plain = load_file(
+        fam.save_single_file(
+            {"transformer": _sd(ref)}, fam.module_configs({"transformer": ref}), tmp_path / "a.safetensors"
+        )
+    )
+    scaled: dict[str, torch.Tensor] = {"scaled_fp8": torch.zeros(2, dtype=torch.float8_e4m3fn)}
+    want = {}
+    for k, v in plain.items():
+        if k.startswith("blocks.") and k.endswith(".weight") and v.ndim == 2:
+            scale = v.abs().max().float() / 448
+            q = (v.float() / scale).to(torch.float8_e4m3fn)
+            scaled[k], scaled[k.removesuffix(".weight") + ".scale_weight"] = q, scale.reshape(1)
+            want[sf.to_diffusers(k)] = q.float() * scale
+        else:
+            scaled[k] = v
+    save_file(scaled, tmp_path / "fp8.safetensors")
+    got = fam.load(_mcfg(tmp_path / "fp8.safetensors", config="wan-tiny"), ["transformer"])["transformer"].state_dict()
+    assert want and all(torch.equal(got[k], w) for k, w in want.items())
+    assert not torch.equal(got["blocks.0.attn1.to_q.weight"], ref.state_dict()["blocks.0.attn1.to_q.weight"])
+
+
+def test_a_file_of_another_architecture_is_named(tiny, tmp_path):
+    fam = Wan()
+    ref = fam.load(_mcfg(tiny), ["transformer"])["transformer"]
+    path = fam.save_single_file(
+        {"transformer": _sd(ref)}, fam.module_configs({"transformer": ref}), tmp_path / "w.safetensors"
+    )
+    with pytest.raises(ModelLoadError, match="wan2.1-t2v-1.3b") as e:
+        fam.load(_mcfg(path, config="wan2.1-t2v-1.3b"), ["transformer"])
+    assert "model.config: wan-tiny" in e.value.hint
+    with pytest.raises(ModelLoadError, match="holds the Wan transformer only"):
+        fam.load(_mcfg(path, config="wan-tiny"), ["transformer", "vae"])
+
+
+def test_image_to_video_and_two_expert_folders_are_refused_by_name(tiny, tmp_path):
+    fam = Wan()
+    i2v = shutil.copytree(tiny, tmp_path / "i2v")
+    cfg = json.loads((i2v / "transformer" / "config.json").read_text())
+    (i2v / "transformer" / "config.json").write_text(json.dumps({**cfg, "in_channels": 36}))
+    with pytest.raises(ModelLoadError, match="image-to-video"):
+        fam.load(_mcfg(i2v), ["transformer"])
+    a14b = shutil.copytree(tiny, tmp_path / "a14b")
+    shutil.copytree(a14b / "transformer", a14b / "transformer_2")
+    with pytest.raises(ModelLoadError, match="two experts"):
+        fam.load(_mcfg(a14b), ["transformer"])
+
+
+def test_prompts_encode_as_the_pipeline_encodes_them(tiny):
+    """512 UMT5 positions, zero past each caption's tokens: WanPipeline.encode_prompt's embeddings exactly."""
+    from diffusers import WanPipeline
+
+    fam = Wan()
+    comps = fam.load(_mcfg(tiny), ["text_encoder"])
+    caps = ["a red fox in snow", "x"]
+    got = fam.encode_prompts(comps, caps, "t5", TextEncodersConfig())["prompt_embeds"]
+    pipe = WanPipeline.from_pretrained(tiny)
+    want, _ = pipe.encode_prompt(caps, do_classifier_free_guidance=False, max_sequence_length=512)
+    assert got.shape == (2, 512, 32)
+    torch.testing.assert_close(got, want.float())  # float32 rounding of another batch layout: 7e-7
+    assert got[1, 3:].abs().sum() == 0 and got[1, :2].abs().sum() > 0  # "x" + </s>: two tokens, then zeros
+
+
+def test_latents_are_normalised_per_channel_and_clips_need_4k_plus_1_frames(tiny):
+    fam = Wan()
+    comps = fam.load(_mcfg(tiny), ["vae"])
+    vae = comps["vae"]
+    video = torch.rand(1, 3, 5, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    got = fam.encode_images(comps, video)
+    z = vae.encode(video).latent_dist.mean
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    assert got.shape == (1, 16, 2, 4, 6)
+    torch.testing.assert_close(got, (z - mean) / std)
+    assert fam.encode_images(comps, video[:, :, 0]).shape == (1, 16, 1, 4, 6)  # an image: a one-frame clip
+    with pytest.raises(DataError, match="4k \\+ 1"):
+        fam.encode_images(comps, video[:, :, :4])
+    with pytest.raises(DataError, match="multiples of 16"):
+        fam.encode_images(comps, video[:, :, :, :24])
+
+
+def test_the_flow_objective_is_the_formula_with_the_models_shift(tiny):
+    """x_s = (1 - s) x0 + s noise, s the quantile shifted by the scheduler's flow_shift (3.0), timestep 1000 s,
+    loss |v - (noise - x0)|^2 per sample."""
+    from difftrain.config.load import resolve
+    from difftrain.trainers.objectives import Draws, Objective
+
+    cfg = resolve(recipe="tiny-wan-lora", sets=[f"model.path={tiny}", "data.dir=."]).config
+    fam = Wan()
+    tr = fam.load(cfg.model, ["transformer"])["transformer"]
+    obj = Objective(
+        cfg, fam, fam.training_scheduler(cfg.model), Draws(torch.Generator(), torch.device("cpu")), torch.float32, None
+    )
+    assert obj.flow_shift == 3.0
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 16, 2, 4, 6, generator=g)
+    text = torch.randn(2, 512, 32, generator=g)
+    q = torch.tensor([0.25, 0.7])
+    got = obj.loss(tr, {"latents": x0, "prompt_embeds": text}, fixed=(noise, q), per_sample=True)
+    s = 3 * q / (1 + 2 * q)
+    xs = (1 - s.view(-1, 1, 1, 1, 1)) * x0 + s.view(-1, 1, 1, 1, 1) * noise
+    with torch.no_grad():
+        v = tr(hidden_states=xs, timestep=1000 * s, encoder_hidden_states=text, return_dict=False)[0]
+    want = ((v - (noise - x0)) ** 2).mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(got.detach(), want)
+
+
+def test_kohya_names_are_musubi_tuners(tiny):
+    names = Wan().kohya_names(_mcfg(tiny), "transformer")
+    assert names["blocks.1.attn1.to_q"] == "blocks.1.self_attn.q"
+    assert names["blocks.0.attn2.to_out.0"] == "blocks.0.cross_attn.o"
+    assert names["blocks.0.ffn.net.0.proj"] == "blocks.0.ffn.0"
+    assert names["proj_out"] == "head.head"
