@@ -41,7 +41,7 @@ def test_the_original_single_file_loads_as_the_folder_does(tiny, tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        keys = list(f.keys())  # noqa: SIM118  # safe_open has no __iter__
+        keys = list(f.keys())  # safe_open has no __iter__
     assert "blocks.0.self_attn.q.weight" in keys and "head.head.weight" in keys and "blocks.0.norm3.weight" in keys
     assert not any(k.startswith(("attn1", "condition_embedder")) or ".attn1." in k for k in keys)
     got = fam.load(_mcfg(path, config="wan-tiny"), ["transformer"])["transformer"]
