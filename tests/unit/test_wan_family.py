@@ -90,7 +90,7 @@ def test_a_file_of_another_architecture_is_named(tiny, tmp_path):
     path = fam.save_single_file(
         {"transformer": _sd(ref)}, fam.module_configs({"transformer": ref}), tmp_path / "w.safetensors"
     )
-    with pytest.raises(ModelLoadError, match="wan2.1-t2v-1.3b") as e:
+    with pytest.raises(ModelLoadError, match=r"wan2\.1-t2v-1\.3b") as e:
         fam.load(_mcfg(path, config="wan2.1-t2v-1.3b"), ["transformer"])
     assert "model.config: wan-tiny" in e.value.hint
     with pytest.raises(ModelLoadError, match="holds the Wan transformer only"):
