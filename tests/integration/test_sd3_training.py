@@ -234,7 +234,12 @@ def test_flow_matching_inputs_follow_the_formulas():
         )
         draws = Draws(torch.Generator().manual_seed(1), torch.device("cpu"))
         fake = SimpleNamespace(
-            cfg=SimpleNamespace(flow=flow), flow_shift=3.0, dynamic=False, draws=draws, device=draws.device
+            cfg=SimpleNamespace(flow=flow),
+            flow_shift=3.0,
+            dynamic=False,
+            draws=draws,
+            device=draws.device,
+            band=(0.0, 1.0),
         )
         x0, noise = torch.randn(64, 4, 2, 2), torch.randn(64, 4, 2, 2)
         noisy, t, target, w = Objective.flow_inputs(fake, x0, noise)
@@ -260,7 +265,13 @@ def test_flow_matching_inputs_follow_the_formulas():
     draws = Draws(torch.Generator().manual_seed(1), torch.device("cpu"))
     flow = FlowConfig(timestep_sampling="uniform")
     fake = SimpleNamespace(
-        cfg=SimpleNamespace(flow=flow), flow_shift=3.0, dynamic=True, scheduler=sched, draws=draws, device=draws.device
+        cfg=SimpleNamespace(flow=flow),
+        flow_shift=3.0,
+        dynamic=True,
+        scheduler=sched,
+        draws=draws,
+        device=draws.device,
+        band=(0.0, 1.0),
     )
     x0 = torch.randn(8, 16, 64, 64)  # 1024 patches
     _, t, _, _ = Objective.flow_inputs(fake, x0, torch.randn_like(x0))

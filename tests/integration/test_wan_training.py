@@ -55,3 +55,31 @@ def test_both_lora_files_load_into_wan_pipeline_alike(tiny_wan, dataset, tmp_pat
         outs.append(_transformer_out(pipe))
     assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_low_noise_expert_trains_and_its_loras_load_into_transformer_2(dataset, tmp_path):
+    """Wan2.2 A14B: model.expert low_noise trains transformer_2/ below the boundary; its diffusers file loads with
+    load_into_transformer_2=True and its kohya file is named for the expert, with the same effect."""
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+
+    from difftrain.families.wan import Wan
+
+    model = Wan().build_tiny(tmp_path / "a14b", seed=0, config="wan-tiny-a14b")
+    sets = tiny_sets(model, dataset, tmp_path, **{"train.max_steps": 2, "model.expert": "low_noise"})
+    cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+    precompute(cfg)
+    r = train(cfg)
+    kohya_file = r.lora_path.parent / "lora_kohya_low_noise.safetensors"
+    assert kohya_file.exists() and not (r.lora_path.parent / "lora_kohya.safetensors").exists()
+    with safe_open(str(r.lora_path), "pt") as f:
+        assert f.metadata()["difftrain.expert"] == "low_noise"
+    outs = []
+    for f in (r.lora_path, kohya_file):
+        pipe = WanPipeline.from_pretrained(model)
+        high = _transformer_out(pipe)
+        pipe.load_lora_weights(str(f), load_into_transformer_2=True)
+        assert torch.equal(_transformer_out(pipe), high)  # the high-noise expert untouched
+        pipe.transformer, pipe.transformer_2 = pipe.transformer_2, pipe.transformer
+        outs.append(_transformer_out(pipe))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)

@@ -165,6 +165,8 @@ _OWNED_ELSEWHERE = {
     "lora_te1": "lora/kohya.py: sd-scripts' LoRA prefix of the first text encoder",
     "lora_te3": "lora/kohya.py: sd-scripts' LoRA prefix of the third text encoder",
     "stage3_param_persistence_threshold": "DeepSpeed's own ZeRO-3 setting (memory/deepspeed_engine.py's default)",
+    "high_noise": "config/schema/model.py: model.expert's values, for any two-expert model (Wan2.2 A14B today)",
+    "low_noise": "config/schema/model.py: model.expert's values, for any two-expert model (Wan2.2 A14B today)",
 }
 
 

@@ -97,7 +97,7 @@ def test_a_file_of_another_architecture_is_named(tiny, tmp_path):
         fam.load(_mcfg(path, config="wan-tiny"), ["transformer", "vae"])
 
 
-def test_image_to_video_and_two_expert_folders_are_refused_by_name(tiny, tmp_path):
+def test_image_to_video_folders_and_two_experts_without_model_expert_are_refused_by_name(tiny, tmp_path):
     fam = Wan()
     i2v = shutil.copytree(tiny, tmp_path / "i2v")
     cfg = json.loads((i2v / "transformer" / "config.json").read_text())
@@ -106,7 +106,7 @@ def test_image_to_video_and_two_expert_folders_are_refused_by_name(tiny, tmp_pat
         fam.load(_mcfg(i2v), ["transformer"])
     a14b = shutil.copytree(tiny, tmp_path / "a14b")
     shutil.copytree(a14b / "transformer", a14b / "transformer_2")
-    with pytest.raises(ModelLoadError, match="two experts"):
+    with pytest.raises(ModelLoadError, match="two-expert"):
         fam.load(_mcfg(a14b), ["transformer"])
 
 
@@ -175,3 +175,84 @@ def test_kohya_names_are_musubi_tuners(tiny):
     assert names["blocks.0.attn2.to_out.0"] == "blocks.0.cross_attn.o"
     assert names["blocks.0.ffn.net.0.proj"] == "blocks.0.ffn.0"
     assert names["proj_out"] == "head.head"
+
+
+# ------------------------------------------------------------------ Wan2.2 A14B: two experts
+@pytest.fixture(scope="module")
+def tiny_a14b(tmp_path_factory):
+    return Wan().build_tiny(tmp_path_factory.mktemp("wan14") / "tiny-a14b", seed=0, config="wan-tiny-a14b")
+
+
+def test_each_expert_loads_from_its_folder_and_trains_on_its_side_of_the_boundary(tiny_a14b):
+    from safetensors.torch import load_file
+
+    fam = Wan()
+    for expert, folder, band in (
+        ("high_noise", "transformer", (0.875, 1.0)),
+        ("low_noise", "transformer_2", (0.0, 0.875)),
+    ):
+        mcfg = _mcfg(tiny_a14b, expert=expert)
+        got = fam.load(mcfg, ["transformer"])["transformer"].state_dict()
+        want = load_file(tiny_a14b / folder / "diffusion_pytorch_model.safetensors")
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert fam.timestep_range(mcfg) == band
+        assert fam.fingerprint(mcfg, "transformer", {}) != fam.fingerprint(
+            _mcfg(tiny_a14b, expert="low_noise" if expert == "high_noise" else "high_noise"), "transformer", {}
+        )
+    with pytest.raises(ModelLoadError, match="two-expert") as e:
+        fam.load(_mcfg(tiny_a14b), ["transformer"])
+    assert "model.expert: high_noise" in e.value.hint
+
+
+def test_model_expert_on_a_one_transformer_model_is_refused(tiny):
+    with pytest.raises(ModelLoadError, match="one transformer"):
+        Wan().load(_mcfg(tiny, expert="low_noise"), ["transformer"])
+
+
+@pytest.mark.parametrize("sampling", ["logit_normal", "uniform", "mode"])
+def test_a_band_keeps_the_draws_inside_it_with_the_shape_of_the_distribution(sampling):
+    """Draws inside [lo, hi] after the shift, distributed as the unbanded draws that fall there (the histogram of
+    the banded draws against the unbanded draws conditioned on the band)."""
+    from difftrain.config.schema import FlowConfig
+    from difftrain.trainers.objectives import sample_sigmas
+
+    flow = FlowConfig(timestep_sampling=sampling)
+    g = torch.Generator().manual_seed(0)
+    banded = sample_sigmas(flow, 20000, 3.0, g, "cpu", (0.0, 0.875))
+    assert banded.max() <= 0.875 and banded.min() >= 0
+    free = sample_sigmas(flow, 200000, 3.0, g, "cpu")
+    inside = free[free <= 0.875]
+    edges = torch.linspace(0, 0.875, 8)
+    h1 = torch.histogram(banded, edges).hist / len(banded)
+    h2 = torch.histogram(inside, edges).hist / len(inside)
+    assert (h1 - h2).abs().max() < 0.015
+    high = sample_sigmas(flow, 5000, 3.0, g, "cpu", (0.875, 1.0))
+    assert high.min() >= 0.875 - 1e-6
+
+
+def test_the_objective_draws_the_experts_levels_and_flow_min_timestep_overrides(tiny_a14b):
+    from difftrain.config.load import resolve
+    from difftrain.trainers.objectives import Draws, Objective
+
+    fam = Wan()
+    for expert, sets, ok in (
+        ("low_noise", [], lambda s: s.max() < 0.875),
+        ("high_noise", [], lambda s: s.min() >= 0.875 - 1e-6),
+        ("low_noise", ["flow.min_timestep=500"], lambda s: s.min() >= 0.5 - 1e-6 and s.max() < 0.875),
+    ):
+        cfg = resolve(
+            recipe="tiny-wan-lora", sets=[f"model.path={tiny_a14b}", "data.dir=.", f"model.expert={expert}", *sets]
+        ).config
+        obj = Objective(
+            cfg,
+            fam,
+            fam.training_scheduler(cfg.model),
+            Draws(torch.Generator(), torch.device("cpu")),
+            torch.float32,
+            None,
+        )
+        x0 = torch.zeros(256, 16, 1, 2, 2)
+        _, t, _, _ = obj.flow_inputs(x0, torch.randn_like(x0))
+        assert ok(t / 1000), (expert, sets)
+        _, tq, _, _ = obj.flow_inputs(x0[:3], x0[:3], torch.tensor([0.0, 0.5, 1.0]))  # validation quantiles
+        assert ok(tq / 1000 - torch.tensor([0.0, 0.0, 1e-6]))

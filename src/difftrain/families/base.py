@@ -122,6 +122,11 @@ class ModelFamily(ABC):
         the names ``conditioning`` reads them back under."""
         raise NotImplementedError(f"{self.name} is not image-conditioned")
 
+    def timestep_range(self, mcfg: ModelConfig) -> tuple[float, float] | None:
+        """The noise levels (shifted sigmas, timestep / 1000) the denoiser is trained on, where it is not all of
+        them (a two-expert model's expert: Wan2.2 A14B); None: all."""
+        return None
+
     def drop_image_conditioning(
         self, batch: dict[str, torch.Tensor], generator: torch.Generator
     ) -> dict[str, torch.Tensor]:

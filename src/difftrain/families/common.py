@@ -258,7 +258,9 @@ def _diffusers_weight_files(sub: Path) -> list[Path] | None:
     return [one] if one.is_file() else None
 
 
-def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> torch.nn.Module | None:
+def read_diffusers_model(
+    sub: Path, cls: Any, dtype: torch.dtype, device, part: str | None = None
+) -> torch.nn.Module | None:
     """A diffusers model from its folder ``sub`` with difftrain's :class:`SafetensorsReader`: built on the meta
     device, then each tensor read with plain reads, cast, moved to ``device`` and assigned.
 
@@ -271,7 +273,8 @@ def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> tor
 
     Returns None (the caller uses from_pretrained, which also words its errors) for anything this does not cover:
     no safetensors weights, classes that are not diffusers models, or keys that are not exactly the model's (older
-    layouts from_pretrained renames on load)."""
+    layouts from_pretrained renames on load). ``part``: the part it is loaded as, where that is not the folder's
+    name (a two-expert model's transformer_2/ trained as the transformer)."""
     files = _diffusers_weight_files(sub)
     if files is None or not hasattr(cls, "load_config") or not (sub / "config.json").is_file():
         return None
@@ -307,7 +310,7 @@ def read_diffusers_model(sub: Path, cls: Any, dtype: torch.dtype, device) -> tor
             return ModelLoadError(f"The weights in {sub} do not fit its config.json: {what}")
 
         # one tensor at a time: gathered and assigned, or each sent where the trainer's placement says (streaming)
-        streaming.fill(module, sub.name, tensors(), mismatch, assign_state_dict)
+        streaming.fill(module, part or sub.name, tensors(), mismatch, assign_state_dict)
     finally:
         for h in handles:
             h.close()

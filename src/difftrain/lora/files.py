@@ -16,6 +16,12 @@ from . import kohya
 KOHYA_FILE = "lora_kohya.safetensors"
 
 
+def kohya_file(cfg) -> str:
+    """The kohya file's name: lora_kohya.safetensors, or, for one expert of a two-expert model, with the expert in
+    it (lora_kohya_high_noise.safetensors), as ai-toolkit names its Wan 2.2 files: which model node loads it."""
+    return f"lora_kohya_{cfg.model.expert}.safetensors" if cfg.model.expert else KOHYA_FILE
+
+
 def formats(cfg, family) -> list[str]:
     """The LoRA layouts to write: save.lora_formats, else diffusers plus kohya where the family has it."""
     chosen = cfg.save.lora_formats
@@ -65,6 +71,9 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
         "difftrain.parts": ",".join(peft_meta),
         "difftrain.config_sha256": hashlib.sha256(conf.encode()).hexdigest(),
     }
+    if cfg.model.expert:  # WanPipeline: load_lora_weights(..., load_into_transformer_2=True) for low_noise
+        out["difftrain.expert"] = cfg.model.expert
+        out["modelspec.architecture"] += f"-{cfg.model.expert.replace('_', '-')}"
     if trigger:
         out["modelspec.trigger_phrase"] = trigger
         out["ss_trigger_phrase"] = trigger

@@ -90,13 +90,13 @@ class Exporter:
         layers = self.lora_layers(self.use_ema)
         meta = self.metadata()
         if "kohya" in kinds:  # first: a layer the kohya names cannot express stops before any file is replaced
-            lora_files.write_kohya(path.parent / lora_files.KOHYA_FILE, self.cfg, self.family, layers, meta)
+            lora_files.write_kohya(path.parent / lora_files.kohya_file(self.cfg), self.cfg, self.family, layers, meta)
         if "diffusers" in kinds:
             with tempfile.TemporaryDirectory(dir=path.parent, prefix=".export-") as tmp:
                 self.family.save_lora(Path(tmp), layers, meta)
                 lora_files.add_metadata(Path(tmp) / LORA_FILE, lora_files.metadata(self.cfg, self.family, meta))
                 os.replace(Path(tmp) / LORA_FILE, path)  # same folder, so the rename is atomic
-        return path if "diffusers" in kinds else path.parent / lora_files.KOHYA_FILE
+        return path if "diffusers" in kinds else path.parent / lora_files.kohya_file(self.cfg)
 
     # ---------------------------------------------------------------- full fine-tunes
     def _collective_only(self) -> list[Path]:

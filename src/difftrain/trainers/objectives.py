@@ -24,20 +24,61 @@ def snr(alphas_cumprod: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return a / (1 - a)
 
 
-def sample_sigmas(flow: FlowConfig, n: int, shift: float, gen: torch.Generator, device) -> torch.Tensor:
+def sample_sigmas(
+    flow: FlowConfig, n: int, shift: float, gen: torch.Generator, device, band: tuple[float, float] = (0.0, 1.0)
+) -> torch.Tensor:
     """Noise levels in (0, 1) drawn as diffusers' SD3 scripts and sd-scripts do, then shifted.
 
     logit_normal: sigmoid of N(mean, std); mode: 1 - u - scale (cos^2(pi u / 2) - 1 + u)
     (Esser et al. 2024, eq. 20); uniform: u. Shift: s' = shift s / (1 + (shift - 1) s).
+
+    ``band`` (lo, hi) keeps the shifted levels inside [lo, hi] with the distribution's shape there (a two-expert
+    model's expert, flow.min_timestep / max_timestep): each method maps a uniform p through a monotone function, so
+    p is drawn uniformly from the interval of p whose level falls in the band. Without a band the draws are those
+    of the plain methods above, unchanged.
     """
-    if flow.timestep_sampling == "logit_normal":
-        u = torch.sigmoid(flow.logit_mean + flow.logit_std * torch.randn(n, generator=gen, device=device))
+    if band[0] <= 0 and band[1] >= 1:
+        if flow.timestep_sampling == "logit_normal":
+            u = torch.sigmoid(flow.logit_mean + flow.logit_std * torch.randn(n, generator=gen, device=device))
+        else:
+            u = torch.rand(n, generator=gen, device=device)
+            if flow.timestep_sampling == "mode":
+                u = 1 - u - flow.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     else:
-        u = torch.rand(n, generator=gen, device=device)
-        if flow.timestep_sampling == "mode":
-            u = 1 - u - flow.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+        ends = [_inverse(lambda p: _quantile(flow, p), unshift(x, shift)) for x in band]
+        p = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
+        u = _quantile(flow, min(ends) + (max(ends) - min(ends)) * p).float()
     u = u.clamp(1e-5, 1 - 1e-5)
     return shift * u / (1 + (shift - 1) * u)
+
+
+def unshift(s: float, shift: float) -> float:
+    """The level before the shift that the shift maps to ``s``."""
+    return s / (shift - (shift - 1) * s)
+
+
+def _quantile(flow: FlowConfig, p):
+    """The sampling method's level for a uniform p (a float64 tensor or float): monotone in p."""
+    p = torch.as_tensor(p, dtype=torch.float64)
+    if flow.timestep_sampling == "logit_normal":
+        z = math.sqrt(2) * torch.erfinv((2 * p - 1).clamp(-1 + 1e-15, 1 - 1e-15))
+        return torch.sigmoid(flow.logit_mean + flow.logit_std * z)
+    if flow.timestep_sampling == "mode":
+        return 1 - p - flow.mode_scale * (torch.cos(math.pi * p / 2) ** 2 - 1 + p)
+    return p
+
+
+def _inverse(f, y: float) -> float:
+    """The p in [0, 1] with f(p) = y for a monotone f (bisection; the nearest end when y is outside f's range)."""
+    lo, hi = 0.0, 1.0
+    rising = float(f(1.0)) >= float(f(0.0))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (float(f(mid)) < y) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def dynamic_shift(sched_config: Any, image_tokens: int) -> float:
@@ -101,6 +142,11 @@ class Objective:
             #: the shift follows each batch's image size (Flux.1 [dev]'s scheduler), unless flow.shift fixes it
             self.dynamic = not cfg.flow.shift and bool(scheduler.config.get("use_dynamic_shifting", False))
             family.guidance_scale = cfg.flow.guidance_scale
+            #: the shifted levels drawn (timesteps / 1000): flow.min_timestep / max_timestep, else the model's range
+            #: (a two-expert model's expert), else all of (0, 1)
+            own = family.timestep_range(cfg.model) or (0.0, 1.0)
+            lo, hi = cfg.flow.min_timestep, cfg.flow.max_timestep
+            self.band = (own[0] if lo is None else lo / 1000, own[1] if hi is None else hi / 1000)
 
     def loss(
         self,
@@ -168,10 +214,14 @@ class Objective:
         shift = self.flow_shift
         if self.dynamic:
             shift = dynamic_shift(self.scheduler.config, latents.shape[-2] * latents.shape[-1] // 4)
+        band = self.band
         if q is None:
             gen, dev = self.draws.gen, self.device
-            sigmas = self.draws(lambda k: sample_sigmas(self.cfg.flow, k, shift, gen, dev), latents.shape[0])
+            sigmas = self.draws(lambda k: sample_sigmas(self.cfg.flow, k, shift, gen, dev, band), latents.shape[0])
         else:
+            if band != (0.0, 1.0):  # the quantile spread over the band's levels before the shift
+                lo, hi = unshift(band[0], shift), unshift(band[1], shift)
+                q = lo + (hi - lo) * q
             sigmas = shift * q / (1 + (shift - 1) * q)
         s = sigmas.reshape(-1, *([1] * (latents.ndim - 1)))
         noisy = (1 - s) * latents + s * noise

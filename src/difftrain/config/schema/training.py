@@ -81,6 +81,23 @@ class FlowConfig(Strict):
         description="the guidance value a guidance-distilled model is trained with (Flux.1 [dev]; 1.0 as "
         "ai-toolkit and sd-scripts train it)",
     )
+    min_timestep: float | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="draw timesteps (1000 x the shifted sigma) from here up only, the shape of timestep_sampling "
+        "kept inside the range (musubi-tuner's --min_timestep with --preserve_distribution_shape); default: the "
+        "model's, for a two-expert model the expert's range",
+    )
+    max_timestep: float | None = Field(default=None, ge=0, le=1000, description="up to here only; see min_timestep")
+
+    @model_validator(mode="after")
+    def _range(self) -> FlowConfig:
+        if self.min_timestep is not None and self.max_timestep is not None and self.min_timestep >= self.max_timestep:
+            raise ValueError(
+                f"flow.min_timestep ({self.min_timestep:g}) must be below flow.max_timestep ({self.max_timestep:g})"
+            )
+        return self
 
 
 # ----------------------------------------------------------------- full fine-tuning

@@ -64,8 +64,10 @@ SAVE_AS: dict[str, str | tuple[str, str]] = {
 NOT_YET = {
     "wan2.1-i2v-14b": "image-to-video (CLIP image and first-frame conditioning)",
     "wan2.2-i2v-a14b": "image-to-video with two experts",
-    "wan2.2-t2v-a14b": "two experts (high- and low-noise transformers)",
 }
+#: where each expert of a two-expert model (Wan2.2 A14B) is kept in its diffusers folder: WanPipeline runs
+#: ``transformer`` from the boundary timestep up and ``transformer_2`` below it
+EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
 
 # ------------------------------------------------------------------ bundled configs
@@ -109,7 +111,7 @@ def latent_frames(frames: int) -> int:
 
 
 class Wan(ModelFamily):
-    """Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 TI2V-5B, text to video."""
+    """Wan 2.1 T2V (1.3B, 14B), Wan 2.2 T2V-A14B (one expert per run) and Wan 2.2 TI2V-5B, text to video."""
 
     name = "wan"
     video = True
@@ -169,11 +171,11 @@ class Wan(ModelFamily):
             no_model_hint="Set model.path to a diffusers Wan folder (--set model.path=/path/to/Wan2.1-T2V-1.3B-Diffusers), "
             "or to a Wan transformer .safetensors (ComfyUI's wan2.1_t2v_1.3B_bf16.safetensors) with model.config set.",
             missing_hint="Point model.path at a diffusers Wan folder (with transformer/, vae/, text_encoder/, tokenizer/).",
-            check_folder=self._check_folder,
+            check_folder=lambda p: self._check_folder(p, mcfg),
             unrecognised_hint="Use a diffusers Wan folder or a .safetensors transformer.",
         )
 
-    def _check_folder(self, p: Path) -> None:
+    def _check_folder(self, p: Path, mcfg: ModelConfig) -> None:
         if not (p / "transformer").is_dir() and not (p / "vae").is_dir():
             hint = "Give the folder that holds model_index.json (a Wan-AI/*-Diffusers download)."
             if (p / "unet").is_dir():
@@ -192,13 +194,49 @@ class Wan(ModelFamily):
                     hint="Pick the family of that model, or give a Wan folder.",
                 )
             self._check_trainable(cfg, str(p))
-        if (p / "transformer_2").is_dir():
+        self._check_expert(mcfg, (p / "transformer_2").is_dir(), str(p))
+
+    def _check_expert(self, mcfg: ModelConfig, two: bool, where: str) -> None:
+        if two and mcfg.expert is None:
             raise ModelLoadError(
-                f"{p} is a Wan 2.2 A14B model (two experts: transformer/ and transformer_2/); difftrain does not "
-                "train the two-expert models yet.",
-                hint="Train Wan2.1-T2V-14B or Wan2.2-TI2V-5B, or give one expert as a single .safetensors file "
-                "with model.config: wan2.1-t2v-14b (the experts have its architecture).",
+                f"{where} is a two-expert Wan 2.2 model (a high-noise transformer/ and a low-noise transformer_2/); "
+                "each expert trains in a run of its own, with its own LoRA.",
+                hint="Set model.expert: high_noise (timesteps from the boundary up) or low_noise (below it).",
             )
+        if not two and mcfg.expert is not None:
+            raise ModelLoadError(
+                f"model.expert is set ({mcfg.expert}), but {where} has one transformer, not two experts.",
+                hint="Remove model.expert (it is for Wan2.2 A14B's two experts).",
+            )
+
+    def _two_experts(self, mcfg: ModelConfig) -> tuple[bool, Path]:
+        """Whether the model is a two-expert one, and the folder whose model_index.json says its boundary."""
+        kind, p = self._source(mcfg)
+        if kind == "diffusers":
+            return (p / "transformer_2").is_dir(), p
+        bundled = self.config_dir(self._arch(mcfg))
+        return (bundled / "transformer_2").is_dir(), bundled
+
+    def _expert_folder(self, mcfg: ModelConfig, part: str) -> str:
+        """The subfolder ``part`` is read from: the chosen expert's, for a two-expert model's transformer."""
+        return EXPERT_FOLDERS[mcfg.expert] if part == "transformer" and mcfg.expert is not None else part
+
+    def timestep_range(self, mcfg: ModelConfig) -> tuple[float, float] | None:
+        """A two-expert model's expert: from the boundary up (high_noise) or below it (low_noise), the boundary
+        being the model's ``boundary_ratio`` (0.875 for T2V-A14B) on the shifted scale, as WanPipeline switches."""
+        if mcfg.expert is None:
+            return None
+        _, folder = self._two_experts(mcfg)
+        index = folder / "model_index.json"
+        boundary = _read_json(index).get("boundary_ratio") if index.exists() else None
+        if boundary is None:
+            raise ModelLoadError(
+                f"{folder} names no boundary_ratio in model_index.json: the experts' timestep ranges are unknown.",
+                hint="Set flow.min_timestep and flow.max_timestep for this expert (T2V-A14B: 875 - 1000 for "
+                "high_noise, 0 - 875 for low_noise).",
+            )
+        b = float(boundary)
+        return (b, 1.0) if mcfg.expert == "high_noise" else (0.0, b)
 
     def _single_file_missing(self, p: Path, missing: list[str]) -> ModelLoadError:
         names = ", ".join(LABELS[m] for m in missing)
@@ -272,7 +310,7 @@ class Wan(ModelFamily):
             parts, dtype, precision, device, t5="text_encoder", label="Wan", loaded_before="the VAE and the transformer"
         )
         if kind == "diffusers":
-            comps = self._load_diffusers(p, parts, dtypes, quant, device)
+            comps = self._load_diffusers(p, mcfg, parts, dtypes, quant, device)
         else:
             missing = [part for part in parts if part != "transformer"]
             if missing:
@@ -286,11 +324,28 @@ class Wan(ModelFamily):
             comps["tokenizer"] = self._tokenizer(kind, p, mcfg)
         return comps
 
-    def _load_diffusers(self, p: Path, parts: list[str], dtypes: dict, quant: dict, device) -> dict[str, Any]:
+    def _load_diffusers(
+        self, p: Path, mcfg: ModelConfig, parts: list[str], dtypes: dict, quant: dict, device
+    ) -> dict[str, Any]:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
         classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel}
+        sub = self._expert_folder(mcfg, "transformer")
+        if "transformer" in parts and sub != "transformer":  # the low-noise expert, trained as the transformer
+            others = [part for part in parts if part != "transformer"]
+            comps = common.load_diffusers_parts(
+                p, others, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True
+            )
+            common.require_subfolder(p, sub, "Wan 2.2 A14B")
+            model = common.read_diffusers_model(
+                p / sub, WanTransformer3DModel, dtypes["transformer"], device, "transformer"
+            )
+            if model is None:
+                model = WanTransformer3DModel.from_pretrained(
+                    p, subfolder=sub, torch_dtype=dtypes["transformer"], local_files_only=True
+                )
+            return {"transformer": model, **comps}
         return common.load_diffusers_parts(
             p, parts, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True
         )
@@ -364,6 +419,7 @@ class Wan(ModelFamily):
 
         arch = self._arch(mcfg)
         config = _read_json(self.config_dir(arch) / "transformer" / "config.json")
+        self._check_expert(mcfg, (self.config_dir(arch) / "transformer_2").is_dir(), f"model.config {arch}")
         named = meta.get(META_CONFIG) or self._guess_config(set(names), dshape)
 
         def mismatch(what: str) -> ModelLoadError:
@@ -679,16 +735,19 @@ class Wan(ModelFamily):
         }
 
     # ------------------------------------------------------------ tiny and random models
-    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
+    def build_tiny(self, folder: Path, seed: int = 0, config: str | None = None) -> Path:
         """A tiny seeded Wan (2-block transformer, the 2.1 VAE's layout, UMT5, offline tokenizer) as a diffusers
-        folder that WanPipeline.from_pretrained loads."""
+        folder that WanPipeline.from_pretrained loads; ``config`` "wan-tiny-a14b": two experts, as Wan2.2 A14B."""
         from diffusers import UniPCMultistepScheduler, WanPipeline
         from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
         folder = Path(folder)
-        cfgdir = bundled_config_dir(self.tiny_config)
+        cfgdir = bundled_config_dir(config or self.tiny_config)
         torch.manual_seed(seed)
         comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
+        if (cfgdir / "transformer_2").is_dir():
+            comps["transformer_2"] = _new_module("transformer", _read_json(cfgdir / "transformer_2" / "config.json"))
+            comps["boundary_ratio"] = _read_json(cfgdir / "model_index.json")["boundary_ratio"]
         tokdir = folder.parent / f".{folder.name}-tokenizer"
         try:
             comps["tokenizer"] = T5TokenizerFast.from_pretrained(tiny_t5_tokenizer(tokdir))
@@ -745,7 +804,8 @@ class Wan(ModelFamily):
         """A content hash of one part's weights, memoised by file path, size and mtime."""
         kind, p = self._source(mcfg)
         if kind == "diffusers":
-            files = common.weight_files(p / part) if (p / part).is_dir() else []
+            sub = p / self._expert_folder(mcfg, part)
+            files = common.weight_files(sub) if sub.is_dir() else []
         else:
             if part != "transformer":
                 raise self._single_file_missing(p, [part])
