@@ -129,3 +129,21 @@ def test_a_video_latent_key_hashes_the_frames_taken():
     assert image_keys.latent((64, 64), "a" * 64) == _nul_joined(
         "latent", "sdxl", "v" * 64, "fp32", "64x64", "random", "a" * 64, ""
     )
+
+
+def test_data_fps_is_in_a_clips_key_and_leaves_keys_without_it_unchanged(tmp_path, monkeypatch):
+    """data.fps takes other frames of a clip (resampled): its rate replaces frame_sampling in the clip tag."""
+    from types import SimpleNamespace
+
+    import difftrain.data.keys as k
+    from difftrain.config.schema import DataConfig
+
+    monkeypatch.setattr(k, "cache_fingerprints", lambda *a: ("v" * 64, {}))
+
+    def keys(**data) -> CacheKeys:
+        cfg = SimpleNamespace(data=DataConfig(dir=tmp_path, **data), precompute=SimpleNamespace(vae_dtype="bf16"))
+        return CacheKeys.for_config(SimpleNamespace(name="wan"), cfg, {}, video=True)
+
+    assert keys().frame_sampling == "uniform" and keys(frame_sampling="first").frame_sampling == "first"
+    assert keys(fps=16).frame_sampling == "16fps"
+    assert len({keys(fps=f).latent((96, 64), "a" * 64, 9) for f in (None, 16, 24)}) == 3

@@ -22,8 +22,10 @@ from difftrain.data.video import (  # noqa: E402 (after the importorskip)
     choose_frames,
     choose_video_bucket,
     frame_buckets,
+    frames_at_rate,
     load_clip,
     probe_video,
+    resampled_indices,
     sample_frame_indices,
     scan_videos,
     video_size_buckets,
@@ -388,9 +390,40 @@ def test_image_record_is_one_frame(tmp_path):
 
 def test_load_clip_checks_indices(tmp_path):
     record = _record(tmp_path, 5)
-    for bad in ([], [1, 1], [3, 2], [-1, 0]):
+    for bad in ([], [3, 2], [-1, 0], [1, 1, 0]):
         with pytest.raises(ValueError, match="strictly increasing"):
             load_clip(record, bad, (W, H))
+
+
+def test_resampling_to_a_frame_rate_drops_or_repeats_frames(tmp_path):
+    """data.fps: one frame per tick of the new rate from the clip's start, the nearest source frame."""
+    assert (
+        frames_at_rate(24, 8.0, 4.0) == 12 and frames_at_rate(24, 8.0, 16.0) == 47 and frames_at_rate(81, 16, 16) == 81
+    )
+    assert frames_at_rate(121, 30.0, 16.0) == 65  # 4 s of 30 fps: 64 ticks of 16 fps after the first frame
+    assert resampled_indices(24, 8.0, 4.0, 9) == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    assert resampled_indices(24, 8.0, 16.0, 5) == [0, 1, 1, 2, 2]
+    assert resampled_indices(121, 30.0, 16.0, 5) == [0, 2, 4, 6, 8]  # 1.875 source frames a tick
+    with pytest.raises(ValueError, match="cannot take 13 frames at 4 fps"):
+        resampled_indices(24, 8.0, 4.0, 13)
+    record = _record(tmp_path, 5)
+    clip, _ = load_clip(record, [0, 1, 1, 2, 2], (W, H))  # a repeated index repeats its frame
+    _assert_frames(clip, [0, 1, 1, 2, 2])
+
+
+def test_placement_with_data_fps_takes_the_resampled_frames_and_names_short_clips(tmp_path):
+    from difftrain.config.schema import DataConfig
+    from difftrain.precompute.plan import buckets_for, place
+
+    long, short = _record(tmp_path, 24, "long.mp4"), _record(tmp_path, 8, "short.mp4")  # 8 fps
+    d = DataConfig(dir=tmp_path, resolution=64, bucket_step=16, min_side=32, max_side=128, frames=9, fps=4)
+    buckets = buckets_for(d, video=True)
+    p = place(long, False, d, buckets)
+    assert p.frames == 9 and p.indices == [0, 2, 4, 6, 8, 10, 12, 14, 16]
+    why = place(short, False, d, buckets)
+    assert isinstance(why, str) and "4 at data.fps 4, from 8 at 8 fps" in why
+    plain = place(long, False, d.model_copy(update={"fps": None}), buckets)
+    assert plain.indices == sample_frame_indices(24, 9)
 
 
 def test_video_that_ends_early_is_a_data_error_naming_the_file(tmp_path):

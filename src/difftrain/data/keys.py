@@ -115,7 +115,8 @@ class CacheKeys:
             stages=stages,
             vae_dtype=cfg.precompute.vae_dtype,
             crop=crop_mode(cfg.data.random_crop),
-            frame_sampling=cfg.data.frame_sampling if video else None,
+            # data.fps takes other frames: part of the clip tag, and of nothing else (keys without it are unchanged)
+            frame_sampling=(cfg.data.frame_sampling if not cfg.data.fps else f"{cfg.data.fps:g}fps") if video else None,
         )
 
     def latent(self, bucket: tuple[int, int], image_sha256: str, frames: int | None = None) -> str:

@@ -293,6 +293,21 @@ def sample_frame_indices(
     return [(2 * i * span + gaps) // (2 * gaps) for i in range(n_frames)]
 
 
+def frames_at_rate(n_available: int, fps: float, rate: float) -> int:
+    """How many frames a clip of ``n_available`` frames at ``fps`` has when resampled to ``rate`` frames per
+    second (data.fps): one per tick of ``rate`` from its first frame to its last."""
+    return int((n_available - 1) * rate / fps + 1e-9) + 1
+
+
+def resampled_indices(n_available: int, fps: float, rate: float, n_frames: int) -> list[int]:
+    """The source frame nearest each of ``n_frames`` ticks of ``rate`` from the clip's start: frames are dropped to
+    slow a clip's rate down, repeated to raise it, so the clip plays at its own speed at ``rate`` (as musubi-tuner's
+    target_fps and diffusion-pipe's framerate resample). ``ValueError`` when the clip is too short for it."""
+    if not 1 <= n_frames <= frames_at_rate(n_available, fps, rate):
+        raise ValueError(f"cannot take {n_frames} frames at {rate:g} fps from {n_available} frames at {fps:g} fps")
+    return [min(n_available - 1, int(j * fps / rate + 0.5)) for j in range(n_frames)]
+
+
 # ----------------------------------------------------------------- scanning
 def _visible(path: Path, data_dir: Path) -> bool:
     return not any(part.startswith(".") for part in path.relative_to(data_dir).parts)
@@ -557,15 +572,19 @@ def load_clip(
     and only the asked ones are converted to RGB.
 
     Raises :class:`DataError` naming the file when decoding fails or the video ends before the last
-    index; ``ValueError`` for indices that are not strictly increasing from ``>= 0``.
+    index; ``ValueError`` for indices that decrease or start below 0 (a repeated index repeats its frame).
     """
-    indices = _check_indices(frame_indices)
+    if list(frame_indices) != sorted(frame_indices):
+        _check_indices(frame_indices)  # words it
+    # a frame may repeat (a clip resampled to a higher rate, data.fps): each distinct one is decoded once
+    indices = _check_indices(sorted(set(frame_indices)))
     if record.is_image:
-        if indices != [0]:
-            raise ValueError(f"{record.path} is an image: its only frame is [0], got {indices}")
+        if indices != [0] or len(frame_indices) != 1:
+            raise ValueError(f"{record.path} is an image: its only frame is [0], got {list(frame_indices)}")
         frames = [load_rgb(record.path)]
     else:
-        frames = [Image.fromarray(a) for a in _decode_frames(record, indices)]
+        decoded = dict(zip(indices, _decode_frames(record, indices)))
+        frames = [Image.fromarray(decoded[i]) for i in frame_indices]
     seed = rng.getrandbits(64) if rng is not None else None
     fitted: list[np.ndarray] = []
     crop = (0, 0)

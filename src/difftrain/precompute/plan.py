@@ -217,15 +217,29 @@ def place(record: Record, prior: bool, d: DataConfig, buckets: Buckets) -> Place
                 no_upscale=d.no_upscale,
             )
         else:
-            from ..data.video import choose_frames, choose_video_bucket, sample_frame_indices
+            from ..data.video import (
+                choose_frames,
+                choose_video_bucket,
+                frames_at_rate,
+                resampled_indices,
+                sample_frame_indices,
+            )
 
             bucket = choose_video_bucket(record.width, record.height, buckets.sizes)
-            frames = choose_frames(record.frames, buckets.frames, is_image=record.is_image)
+            rate = d.fps if d.fps and not record.is_image else None
+            if rate is not None and record.fps <= 0:
+                raise ValueError("its frame rate is unknown (the file states none), so data.fps cannot resample it")
+            n = record.frames if rate is None else frames_at_rate(record.frames, record.fps, rate)
+            frames = choose_frames(n, buckets.frames, is_image=record.is_image)
             if frames is None:
+                at = "" if rate is None else f" ({n} at data.fps {rate:g}, from {record.frames} at {record.fps:g} fps)"
                 raise ValueError(
-                    f"{record.frames} frames: shorter than the smallest frame bucket ({buckets.frames[1]})"
+                    f"{record.frames} frames{at}: shorter than the smallest frame bucket ({buckets.frames[1]})"
                 )
-            indices = sample_frame_indices(record.frames, frames, mode=d.frame_sampling)
+            if rate is None:
+                indices = sample_frame_indices(record.frames, frames, mode=d.frame_sampling)
+            else:
+                indices = resampled_indices(record.frames, record.fps, rate, frames)
     except ValueError as e:  # e.g. smaller than one bucket step with no_upscale
         return str(e)
     enlarge = max(bucket[0] / record.width, bucket[1] / record.height)

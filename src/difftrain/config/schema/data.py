@@ -41,6 +41,12 @@ class DataConfig(Strict):
     frame_sampling: Literal["uniform", "first"] = Field(
         default="uniform", description="video families: frames spread evenly over the clip, or the first N"
     )
+    fps: float | None = Field(
+        default=None,
+        gt=0,
+        description="video families: resample each clip to this frame rate first (Wan: 16, Wan2.2 TI2V-5B: 24), "
+        "then take consecutive frames from its start (frame_sampling is then not used); null: the clip's own frames",
+    )
     caption_fallback: Literal["empty", "filename"] = Field(
         default="empty",
         description="an image with neither caption nor tags: the empty caption, or its file name "
