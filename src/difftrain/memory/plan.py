@@ -110,7 +110,8 @@ def apply_offload(
 
 
 def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
-    """Gradient checkpointing through the module's own switch (diffusers or transformers).
+    """Gradient checkpointing through the module's own switch (diffusers or transformers); with ``offload``, a
+    diffusers model's checkpoints wait in host RAM (transformers' text encoders checkpoint as usual).
 
     With ``every: k`` only every k-th of the blocks that checkpoint (diffusers
     sets a ``gradient_checkpointing`` flag on each) keeps it: less recompute,
@@ -120,7 +121,12 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
         return
     # torch types the attributes nn.Module does not declare as Tensor | Module (its __getattr__): hence the ignores
     if hasattr(module, "enable_gradient_checkpointing"):
-        module.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
+        if mem.activations.offload:  # the block inputs wait in host RAM (memory/activation_offload.py)
+            from .activation_offload import offloaded_checkpoint
+
+            module.enable_gradient_checkpointing(offloaded_checkpoint)  # type: ignore[operator]  # a diffusers method
+        else:
+            module.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
         k = mem.activations.every
         if k > 1:
             blocks = [m for m in module.modules() if m is not module and getattr(m, "gradient_checkpointing", False)]

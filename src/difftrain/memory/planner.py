@@ -394,6 +394,13 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
         # eager. Measured on the H100 (2026-11-25/26): SDXL 1024 LoRA 5.85 -> 5.77 GiB (sdxl-lora-8gb), 1.136 ->
         # 1.07 (sdxl-lora-3gb, compiled without graphs), SD3 1.252 -> 1.17 (sd3-lora-4gb): 9-11 % of the activations
         e.gpu["activations"] *= COMPILED_ACTIVATIONS
+    if m.activations.kind == "checkpoint" and m.activations.offload:
+        # the checkpointed blocks' inputs wait in host RAM (the family states their bytes per latent pixel; none
+        # stated: nothing is counted as moved, the safe side on the GPU)
+        moved = hints.get("checkpoint_input_bytes", 0) * pixels / m.activations.every / GIB
+        moved = min(moved, e.gpu["activations"])
+        e.gpu["activations"] -= moved
+        e.host["checkpoints (offloaded, pinned)"] = moved
     if hints.get("encode_captions"):
         e.gpu["activations"] += hints.get("text_encoder_activations", 0) * t.batch_size / GIB
 

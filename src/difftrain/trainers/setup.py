@@ -194,7 +194,8 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         info(f"speed.channels_last: the convolutions of {part} run in channels-last memory format")
     if sp.compile:
         act = b.cfg.memory.activations
-        every = act.every if act.kind == "checkpoint" else 0
+        # offloaded checkpoints stay diffusers' (around the compiled blocks): the host copies cannot be traced
+        every = act.every if act.kind == "checkpoint" and not act.offload else 0
         # block swap's and FSDP's hooks run around each block (moving or gathering its weights): only the block's
         # forward is compiled, the hooks stay eager
         hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""

@@ -100,6 +100,12 @@ class ActCheckpoint(Strict):
     every: int = Field(
         default=1, ge=1, description="checkpoint every k-th block (1 = all: least memory, most recompute)"
     )
+    offload: bool = Field(
+        default=False,
+        description="keep each checkpointed block's input in pinned host RAM until backward needs it (the "
+        "denoiser's blocks; diffusion-pipe's 'unsloth' checkpointing): for video at full size, where the "
+        "checkpoints alone outgrow the card",
+    )
 
 
 class OffloadNone(Strict):

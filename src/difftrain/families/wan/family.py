@@ -725,7 +725,12 @@ class Wan(ModelFamily):
             return cfg_file if cfg_file is not None and cfg_file.exists() else bundled / part / "config.json"
 
         s = int(_read_json(config_file("vae")).get("scale_factor_spatial") or 8)
+        tcfg = _read_json(config_file("transformer"))
+        width = int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"])
         return {
+            # what checkpointing keeps per latent pixel: each block's input, one bf16 token of the width per 2x2
+            # latent pixels (memory.activations.offload moves it to host RAM)
+            "checkpoint_input_bytes": int(tcfg["num_layers"]) * width * 2 / 4,
             **common.parameter_hints(
                 self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank
             ),

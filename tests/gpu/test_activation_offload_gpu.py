@@ -1,0 +1,50 @@
+"""memory.activations.offload on a CUDA GPU (skipped elsewhere): the checkpointed blocks' inputs leave the GPU
+(the allocated peak of a deep stack of wide blocks falls by about their bytes) and the gradients are plain
+checkpointing's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftrain.memory.activation_offload import offloaded_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _run(blocks, x, func):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    h = x
+    for b in blocks:
+        h = func(b, h)
+    h.float().square().mean().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(), [p.grad.clone() for b in blocks for p in b.parameters()]
+
+
+def test_offloaded_checkpoints_leave_the_gpu_and_give_plain_checkpointings_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    torch.manual_seed(0)
+    d, tokens, n = 1024, 32768, 24  # each block's input: 64 MiB in bf16, 1.5 GiB for the stack
+    blocks = [_Block(d).cuda().to(torch.bfloat16) for _ in range(n)]
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    plain_peak, plain = _run(blocks, x, lambda b, h: checkpoint(b, h, use_reentrant=False))
+    for b in blocks:
+        b.zero_grad(set_to_none=True)
+    off_peak, off = _run(blocks, x, offloaded_checkpoint)
+    inputs = (n - 1) * tokens * d * 2
+    assert plain_peak - off_peak > 0.8 * inputs, (plain_peak / 2**30, off_peak / 2**30)
+    assert all(torch.equal(a, b) for a, b in zip(plain, off))

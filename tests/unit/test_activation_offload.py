@@ -1,0 +1,109 @@
+"""memory.activations.offload: checkpointed blocks whose inputs wait in host RAM compute what plain
+checkpointing computes (outputs, every gradient), for blocks of any call shape; the planner moves the checkpoints'
+bytes from the GPU to the host; a tiny Wan trains with it as without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.memory.activation_offload import offloaded_checkpoint
+
+
+class _Pair(torch.nn.Module):
+    """A block called with a tensor, a tuple of tensors and a float, returning a tuple (Flux's double blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, rope, scale):
+        return self.a(x * rope[0]) * scale, self.b(x + rope[1])
+
+
+def test_a_tuple_returning_block_gets_the_gradients_of_the_plain_call():
+    torch.manual_seed(0)
+    block = _Pair()
+    block.a.weight.requires_grad_(False)  # frozen, as a LoRA's base weights
+    x = torch.randn(4, 8)  # needs no grad: only the block's parameters train
+    rope = (torch.randn(4, 8), torch.randn(4, 8))
+    grads = []
+    for call in (lambda: block(x, rope, 0.5), lambda: offloaded_checkpoint(block, x, rope, 0.5)):
+        block.zero_grad()
+        u, v = call()
+        (u.square().sum() + v.sum()).backward()
+        grads.append([p.grad.clone() for p in block.parameters() if p.requires_grad])
+    assert len(grads[1]) == 3 and all(torch.equal(a, b) for a, b in zip(*grads))
+    with torch.no_grad():  # no autograd: a plain call
+        assert torch.equal(offloaded_checkpoint(block, x, rope, 0.5)[0], block(x, rope, 0.5)[0])
+
+
+def test_a_wan_transformer_with_offloaded_checkpoints_gets_the_lora_gradients_of_plain_checkpointing(tmp_path):
+    from peft import LoraConfig
+
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.wan import Wan
+
+    fam = Wan()
+    base = fam.load(ModelConfig(path=fam.build_tiny(tmp_path / "m")), ["transformer"])["transformer"]
+    results = []
+    for func in (None, offloaded_checkpoint):
+        m = copy.deepcopy(base)
+        torch.manual_seed(0)
+        m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "ffn.net.2"], init_lora_weights="gaussian"))
+        m.enable_gradient_checkpointing(func)
+        m.train()
+        g = torch.Generator().manual_seed(1)
+        x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 512, 32, generator=g)
+        out = m(hidden_states=x, timestep=torch.tensor([300.0, 700.0]), encoder_hidden_states=text, return_dict=False)[
+            0
+        ]
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (o1, g1), (o2, g2) = results
+    assert torch.equal(o1, o2) and len(g1) == 12 and set(g1) == set(g2)  # to_q of both attentions, ffn.net.2
+    assert all(torch.equal(g1[k], g2[k]) for k in g1)
+
+
+def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):
+    from difftrain.families.wan import Wan
+    from difftrain.memory.planner import estimate
+
+    sets = ["memory.activations={kind: checkpoint, offload: true}", "model.config=wan2.1-t2v-1.3b", "data.frames=81"]
+    cfg = resolve(recipe="tiny-wan-lora", sets=[*sets, f"data.dir={tmp_path}"]).config
+    plain = cfg.model_copy(
+        update={
+            "memory": cfg.memory.model_copy(
+                update={"activations": cfg.memory.activations.model_copy(update={"offload": False})}
+            )
+        }
+    )
+    fam = Wan()
+    hints = fam.memory_hints(
+        cfg.model, cfg.lora.targets, cfg.lora.rank, 640, ["transformer"], ["transformer"], "lora", frames=81
+    )
+    hints["activations"] = {"checkpoint": 40000.0}  # bytes per latent pixel, more than the inputs alone (23 040)
+    on, off = estimate(cfg, hints), estimate(plain, hints)
+    # 30 blocks x 1536 x 2 bytes per token, a token per 4 latent pixels; 21 x 80 x 80 latent pixels at 640 px, 81 frames
+    moved = 30 * 1536 * 2 / 4 * 21 * 80 * 80 / 2**30
+    assert on.host["checkpoints (offloaded, pinned)"] == pytest.approx(moved)
+    assert off.gpu["activations"] - on.gpu["activations"] == pytest.approx(moved)
+
+
+def test_tiny_wan_trains_alike_with_offloaded_checkpoints(_dataset_master, tmp_path):
+    from difftrain.families.wan import Wan
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    model = Wan().build_tiny(tmp_path / "m")
+    losses = []
+    for i, act in enumerate(("{kind: none}", "{kind: checkpoint, offload: true}")):
+        sets = tiny_sets(model, _dataset_master, tmp_path / str(i), **{"train.max_steps": 3, "memory.activations": act})
+        cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+        precompute(cfg)
+        losses.append(train(cfg).losses)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
