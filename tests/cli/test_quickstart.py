@@ -44,6 +44,7 @@ def test_quickstart_twice(cli, tmp_path):
         ("cogvideox", "run/samples/final/00.mp4"),
         ("cogvideox-i2v", "run/samples/final/00.mp4"),
         ("wan", "run/samples/final/00.mp4"),
+        ("wan-i2v", "run/samples/final/00.mp4"),
     ],
 )
 def test_quickstart_of_every_family(cli, tmp_path, family, sample):

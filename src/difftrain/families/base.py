@@ -231,7 +231,9 @@ class ModelFamily(ABC):
         trained: list[str],
         method: str,
     ) -> dict:
-        """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data."""
+        """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data.
+        Optional: "checkpoint_input_bytes", the bytes per latent pixel that checkpointing keeps (the blocks'
+        inputs), which memory.activations.offload moves to host RAM (none stated: the planner moves nothing)."""
 
     # saving
     @abstractmethod

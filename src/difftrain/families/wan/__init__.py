@@ -2,5 +2,6 @@
 original layout's names (single_file.py)."""
 
 from .family import Wan
+from .i2v import WanI2V
 
-__all__ = ["Wan"]
+__all__ = ["Wan", "WanI2V"]

@@ -1,7 +1,8 @@
 """Wan 2.1 / 2.2: a 3D full-attention DiT on video latents, conditioned by UMT5-XXL, trained by rectified flow.
 
-Architectures are bundled in ``configs/`` (wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b and the image-to-video
-and two-expert ones, whose training is not wired yet; wan-tiny for tests), so everything loads offline. Sources:
+Architectures are bundled in ``configs/`` (wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-t2v-a14b, wan2.2-ti2v-5b; the
+image-to-video ones, family "wan-i2v", in i2v.py; wan-tiny* for tests), so everything loads offline. A two-expert
+model (Wan2.2 A14B) trains one expert per run (``model.expert``). Sources:
 a diffusers folder (``Wan-AI/*-Diffusers``: transformer/, vae/, text_encoder/, tokenizer/, scheduler/), or the
 transformer alone as the single file people download for ComfyUI (the original ``blocks.N.self_attn.q`` names,
 ``model.diffusion_model.`` prefixed or not, bf16, fp16 or fp8-stored; renamed tensor by tensor on the way in by
@@ -60,11 +61,6 @@ SAVE_AS: dict[str, str | tuple[str, str]] = {
     "vae": "AutoencoderKLWan",
     "text_encoder": ("UMT5EncoderModel", "umt5"),
 }
-#: the variants whose training is not wired yet (image conditioning, two experts): named, not guessed
-NOT_YET = {
-    "wan2.1-i2v-14b": "image-to-video (CLIP image and first-frame conditioning)",
-    "wan2.2-i2v-a14b": "image-to-video with two experts",
-}
 #: where each expert of a two-expert model (Wan2.2 A14B) is kept in its diffusers folder: WanPipeline runs
 #: ``transformer`` from the boundary timestep up and ``transformer_2`` below it
 EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
@@ -122,7 +118,7 @@ class Wan(ModelFamily):
     text_encoders = ("text_encoder",)
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"t5": ("text_encoder",)}
     denoiser = "transformer"
-    parts = PARTS
+    parts: ClassVar[tuple[str, ...]] = PARTS
     objective = "flow"
     repeated_blocks = ("WanTransformerBlock",)
     # not measured on Wan yet: CogVideoX's figures (a video DiT of similar block count and width) until they are
@@ -156,12 +152,11 @@ class Wan(ModelFamily):
         return bundled_config_dir(name or self.default_config)
 
     def _check_trainable(self, transformer_cfg: Mapping, where: str) -> None:
-        name = config_name_of(transformer_cfg)
-        if transformer_cfg.get("image_dim") or int(transformer_cfg.get("in_channels", 16)) not in (16, 48):
+        if int(transformer_cfg.get("in_channels", 16)) == 36:
             raise ModelLoadError(
-                f"{where} is an image-to-video Wan ({NOT_YET.get(name or '', 'image conditioning')}); difftrain "
-                "trains Wan's text-to-video models so far.",
-                hint="Use Wan2.1-T2V-1.3B or -14B, or Wan2.2-TI2V-5B (text to video).",
+                f"{where} is an image-to-video Wan (transformer in_channels 36: noisy latents, mask, first frame), "
+                "not what family wan (text to video) trains.",
+                hint="Set family: wan-i2v.",
             )
 
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
@@ -529,7 +524,9 @@ class Wan(ModelFamily):
         src_kind, src = self._source(mcfg)
         if "transformer" not in sds:
             raise CheckpointError("save_diffusers needs the Wan transformer; none was given.")
-        copies = {}
+        copies = {
+            p: src / p for p in ("image_encoder", "image_processor") if src_kind == "diffusers" and (src / p).is_dir()
+        }
         for part in ("vae", "text_encoder"):
             if part in sds:
                 continue
@@ -637,11 +634,15 @@ class Wan(ModelFamily):
         self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
     ) -> dict[str, torch.Tensor]:
         """t5 -> prompt_embeds [B, 512, d] (float32): UMT5's last hidden state with every position past the
-        caption's tokens zero, as WanPipeline encodes prompts (512 tokens whatever text_encoders.t5.max_length says)."""
+        caption's tokens zero, as WanPipeline encodes prompts (the caption cleaned as it cleans them; 512 tokens
+        whatever text_encoders.t5.max_length says)."""
         if stage != "t5":
             raise ConfigError(f"Wan has no text stage {stage!r}.", hint="Its one stage is t5 (UMT5-XXL).")
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
         self.enabled_stages(options)
         te, tok = comps["text_encoder"], comps["tokenizer"]
+        captions = [prompt_clean(c) for c in captions]  # ftfy, HTML entities, runs of spaces: as the pipelines
         enc = tok(
             captions,
             padding="max_length",

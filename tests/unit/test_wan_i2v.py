@@ -1,0 +1,109 @@
+"""Image-to-video Wan on tiny seeded models: the first-frame conditioning, the mask and the CLIP states are what
+WanImageToVideoPipeline builds; training on clips (2.1 with CLIP; a 2.2 expert) exports LoRAs its pipeline loads;
+an image item is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.config.schema import ModelConfig
+from difftrain.errors import DataError, ModelLoadError
+from difftrain.families.wan import Wan, WanI2V
+
+
+@pytest.fixture(scope="module")
+def tiny_i2v(tmp_path_factory):
+    return WanI2V().build_tiny(tmp_path_factory.mktemp("wani2v") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    from difftrain.flows.quickstart import make_clips
+
+    pytest.importorskip("av")
+    return make_clips(tmp_path_factory.mktemp("clips") / "clips", n=2, frames=12, size=64)
+
+
+def test_the_conditioning_is_the_pipelines(tiny_i2v):
+    """Condition latents and mask of WanImageToVideoPipeline.prepare_latents, its CLIP states of the first frame,
+    and the transformer's input: [noisy, mask, condition] on channels."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    fam = WanI2V()
+    comps = fam.load(ModelConfig(path=tiny_i2v), ["vae"])
+    assert {"image_encoder", "image_processor"} <= set(comps)  # CLIP comes with the VAE
+    g = torch.Generator().manual_seed(0)
+    video = torch.rand(1, 3, 9, 32, 48, generator=g) * 2 - 1
+    entries = fam.image_condition_entries(comps, video)
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny_i2v)
+    _, cond = pipe.prepare_latents(
+        video[:, :, 0], 1, 16, 32, 48, 9, torch.float32, torch.device("cpu"), generator=torch.Generator().manual_seed(1)
+    )
+    assert cond.shape == (1, 20, 3, 4, 6)
+    torch.testing.assert_close(entries["condition_latents"], cond[:, 4:])
+    rgb = ((video[0, :, 0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    torch.testing.assert_close(entries["image_embeds"], pipe.encode_image(Image.fromarray(rgb), torch.device("cpu")))
+    tr = fam.load(ModelConfig(path=tiny_i2v), ["transformer"])["transformer"]
+    noisy, text = torch.randn(1, 16, 3, 4, 6, generator=g), torch.randn(1, 512, 32, generator=g)
+    t = torch.tensor([400.0])
+    batch = {"prompt_embeds": text, **entries}
+    with torch.no_grad():
+        got = fam.denoise(tr, noisy, t, batch)
+        want = tr(
+            hidden_states=torch.cat([noisy, cond], dim=1),
+            timestep=t,
+            encoder_hidden_states=text,
+            encoder_hidden_states_image=entries["image_embeds"],
+            return_dict=False,
+        )[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_an_image_item_and_the_wrong_family_are_refused_by_name(tiny_i2v):
+    fam = WanI2V()
+    comps = fam.load(ModelConfig(path=tiny_i2v), ["vae"])
+    with pytest.raises(DataError, match="one-frame item"):
+        fam.image_condition_entries(comps, torch.zeros(1, 3, 32, 48))
+    with pytest.raises(ModelLoadError, match="family: wan-i2v"):
+        Wan().load(ModelConfig(path=tiny_i2v), ["transformer"])
+    t2v = Wan().build_tiny(tiny_i2v.parent / "t2v")
+    with pytest.raises(ModelLoadError, match="text-to-video"):
+        fam.load(ModelConfig(path=t2v), ["transformer"])
+
+
+def test_wan21_i2v_trains_on_clips_and_its_lora_loads_into_the_i2v_pipeline(tiny_i2v, clips, tmp_path):
+    from diffusers import WanImageToVideoPipeline
+
+    sets = tiny_sets(
+        tiny_i2v, clips, tmp_path, **{"family": "wan-i2v", "model.config": "wan-tiny-i2v", "train.max_steps": 2}
+    )
+    cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    precompute(cfg)
+    r = train(cfg)
+    assert len(r.losses) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny_i2v)
+    pipe.load_lora_weights(str(r.lora_path))
+    assert (r.lora_path.parent / "lora_kohya.safetensors").exists()
+
+
+def test_a_wan22_i2v_expert_trains_below_its_boundary(clips, tmp_path):
+    fam = WanI2V()
+    model = fam.build_tiny(tmp_path / "a14b", config="wan-tiny-i2v-a14b")
+    mcfg = ModelConfig(path=model, expert="low_noise")
+    assert fam.timestep_range(mcfg) == (0.0, 0.9)  # the I2V boundary
+    assert not fam.clip(mcfg) and "image_encoder" not in fam.load(mcfg, ["vae"])
+    sets = tiny_sets(model, clips, tmp_path, **{"family": "wan-i2v", "model.expert": "low_noise", "train.max_steps": 2})
+    cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    precompute(cfg)
+    r = train(cfg)
+    assert len(r.losses) == 2 and (r.lora_path.parent / "lora_kohya_low_noise.safetensors").exists()
