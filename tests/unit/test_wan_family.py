@@ -256,3 +256,30 @@ def test_the_objective_draws_the_experts_levels_and_flow_min_timestep_overrides(
         assert ok(t / 1000), (expert, sets)
         _, tq, _, _ = obj.flow_inputs(x0[:3], x0[:3], torch.tensor([0.0, 0.5, 1.0]))  # validation quantiles
         assert ok(tq / 1000 - torch.tensor([0.0, 0.0, 1e-6]))
+
+
+def test_ti2v_5b_trains_text_to_video_on_the_22_vae_and_its_lora_loads(_dataset_master, tmp_path):
+    """Wan2.2 TI2V-5B's layout: 48-channel latents of the 16x VAE, frame sides in multiples of 32, shift 5."""
+    from diffusers import WanPipeline
+
+    from conftest import tiny_sets
+    from difftrain.config.load import resolve
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    model = Wan().build_tiny(tmp_path / "ti2v", config="wan-tiny-ti2v")
+    comps = Wan().load(_mcfg(model), ["vae"])
+    assert Wan().encode_images(comps, torch.zeros(1, 3, 5, 64, 96)).shape == (1, 48, 2, 4, 6)
+    with pytest.raises(DataError, match="multiples of 32"):
+        Wan().encode_images(comps, torch.zeros(1, 3, 5, 48, 96))
+    assert Wan().training_scheduler(_mcfg(model)).config.shift == 5.0
+    sets = tiny_sets(
+        model, _dataset_master, tmp_path, **{"train.max_steps": 2, "data.bucket_step": 32, "data.resolution": 64}
+    )
+    cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+    precompute(cfg)
+    r = train(cfg)
+    assert len(r.losses) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+    pipe = WanPipeline.from_pretrained(model)
+    assert pipe.config.expand_timesteps
+    pipe.load_lora_weights(str(r.lora_path))

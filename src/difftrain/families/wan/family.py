@@ -743,7 +743,8 @@ class Wan(ModelFamily):
     # ------------------------------------------------------------ tiny and random models
     def build_tiny(self, folder: Path, seed: int = 0, config: str | None = None) -> Path:
         """A tiny seeded Wan (2-block transformer, the 2.1 VAE's layout, UMT5, offline tokenizer) as a diffusers
-        folder that WanPipeline.from_pretrained loads; ``config`` "wan-tiny-a14b": two experts, as Wan2.2 A14B."""
+        folder that WanPipeline.from_pretrained loads; ``config`` "wan-tiny-a14b": two experts, as Wan2.2 A14B;
+        "wan-tiny-ti2v": TI2V-5B's layout (the 2.2 VAE, 48 channels, expand_timesteps)."""
         from diffusers import UniPCMultistepScheduler, WanPipeline
         from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
@@ -754,6 +755,8 @@ class Wan(ModelFamily):
         if (cfgdir / "transformer_2").is_dir():
             comps["transformer_2"] = _new_module("transformer", _read_json(cfgdir / "transformer_2" / "config.json"))
             comps["boundary_ratio"] = _read_json(cfgdir / "model_index.json")["boundary_ratio"]
+        if _read_json(cfgdir / "model_index.json").get("expand_timesteps"):  # TI2V-5B's
+            comps["expand_timesteps"] = True
         tokdir = folder.parent / f".{folder.name}-tokenizer"
         try:
             comps["tokenizer"] = T5TokenizerFast.from_pretrained(tiny_t5_tokenizer(tokdir))
