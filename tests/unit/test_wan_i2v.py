@@ -107,3 +107,30 @@ def test_a_wan22_i2v_expert_trains_below_its_boundary(clips, tmp_path):
     precompute(cfg)
     r = train(cfg)
     assert len(r.losses) == 2 and (r.lora_path.parent / "lora_kohya_low_noise.safetensors").exists()
+
+
+def test_an_i2v_run_without_start_images_stops_before_precompute_through_the_console_script(tiny_i2v, clips, tmp_path):
+    from conftest import clean_failure, script_train, set_args
+
+    sets = tiny_sets(tiny_i2v, clips, tmp_path, **{"family": "wan-i2v", "validation.prompts": "[a fox]"})
+    r = script_train("--recipe", "tiny-wan-lora", *set_args(sets))
+    clean_failure(r, 2, "image-to-video need a start image per prompt", "validation.images")
+    assert not (tmp_path / "cache").exists()  # nothing encoded
+
+
+def test_an_experts_lora_is_refused_by_the_other_expert(tmp_path):
+    from safetensors.torch import save_file
+
+    from difftrain.errors import CheckpointError
+    from difftrain.lora.files import read_lora_file
+
+    f = tmp_path / "high.safetensors"
+    save_file(
+        {"transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24)},
+        f,
+        metadata={"difftrain.expert": "high_noise"},
+    )
+    for expert in ("low_noise", None):
+        with pytest.raises(CheckpointError, match="trained for the high_noise expert") as e:
+            read_lora_file(f, ModelConfig(path=tmp_path, expert=expert), WanI2V(), ["transformer"])
+        assert "model.expert: high_noise" in e.value.hint

@@ -94,6 +94,7 @@ def train(
         print_config(res)
         return
     with_hub_model(res)
+    _check_start(res.config)
     if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
         precompute_missing(res.config)
     check_memory(res.config, strict_memory)
@@ -130,6 +131,7 @@ def _launch(
     if problem:
         raise ConfigError(problem, hint=ENGINE_HINT)
     with_hub_model(res)  # fetched once here: the processes find it in the cache
+    _check_start(res.config)
     if not no_precompute:  # once, here, before the processes start
         if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
             from ..data.cache import cache_dir_for
@@ -205,6 +207,14 @@ def export(
         dest = dest / LORA_FILE
     atomic_write_bytes(dest, (folder / LORA_FILE).read_bytes())
     info(f"exported {folder.name} -> {dest}")
+
+
+def _check_start(cfg) -> None:
+    """What would stop the run later, said before precompute encodes anything."""
+    from ..families.registry import get_family
+    from ..trainers.validation import check_inputs
+
+    check_inputs(cfg, get_family(cfg.family))
 
 
 def precompute_missing(cfg) -> None:

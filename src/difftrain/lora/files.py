@@ -152,8 +152,16 @@ def read_lora_file(
             f"{label} {path}: {odd[0]} is {sd[odd[0]].dtype}, not a LoRA weight (fp32/bf16/fp16).",
             hint="Give a LoRA .safetensors file.",
         )
+    meta = header.get("__metadata__") or {}
+    expert = meta.get("difftrain.expert")
+    if expert and expert != getattr(mcfg, "expert", None):  # a two-expert model's LoRA fits its own expert only
+        raise CheckpointError(
+            f"{label} {path.name} was trained for the {expert} expert, and this run trains "
+            f"{getattr(mcfg, 'expert', None) or 'a model without experts'}.",
+            hint=f"Set model.expert: {expert}, or give the LoRA of this expert.",
+        )
     try:
-        return _parse_lora(sd, header.get("__metadata__") or {}, path, mcfg, family, parts, label)
+        return _parse_lora(sd, meta, path, mcfg, family, parts, label)
     except (ValueError, TypeError, AttributeError, RuntimeError) as e:  # metadata or alphas of the wrong type or shape
         raise CheckpointError(
             f"{label} {path} has a malformed alpha or lora_adapter_metadata: {e}.",

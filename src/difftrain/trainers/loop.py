@@ -102,6 +102,9 @@ class Trainer:
         the first process), the cache checked against the config, the parts built, the schedules, the objective,
         and the rooms that save and export."""
         cfg, fam = self.cfg, self.family
+        from .validation import check_inputs
+
+        check_inputs(cfg, fam)  # said now, not at the first validation round
         prepare_process(cfg, self.world, self.device)
         self.cfg = cfg = choose_engine(cfg, self.world, self.device, resume)
         # auto resolved (FA4 where installed and running); an attention kernel the device lacks, named before loading

@@ -76,6 +76,15 @@ def held_out_loss(
     return total / n
 
 
+def check_inputs(cfg, family) -> None:
+    """What a validation round will need, checked before anything loads: an image-to-video family's start images."""
+    if family.image_conditioned and cfg.validation.prompts and not cfg.validation.images:
+        raise UsageError(
+            "validation samples for image-to-video need a start image per prompt.",
+            hint="Set validation.images to one image file per validation prompt, or remove validation.prompts.",
+        )
+
+
 def validate(run: ValidationInputs, tag: str) -> list[Path]:
     cfg, fam = run.cfg, run.family
     v = cfg.validation
