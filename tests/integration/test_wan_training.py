@@ -57,6 +57,7 @@ def test_both_lora_files_load_into_wan_pipeline_alike(tiny_wan, dataset, tmp_pat
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_low_noise_expert_trains_and_its_loras_load_into_transformer_2(dataset, tmp_path):
     """Wan2.2 A14B: model.expert low_noise trains transformer_2/ below the boundary; its diffusers file loads with
     load_into_transformer_2=True and its kohya file is named for the expert, with the same effect."""

@@ -94,6 +94,7 @@ def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):
     assert off.gpu["activations"] - on.gpu["activations"] == pytest.approx(moved)
 
 
+@pytest.mark.slow
 def test_tiny_wan_trains_alike_with_offloaded_checkpoints(_dataset_master, tmp_path):
     from difftrain.families.wan import Wan
     from difftrain.precompute.run import precompute

@@ -258,6 +258,7 @@ def test_the_objective_draws_the_experts_levels_and_flow_min_timestep_overrides(
         assert ok(tq / 1000 - torch.tensor([0.0, 0.0, 1e-6]))
 
 
+@pytest.mark.slow
 def test_ti2v_5b_trains_text_to_video_on_the_22_vae_and_its_lora_loads(_dataset_master, tmp_path):
     """Wan2.2 TI2V-5B's layout: 48-channel latents of the 16x VAE, frame sides in multiples of 32, shift 5."""
     from diffusers import WanPipeline

@@ -75,6 +75,7 @@ def test_an_image_item_and_the_wrong_family_are_refused_by_name(tiny_i2v):
         fam.load(ModelConfig(path=t2v), ["transformer"])
 
 
+@pytest.mark.slow
 def test_wan21_i2v_trains_on_clips_and_its_lora_loads_into_the_i2v_pipeline(tiny_i2v, clips, tmp_path):
     from diffusers import WanImageToVideoPipeline
 
@@ -93,6 +94,7 @@ def test_wan21_i2v_trains_on_clips_and_its_lora_loads_into_the_i2v_pipeline(tiny
     assert (r.lora_path.parent / "lora_kohya.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_a_wan22_i2v_expert_trains_below_its_boundary(clips, tmp_path):
     fam = WanI2V()
     model = fam.build_tiny(tmp_path / "a14b", config="wan-tiny-i2v-a14b")
@@ -109,6 +111,7 @@ def test_a_wan22_i2v_expert_trains_below_its_boundary(clips, tmp_path):
     assert len(r.losses) == 2 and (r.lora_path.parent / "lora_kohya_low_noise.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_an_i2v_run_without_start_images_stops_before_precompute_through_the_console_script(tiny_i2v, clips, tmp_path):
     from conftest import clean_failure, script_train, set_args
 
