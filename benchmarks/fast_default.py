@@ -62,6 +62,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--recipe", "flux-lora-24gb", "--size", "1024x1024"],
         "FLUX.1 [dev] LoRA r16 as shipped (fp8 base), 1024x1024, vs its eager run",
     ),
+    # the other image recipes as shipped, six buckets, no eager run beside them (issue 50, 2026-11-27: the
+    # shipped long-run s/step that `recipes list` shows)
+    "sdxl-lora-3gb": (["--recipe", "sdxl-lora-3gb"], "SDXL LoRA r16 b1, block swap of all 87 units, as shipped"),
+    "sdxl-full-8gb": (["--recipe", "sdxl-full-8gb"], "SDXL full, Adafactor fused, block swap 43, as shipped"),
+    "sdxl-full-12gb": (["--recipe", "sdxl-full-12gb"], "SDXL full, Adafactor fused, checkpointing, as shipped"),
+    "sdxl-full": (["--recipe", "sdxl-full"], "SDXL full fine-tune (24 GB), as shipped"),
+    "sdxl-full-te-24gb": (["--recipe", "sdxl-full-te-24gb"], "SDXL full with the text encoders, as shipped"),
+    "sd3-lora-4gb": (["--recipe", "sd3-lora-4gb"], "SD3-medium LoRA r16, block swap of the 24 blocks, as shipped"),
+    "sd3-lora-16gb": (["--recipe", "sd3-lora-16gb"], "SD3-medium LoRA r16, no checkpointing, as shipped"),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
