@@ -1,0 +1,57 @@
+"""One Wan block's training memory on a CUDA GPU at a video's token count (issue 51's tier planning): the peak
+allocated by a forward and backward of one WanTransformerBlock of a bundled architecture (bf16 weights, LoRA-free:
+the activations alone), and the size of its input (what checkpointing keeps per block).
+
+    python benchmarks/wan_block_memory.py --config wan2.1-t2v-1.3b --tokens 32760
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="wan2.1-t2v-1.3b")
+    ap.add_argument("--tokens", type=int, default=32760)  # 81 frames of 480x832: 21 x 30 x 52
+    a = ap.parse_args()
+    from diffusers import WanTransformer3DModel
+
+    from difftrain.families.common import configs_root, read_json
+
+    cfg = read_json(configs_root() / a.config / "transformer" / "config.json")
+    cfg["num_layers"] = 1
+    m = WanTransformer3DModel.from_config(cfg).to("cuda", torch.bfloat16)
+    m.requires_grad_(False)
+    block = m.blocks[0]
+    for p in block.parameters():
+        p.requires_grad_(True)  # gradients flow through every op, as LoRA's would
+    d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    x = torch.randn(1, a.tokens, d, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(1, 512, d, device="cuda", dtype=torch.bfloat16)
+    temb = torch.randn(1, 6, d, device="cuda", dtype=torch.bfloat16)
+    f, h, w = 21, 30, a.tokens // (21 * 30)
+    rope = m.rope(torch.zeros(1, 16, f, 2 * h, 2 * w, device="cuda"))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = block(x, text, temb, rope)
+    fwd = torch.cuda.max_memory_allocated() - base
+    out.float().square().mean().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    r = {
+        "config": a.config,
+        "tokens": a.tokens,
+        "input_gib": x.numel() * 2 / 2**30,
+        "forward_peak_gib": fwd / 2**30,
+        "fwd_bwd_peak_gib": peak / 2**30,
+    }
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
