@@ -12,6 +12,7 @@ import torch
 
 from difftrain.config.schema import ModelConfig
 from difftrain.families.cogvideox import CogVideoX, CogVideoXI2V
+from difftrain.families.wan import Wan, WanI2V
 from difftrain.families.sd3 import SD3
 from difftrain.families.sdxl import SDXL
 from difftrain.memory.deepspeed_engine import fill_weights
@@ -91,7 +92,7 @@ def test_a_wrong_shape_is_named():
         fill_weights(target, source, rec.gather, rec.broadcast)
 
 
-@pytest.mark.parametrize("family", [SDXL, SD3, CogVideoX, CogVideoXI2V])
+@pytest.mark.parametrize("family", [SDXL, SD3, CogVideoX, CogVideoXI2V, Wan, WanI2V])
 def test_each_family_builds_its_denoiser_from_config_as_load_returns_it(family, tmp_path):
     fam = family()
     model = fam.build_tiny(tmp_path / "tiny", seed=0)
