@@ -12,9 +12,9 @@ import torch
 
 from difftrain.config.schema import ModelConfig
 from difftrain.families.cogvideox import CogVideoX, CogVideoXI2V
-from difftrain.families.wan import Wan, WanI2V
 from difftrain.families.sd3 import SD3
 from difftrain.families.sdxl import SDXL
+from difftrain.families.wan import Wan, WanI2V
 from difftrain.memory.deepspeed_engine import fill_weights
 
 
