@@ -36,6 +36,7 @@ from ..memory.plan import (
     apply_weights_before_adapters,
     load_device,
     make_optimizer,
+    split_checkpoints,
     weights_dtype,
 )
 from ..runtime import distributed as dist_
@@ -140,6 +141,13 @@ def _activations(b: Build, part: str, module: torch.nn.Module) -> None:
     """Checkpointing pays on every module that backward runs through."""
     if part in b.lrs or part == b.family.denoiser:
         apply_activations(b.cfg.memory, module)
+    act = b.cfg.memory.activations
+    if part == b.family.denoiser and act.kind == "checkpoint" and act.split:
+        n = split_checkpoints(b.family.swap_blocks(module), b.family.checkpoint_parts)
+        if n:
+            info(f"memory.activations.split: {n} attentions and feed-forwards of {part} checkpointed apart")
+        else:
+            warn(f"memory.activations.split: {b.family.name} names no parts of its blocks to checkpoint apart")
 
 
 def _swapped(b: Build, part: str) -> bool:

@@ -106,6 +106,12 @@ class ActCheckpoint(Strict):
         "denoiser's blocks; diffusion-pipe's 'unsloth' checkpointing): for video at full size, where the "
         "checkpoints alone outgrow the card",
     )
+    split: bool = Field(
+        default=False,
+        description="also checkpoint each block's attentions and feed-forward apart (the family names them), so a "
+        "block recomputed in backward holds one part's tensors at a time: less memory at long token counts "
+        "(video), the parts computed once more",
+    )
 
 
 class OffloadNone(Strict):
