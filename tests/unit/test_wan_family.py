@@ -284,3 +284,108 @@ def test_ti2v_5b_trains_text_to_video_on_the_22_vae_and_its_lora_loads(_dataset_
     pipe = WanPipeline.from_pretrained(model)
     assert pipe.config.expand_timesteps
     pipe.load_lora_weights(str(r.lora_path))
+
+
+# ------------------------------------------------------------------ the VAE's and UMT5's own files (ComfyUI's)
+def _wan_vae_name(key: str) -> str:
+    """A diffusers AutoencoderKLWan key in Wan's own names (wan_2.1_vae.safetensors), for writing test files: the
+    converse of diffusers' convert_wan_vae_to_diffusers, which the test checks it is."""
+    import re
+
+    res = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
+           "conv2": "residual.6", "conv_shortcut": "shortcut"}  # fmt: skip
+
+    def resid(tail: str) -> str:
+        for a, b in res.items():
+            if tail == a or tail.startswith(a + "."):
+                return b + tail[len(a) :]
+        return tail
+
+    if key.startswith("quant_conv."):
+        return key.replace("quant_conv", "conv1")
+    if key.startswith("post_quant_conv."):
+        return key.replace("post_quant_conv", "conv2")
+    for side in ("encoder", "decoder"):
+        if key.startswith(f"{side}.conv_in."):
+            return key.replace("conv_in", "conv1")
+        if key == f"{side}.norm_out.gamma":
+            return f"{side}.head.0.gamma"
+        if key.startswith(f"{side}.conv_out."):
+            return key.replace("conv_out", "head.2")
+        if m := re.match(rf"{side}\.mid_block\.resnets\.(\d)\.(.+)", key):
+            return f"{side}.middle.{2 * int(m[1])}.{resid(m[2])}"
+        if m := re.match(rf"{side}\.mid_block\.attentions\.0\.(.+)", key):
+            return f"{side}.middle.1.{m[1]}"
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.(.+)", key):
+        return f"encoder.downsamples.{m[1]}.{resid(m[2])}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", key):
+        return f"decoder.upsamples.{4 * int(m[1]) + int(m[2])}.{resid(m[3])}"
+    if m := re.match(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", key):
+        return f"decoder.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
+    raise KeyError(key)
+
+
+def test_comfyui_files_of_the_vae_and_umt5_load_as_the_folders_parts(tiny, tmp_path):
+    """model.path the transformer file, model.ae Wan's own VAE file (its names through diffusers' converter),
+    model.t5xxl UMT5 in transformers' names stored once (shared.weight) and in fp8_scaled, model.tokenizer_path: every
+    part as the diffusers folder has it, and precompute's encodings the same."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    from safetensors.torch import save_file
+
+    fam = Wan()
+    ref = fam.load(_mcfg(tiny), ["transformer", "vae", "text_encoder"])
+    vae_sd = _sd(ref["vae"])
+    wan_names = {_wan_vae_name(k): v for k, v in vae_sd.items()}
+    back = convert_wan_vae_to_diffusers(dict(wan_names))
+    assert set(back) == set(vae_sd) and all(torch.equal(back[k], vae_sd[k]) for k in vae_sd)  # diffusers' converse
+    save_file(wan_names, tmp_path / "wan_2.1_vae.safetensors")
+    te_sd = {k: v for k, v in _sd(ref["text_encoder"]).items() if k != "encoder.embed_tokens.weight"}
+    save_file(te_sd, tmp_path / "umt5_xxl_fp16.safetensors")
+    tr = fam.save_single_file(
+        {"transformer": _sd(ref["transformer"])}, fam.module_configs(ref), tmp_path / "wan2.1_t2v.safetensors"
+    )
+    mcfg = _mcfg(tr, config="wan-tiny", ae=tmp_path / "wan_2.1_vae.safetensors",
+                 t5xxl=tmp_path / "umt5_xxl_fp16.safetensors", tokenizer_path=tiny)  # fmt: skip
+    got = fam.load(mcfg, ["vae", "text_encoder"])
+    for part in ("vae", "text_encoder"):
+        want = ref[part].state_dict()
+        assert all(torch.equal(got[part].state_dict()[k], want[k]) for k in want), part
+    video = torch.rand(1, 3, 5, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    torch.testing.assert_close(fam.encode_images(got, video), fam.encode_images(ref, video))
+    opts = TextEncodersConfig()
+    ref["tokenizer"] = fam.load(_mcfg(tiny), ["text_encoder"])["tokenizer"]
+    torch.testing.assert_close(
+        fam.encode_prompts(got, ["a fox"], "t5", opts)["prompt_embeds"],
+        fam.encode_prompts(ref, ["a fox"], "t5", opts)["prompt_embeds"],
+    )
+    assert fam.fingerprint(mcfg, "vae", {}) != fam.fingerprint(_mcfg(tiny), "vae", {})  # the file is what is hashed
+    # fp8_scaled UMT5: each Linear's fp8 weight times its scale
+    scaled = {}
+    for k, v in te_sd.items():
+        if k.endswith(".weight") and v.ndim == 2 and ".block." in k:
+            s = v.abs().max().float() / 448
+            scaled[k], scaled[k[: -len("weight")] + "scale_weight"] = (
+                (v.float() / s).to(torch.float8_e4m3fn),
+                s.reshape(1),
+            )
+        else:
+            scaled[k] = v
+    save_file(scaled, tmp_path / "umt5_fp8_scaled.safetensors")
+    te8 = fam.load(mcfg.model_copy(update={"t5xxl": tmp_path / "umt5_fp8_scaled.safetensors"}), ["text_encoder"])
+    k = "encoder.block.0.layer.0.SelfAttention.q.weight"
+    assert torch.equal(te8["text_encoder"].state_dict()[k], scaled[k].float() * scaled[k[:-6] + "scale_weight"])
+
+
+def test_missing_part_files_are_named_with_the_option_that_gives_them(tiny, tmp_path):
+    fam = Wan()
+    ref = fam.load(_mcfg(tiny), ["transformer"])["transformer"]
+    tr = fam.save_single_file(
+        {"transformer": _sd(ref)}, fam.module_configs({"transformer": ref}), tmp_path / "t.safetensors"
+    )
+    with pytest.raises(ModelLoadError, match="no UMT5-XXL text encoder weights") as e:
+        fam.load(_mcfg(tr, config="wan-tiny"), ["text_encoder"])
+    assert "model.t5xxl=umt5_xxl_fp16.safetensors" in e.value.hint
+    with pytest.raises(ModelLoadError, match="model.t5xxl .*umt5.safetensors does not exist"):
+        fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tmp_path / "umt5.safetensors"), ["text_encoder"])
+    with pytest.raises(ModelLoadError, match="is not the UMT5-XXL text encoder"):
+        fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tr), ["text_encoder"])  # the transformer file given as UMT5

@@ -421,18 +421,20 @@ def bnb_config(prec: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
 
 
-def quantized_t5_from_state_dict(sd: dict, config: dict, prec: str, dtype: torch.dtype, device):
+def quantized_t5_from_state_dict(
+    sd: dict, config: dict, prec: str, dtype: torch.dtype, device, config_cls=None, model_cls=None
+):
     """T5 from converted tensors (host memory) quantized by transformers' bitsandbytes integration (a single file's
-    T5: SD3's, Flux's t5xxl file).
+    T5: SD3's, Flux's t5xxl file; ``config_cls`` / ``model_cls``: another T5, Wan's UMT5).
 
     Host RAM holds T5 in 16 bits while it loads (about 9.5 GB for T5-XXL); a
     diffusers folder avoids that (transformers then reads shard by shard).
     """
     from transformers import T5Config, T5EncoderModel
 
-    return T5EncoderModel.from_pretrained(
+    return (model_cls or T5EncoderModel).from_pretrained(
         None,
-        config=T5Config(**hf_config(config)),
+        config=(config_cls or T5Config)(**hf_config(config)),
         state_dict=sd,
         torch_dtype=dtype,
         quantization_config=bnb_config(prec, dtype),

@@ -22,10 +22,15 @@ class ModelConfig(Strict):
     )
     # Flux's parts as separate files, named as sd-scripts' flux_train_network.py names them (--ae, --clip_l, --t5xxl):
     # model.path is then the transformer alone (flux1-dev.safetensors); each may also replace a folder's part
-    ae: Path | None = Field(default=None, description="Flux: the VAE file (ae.safetensors), BFL/LDM names")
+    ae: Path | None = Field(
+        default=None,
+        description="the VAE's own file: Flux's ae.safetensors (BFL/LDM names), Wan's wan_2.1_vae.safetensors",
+    )
     clip_l: Path | None = Field(default=None, description="Flux: the CLIP-L file (clip_l.safetensors)")
     t5xxl: Path | None = Field(
-        default=None, description="Flux: the T5-XXL encoder file (t5xxl_fp16.safetensors; fp8-stored ones too)"
+        default=None,
+        description="the T5 encoder's own file: Flux's t5xxl_fp16.safetensors, Wan's umt5_xxl_fp16.safetensors "
+        "(fp8-stored ones too)",
     )
     allow_pickle: bool = Field(default=False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(

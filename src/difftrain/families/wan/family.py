@@ -102,6 +102,25 @@ def config_name_of(transformer_cfg: Mapping) -> str | None:
     return None
 
 
+#: a part's own file, by the options Flux's loader (sd-scripts' names) already has: musubi-tuner's --vae and --t5
+FILE_OPTION = {"vae": "ae", "text_encoder": "t5xxl"}
+FILE_EXAMPLE = {"vae": "wan_2.1_vae.safetensors", "text_encoder": "umt5_xxl_fp16.safetensors"}
+
+
+def scaled_fp8(keys: Sequence[str], get):
+    """ComfyUI's "fp8_scaled" files keep a ``scale_weight`` per Linear, which multiplies its fp8 weight (and a
+    ``scaled_fp8`` marker): the keys that are weights, and a reader giving each one as its real value (float32 where
+    scaled, as stored otherwise)."""
+    scales = {k.removesuffix(".scale_weight") + ".weight": k for k in keys if k.endswith(".scale_weight")}
+    skipped = set(scales.values()) | {k for k in keys if k.rsplit(".", 1)[-1] == "scaled_fp8" or k == "scaled_fp8"}
+
+    def read(k: str) -> torch.Tensor:
+        t = get(k)
+        return t.to(torch.float32) * get(scales[k]).to(torch.float32) if k in scales else t
+
+    return [k for k in keys if k not in skipped], read
+
+
 def latent_frames(frames: int) -> int:
     return (frames - 1) // 4 + 1
 
@@ -240,9 +259,9 @@ class Wan(ModelFamily):
         names = ", ".join(LABELS[m] for m in missing)
         return ModelLoadError(
             f"{p.name} holds the Wan transformer only; it has no {names} weights.",
-            hint="Set model.path to a diffusers Wan folder (it has every part). The VAE and UMT5 never change in "
-            "fine-tuning: precompute with the base model's folder, then train with model.path set to this file "
-            "(the same data.cache_dir).",
+            hint="Give the parts' own files as ComfyUI users have them (model.ae=wan_2.1_vae.safetensors, "
+            "model.t5xxl=umt5_xxl_fp16.safetensors, model.tokenizer_path=a folder with UMT5's tokenizer), or set "
+            "model.path to a diffusers Wan folder (it has every part).",
         )
 
     def scheduler_config(self, mcfg: ModelConfig) -> dict:
@@ -307,13 +326,17 @@ class Wan(ModelFamily):
         dtypes, quant = common.t5_precisions(
             parts, dtype, precision, device, t5="text_encoder", label="Wan", loaded_before="the VAE and the transformer"
         )
+        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
+        rest = [part for part in parts if part not in own]
         if kind == "diffusers":
-            comps = self._load_diffusers(p, mcfg, parts, dtypes, quant, device)
+            comps = self._load_diffusers(p, mcfg, rest, dtypes, quant, device)
         else:
-            missing = [part for part in parts if part != "transformer"]
+            missing = [part for part in rest if part != "transformer"]
             if missing:
                 raise self._single_file_missing(p, missing)
-            comps = {"transformer": self._load_single(kind, p, mcfg, dtypes["transformer"], device)} if parts else {}
+            comps = {"transformer": self._load_single(kind, p, mcfg, dtypes["transformer"], device)} if rest else {}
+        for part, f in own.items():
+            comps[part] = self._load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
         common.freeze(comps, parts, device, quant)
         if "vae" in comps:
             comps["vae"].enable_slicing()
@@ -347,6 +370,88 @@ class Wan(ModelFamily):
         return common.load_diffusers_parts(
             p, parts, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True
         )
+
+    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
+        """model.ae (the VAE) / model.t5xxl (UMT5) as files of their own, over a folder's part too; checked."""
+        from ...errors import UnsafeCheckpoint
+
+        option = FILE_OPTION.get(part)
+        own = getattr(mcfg, option) if option else None
+        if own is None:
+            return None
+        f = Path(own).expanduser()
+        if not f.is_file():
+            raise ModelLoadError(
+                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
+            )
+        if f.suffix.lower() != ".safetensors":
+            raise UnsafeCheckpoint(
+                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
+                hint="Use the .safetensors file.",
+            )
+        return f
+
+    def _part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        """A part's architecture config: a diffusers source folder's, else the bundled architecture's."""
+        kind, p = self._source(mcfg)
+        f = p / part / "config.json"
+        return _read_json(
+            f if kind == "diffusers" and f.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
+        )
+
+    def _load_part_file(
+        self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None
+    ) -> torch.nn.Module:
+        """The VAE or UMT5 from a file of its own, as ComfyUI users have them. The VAE: diffusers' names, or Wan's
+        own (wan_2.1_vae.safetensors: renamed by diffusers' convert_wan_vae_to_diffusers, which knows the 2.1 VAE
+        only). UMT5: transformers' names (umt5_xxl_fp16.safetensors; fp8 and fp8_scaled too)."""
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint("single", f)
+        option = f"model.{FILE_OPTION[part]}"
+        weights, read = scaled_fp8(keys, get)
+        cfg = self._part_config(mcfg, part)
+
+        def mismatch(what: str) -> ModelLoadError:
+            return ModelLoadError(
+                f"{option} {f.name} is not the {LABELS[part]} of {self._arch(mcfg)}: {what}",
+                hint=f"Give the {LABELS[part]} file of this model ({FILE_EXAMPLE[part]}).",
+            )
+
+        if part == "vae":
+            if "encoder.conv1.weight" in keys:  # Wan's own names
+                if cfg.get("is_residual") or int(cfg.get("z_dim", 16)) != 16:
+                    raise ModelLoadError(
+                        f"{option} {f.name} has Wan's own VAE names, which difftrain reads for the 2.1 VAE only "
+                        "(diffusers' converter), and this model uses the 2.2 VAE.",
+                        hint="Use the diffusers folder's vae/ (Wan2.2-TI2V-5B-Diffusers) for the 2.2 VAE.",
+                    )
+                from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+                sd = convert_wan_vae_to_diffusers({k: read(k) for k in weights})
+            else:
+                sd = {k: read(k) for k in weights}
+            sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+            with init_empty_weights(include_buffers=False):
+                module = _new_module("vae", cfg)
+            common.assign_state_dict(module, sd, mismatch)
+            return module.requires_grad_(False).eval()
+        if not any(k.startswith("encoder.block.") for k in weights):
+            raise mismatch("it has no encoder.block.N tensors (transformers' UMT5 names).")
+        sd = {k: read(k) for k in weights}
+        if "encoder.embed_tokens.weight" not in sd and "shared.weight" in sd:
+            sd["encoder.embed_tokens.weight"] = sd["shared.weight"]  # tied in the model, stored once in the file
+        if quant is not None:
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            return common.quantized_t5_from_state_dict(
+                sd, cfg, quant, dtype, device, config_cls=UMT5Config, model_cls=UMT5EncoderModel
+            )
+        with init_empty_weights(include_buffers=False):
+            module = _new_module("text_encoder", cfg)
+        sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        common.assign_state_dict(module, sd, mismatch)
+        return module.requires_grad_(False).eval()
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
@@ -399,13 +504,10 @@ class Wan(ModelFamily):
             elif any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
                 hint = "It looks like a Flux checkpoint: set family: flux."
             raise ModelLoadError(f"{p.name} does not look like a Wan transformer.", hint=hint)
-        scales = {k.removesuffix(".scale_weight") + ".weight": k for k in keys if k.endswith(".scale_weight")}
-        skipped = set(scales.values()) | {k for k in keys if k.removeprefix(single_file.PREFIX) == "scaled_fp8"}
+        weights, read = scaled_fp8(keys, get)
         names: dict[str, str] = {}  # diffusers name -> file key
         unknown = []
-        for k in keys:
-            if k in skipped:
-                continue
+        for k in weights:
             d = single_file.to_diffusers(k) if original else k
             if d is None:
                 unknown.append(k)
@@ -444,9 +546,7 @@ class Wan(ModelFamily):
 
         def tensors():
             for d, k in names.items():
-                t = get(k)
-                if k in scales:  # fp8_scaled: the stored weight times its scale
-                    t = t.to(torch.float32) * get(scales[k]).to(torch.float32)
+                t = read(k)  # fp8_scaled: the stored weight times its scale
                 want = torch.float32 if any(m in d.split(".") for m in keep32) else dtype
                 yield d, t.to(device=device, dtype=want)
                 del t
@@ -814,6 +914,9 @@ class Wan(ModelFamily):
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of one part's weights, memoised by file path, size and mtime."""
+        own = self._own_file(mcfg, part)
+        if own is not None:
+            return common.hash_files(self.name, part, [own], memo)
         kind, p = self._source(mcfg)
         if kind == "diffusers":
             sub = p / self._expert_folder(mcfg, part)
