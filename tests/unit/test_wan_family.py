@@ -385,7 +385,7 @@ def test_missing_part_files_are_named_with_the_option_that_gives_them(tiny, tmp_
     with pytest.raises(ModelLoadError, match="no UMT5-XXL text encoder weights") as e:
         fam.load(_mcfg(tr, config="wan-tiny"), ["text_encoder"])
     assert "model.t5xxl=umt5_xxl_fp16.safetensors" in e.value.hint
-    with pytest.raises(ModelLoadError, match="model.t5xxl .*umt5.safetensors does not exist"):
+    with pytest.raises(ModelLoadError, match=r"model\.t5xxl .*umt5\.safetensors does not exist"):
         fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tmp_path / "umt5.safetensors"), ["text_encoder"])
     with pytest.raises(ModelLoadError, match="is not the UMT5-XXL text encoder"):
         fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tr), ["text_encoder"])  # the transformer file given as UMT5
