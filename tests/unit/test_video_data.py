@@ -445,3 +445,44 @@ def test_display_rotation_gives_upright_size_and_frames(tmp_path):
     assert clip.shape == (3, 1, W, H)
     frame = (clip[0, 0] + 1) * 127.5  # the white top band of the stored frame is now the right band
     assert frame[:, -6:].mean() > 240 and frame[:, :-10].mean() < 40
+
+
+def _vfr_video(path: Path, gaps_ms: list[int]) -> Path:
+    """A clip whose frames are ``gaps_ms`` apart (milliseconds, one per frame after the first)."""
+    from fractions import Fraction
+
+    if _CODEC is None:
+        pytest.skip("this PyAV build has neither libx264 nor mpeg4")
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(_CODEC, rate=30)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        stream.time_base = Fraction(1, 1000)
+        t = 0
+        for i, gap in enumerate([0, *gaps_ms]):
+            t += gap
+            frame = av.VideoFrame.from_ndarray(np.full((H, W, 3), _level(i), np.uint8), format="rgb24")
+            frame.pts, frame.time_base = t, Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def test_a_variable_frame_rate_clip_is_skipped_by_name_when_data_fps_resamples(tmp_path):
+    from difftrain.config.schema import DataConfig
+    from difftrain.data.video import frame_rate_varies
+    from difftrain.precompute.plan import buckets_for, place
+
+    vfr = _vfr_video(tmp_path / "phone.mp4", [33] * 10 + [100] * 10)
+    even = _vfr_video(tmp_path / "even.mp4", [33] * 20)
+    assert frame_rate_varies(vfr) and not frame_rate_varies(even)
+    records = {r.path.name: r for r in scan_videos(tmp_path)[0]}
+    d = DataConfig(dir=tmp_path, resolution=64, bucket_step=16, min_side=32, max_side=128, frames=9, fps=16)
+    why = place(records["phone.mp4"], False, d, buckets_for(d, video=True))
+    assert isinstance(why, str) and "frame rate varies" in why and "ffmpeg -i IN -vf fps=16 OUT" in why
+    assert not isinstance(place(records["even.mp4"], False, d, buckets_for(d, video=True)), str)
+    # without data.fps the clip is taken as its frames come (nothing resampled, nothing asked)
+    assert not isinstance(
+        place(records["phone.mp4"], False, d.model_copy(update={"fps": None}), buckets_for(d, True)), str
+    )

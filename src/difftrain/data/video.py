@@ -293,6 +293,21 @@ def sample_frame_indices(
     return [(2 * i * span + gaps) // (2 * gaps) for i in range(n_frames)]
 
 
+def frame_rate_varies(path: Path) -> bool:
+    """Whether a video's frames are not evenly spaced in time (a variable-frame-rate file: phone recordings, screen
+    captures): its packets' timestamps, demuxed and not decoded, with gaps that differ by more than half the
+    typical one. Resampling to data.fps by frame count would then play parts of it too fast or too slow."""
+    av = require_pyav()
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stamps = sorted(float(p.pts * p.time_base) for p in container.demux(stream) if p.pts is not None and p.size)
+    gaps = sorted(b - a for a, b in pairwise(stamps) if b > a)
+    if len(gaps) < 2:
+        return False
+    typical = gaps[len(gaps) // 2]
+    return gaps[-1] - gaps[0] > 0.5 * typical
+
+
 def frames_at_rate(n_available: int, fps: float, rate: float) -> int:
     """How many frames a clip of ``n_available`` frames at ``fps`` has when resampled to ``rate`` frames per
     second (data.fps): one per tick of ``rate`` from its first frame to its last."""

@@ -220,6 +220,7 @@ def place(record: Record, prior: bool, d: DataConfig, buckets: Buckets) -> Place
             from ..data.video import (
                 choose_frames,
                 choose_video_bucket,
+                frame_rate_varies,
                 frames_at_rate,
                 resampled_indices,
                 sample_frame_indices,
@@ -229,6 +230,11 @@ def place(record: Record, prior: bool, d: DataConfig, buckets: Buckets) -> Place
             rate = d.fps if d.fps and not record.is_image else None
             if rate is not None and record.fps <= 0:
                 raise ValueError("its frame rate is unknown (the file states none), so data.fps cannot resample it")
+            if rate is not None and frame_rate_varies(record.path):
+                raise ValueError(
+                    "its frame rate varies (its frames are not evenly spaced in time), so data.fps cannot resample "
+                    f"it: re-encode it at a constant rate (ffmpeg -i IN -vf fps={rate:g} OUT)"
+                )
             n = record.frames if rate is None else frames_at_rate(record.frames, record.fps, rate)
             frames = choose_frames(n, buckets.frames, is_image=record.is_image)
             if frames is None:
