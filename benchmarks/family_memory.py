@@ -5,6 +5,7 @@ Random weights of the full-size bundled architecture, a synthetic cache of the r
 case, each case in a fresh subprocess (clean CUDA state). Prints a table last; JSON under --out.
 
     python benchmarks/family_memory.py --work /tmp/fam --out $OUT [--cases E-sd3,S1,S4]
+    python benchmarks/family_memory.py --work /tmp/fam --out $OUT --cases E-wan,W1,W2,W3,W4   # Wan (issue 51)
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/family_memory.py --work /tmp/fam   # CPU smoke run, tiny models
 """
 
@@ -35,7 +36,29 @@ COG = [
     "train.learning_rate=1e-4",
     "train.checkpoint_every=100000",
 ]
-SIZE = {"C": (480, 720)}  # CogVideoX cases: the cache holds 49x480x720 clips (the planner assumes 592^2, +1.4 %)
+#: Wan (issue 51): 81 frames of 480x832 (data.resolution 640: the planner's square of about that area), LoRA r32 on
+#: every Linear of the blocks (musubi-tuner's and diffusion-pipe's targets), bf16
+WAN = [
+    "family=wan",
+    "train.device=cuda",
+    "train.batch_size=1",
+    "data.resolution=640",
+    "data.min_side=256",
+    "data.max_side=1280",
+    "data.frames=81",
+    "lora.rank=32",
+    "lora.alpha=32",
+    "lora.targets=[to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2]",
+    "train.mixed_precision=bf16",
+    "memory.weights.kind=bf16",
+    "memory.activations.kind=checkpoint",
+    "train.learning_rate=1e-4",
+    "train.checkpoint_every=100000",
+]
+SIZE = {
+    "C": (480, 720),
+    "W": (480, 832),
+}  # CogVideoX: 49x480x720 clips (the planner assumes 592^2, +1.4 %); Wan 81x480x832
 CASES = {
     "S1": ("SD3-medium LoRA r16, bf16, checkpointing (sd3-lora-8gb)", "sd3-lora-8gb", SD3),
     "S2": ("SD3-medium LoRA r16, bf16, no checkpointing", "sd3-lora-8gb", SD3 + ["memory.activations.kind=none"]),
@@ -85,10 +108,41 @@ CASES = {
         None,
         COG + ["family=cogvideox-i2v", "model.config=cogvideox-5b-i2v"],
     ),
+    "W1": ("Wan2.1-1.3B LoRA r32, bf16, checkpointing", "tiny-wan-lora", WAN + ["model.config=wan2.1-t2v-1.3b"]),
+    "W2": (
+        "Wan2.1-1.3B LoRA r32, bf16, split checkpoints",
+        "tiny-wan-lora",
+        WAN + ["model.config=wan2.1-t2v-1.3b", "memory.activations={kind: checkpoint, split: true}"],
+    ),
+    "W3": (
+        "Wan2.1-1.3B LoRA r32, fp8, split checkpoints offloaded",
+        "tiny-wan-lora",
+        WAN
+        + [
+            "model.config=wan2.1-t2v-1.3b",
+            "memory.weights={kind: fp8}",
+            "memory.activations={kind: checkpoint, split: true, offload: true}",
+        ],
+    ),
+    "W4": (
+        "Wan2.1-14B LoRA r32, fp8, split checkpoints offloaded",
+        "tiny-wan-lora",
+        WAN
+        + [
+            "model.config=wan2.1-t2v-14b",
+            "memory.weights={kind: fp8}",
+            "memory.activations={kind: checkpoint, split: true, offload: true}",
+        ],
+    ),
 }
 
 
 def _tiny(recipe: str | None, sets: list[str]) -> tuple[str, list[str]]:
+    if "family=wan" in sets:
+        drop = ("model.config", "resolution=", "frames=", "min_side", "max_side", "family=", "fp8")
+        sets = [s.replace("=cuda", "=cpu").replace("mixed_precision=bf16", "mixed_precision=no")
+                .replace("weights.kind=bf16", "weights.kind=fp32") for s in sets if not any(d in s for d in drop)]  # fmt: skip
+        return "tiny-wan-lora", sets
     video = any("cogvideox" in s for s in sets)
     drop = ("cpu_offload", "max_grad_norm", "model.config", "resolution=", "frames=", "family=", "block_swap")
     sets = [
@@ -130,9 +184,19 @@ def run_case(name: str, work: Path, steps: int) -> dict:
     }
 
 
-def eager(case: str, what: str, model_class, config: str, rank: int, inputs, timestep: float, steps: int) -> dict:
+def eager(
+    case: str,
+    what: str,
+    model_class,
+    config: str,
+    rank: int,
+    inputs,
+    timestep: float,
+    steps: int,
+    targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0"),
+) -> dict:
     """Plain diffusers/peft/torch loop, no difftrain code: a bundled ``config``'s transformer in bf16, LoRA of ``rank``
-    (alpha = rank) on to_q/to_k/to_v/to_out.0 in fp32, checkpointing, torch AdamW, on the random tensors
+    (alpha = rank) on ``targets`` (to_q/to_k/to_v/to_out.0) in fp32, checkpointing, torch AdamW, on the random tensors
     ``inputs(cfg, device)`` gives (keyword arguments of the model) at ``timestep``."""
     import torch
     from peft import LoraConfig
@@ -145,7 +209,7 @@ def eager(case: str, what: str, model_class, config: str, rank: int, inputs, tim
         model = model_class.from_config(cfg).to(torch.bfloat16)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets)))
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -227,7 +291,34 @@ def eager_cogvideox(work: Path, steps: int) -> dict:
     )
 
 
-EAGER = {"E-sd3": eager_sd3, "E-cog": eager_cogvideox}
+def eager_wan(work: Path, steps: int) -> dict:
+    """The eager loop on the Wan2.1-1.3B transformer, LoRA r32 on every Linear of the blocks, random 81x480x832
+    latents (1x16x21x60x104) and 512x4096 text: what the diffusers/peft way of training it costs (issue 51)."""
+    from diffusers import WanTransformer3DModel
+
+    def inputs(cfg: dict, dev: str) -> dict:
+        import torch
+
+        f, h, w = (3, 8, 8) if TINY else (21, 60, 104)
+        return {
+            "hidden_states": torch.randn(1, cfg["in_channels"], f, h, w, device=dev, dtype=torch.bfloat16),
+            "encoder_hidden_states": torch.randn(1, 512, cfg["text_dim"], device=dev, dtype=torch.bfloat16),
+        }
+
+    return eager(
+        "E-wan",
+        "eager: Wan2.1-1.3B LoRA r32, bf16, checkpointing (no difftrain code)",
+        WanTransformer3DModel,
+        "wan-tiny" if TINY else "wan2.1-t2v-1.3b",
+        32,
+        inputs,
+        500.0,
+        steps,
+        targets=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    )
+
+
+EAGER = {"E-sd3": eager_sd3, "E-cog": eager_cogvideox, "E-wan": eager_wan}
 
 
 def main() -> None:
