@@ -389,3 +389,17 @@ def test_missing_part_files_are_named_with_the_option_that_gives_them(tiny, tmp_
         fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tmp_path / "umt5.safetensors"), ["text_encoder"])
     with pytest.raises(ModelLoadError, match="is not the UMT5-XXL text encoder"):
         fam.load(_mcfg(tr, config="wan-tiny", t5xxl=tr), ["text_encoder"])  # the transformer file given as UMT5
+
+
+def test_a_full_export_is_a_folder_wan_pipeline_loads_and_random_folders_load(tiny, tmp_path):
+    from diffusers import WanPipeline
+
+    fam = Wan()
+    comps = fam.load(_mcfg(tiny), ["transformer"])
+    sd = {k: v + 1 for k, v in _sd(comps["transformer"]).items()}  # "trained"
+    out = fam.save_diffusers({"transformer": sd}, fam.module_configs(comps), tmp_path / "export", _mcfg(tiny))
+    pipe = WanPipeline.from_pretrained(out)  # the VAE, UMT5, tokenizer and scheduler copied from the source
+    assert all(torch.equal(pipe.transformer.state_dict()[k], v) for k, v in sd.items())
+    folder = fam.build_random("wan-tiny", tmp_path / "random", seed=1, parts=["transformer", "vae"])
+    got = fam.load(_mcfg(folder), ["transformer", "vae"])
+    assert set(got) == {"transformer", "vae"} and not (folder / "text_encoder").exists()

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -497,6 +498,101 @@ def random_parts(
     torch.manual_seed(seed)
     with torch.device(device):
         return {part: new_module(part, read_json(cfgdir / part / "config.json")).to(torch.bfloat16) for part in parts}
+
+
+def write_random_t5_folder(
+    path: Path,
+    cfgdir: Path,
+    parts: Sequence[str],
+    all_parts: Sequence[str],
+    modules: Mapping[str, torch.nn.Module],
+    write: Callable[[Path, str, dict, dict, torch.dtype | None], None],
+) -> Path:
+    """A diffusers folder of random ``modules`` (bf16) of a bundled architecture whose text encoder is a T5 (CogVideoX,
+    Wan): the parts not written are null in model_index.json, an offline tiny T5 tokenizer goes with the text encoder,
+    the bundled scheduler config is copied; atomically. ``write(folder, part, state dict, config, dtype)`` writes one."""
+    from ..utils import atomic_dir
+    from .tokenizers import tiny_t5_tokenizer
+
+    index = read_json(cfgdir / "model_index.json")
+    for part in all_parts:
+        if part not in parts:
+            index[part] = [None, None]
+    if "text_encoder" not in parts:
+        index["tokenizer"] = [None, None]
+    with atomic_dir(Path(path)) as tmp:
+        for part in parts:
+            write(tmp, part, modules[part].state_dict(), module_config(modules[part]), torch.bfloat16)
+        if "text_encoder" in parts:
+            tiny_t5_tokenizer(tmp / "tokenizer")
+        shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return Path(path)
+
+
+def t5_tokenizer_folder(kind: str, p: Path, mcfg: ModelConfig) -> Path | None:
+    """Where a T5-conditioned family's tokenizer is: a diffusers source's tokenizer/, else model.tokenizer_path (or its
+    tokenizer/); None when a single file was given without one."""
+    if kind == "diffusers":
+        return p / "tokenizer"
+    if mcfg.tokenizer_path is None:
+        return None
+    base = Path(mcfg.tokenizer_path).expanduser()
+    return base / "tokenizer" if (base / "tokenizer").is_dir() else base
+
+
+def save_t5_video_folder(
+    folder: Path,
+    sds: Mapping[str, Any],
+    configs: Mapping[str, dict],
+    src: tuple[str, Path],
+    bundled: Path,
+    mcfg: ModelConfig,
+    write: Callable[[Path, str, dict, dict, torch.dtype | None], None],
+    labels: Mapping[str, str],
+    family_label: str,
+    dtype: torch.dtype | None = None,
+    copied: Sequence[str] = (),
+) -> Path:
+    """A full diffusers folder of a T5-conditioned transformer family (CogVideoX, Wan), atomically: the parts in ``sds``
+    written, the VAE and the text encoder copied from the diffusers source when absent (they never train), and
+    ``copied`` (Wan I2V's image encoder) copied where the source has them; the tokenizer from the source or
+    model.tokenizer_path; the scheduler config and model_index.json from the source, else the bundled architecture."""
+    from ..errors import CheckpointError
+    from ..utils import atomic_dir
+
+    src_kind, p = src
+    if "transformer" not in sds:
+        raise CheckpointError(f"save_diffusers needs the {family_label} transformer; none was given.")
+    copies = {x: p / x for x in copied if src_kind == "diffusers" and (p / x).is_dir()}
+    for part in ("vae", "text_encoder"):
+        if part in sds:
+            continue
+        if src_kind == "diffusers" and (p / part).is_dir():
+            copies[part] = p / part
+        else:
+            raise CheckpointError(
+                f"save_diffusers needs the {labels[part]}: it was not given and {p.name} has none.",
+                hint=f"Export from a run whose model.path is a diffusers {family_label} folder.",
+            )
+    tok = t5_tokenizer_folder(src_kind, p, mcfg)
+    if tok is None or not tok.is_dir():
+        raise CheckpointError(
+            f"save_diffusers needs the {labels['text_encoder']}'s tokenizer folder, and none was found.",
+            hint="Set model.tokenizer_path to the base model's diffusers folder.",
+        )
+    sched = p if src_kind == "diffusers" and (p / "scheduler").is_dir() else bundled
+    index = p / "model_index.json" if src_kind == "diffusers" else bundled / "model_index.json"
+    index = index if index.exists() else bundled / "model_index.json"
+    with atomic_dir(Path(folder)) as tmp:
+        for part, sd in sds.items():
+            write(tmp, part, sd, configs[part], dtype)
+        for part, d in copies.items():
+            shutil.copytree(d, tmp / part)
+        shutil.copytree(sched / "scheduler", tmp / "scheduler")
+        shutil.copytree(tok, tmp / "tokenizer")
+        shutil.copy(index, tmp / "model_index.json")
+    return Path(folder)
 
 
 # ------------------------------------------------------------------ fingerprints

@@ -60,7 +60,7 @@ from ...errors import (
     DataError,
     ModelLoadError,
 )
-from ...utils import atomic_dir, stream_save_safetensors
+from ...utils import stream_save_safetensors
 from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
@@ -296,12 +296,8 @@ class CogVideoX(ModelFamily):
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
         from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
 
-        if kind == "diffusers":
-            folder = p / "tokenizer"
-        elif mcfg.tokenizer_path is not None:
-            base = Path(mcfg.tokenizer_path).expanduser()
-            folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
-        else:
+        folder = common.t5_tokenizer_folder(kind, p, mcfg)
+        if folder is None:
             raise ModelLoadError(
                 "A single-file CogVideoX transformer carries no T5 tokenizer, and T5's vocabulary cannot be built offline.",
                 hint="Set model.tokenizer_path to a CogVideoX diffusers folder (or its tokenizer/ folder).",
@@ -541,48 +537,10 @@ class CogVideoX(ModelFamily):
         config are copied from the source (or, from a single file, the tokenizer
         from ``model.tokenizer_path`` and the scheduler from the bundled config).
         """
-        folder = Path(folder)
-        src_kind, src = self._source(mcfg)
-        if "transformer" not in sds:
-            raise CheckpointError("save_diffusers needs the CogVideoX transformer; none was given.")
-        copies = {}
-        for part in ("vae", "text_encoder"):
-            if part in sds:
-                continue
-            if src_kind == "diffusers" and (src / part).is_dir():
-                copies[part] = src / part
-            else:
-                raise CheckpointError(
-                    f"save_diffusers needs the {LABELS[part]}: it was not given and {src.name} has none.",
-                    hint="Export from a run whose model.path is a diffusers CogVideoX folder.",
-                )
-        tok: Path | None
-        if src_kind == "diffusers":
-            tok = src / "tokenizer"
-        else:
-            tok = Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None
-            tok = tok / "tokenizer" if tok is not None and (tok / "tokenizer").is_dir() else tok
-        if tok is None or not tok.is_dir():
-            raise CheckpointError(
-                "save_diffusers needs T5's tokenizer folder, and none was found.",
-                hint="Set model.tokenizer_path to the base model's diffusers folder.",
-            )
-        sched = src if src_kind == "diffusers" and (src / "scheduler").is_dir() else self.config_dir(self._arch(mcfg))
-        index_src = (
-            src / "model_index.json"
-            if src_kind == "diffusers" and (src / "model_index.json").exists()
-            else (self.config_dir(self._arch(mcfg)) / "model_index.json")
-        )
-        with atomic_dir(folder) as tmp:
-            for part in PARTS:
-                if part in sds:
-                    self._write_part(tmp, part, sds[part], configs[part], dtype)
-            for part, d in copies.items():
-                shutil.copytree(d, tmp / part)
-            shutil.copytree(sched / "scheduler", tmp / "scheduler")
-            shutil.copytree(tok, tmp / "tokenizer")
-            shutil.copy(index_src, tmp / "model_index.json")
-        return folder
+        return common.save_t5_video_folder(
+            Path(folder), sds, configs, self._source(mcfg), self.config_dir(self._arch(mcfg)), mcfg,
+            self._write_part, LABELS, "CogVideoX", dtype,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ memory hints (plain numbers)
     def memory_hints(
@@ -642,23 +600,10 @@ class CogVideoX(ModelFamily):
         cfgdir = self.config_dir(config_name)
         parts = list(parts)
         comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
-        sds, configs = {p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps)
         if parts == ["transformer"]:
+            sds, configs = {p: m.state_dict() for p, m in comps.items()}, self.module_configs(comps)
             return self.save_single_file(sds, configs, path, dtype=torch.bfloat16)
-        index = _read_json(cfgdir / "model_index.json")
-        for part in PARTS:
-            if part not in parts:
-                index[part] = [None, None]
-        if "text_encoder" not in parts:
-            index["tokenizer"] = [None, None]
-        with atomic_dir(Path(path)) as tmp:
-            for part in parts:
-                self._write_part(tmp, part, sds[part], configs[part], torch.bfloat16)
-            if "text_encoder" in parts:
-                tiny_t5_tokenizer(tmp / "tokenizer")
-            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
-            (tmp / "model_index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
-        return Path(path)
+        return common.write_random_t5_folder(Path(path), cfgdir, parts, PARTS, comps, self._write_part)
 
     def cache_shapes(
         self, config_name: str, resolution: int | tuple[int, int] = DEFAULT_SIZE, frames: int = DEFAULT_FRAMES
