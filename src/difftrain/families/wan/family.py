@@ -5,8 +5,9 @@ image-to-video ones, family "wan-i2v", in i2v.py; wan-tiny* for tests), so every
 model (Wan2.2 A14B) trains one expert per run (``model.expert``). Sources:
 a diffusers folder (``Wan-AI/*-Diffusers``: transformer/, vae/, text_encoder/, tokenizer/, scheduler/), or the
 transformer alone as the single file people download for ComfyUI (the original ``blocks.N.self_attn.q`` names,
-``model.diffusion_model.`` prefixed or not, bf16, fp16 or fp8-stored; renamed tensor by tensor on the way in by
-``single_file.to_diffusers``) or as a difftrain full fine-tune exported it.
+``model.diffusion_model.`` prefixed or not, bf16, fp16, fp8 or fp8_scaled; renamed tensor by tensor on the way in
+by ``single_file.to_diffusers``) or as a difftrain full fine-tune exported it, with the VAE and UMT5 as files of their
+own (``model.ae``, ``model.t5xxl``: ComfyUI's wan_2.1_vae and umt5_xxl files) and ``model.tokenizer_path``.
 
 Layouts. Pixels are videos ``[B, 3, F, H, W]`` in [-1, 1] with F = 4k + 1 frames (an image is F = 1). The 2.1 VAE
 compresses 4x in time and 8x in space into 16 channels, the 2.2 VAE (TI2V-5B) 16x in space into 48; cached latents
