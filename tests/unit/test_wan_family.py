@@ -204,6 +204,14 @@ def test_each_expert_loads_from_its_folder_and_trains_on_its_side_of_the_boundar
     assert "model.expert: high_noise" in e.value.hint
 
 
+def test_an_experts_validation_pipeline_says_it_runs_the_expert_alone(tiny_a14b, capsys):
+    fam = Wan()
+    mcfg = _mcfg(tiny_a14b, expert="high_noise")
+    pipe = fam.pipeline(fam.load(mcfg, ["transformer", "vae", "text_encoder"]), mcfg)
+    assert pipe.transformer_2 is None
+    assert "the high_noise expert alone over every step" in " ".join(capsys.readouterr().err.split())
+
+
 def test_model_expert_on_a_one_transformer_model_is_refused(tiny):
     with pytest.raises(ModelLoadError, match="one transformer"):
         Wan().load(_mcfg(tiny, expert="low_noise"), ["transformer"])

@@ -650,6 +650,7 @@ class Wan(ModelFamily):
         TI2V-5B transformer (48 channels) runs with the pipeline's expand_timesteps, as its model_index sets."""
         from diffusers import UniPCMultistepScheduler, WanPipeline
 
+        self.warn_one_expert(mcfg)
         transformer = comps["transformer"]
         return WanPipeline(
             tokenizer=comps.get("tokenizer"),
@@ -659,6 +660,18 @@ class Wan(ModelFamily):
             scheduler=UniPCMultistepScheduler.from_config(self.scheduler_config(mcfg)),
             expand_timesteps=int(transformer.config.in_channels) == 48,
         )
+
+    @staticmethod
+    def warn_one_expert(mcfg: ModelConfig) -> None:
+        """A two-expert model's validation samples run the trained expert over every step (the other is not loaded
+        beside it): said, since a high-noise expert's samples then look unfinished."""
+        if mcfg.expert is not None:
+            from ...console import warn
+
+            warn(
+                f"validation: the samples run the {mcfg.expert} expert alone over every step (the other expert is not "
+                "loaded); judge them with that in mind, or load both experts and the LoRA in WanPipeline"
+            )
 
     # ------------------------------------------------------------ encoding
     def _video(self, vae, pixels: torch.Tensor) -> torch.Tensor:

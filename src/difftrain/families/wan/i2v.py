@@ -192,6 +192,7 @@ class WanI2V(Wan):
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
         from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 
+        self.warn_one_expert(mcfg)
         return WanImageToVideoPipeline(
             tokenizer=comps.get("tokenizer"),
             text_encoder=comps.get("text_encoder"),
