@@ -139,6 +139,9 @@ def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):
     moved = 30 * 1536 * 2 / 4 * 21 * 80 * 80 / 2**30
     assert on.host["checkpoints (offloaded, pinned)"] == pytest.approx(moved)
     assert off.gpu["activations"] - on.gpu["activations"] == pytest.approx(moved)
+    hints["activations"] = {}  # no activation data for the architecture: the host still holds the checkpoints
+    bare = estimate(cfg, hints)
+    assert bare.gpu["activations"] == 0 and bare.host["checkpoints (offloaded, pinned)"] == pytest.approx(moved)
 
 
 @pytest.mark.slow

@@ -398,8 +398,7 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
         # the checkpointed blocks' inputs wait in host RAM (the family states their bytes per latent pixel; none
         # stated: nothing is counted as moved, the safe side on the GPU)
         moved = hints.get("checkpoint_input_bytes", 0) * pixels / m.activations.every / GIB
-        moved = min(moved, e.gpu["activations"])
-        e.gpu["activations"] -= moved
+        e.gpu["activations"] -= min(moved, e.gpu["activations"])  # without activation data: nothing to take from
         e.host["checkpoints (offloaded, pinned)"] = moved
     if hints.get("encode_captions"):
         e.gpu["activations"] += hints.get("text_encoder_activations", 0) * t.batch_size / GIB
