@@ -8,6 +8,7 @@ seeded generator, so a resumed run draws what an uninterrupted one would.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,9 +46,9 @@ def sample_sigmas(
             if flow.timestep_sampling == "mode":
                 u = 1 - u - flow.mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     else:
-        ends = [_inverse(lambda p: _quantile(flow, p), unshift(x, shift)) for x in band]
+        lo, hi = _band_p(flow.timestep_sampling, flow.logit_mean, flow.logit_std, flow.mode_scale, shift, *band)
         p = torch.rand(n, generator=gen, device=device, dtype=torch.float64)
-        u = _quantile(flow, min(ends) + (max(ends) - min(ends)) * p).float()
+        u = _quantile(flow, lo + (hi - lo) * p).float()
     u = u.clamp(1e-5, 1 - 1e-5)
     return shift * u / (1 + (shift - 1) * u)
 
@@ -66,6 +67,15 @@ def _quantile(flow: FlowConfig, p):
     if flow.timestep_sampling == "mode":
         return 1 - p - flow.mode_scale * (torch.cos(math.pi * p / 2) ** 2 - 1 + p)
     return p
+
+
+@functools.lru_cache(maxsize=256)
+def _band_p(sampling: str, mean: float, std: float, scale: float, shift: float, lo: float, hi: float):
+    """The interval of uniform p whose shifted level falls in [lo, hi]: two bisections, kept (a run asks the same
+    every step; Flux's dynamic shift, once per bucket size)."""
+    flow = FlowConfig(timestep_sampling=sampling, logit_mean=mean, logit_std=std, mode_scale=scale)  # type: ignore[arg-type]
+    ends = [_inverse(lambda p: _quantile(flow, p), unshift(x, shift)) for x in (lo, hi)]
+    return min(ends), max(ends)
 
 
 def _inverse(f, y: float) -> float:
