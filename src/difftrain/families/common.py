@@ -190,16 +190,21 @@ def load_diffusers_parts(
     missing_hint: Callable[[str], str],
     quant: Mapping[str, str] | None = None,
     check_first: bool = False,
+    subfolders: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Each part from its subfolder of a diffusers folder, straight to ``device`` (T5 parts in ``quant`` through bitsandbytes).
 
-    A missing subfolder is named as its turn comes, or before anything is read with ``check_first``.
+    A missing subfolder is named as its turn comes, or before anything is read with ``check_first``. ``subfolders``:
+    a part read from another subfolder than its name (a two-expert model's transformer_2/ trained as the transformer).
     """
     quant = quant or {}
 
+    def sub(part: str) -> str:
+        return (subfolders or {}).get(part, part)
+
     def require(part: str) -> None:
-        if not (p / part).is_dir():
-            raise ModelLoadError(f"The diffusers folder {p} has no {part}/ subfolder.", hint=missing_hint(part))
+        if not (p / sub(part)).is_dir():
+            raise ModelLoadError(f"The diffusers folder {p} has no {sub(part)}/ subfolder.", hint=missing_hint(part))
 
     if check_first:
         for part in parts:
@@ -207,10 +212,10 @@ def load_diffusers_parts(
     out = {}
     for part in parts:
         require(part)
-        for f in sorted((p / part).glob("*.safetensors")):
+        for f in sorted((p / sub(part)).glob("*.safetensors")):
             open_safetensors(f).close()  # each file's header checked (and named) before the loaders read it
         if part not in quant and not _MAPPED_READS[0]:
-            read = read_diffusers_model(p / part, classes[part], dtypes[part], device)
+            read = read_diffusers_model(p / sub(part), classes[part], dtypes[part], device, part)
             if read is not None:
                 out[part] = read
                 continue
@@ -222,7 +227,7 @@ def load_diffusers_parts(
             extra["quantization_config"] = bnb_config(quant[part], dtypes[part])
         try:
             out[part] = classes[part].from_pretrained(
-                p, subfolder=part, torch_dtype=dtypes[part], local_files_only=True, **extra
+                p, subfolder=sub(part), torch_dtype=dtypes[part], local_files_only=True, **extra
             )
         except OSError as e:
             raise ModelLoadError(f"Could not load {part} from {p}: {e}") from None
@@ -339,6 +344,28 @@ def assign_state_dict(
     except RuntimeError as e:  # shape mismatches
         raise mismatch(str(e).splitlines()[-1].strip()) from None
     streaming.check_complete(module, missing, unexpected, mismatch)
+
+
+def check_file_fits(
+    module: torch.nn.Module, names: Iterable[str], shape: Callable[[str], Any], mismatch: Callable[[str], Exception]
+) -> None:
+    """A file's tensors (by their names in the module, each file shape read by ``shape``) against a module built on
+    the meta device, before a byte of weights is read: the same names, each of the module's shape; ``mismatch(what)``
+    raised naming the first difference."""
+    expected = {k: tuple(t.shape) for k, t in module.state_dict().items()}
+    names = list(names)
+    missing, unexpected = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+    if missing or unexpected:
+        raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
+    wrong = [f"{k}: {shape(k)} in the file, {expected[k]} in the config" for k in names if shape(k) != expected[k]]
+    if wrong:
+        raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
+
+
+def clean_diffusers_config(cfg: dict) -> dict:
+    """A diffusers model config without its bookkeeping keys (``_diffusers_version``, ``_name_or_path`` ...), its
+    ``_class_name`` kept: what a saved part's config.json holds."""
+    return {k: v for k, v in cfg.items() if not k.startswith("_") or k == "_class_name"}
 
 
 def offline_clip_tokenizers() -> Path:
@@ -539,6 +566,30 @@ def t5_tokenizer_folder(kind: str, p: Path, mcfg: ModelConfig) -> Path | None:
         return None
     base = Path(mcfg.tokenizer_path).expanduser()
     return base / "tokenizer" if (base / "tokenizer").is_dir() else base
+
+
+def load_t5_tokenizer(
+    kind: str, p: Path, mcfg: ModelConfig, family: str, name: str, files: str, read_hint: str | None = None
+):
+    """A T5-conditioned family's tokenizer (CogVideoX's T5, Wan's UMT5) from ``t5_tokenizer_folder``, each way it can
+    be missing or unreadable named; ``name`` the encoder ("T5"), ``files`` what a diffusers tokenizer/ holds."""
+    from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
+
+    folder = t5_tokenizer_folder(kind, p, mcfg)
+    if folder is None:
+        raise ModelLoadError(
+            f"A single-file {family} transformer carries no {name} tokenizer, and {name}'s vocabulary cannot be built "
+            "offline.",
+            hint=f"Set model.tokenizer_path to a {family} diffusers folder (or its tokenizer/ folder).",
+        )
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"No {name} tokenizer folder at {folder}.", hint=f"A {family} diffusers folder holds tokenizer/ ({files})."
+        )
+    try:
+        return T5TokenizerFast.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 (tokenizers and the sentencepiece converter raise their own types)
+        raise ModelLoadError(f"Could not read the {name} tokenizer in {folder}: {e}", hint=read_hint) from None
 
 
 def save_t5_video_folder(

@@ -294,27 +294,11 @@ class CogVideoX(ModelFamily):
         return CogVideoXDPMScheduler.from_config(self.scheduler_config(mcfg))
 
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
-        from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
-
-        folder = common.t5_tokenizer_folder(kind, p, mcfg)
-        if folder is None:
-            raise ModelLoadError(
-                "A single-file CogVideoX transformer carries no T5 tokenizer, and T5's vocabulary cannot be built offline.",
-                hint="Set model.tokenizer_path to a CogVideoX diffusers folder (or its tokenizer/ folder).",
-            )
-        if not folder.is_dir():
-            raise ModelLoadError(
-                f"No T5 tokenizer folder at {folder}.",
-                hint="A CogVideoX diffusers folder holds tokenizer/ (T5's spiece.model or tokenizer.json).",
-            )
-        try:
-            return T5TokenizerFast.from_pretrained(folder)
-        except Exception as e:  # noqa: BLE001 (tokenizers and the sentencepiece converter raise their own types)
-            raise ModelLoadError(
-                f"Could not read the T5 tokenizer in {folder}: {e}",
-                hint="CogVideoX downloads ship T5's spiece.model only; converting it needs "
-                "`pip install sentencepiece protobuf` (once: save_pretrained writes a tokenizer.json).",
-            ) from None
+        return common.load_t5_tokenizer(
+            kind, p, mcfg, "CogVideoX", "T5", "T5's spiece.model or tokenizer.json",
+            read_hint="CogVideoX downloads ship T5's spiece.model only; converting it needs "
+            "`pip install sentencepiece protobuf` (once: save_pretrained writes a tokenizer.json).",
+        )  # fmt: skip
 
     # ------------------------------------------------------------ loading
     def load(
@@ -464,14 +448,7 @@ class CogVideoX(ModelFamily):
         # of the 2b is a non-persistent buffer the constructor computes, so it is built for real
         with init_empty_weights(include_buffers=bool(config.get("use_learned_positional_embeddings"))):
             module = _new_module("transformer", config)
-        expected = {k: tuple(t.shape) for k, t in module.state_dict().items()}
-        missing = sorted(set(expected) - set(keys))
-        unexpected = sorted(set(keys) - set(expected))
-        if missing or unexpected:  # named before a byte of weights is read
-            raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
-        wrong = [f"{k}: {shape(k)} in the file, {expected[k]} in the config" for k in keys if shape(k) != expected[k]]
-        if wrong:
-            raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
+        common.check_file_fits(module, keys, shape, mismatch)  # named before a byte of weights is read
         # one tensor at a time from the file: gathered, or each sent where the trainer's placement says
         tensors = ((k, get(k).to(device=device, dtype=dtype)) for k in keys)
         streaming.fill(module, "transformer", tensors, mismatch, common.assign_state_dict)
@@ -481,10 +458,6 @@ class CogVideoX(ModelFamily):
     @staticmethod
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
         return common.module_configs(comps, PARTS)
-
-    @staticmethod
-    def _clean_diffusers_config(cfg: dict) -> dict:
-        return {k: v for k, v in cfg.items() if not k.startswith("_") or k == "_class_name"}
 
     def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
         """What a single-file export holds: the transformer (the VAE and T5 never change in fine-tuning)."""
@@ -504,7 +477,7 @@ class CogVideoX(ModelFamily):
         """
         if "transformer" not in sds:
             raise CheckpointError("A CogVideoX single file holds the transformer, and none was given.")
-        cfg = self._clean_diffusers_config(dict(configs["transformer"]))
+        cfg = common.clean_diffusers_config(dict(configs["transformer"]))
         cfg.setdefault("_class_name", "CogVideoXTransformer3DModel")
         name = config_name_of(cfg) or ""
         meta = {
@@ -519,7 +492,7 @@ class CogVideoX(ModelFamily):
     @staticmethod
     def _write_part(tmp: Path, part: str, sd: dict, cfg: dict, dtype: torch.dtype | None) -> None:
         if part != "text_encoder":
-            cfg = CogVideoX._clean_diffusers_config(cfg)
+            cfg = common.clean_diffusers_config(cfg)
         common.write_part(tmp, part, sd, cfg, dtype, SAVE_AS[part])
 
     def save_diffusers(

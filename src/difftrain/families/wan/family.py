@@ -227,13 +227,11 @@ class Wan(ModelFamily):
                 hint="Remove model.expert (it is for Wan2.2 A14B's two experts).",
             )
 
-    def _two_experts(self, mcfg: ModelConfig) -> tuple[bool, Path]:
-        """Whether the model is a two-expert one, and the folder whose model_index.json says its boundary."""
+    def _index_folder(self, mcfg: ModelConfig) -> Path:
+        """The folder whose model_index.json describes the model (a two-expert one's boundary): the diffusers
+        source, else the bundled architecture."""
         kind, p = self._source(mcfg)
-        if kind == "diffusers":
-            return (p / "transformer_2").is_dir(), p
-        bundled = self.config_dir(self._arch(mcfg))
-        return (bundled / "transformer_2").is_dir(), bundled
+        return p if kind == "diffusers" else self.config_dir(self._arch(mcfg))
 
     def _expert_folder(self, mcfg: ModelConfig, part: str) -> str:
         """The subfolder ``part`` is read from: the chosen expert's, for a two-expert model's transformer."""
@@ -244,7 +242,7 @@ class Wan(ModelFamily):
         being the model's ``boundary_ratio`` (0.875 for T2V-A14B) on the shifted scale, as WanPipeline switches."""
         if mcfg.expert is None:
             return None
-        _, folder = self._two_experts(mcfg)
+        folder = self._index_folder(mcfg)
         index = folder / "model_index.json"
         boundary = _read_json(index).get("boundary_ratio") if index.exists() else None
         if boundary is None:
@@ -286,23 +284,7 @@ class Wan(ModelFamily):
         )
 
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
-        from transformers import T5TokenizerFast  # type: ignore[attr-defined]  # v5: an untyped alias
-
-        folder = common.t5_tokenizer_folder(kind, p, mcfg)
-        if folder is None:
-            raise ModelLoadError(
-                "A single-file Wan transformer carries no UMT5 tokenizer, and UMT5's vocabulary cannot be built offline.",
-                hint="Set model.tokenizer_path to a Wan diffusers folder (or its tokenizer/ folder).",
-            )
-        if not folder.is_dir():
-            raise ModelLoadError(
-                f"No UMT5 tokenizer folder at {folder}.",
-                hint="A Wan diffusers folder holds tokenizer/ (UMT5's spiece.model and tokenizer.json).",
-            )
-        try:
-            return T5TokenizerFast.from_pretrained(folder)
-        except Exception as e:  # noqa: BLE001 (tokenizers and the sentencepiece converter raise their own types)
-            raise ModelLoadError(f"Could not read the UMT5 tokenizer in {folder}: {e}") from None
+        return common.load_t5_tokenizer(kind, p, mcfg, "Wan", "UMT5", "UMT5's spiece.model and tokenizer.json")
 
     # ------------------------------------------------------------ loading
     def load(
@@ -349,24 +331,10 @@ class Wan(ModelFamily):
         from transformers import UMT5EncoderModel
 
         classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel}
-        sub = self._expert_folder(mcfg, "transformer")
-        if "transformer" in parts and sub != "transformer":  # the low-noise expert, trained as the transformer
-            others = [part for part in parts if part != "transformer"]
-            comps = common.load_diffusers_parts(
-                p, others, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True
-            )
-            common.require_subfolder(p, sub, "Wan 2.2 A14B")
-            model = common.read_diffusers_model(
-                p / sub, WanTransformer3DModel, dtypes["transformer"], device, "transformer"
-            )
-            if model is None:
-                model = WanTransformer3DModel.from_pretrained(
-                    p, subfolder=sub, torch_dtype=dtypes["transformer"], local_files_only=True
-                )
-            return {"transformer": model, **comps}
         return common.load_diffusers_parts(
-            p, parts, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True
-        )
+            p, parts, classes, dtypes, device, lambda part: "Is it a complete Wan folder?", quant, check_first=True,
+            subfolders={"transformer": self._expert_folder(mcfg, "transformer")},
+        )  # fmt: skip
 
     def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
         """model.ae (the VAE) / model.t5xxl (UMT5) as files of their own, over a folder's part too; checked."""
@@ -388,12 +356,13 @@ class Wan(ModelFamily):
             )
         return f
 
-    def _part_config(self, mcfg: ModelConfig, part: str) -> dict:
-        """A part's architecture config: a diffusers source folder's, else the bundled architecture's."""
-        kind, p = self._source(mcfg)
-        f = p / part / "config.json"
+    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        """A part's architecture config: a diffusers source folder's, else the bundled architecture's (also with no
+        model.path: the architecture alone)."""
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
+        f = p / part / "config.json" if kind == "diffusers" and p is not None else None
         return _read_json(
-            f if kind == "diffusers" and f.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
+            f if f is not None and f.exists() else self.config_dir(self._arch(mcfg)) / part / "config.json"
         )
 
     def _load_part_file(
@@ -407,7 +376,7 @@ class Wan(ModelFamily):
         keys, get, _, _ = common.open_checkpoint("single", f)
         option = f"model.{FILE_OPTION[part]}"
         weights, read = scaled_fp8(keys, get)
-        cfg = self._part_config(mcfg, part)
+        cfg = self.part_config(mcfg, part)
 
         def mismatch(what: str) -> ModelLoadError:
             return ModelLoadError(
@@ -428,37 +397,25 @@ class Wan(ModelFamily):
                 sd = convert_wan_vae_to_diffusers({k: read(k) for k in weights})
             else:
                 sd = {k: read(k) for k in weights}
-            sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-            with init_empty_weights(include_buffers=False):
-                module = _new_module("vae", cfg)
-            common.assign_state_dict(module, sd, mismatch)
-            return module.requires_grad_(False).eval()
-        if not any(k.startswith("encoder.block.") for k in weights):
-            raise mismatch("it has no encoder.block.N tensors (transformers' UMT5 names).")
-        sd = {k: read(k) for k in weights}
-        if "encoder.embed_tokens.weight" not in sd and "shared.weight" in sd:
-            sd["encoder.embed_tokens.weight"] = sd["shared.weight"]  # tied in the model, stored once in the file
-        if quant is not None:
-            from transformers import UMT5Config, UMT5EncoderModel
+        else:
+            if not any(k.startswith("encoder.block.") for k in weights):
+                raise mismatch("it has no encoder.block.N tensors (transformers' UMT5 names).")
+            sd = {k: read(k) for k in weights}
+            if "encoder.embed_tokens.weight" not in sd and "shared.weight" in sd:
+                sd["encoder.embed_tokens.weight"] = sd["shared.weight"]  # tied in the model, stored once in the file
+            if quant is not None:
+                from transformers import UMT5Config, UMT5EncoderModel
 
-            return common.quantized_t5_from_state_dict(
-                sd, cfg, quant, dtype, device, config_cls=UMT5Config, model_cls=UMT5EncoderModel
-            )
+                return common.quantized_t5_from_state_dict(
+                    sd, cfg, quant, dtype, device, config_cls=UMT5Config, model_cls=UMT5EncoderModel
+                )
         with init_empty_weights(include_buffers=False):
-            module = _new_module("text_encoder", cfg)
-        sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-        common.assign_state_dict(module, sd, mismatch)
+            module = _new_module(part, cfg)
+        common.assign_state_dict(module, {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}, mismatch)
         return module.requires_grad_(False).eval()
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", None)
-        folder = p / part / "config.json" if kind == "diffusers" and p is not None else None
-        cfg_file = (
-            folder
-            if folder is not None and folder.exists()
-            else self.config_dir(self._arch(mcfg)) / part / "config.json"
-        )
-        return _new_module(part, _read_json(cfg_file))
+        return _new_module(part, self.part_config(mcfg, part))
 
     @staticmethod
     def _guess_config(names: set[str], shape) -> str | None:
@@ -530,15 +487,7 @@ class Wan(ModelFamily):
         self._check_trainable(config, f"model.config {arch}")
         with init_empty_weights(include_buffers=False):
             module = _new_module("transformer", config)
-        expected = {k: tuple(t.shape) for k, t in module.state_dict().items()}
-        missing, unexpected = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-        if missing or unexpected:  # named before a byte of weights is read
-            raise mismatch(f"missing {missing[:3]}, unexpected {unexpected[:3]}.")
-        wrong = [
-            f"{k}: {dshape(k)} in the file, {expected[k]} in the config" for k in names if dshape(k) != expected[k]
-        ]
-        if wrong:
-            raise mismatch(f"{wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "") + ".")
+        common.check_file_fits(module, names, dshape, mismatch)  # named before a byte of weights is read
         keep32 = type(module)._keep_in_fp32_modules or []
 
         def tensors():
@@ -569,10 +518,6 @@ class Wan(ModelFamily):
     def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
         return common.module_configs(comps, PARTS)
 
-    @staticmethod
-    def _clean_diffusers_config(cfg: dict) -> dict:
-        return {k: v for k, v in cfg.items() if not k.startswith("_") or k == "_class_name"}
-
     def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
         """What a single-file export holds: the transformer (the VAE and UMT5 are files of their own in ComfyUI's
         layout and never change in fine-tuning)."""
@@ -586,7 +531,7 @@ class Wan(ModelFamily):
         atomically."""
         if "transformer" not in sds:
             raise CheckpointError("A Wan single file holds the transformer, and none was given.")
-        cfg = self._clean_diffusers_config(dict(configs["transformer"]))
+        cfg = common.clean_diffusers_config(dict(configs["transformer"]))
         cfg.setdefault("_class_name", "WanTransformer3DModel")
         name = config_name_of(cfg) or ""
         sd = {}
@@ -607,7 +552,7 @@ class Wan(ModelFamily):
     @staticmethod
     def _write_part(tmp: Path, part: str, sd: dict, cfg: dict, dtype: torch.dtype | None) -> None:
         if part != "text_encoder":
-            cfg = Wan._clean_diffusers_config(cfg)
+            cfg = common.clean_diffusers_config(cfg)
         common.write_part(tmp, part, sd, cfg, dtype, SAVE_AS[part])
 
     def save_diffusers(

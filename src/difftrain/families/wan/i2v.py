@@ -55,16 +55,9 @@ class WanI2V(Wan):
                 hint="Set family: wan for it, or give Wan2.1-I2V-14B / Wan2.2-I2V-A14B.",
             )
 
-    def _transformer_config(self, mcfg: ModelConfig) -> dict:
-        kind, p = self._source(mcfg)
-        f = p / "transformer" / "config.json"
-        if kind == "diffusers" and f.exists():
-            return _read_json(f)
-        return _read_json(self.config_dir(self._arch(mcfg)) / "transformer" / "config.json")
-
     def clip(self, mcfg: ModelConfig) -> bool:
         """The model reads CLIP image states (Wan2.1 I2V)."""
-        return _has_clip(self._transformer_config(mcfg))
+        return _has_clip(self.part_config(mcfg, "transformer"))
 
     # ------------------------------------------------------------ loading: CLIP with the VAE
     def load(
