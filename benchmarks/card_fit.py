@@ -11,7 +11,7 @@ touches CUDA: its context would count as the children's.
 
 ``--variants`` adds runs of a recipe with overrides, e.g. benchmarks/card_fit_variants.json: a list of
 {"label", "recipe", "card", "sets": [...], "env": {...}} (how the recipes that did not fit were chosen).
-``--eager`` adds the plain diffusers+peft SDXL LoRA loop (memory_tiers.py's E-lora: bf16 UNet on the GPU,
+``--only a,b`` keeps the runs whose label contains one of the fragments. ``--eager`` adds the plain diffusers+peft SDXL LoRA loop (memory_tiers.py's E-lora: bf16 UNet on the GPU,
 checkpointing, no cap) for scale. Writes three files (the device tool brings back a few only): $OUT/card_fit.json
 (the overhead and each run's figures from bench memory), $OUT/failures.log (the end of the output of each run that
 did not finish) and $OUT/card_fit.md (the table, also printed last).
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540, help="seconds: no recipe is started after this")
     ap.add_argument("--variants", type=Path, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated label fragments: run only the variants naming one")
     args = ap.parse_args()
     runs = [
         {"label": n, "recipe": n, "card": _tier(n), "sets": [], "env": {}}
@@ -139,6 +140,8 @@ def main() -> None:
     ]
     if args.variants:
         runs += json.loads(args.variants.read_text())
+    if args.only:
+        runs = [r for r in runs if any(k in r["label"] for k in args.only.split(","))]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", OVERHEAD], capture_output=True, text=True)

@@ -50,13 +50,11 @@ def test_a_wan_transformer_with_offloaded_checkpoints_gets_the_lora_gradients_of
 
     fam = Wan()
     base = fam.load(ModelConfig(path=fam.build_tiny(tmp_path / "m")), ["transformer"])["transformer"]
-    from difftrain.memory.plan import split_checkpoints
-
     results = []
     for func, split in ((None, False), (offloaded_checkpoint, False), (offloaded_checkpoint, True), (None, True)):
         m = copy.deepcopy(base)
         if split:
-            assert split_checkpoints(list(m.blocks), fam.checkpoint_parts) == 6
+            assert fam.split_blocks(list(m.blocks)) == 2
         torch.manual_seed(0)
         m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "ffn.net.2"], init_lora_weights="gaussian"))
         m.enable_gradient_checkpointing(func)
@@ -75,16 +73,16 @@ def test_a_wan_transformer_with_offloaded_checkpoints_gets_the_lora_gradients_of
         assert all(torch.equal(g1[k], g2[k]) for k in g1)
 
 
-def test_split_checkpoints_leave_a_recomputed_wan_block_a_fraction_of_its_saved_tensors():
-    """What a block saves for backward (beyond its weights), counted by torch's saved-tensor hooks: with its
-    attentions and feed-forward checkpointed apart, only their inputs and the work between them (the 1.3B's
-    widths, LoRA r32 on every Linear; measured 32.2 block inputs' worth whole, 7.3 split)."""
+def test_segments_leave_a_recomputed_wan_block_only_their_inputs_saved():
+    """What a block saves for backward outside its checkpoints (beyond its weights), counted by torch's saved-tensor
+    hooks: whole (the 1.3B's widths, LoRA r32 on every Linear), some 32 block inputs' worth; as memory.activations.split
+    runs it, only the segments' inputs (the block input, the two attentions' outputs and the text: four inputs' worth),
+    the rest recomputed in backward one segment at a time."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
     from difftrain.families.common import configs_root, read_json
     from difftrain.families.wan import Wan
-    from difftrain.memory.plan import split_checkpoints
 
     cfg = read_json(configs_root() / "wan2.1-t2v-1.3b" / "transformer" / "config.json")
     m = WanTransformer3DModel.from_config({**cfg, "num_layers": 1}).to(torch.bfloat16).requires_grad_(False)
@@ -111,9 +109,9 @@ def test_split_checkpoints_leave_a_recomputed_wan_block_a_fraction_of_its_saved_
         return sum(seen.values()) / (tokens * d * 2)
 
     whole = saved()
-    split_checkpoints(list(m.blocks), Wan.checkpoint_parts)
-    parts = saved()
-    assert whole > 25 and parts < 0.3 * whole, (whole, parts)
+    assert Wan().split_blocks(list(m.blocks)) == 1
+    segments = saved()
+    assert whole > 25 and 3.9 < segments < 4.1, (whole, segments)
 
 
 def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):

@@ -53,9 +53,6 @@ class ModelFamily(ABC):
     trainable_text_encoders: ClassVar[tuple[str, ...]]  # what train_text_encoders / full.train_text_encoder_N train
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]]  # per part: layers kept out of fp8/nf4/int8
     repeated_blocks: ClassVar[tuple[str, ...]]  # class names of the denoiser blocks speed.compile compiles one by one
-    #: submodules of each block (swap_blocks) that memory.activations.split checkpoints apart (attentions,
-    #: feed-forward); empty: the family has not named them, split does nothing
-    checkpoint_parts: ClassVar[tuple[str, ...]] = ()
     #: speed auto's estimate (difftrain.speed.CompileCost's fields): the first step's compile time, cold and from a
     #: warm cache, and the seconds a step saves compiled with and without CUDA graphs, measured on an H100
     compile_cost: ClassVar[Mapping[str, float]]
@@ -222,6 +219,12 @@ class ModelFamily(ABC):
     @abstractmethod
     def swap_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The denoiser's repeated blocks, in forward order: what block swap may keep in host memory."""
+
+    def split_blocks(self, blocks: list[torch.nn.Module]) -> int:
+        """memory.activations.split: each block's forward as checkpointed segments (its attentions and feed-forward
+        with the norms and residuals around them), so a block recomputed in backward holds one segment's tensors at
+        a time; returns how many blocks took it (0: the family has no segmented forward, split does nothing)."""
+        return 0
 
     @abstractmethod
     def memory_hints(

@@ -109,29 +109,6 @@ def apply_offload(
     )
 
 
-def split_checkpoints(blocks: list[torch.nn.Module], parts: tuple[str, ...]) -> int:
-    """memory.activations.split: each named submodule of each block checkpointed on its own (torch's non-reentrant
-    checkpoint, nested in the block's), so a block recomputed in backward keeps only the parts' inputs and the
-    elementwise work between them, and one part's tensors at a time. Returns how many were wrapped."""
-    from torch.utils.checkpoint import checkpoint
-
-    n = 0
-    for block in blocks:
-        for name in parts:
-            sub = getattr(block, name, None)
-            if not isinstance(sub, torch.nn.Module):
-                continue
-
-            def forward(*args, _inner=sub.forward, **kwargs):
-                if not torch.is_grad_enabled():
-                    return _inner(*args, **kwargs)
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-            sub.forward = forward
-            n += 1
-    return n
-
-
 def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
     """Gradient checkpointing through the module's own switch (diffusers or transformers); with ``offload``, a
     diffusers model's checkpoints wait in host RAM (transformers' text encoders checkpoint as usual).

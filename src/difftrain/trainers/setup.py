@@ -36,7 +36,6 @@ from ..memory.plan import (
     apply_weights_before_adapters,
     load_device,
     make_optimizer,
-    split_checkpoints,
     weights_dtype,
 )
 from ..runtime import distributed as dist_
@@ -143,11 +142,12 @@ def _activations(b: Build, part: str, module: torch.nn.Module) -> None:
         apply_activations(b.cfg.memory, module)
     act = b.cfg.memory.activations
     if part == b.family.denoiser and act.kind == "checkpoint" and act.split:
-        n = split_checkpoints(b.family.swap_blocks(module), b.family.checkpoint_parts)
-        if n:
-            info(f"memory.activations.split: {n} attentions and feed-forwards of {part} checkpointed apart")
+        if n := b.family.split_blocks(b.family.swap_blocks(module)):
+            info(f"memory.activations.split: {n} blocks of {part} run as checkpointed segments")
         else:
-            warn(f"memory.activations.split: {b.family.name} names no parts of its blocks to checkpoint apart")
+            warn(
+                f"memory.activations.split: {b.family.name} has no segmented forward for its blocks; split does nothing"
+            )
 
 
 def _swapped(b: Build, part: str) -> bool:

@@ -108,9 +108,10 @@ class ActCheckpoint(Strict):
     )
     split: bool = Field(
         default=False,
-        description="also checkpoint each block's attentions and feed-forward apart (the family names them), so a "
-        "block recomputed in backward holds one part's tensors at a time: less memory at long token counts "
-        "(video), the parts computed once more",
+        description="also run each block as checkpointed segments (its attentions and feed-forward with the norms "
+        "and residuals around them, the feed-forward over token chunks; families that have one: Wan), so a block "
+        "recomputed in backward holds one segment's tensors at a time: less memory at long token counts (video), "
+        "the segments computed once more",
     )
 
 

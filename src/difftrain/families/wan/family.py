@@ -141,9 +141,6 @@ class Wan(ModelFamily):
     parts: ClassVar[tuple[str, ...]] = PARTS
     objective = "flow"
     repeated_blocks = ("WanTransformerBlock",)
-    #: memory.activations.split: a block's self-attention, cross-attention and feed-forward checkpointed apart (at
-    #: 81 frames of 480x832 a recomputed block holds 4.3 GiB for the 1.3B, 12.4 for the 14B: docs/benchmarks.md)
-    checkpoint_parts = ("attn1", "attn2", "ffn")
     # not measured on Wan yet: CogVideoX's figures (a video DiT of similar block count and width) until they are
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 22.0,
@@ -720,6 +717,13 @@ class Wan(ModelFamily):
 
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.blocks)
+
+    def split_blocks(self, blocks: list[torch.nn.Module]) -> int:
+        """memory.activations.split: each block as checkpointed segments, the feed-forward over token chunks (at
+        81 frames of 480x832 a recomputed block held 4.3 GiB for the 1.3B, 12.1 for the 14B: docs/benchmarks.md)."""
+        from .segments import split_blocks
+
+        return split_blocks(blocks)
 
     # ------------------------------------------------------------ memory hints (plain numbers)
     def memory_hints(
