@@ -49,6 +49,8 @@ ORDER = [
     "flux-lora-16gb",
     "flux-lora-24gb",
     "flux-full-24gb",
+    "wan-1.3b-lora-8gb",
+    "wan-1.3b-full-24gb",
 ]
 
 OVERHEAD = """

@@ -156,3 +156,52 @@ def test_tiny_wan_trains_alike_with_offloaded_and_split_checkpoints(_dataset_mas
         precompute(cfg)
         losses.append(train(cfg).losses)
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
+
+
+class _Pins:
+    """A stand-in for pinned slabs on the CPU: counts what was made and given back."""
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+        self.freed = 0
+
+    def __call__(self, nbytes):
+        self.made.append(nbytes)
+
+        def free():
+            self.freed += 1
+
+        return torch.empty(nbytes, dtype=torch.uint8), free
+
+
+def test_the_host_arena_copies_exactly_shares_repeated_tensors_and_regroups_into_one_slab():
+    from difftrain.memory.activation_offload import ALIGN, HostArena
+
+    pins = _Pins()
+    a = HostArena(pin=pins)
+    g = torch.Generator().manual_seed(0)
+    big = [torch.randn(1000, 33, generator=g).to(torch.bfloat16) for _ in range(3)]  # 66 000 bytes each
+    table = torch.randn(64, 17, generator=g)  # given to every block, as Wan's rotary tables
+    held = []
+    for x in big:
+        held += [a.store(x), a.store(table)]
+    assert all(torch.equal(h, x) for h, x in zip(held[::2], big)) and torch.equal(held[1], table)
+    assert held[1] is held[3] is held[5]  # one copy of the shared table
+    rounded = lambda n: -(-n // ALIGN) * ALIGN
+    first = [rounded(66_000), rounded(64 * 17 * 4), rounded(66_000), rounded(66_000)]
+    assert pins.made == first and a.live == 4  # a slab of each copy's exact size, the first round
+    del held
+    assert a.live == 0 and a.high == sum(first)  # every copy released: a new round
+    table.add_(1.0)  # changed in place: copied again, not the old copy reused
+    again = [a.store(big[0]), a.store(table), a.store(big[1]), a.store(table), a.store(big[2])]
+    assert pins.freed == 4 and pins.made[4:] == [sum(first)]  # the four slabs gave way to one of the round's size
+    assert torch.equal(again[1], table) and a.held_bytes == sum(first)
+    assert all((h.data_ptr() - again[0].data_ptr()) % ALIGN == 0 for h in again)  # aligned views of one slab
+    del again
+    larger = torch.zeros(3000, 33, dtype=torch.bfloat16)  # a bucket that needs more: exact slabs, then one of all
+    more = [a.store(larger), a.store(big[0]), a.store(big[1])]
+    assert pins.made[5:] == [rounded(66_000)] * 2 and a.regroup
+    del more
+    kept = a.store(larger)
+    assert pins.made[-1] == rounded(198_000) + 2 * rounded(66_000) and a.held_bytes == pins.made[-1]
+    assert torch.equal(kept, larger)

@@ -76,7 +76,7 @@ def list_(
         rows.append((name, fam, tier, m))
     inf = float("inf")
     if sort == "speed":  # the shipped figure; recipes without one after, by their eager one; CPU recipes last
-        rows.sort(key=lambda r: (r[3].get("shipped") is None, (r[3].get("shipped") or r[3]).get("s_per_step", inf)))
+        rows.sort(key=lambda r: (r[3].get("shipped") is None, (r[3].get("shipped") or r[3]).get("s_per_step") or inf))
     elif sort == "vram":
         rows.sort(key=lambda r: (r[3].get("gpu_reserved_gib", inf), r[0]))
     elif sort == "ram":
@@ -95,7 +95,7 @@ def list_(
             f"{tier:g}" if tier else "CPU",
             gib(m.get("gpu_reserved_gib")),
             gib(m.get("host_rss_gib")),
-            f"{m['s_per_step']:.2f}" if m else "-",
+            f"{m['s_per_step']:.2f}" if m and m.get("s_per_step") is not None else "-",
             fast,
             f"{first:.0f} s" if first is not None else "-",
         )

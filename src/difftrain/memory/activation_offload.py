@@ -19,20 +19,157 @@ calls ``func(block, *args)`` for each checkpointed block.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-#: inputs smaller than this stay where they are (the timestep embedding, the text, rotary tables are small)
+from ..console import warn
+
+#: inputs smaller than this stay where they are (the timestep embedding is small)
 MIN_OFFLOAD_BYTES = 1 << 20
+ALIGN = 512  # every host copy starts on this boundary (any dtype; the copy engines like aligned rows)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _pin_exact(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """``nbytes`` of page-locked host memory and how to give it back. torch's pinned allocator rounds every buffer up
+    to a power of two (a 14B block's 320 MiB input would take 512 MiB: 20 GiB for 40 blocks where 12.5 are used), and
+    keeps what is freed for reuse; so on Linux the slab is ordinary memory registered with the driver, exactly its
+    size, and returned to the system when the arena lets it go. Elsewhere (Windows limits what a process may pin;
+    pinned.py) and where registering fails, torch's pinned allocator (rounded) is used."""
+    if sys.platform == "linux":
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0:
+            ptr = buf.data_ptr()
+            return buf, lambda: cudart.cudaHostUnregister(ptr)
+        _clear_cuda_error()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
+
+
+def _clear_cuda_error() -> None:
+    """A refused cudaHostRegister leaves its error as the runtime's last one, which torch would report at its next
+    kernel launch: read it once so it is cleared (best effort, through the libcudart torch loaded)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        with open("/proc/self/maps") as f:
+            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+        if path:
+            ctypes.CDLL(path).cudaGetLastError()
+
+
+class HostArena:
+    """Host memory for the offloaded checkpoints, reused step after step.
+
+    The forward takes copies in order (views into slabs); when the last of them is released (each block's backward
+    drops its own), the arena starts over at the first slab. A round that needed more than one slab is followed by
+    one slab of the whole round's size, made at the next round's first copy (after the GPU finished reading the old
+    ones), so a steady run holds one slab of exactly the most a step offloaded. A tensor given to several blocks in
+    one round (Wan's rotary tables and text) is copied once. ``pin`` makes a slab (tests on CPU pass a stand-in).
+    """
+
+    def __init__(self, pin: Callable[[int], tuple[torch.Tensor, Callable[[], None]]] = _pin_exact) -> None:
+        self.pin = pin
+        self.slabs: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        self.slab = 0  # the slab copies are taken from, and where in it
+        self.offset = 0
+        self.used = 0  # bytes taken this round, and the most a round took
+        self.high = 0
+        self.live = 0  # copies not yet released
+        self.regroup = False
+        self.shared: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        self.lock = threading.Lock()  # backward (which releases) runs on autograd's thread
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(int(b.numel()) for b, _ in self.slabs)
+
+    def store(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (copied on the current stream, not waited for)."""
+        with self.lock:
+            hit = self.shared.get(id(t))
+            if hit is not None:
+                src, version, held = hit
+                host = held()
+                if src() is t and t._version == version and host is not None:
+                    return host
+            if self.regroup:
+                self._regroup()
+            n = t.numel() * t.element_size()
+            raw = self._take(n)
+            self.live += 1
+        host = raw[:n].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        weakref.finalize(host, self._release)
+        with self.lock:
+            self.shared[id(t)] = (weakref.ref(t), t._version, weakref.ref(host))
+        return host
+
+    def _take(self, n: int) -> torch.Tensor:
+        a = _align(n)
+        while self.slab < len(self.slabs):
+            buf = self.slabs[self.slab][0]
+            if self.offset + a <= buf.numel():
+                view = buf[self.offset : self.offset + a]
+                self.offset += a
+                self.used += a
+                return view
+            self.slab, self.offset = self.slab + 1, 0
+        if self.slabs:
+            self.regroup = True  # this round outgrew the slabs: one slab of its size next round
+        size = max(a, self.high - self.used) if not self.slabs else a
+        self.slabs.append(self.pin(size))
+        self.slab, self.offset = len(self.slabs) - 1, a
+        self.used += a
+        return self.slabs[-1][0][:a]
+
+    def _release(self) -> None:
+        with self.lock:
+            self.live -= 1
+            if self.live == 0:
+                self.high = max(self.high, self.used)
+                self.slab = self.offset = self.used = 0
+                self.shared.clear()
+
+    def _regroup(self) -> None:
+        """The previous round's slabs replaced by one of its size (nothing of theirs is live: a new round)."""
+        if self.live or self.slab or self.offset:
+            return  # only at a round's first copy
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the last backward's copies out of the old slabs are done
+        for _, free in self.slabs:
+            free()
+        self.slabs = []
+        self.regroup = False
+
+
+_ARENA: HostArena | None = None
+
+
+def arena() -> HostArena:
+    global _ARENA
+    if _ARENA is None:
+        _ARENA = HostArena()
+    return _ARENA
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
         return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+    try:
+        return arena().store(t)
+    except RuntimeError as e:  # the driver refused: pageable memory (correct, the copies wait)
+        warn(f"memory.activations.offload: host memory could not be pinned ({str(e).splitlines()[0]})")
+        return t.to("cpu")
 
 
 class _Offloaded(torch.autograd.Function):

@@ -377,6 +377,8 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
     m, t = cfg.memory, cfg.train
     act = hints["activations"]
     mode = "none" if m.activations.kind == "none" else "checkpoint"
+    if m.activations.kind == "checkpoint" and m.activations.split and "checkpoint_split" in act:
+        mode = "checkpoint_split"  # blocks recomputed as segments (measured apart where the family has them)
     if mode not in act:
         e.notes.append(f"no activation measurement for this architecture ({mode}); activations not counted")
         per_pixel = 0.0
