@@ -411,3 +411,33 @@ def test_a_full_export_is_a_folder_wan_pipeline_loads_and_random_folders_load(ti
     folder = fam.build_random("wan-tiny", tmp_path / "random", seed=1, parts=["transformer", "vae"])
     got = fam.load(_mcfg(folder), ["transformer", "vae"])
     assert set(got) == {"transformer", "vae"} and not (folder / "text_encoder").exists()
+
+
+def test_the_wan22_vae_file_in_wans_names_loads_as_the_ti2v_folders_vae(tmp_path):
+    """model.ae=wan2.2_vae.safetensors (Wan's own names, as ComfyUI has it) for TI2V-5B: the folder's VAE, tensor
+    for tensor, and the same latents; the 2.1 VAE's file given to TI2V (and the 2.2 one to a 2.1 model) is refused
+    by name."""
+    from safetensors.torch import save_file
+
+    from difftrain.families.wan import single_file as sf
+
+    fam = Wan()
+    model = fam.build_tiny(tmp_path / "ti2v", config="wan-tiny-ti2v")
+    ref = fam.load(_mcfg(model), ["transformer", "vae"])
+    vae_sd = _sd(ref["vae"])
+    n_res = ref["vae"].config.num_res_blocks
+    save_file({sf.vae22_to_original(k, n_res): v for k, v in vae_sd.items()}, tmp_path / "wan2.2_vae.safetensors")
+    tr = fam.save_single_file(
+        {"transformer": _sd(ref["transformer"])}, fam.module_configs(ref), tmp_path / "ti2v.safetensors"
+    )
+    got = fam.load(_mcfg(tr, config="wan-tiny-ti2v", ae=tmp_path / "wan2.2_vae.safetensors"), ["vae"])["vae"]
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in vae_sd.items())
+    video = torch.rand(1, 3, 5, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    torch.testing.assert_close(fam.encode_images({"vae": got}, video), fam.encode_images(ref, video))
+    tiny21 = fam.build_tiny(tmp_path / "t21", config="wan-tiny")
+    v21 = _sd(fam.load(_mcfg(tiny21), ["vae"])["vae"])
+    save_file({_wan_vae_name(k): v for k, v in v21.items()}, tmp_path / "wan_2.1_vae.safetensors")
+    with pytest.raises(ModelLoadError, match="it is the Wan2.1 VAE and this model uses the Wan2.2 one"):
+        fam.load(_mcfg(tr, config="wan-tiny-ti2v", ae=tmp_path / "wan_2.1_vae.safetensors"), ["vae"])
+    with pytest.raises(ModelLoadError, match="it is the Wan2.2 VAE and this model uses the Wan2.1 one"):
+        fam.load(_mcfg(tiny21, ae=tmp_path / "wan2.2_vae.safetensors"), ["vae"])

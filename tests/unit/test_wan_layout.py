@@ -65,3 +65,21 @@ def test_the_original_names_map_as_diffusers_converter_maps_them(arch):
     assert sf.is_wan_file([sf.PREFIX + o for o in original.values()])
     assert sf.to_original("blocks.0.norm2.weight") == "blocks.0.norm3.weight"  # the two norms trade names
     assert sf.to_diffusers("blocks.0.unknown.weight") is None and sf.to_original("nothing.weight") is None
+
+
+def test_the_wan22_vae_names_map_to_autoencoderklwan_both_ways():
+    """wan2.2_vae.safetensors (TI2V-5B's VAE) in Wan's own names: every tensor Wan's module has for the real
+    configuration (tests/fixtures/wan22_vae_keys.json: names and shapes from wan/modules/vae2_2.py's WanVAE_ with
+    Wan2_2_VAE's settings, on the meta device) lands on the AutoencoderKLWan tensor of the same shape, all of them
+    are covered, and the names come back."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parents[1] / "fixtures" / "wan22_vae_keys.json"
+    original = json.loads(fixture.read_text())
+    assert len(original) == 196 and sf.is_wan22_vae(original)
+    diffusers = {k: list(v.shape) for k, v in _build("wan2.2-ti2v-5b", "vae").state_dict().items()}
+    mapped = {sf.vae22_to_diffusers(k): shape for k, shape in original.items()}
+    assert None not in mapped and mapped == diffusers
+    assert all(sf.vae22_to_original(sf.vae22_to_diffusers(k), num_res_blocks=2) == k for k in original)
+    v21 = {k: list(v.shape) for k, v in _build("wan2.1-t2v-1.3b", "vae").state_dict().items()}
+    assert not sf.is_wan22_vae(v21) and sf.vae22_to_diffusers("encoder.downsamples.0.residual.0.gamma") is None

@@ -366,8 +366,8 @@ class Wan(ModelFamily):
         self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None
     ) -> torch.nn.Module:
         """The VAE or UMT5 from a file of its own, as ComfyUI users have them. The VAE: diffusers' names, or Wan's
-        own (wan_2.1_vae.safetensors: renamed by diffusers' convert_wan_vae_to_diffusers, which knows the 2.1 VAE
-        only). UMT5: transformers' names (umt5_xxl_fp16.safetensors; fp8 and fp8_scaled too)."""
+        own (wan_2.1_vae.safetensors: renamed by diffusers' convert_wan_vae_to_diffusers; wan2.2_vae.safetensors, TI2V's:
+        by single_file.vae22_to_diffusers). UMT5: transformers' names (umt5_xxl_fp16.safetensors; fp8 and fp8_scaled too)."""
         from accelerate import init_empty_weights
 
         keys, get, _, _ = common.open_checkpoint("single", f)
@@ -383,15 +383,23 @@ class Wan(ModelFamily):
 
         if part == "vae":
             if "encoder.conv1.weight" in keys:  # Wan's own names
-                if cfg.get("is_residual") or int(cfg.get("z_dim", 16)) != 16:
-                    raise ModelLoadError(
-                        f"{option} {f.name} has Wan's own VAE names, which difftrain reads for the 2.1 VAE only "
-                        "(diffusers' converter), and this model uses the 2.2 VAE.",
-                        hint="Use the diffusers folder's vae/ (Wan2.2-TI2V-5B-Diffusers) for the 2.2 VAE.",
+                v22, wants22 = single_file.is_wan22_vae(keys), bool(cfg.get("is_residual"))
+                if v22 != wants22:
+                    files = ("wan2.2_vae.safetensors", "wan_2.1_vae.safetensors")
+                    raise mismatch(
+                        f"it is the Wan{'2.2' if v22 else '2.1'} VAE and this model uses the "
+                        f"Wan{'2.2' if wants22 else '2.1'} one ({files[0] if wants22 else files[1]})."
                     )
-                from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+                if v22:  # TI2V-5B's: renamed as diffusers' conversion script renames it (single_file.py)
+                    sd = {}
+                    for k in weights:
+                        if (name := single_file.vae22_to_diffusers(k)) is None:
+                            raise mismatch(f"{k} is no tensor of the Wan2.2 VAE.")
+                        sd[name] = read(k)
+                else:
+                    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
-                sd = convert_wan_vae_to_diffusers({k: read(k) for k in weights})
+                    sd = convert_wan_vae_to_diffusers({k: read(k) for k in weights})
             else:
                 sd = {k: read(k) for k in weights}
         else:

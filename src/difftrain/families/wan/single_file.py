@@ -85,3 +85,92 @@ def is_wan_file(keys: list[str]) -> bool:
     """A Wan transformer's keys (with or without the prefix): its head's modulation and its patch embedding."""
     names = {k.removeprefix(PREFIX) for k in keys}
     return "head.modulation" in names and "patch_embedding.weight" in names
+
+
+# ------------------------------------------------------------------ the Wan2.2 VAE (TI2V-5B's), Wan's own names
+#
+# wan2.2_vae.safetensors (ComfyUI's, and Wan2.2_VAE.pth as Wan-AI ship it) keeps the names of Wan's own module
+# (wan/modules/vae2_2.py). diffusers' single-file loader knows the 2.1 VAE only (convert_wan_vae_to_diffusers);
+# its conversion script's convert_vae_22 renames the 2.2 one, which is what this follows, per key and both ways.
+# Checked against the names and shapes Wan's module has for the real configuration
+# (tests/fixtures/wan22_vae_keys.json) and AutoencoderKLWan's in tests/unit/test_wan_layout.py.
+
+_VAE_FIXED = {
+    "conv1": "quant_conv",
+    "conv2": "post_quant_conv",
+    "encoder.conv1": "encoder.conv_in",
+    "decoder.conv1": "decoder.conv_in",
+    "encoder.head.0": "encoder.norm_out",
+    "encoder.head.2": "encoder.conv_out",
+    "decoder.head.0": "decoder.norm_out",
+    "decoder.head.2": "decoder.conv_out",
+}
+_VAE_RESIDUAL = {"residual.0": "norm1", "residual.2": "conv1", "residual.3": "norm2", "residual.6": "conv2",
+                 "shortcut": "conv_shortcut"}  # fmt: skip
+_VAE_MIDDLE = re.compile(r"^(encoder|decoder)\.middle\.(\d)\.(.+)$")
+_VAE_STAGE = re.compile(r"^(encoder\.downsamples|decoder\.upsamples)\.(\d+)\.(downsamples|upsamples)\.(\d+)\.(.+)$")
+_VAE_STAGE_D = re.compile(
+    r"^(encoder\.down_blocks|decoder\.up_blocks)\.(\d+)\.(resnets\.(\d+)|downsampler|upsampler)\.(.+)$"
+)
+
+
+def _split_param(key: str) -> tuple[str, str]:
+    path, _, param = key.rpartition(".")
+    return path, param
+
+
+def is_wan22_vae(keys) -> bool:
+    """Wan's own 2.2 VAE names: each encoder stage's blocks under ``downsamples.N.downsamples.M``."""
+    return any(_VAE_STAGE.match(k) for k in keys)
+
+
+def vae22_to_diffusers(key: str) -> str | None:
+    """A Wan2.2 VAE key in Wan's names as AutoencoderKLWan names it (None: not one of its tensors)."""
+    path, param = _split_param(key)
+    if path in _VAE_FIXED:
+        return f"{_VAE_FIXED[path]}.{param}"
+    if m := _VAE_MIDDLE.match(key):
+        side, i, rest = m.groups()
+        if i == "1":  # the attention between the two resnets
+            return f"{side}.mid_block.attentions.0.{rest}"
+        sub, _, p = rest.rpartition(".")
+        if sub in _VAE_RESIDUAL:
+            return f"{side}.mid_block.resnets.{int(i) // 2}.{_VAE_RESIDUAL[sub]}.{p}"
+        return None
+    if m := _VAE_STAGE.match(key):
+        top, stage, _, j, rest = m.groups()
+        blocks = "encoder.down_blocks" if top.startswith("encoder") else "decoder.up_blocks"
+        sub, _, p = rest.rpartition(".")
+        if sub in _VAE_RESIDUAL:
+            return f"{blocks}.{stage}.resnets.{j}.{_VAE_RESIDUAL[sub]}.{p}"
+        if rest.startswith(("resample.", "time_conv.")):  # the stage's resampler, whatever its index there
+            return f"{blocks}.{stage}.{'downsampler' if top.startswith('encoder') else 'upsampler'}.{rest}"
+        return None
+    return None
+
+
+def vae22_to_original(key: str, num_res_blocks: int) -> str | None:
+    """The way back (for tests and files written in Wan's names). A stage's resampler follows its resnets in Wan's
+    module: the encoder's ``num_res_blocks``, the decoder's one more."""
+    path, param = _split_param(key)
+    back = {v: k for k, v in _VAE_FIXED.items()}
+    if path in back:
+        return f"{back[path]}.{param}"
+    res = {v: k for k, v in _VAE_RESIDUAL.items()}
+    if m := re.match(r"^(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d+)\.(.+)$", key):
+        side, kind, i, rest = m.groups()
+        if kind == "attentions":
+            return f"{side}.middle.1.{rest}"
+        sub, _, p = rest.rpartition(".")
+        return f"{side}.middle.{int(i) * 2}.{res[sub]}.{p}" if sub in res else None
+    if m := _VAE_STAGE_D.match(key):
+        top, stage, _, j, rest = m.groups()
+        orig, inner = (
+            ("encoder.downsamples", "downsamples") if top.startswith("encoder") else ("decoder.upsamples", "upsamples")
+        )
+        if j is not None:
+            sub, _, p = rest.rpartition(".")
+            return f"{orig}.{stage}.{inner}.{j}.{res[sub]}.{p}" if sub in res else None
+        after = num_res_blocks if top.startswith("encoder") else num_res_blocks + 1
+        return f"{orig}.{stage}.{inner}.{after}.{rest}"
+    return None
