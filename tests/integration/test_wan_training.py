@@ -84,3 +84,41 @@ def test_a_low_noise_expert_trains_and_its_loras_load_into_transformer_2(dataset
         pipe.transformer, pipe.transformer_2 = pipe.transformer_2, pipe.transformer
         outs.append(_transformer_out(pipe))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_model_expert_both_trains_each_expert_into_its_own_folder_through_the_console_script(dataset, tmp_path):
+    """Wan2.2 A14B with model.expert both: `difftrain train` (the real console script) trains the high-noise expert
+    and then the low-noise one, each a run of its own under train.output_dir with its LoRA named for it, each its
+    own transformer (the LoRAs differ), the cache encoded once; other commands refuse both by name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from difftrain.families.wan import Wan
+
+    model = Wan().build_tiny(tmp_path / "a14b", seed=0, config="wan-tiny-a14b")
+    sets = tiny_sets(model, dataset, tmp_path, **{"train.max_steps": 2, "model.expert": "both"})
+    script = str(Path(sys.executable).parent / "difftrain")
+    args = [script, "train", "--recipe", "tiny-wan-lora", *(x for s in sets for x in ("--set", s))]
+    env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    experts = {}
+    for e in ("high_noise", "low_noise"):
+        kohya = run / e / f"lora_kohya_{e}.safetensors"
+        assert kohya.exists() and (run / e / "config.yaml").read_text().count(f"expert: {e}") == 1
+        with safe_open(str(run / e / "pytorch_lora_weights.safetensors"), "pt") as f:
+            assert f.metadata()["difftrain.expert"] == e
+            experts[e] = {k: f.get_tensor(k) for k in f.keys()}
+    assert experts["high_noise"].keys() == experts["low_noise"].keys()
+    assert any(not torch.equal(experts["high_noise"][k], experts["low_noise"][k]) for k in experts["low_noise"])
+    assert "the high_noise expert" in r.stderr and "the low_noise expert" in r.stderr
+    bench = subprocess.run([script, "bench", "memory", "--recipe", "tiny-wan-lora", "--steps", "1",
+                            *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, env=env,
+                           timeout=600)  # fmt: skip
+    assert bench.returncode != 0 and "only `difftrain train` runs that" in bench.stderr
+    assert "Traceback" not in bench.stderr

@@ -87,26 +87,40 @@ def train(
         _launch(recipe, config, set_, extra, gpus, where, resume, overwrite, no_precompute)
         return
 
-    res = resolved_config(
-        recipe, config, set_, _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts)
-    )
+    extra = _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts)
+    res = resolved_config(recipe, config, set_, extra)
     if print_config_:
         print_config(res)
         return
-    with_hub_model(res)
-    _check_start(res.config)
-    if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
-        precompute_missing(res.config)
-    check_memory(res.config, strict_memory)
-    r = run(res.config, resume=resume, config_yaml=res.to_yaml(), overwrite=overwrite)
-    last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
-    info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
-    if r.lora_path:
-        info(f"LoRA: {r.lora_path}")
-    for p in r.saved:
-        info(f"model: {p}")
-    if r.checkpoints:
-        info(f"checkpoint: {r.checkpoints[-1]}")
+    for label, sets in expert_runs(res.config):  # one run, or a two-expert model's two (model.expert: both)
+        if label:
+            info(f"model.expert both: the {label} expert, into {res.config.train.output_dir / label}")
+            res = resolved_config(recipe, config, [*(set_ or []), *sets], extra)
+        with_hub_model(res)
+        _check_start(res.config)
+        if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
+            precompute_missing(res.config)
+        check_memory(res.config, strict_memory)
+        r = run(res.config, resume=resume, config_yaml=res.to_yaml(), overwrite=overwrite)
+        last = f"{r.losses[-1]:.4f}" if r.losses else "n/a"
+        info(f"trained {r.steps} steps in {r.seconds:.0f} s (last loss {last})")
+        if r.lora_path:
+            info(f"LoRA: {r.lora_path}")
+        for p in r.saved:
+            info(f"model: {p}")
+        if r.checkpoints:
+            info(f"checkpoint: {r.checkpoints[-1]}")
+
+
+def expert_runs(cfg) -> list[tuple[str, list[str]]]:
+    """The runs a config makes: itself (``[("", [])]``), or for ``model.expert: both`` the high-noise expert's and
+    then the low-noise one's, each with the settings that make it (its expert, its folder under train.output_dir).
+    The experts share no weights, so training them one after the other is training them together (musubi-tuner
+    interleaves them by timestep) with one expert's weights in memory at a time."""
+    if cfg.model.expert != "both":
+        return [("", [])]
+    out = cfg.train.output_dir
+    return [(e, [f"model.expert={e}", f"train.output_dir={out / e}"]) for e in ("high_noise", "low_noise")]
 
 
 def _launch(
@@ -127,23 +141,27 @@ def _launch(
     from ..planning.engines import launch_problem
     from ..runtime.distributed import ENGINE_HINT
 
-    problem = launch_problem(res.config, gpus * nodes)
-    if problem:
-        raise ConfigError(problem, hint=ENGINE_HINT)
-    with_hub_model(res)  # fetched once here: the processes find it in the cache
-    _check_start(res.config)
-    if not no_precompute:  # once, here, before the processes start
-        if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
-            from ..data.cache import cache_dir_for
-            from ..runtime.locks import writer_lock
+    for label, sets in expert_runs(res.config):  # a two-expert model's two runs, one after the other (both)
+        if label:
+            res = resolved_config(recipe, config, [*(set_ or []), *sets], extra)
+        problem = launch_problem(res.config, gpus * nodes)
+        if problem:
+            raise ConfigError(problem, hint=ENGINE_HINT)
+        with_hub_model(res)  # fetched once here: the processes find it in the cache
+        _check_start(res.config)
+        if not no_precompute:  # once, here, before the processes start
+            if nodes > 1 and res.config.data.dir is not None:  # machines sharing one cache take turns
+                from ..data.cache import cache_dir_for
+                from ..runtime.locks import writer_lock
 
-            with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
+                with writer_lock(cache_dir_for(res.config), "cache", wait_s=3600):
+                    precompute_missing(res.config)
+            else:
                 precompute_missing(res.config)
-        else:
-            precompute_missing(res.config)
-    where = {**where, "max_restarts": res.config.train.max_restarts}
-    launch_claimed(res.config.train.output_dir, gpus, invoked_argv(), resume, overwrite, node_rank, where)
-    info(f"trained on {gpus * nodes} processes")
+        where = {**where, "max_restarts": res.config.train.max_restarts}
+        argv = [*invoked_argv(), *(x for s in sets for x in ("--set", s))]  # the processes run this expert's run
+        launch_claimed(res.config.train.output_dir, gpus, argv, resume, overwrite, node_rank, where)
+        info(f"trained on {gpus * nodes} processes" + (f" ({label} expert)" if label else ""))
 
 
 def _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts) -> dict:

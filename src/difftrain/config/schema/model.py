@@ -36,8 +36,10 @@ class ModelConfig(Strict):
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         default=None, description="override the scheduler's prediction type"
     )
-    expert: Literal["high_noise", "low_noise"] | None = Field(
+    expert: Literal["high_noise", "low_noise", "both"] | None = Field(
         default=None,
         description="a two-expert model (Wan2.2 A14B): the expert this run trains, high_noise (transformer/, "
-        "timesteps from the model's boundary up) or low_noise (transformer_2/, below it)",
+        "timesteps from the model's boundary up) or low_noise (transformer_2/, below it); both: `difftrain train` "
+        "trains one after the other, each with its own LoRA and range, in train.output_dir/high_noise and "
+        "/low_noise",
     )

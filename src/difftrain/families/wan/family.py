@@ -232,13 +232,20 @@ class Wan(ModelFamily):
 
     def _expert_folder(self, mcfg: ModelConfig, part: str) -> str:
         """The subfolder ``part`` is read from: the chosen expert's, for a two-expert model's transformer."""
-        return EXPERT_FOLDERS[mcfg.expert] if part == "transformer" and mcfg.expert is not None else part
+        if part != "transformer" or mcfg.expert is None:
+            return part
+        return EXPERT_FOLDERS.get(mcfg.expert, "transformer")  # both: the experts share one architecture
 
     def timestep_range(self, mcfg: ModelConfig) -> tuple[float, float] | None:
         """A two-expert model's expert: from the boundary up (high_noise) or below it (low_noise), the boundary
         being the model's ``boundary_ratio`` (0.875 for T2V-A14B) on the shifted scale, as WanPipeline switches."""
         if mcfg.expert is None:
             return None
+        if mcfg.expert == "both":
+            raise ConfigError(
+                "model.expert: both trains the two experts one after the other, and only `difftrain train` runs that.",
+                hint="Use `difftrain train`, or set model.expert: high_noise or low_noise for this command.",
+            )
         folder = self._index_folder(mcfg)
         index = folder / "model_index.json"
         boundary = _read_json(index).get("boundary_ratio") if index.exists() else None
