@@ -51,3 +51,40 @@ def test_offloaded_checkpoints_leave_the_gpu_and_give_plain_checkpointings_gradi
     # likely, not measured; docs/benchmarks.md)
     assert plain_peak - off_peak > 0.6 * inputs, (plain_peak / 2**30, off_peak / 2**30)
     assert all(torch.equal(a, b) for a, b in zip(plain, off))
+
+
+def test_the_host_arena_holds_exactly_the_inputs_and_reuses_its_slab_every_step():
+    """The offloaded inputs on the host: exact bytes (not torch's power-of-two pinned buffers), in one registered
+    slab from the second step on, the same slab every step after; a table every block is given is copied once."""
+    from difftrain.memory import activation_offload as ao
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    ao._ARENA = ao.HostArena()  # a fresh arena for this test
+    torch.manual_seed(0)
+    d, tokens, n = 1024, 24576, 8  # 48 MiB a block input: 64 MiB each in torch's pinned allocator
+    blocks = [_Block(d).cuda().to(torch.bfloat16) for _ in range(n)]
+    table = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)  # given to every block, as rotary tables
+
+    class _WithTable(torch.nn.Module):
+        def __init__(self, b):
+            super().__init__()
+            self.b = b
+
+        def forward(self, x, t):
+            return self.b(x + t)
+
+    wrapped = [_WithTable(b) for b in blocks]
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    held = []
+    for _ in range(3):
+        h = x
+        for b in wrapped:
+            h = ao.offloaded_checkpoint(b, h, table)
+        h.float().square().mean().backward()
+        torch.cuda.synchronize()
+        held.append([int(buf.data_ptr()) for buf, _ in ao.arena().slabs])
+    one = tokens * d * 2
+    assert ao.arena().high == (n + 1) * one  # the blocks' inputs and one copy of the table, to the byte
+    assert len(held[1]) == 1 and held[2] == held[1]  # one slab from the second step, the same one after
+    assert ao.arena().held_bytes == (n + 1) * one
