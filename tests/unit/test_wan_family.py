@@ -437,7 +437,7 @@ def test_the_wan22_vae_file_in_wans_names_loads_as_the_ti2v_folders_vae(tmp_path
     tiny21 = fam.build_tiny(tmp_path / "t21", config="wan-tiny")
     v21 = _sd(fam.load(_mcfg(tiny21), ["vae"])["vae"])
     save_file({_wan_vae_name(k): v for k, v in v21.items()}, tmp_path / "wan_2.1_vae.safetensors")
-    with pytest.raises(ModelLoadError, match="it is the Wan2.1 VAE and this model uses the Wan2.2 one"):
+    with pytest.raises(ModelLoadError, match=r"it is the Wan2\.1 VAE and this model uses the Wan2\.2 one"):
         fam.load(_mcfg(tr, config="wan-tiny-ti2v", ae=tmp_path / "wan_2.1_vae.safetensors"), ["vae"])
-    with pytest.raises(ModelLoadError, match="it is the Wan2.2 VAE and this model uses the Wan2.1 one"):
+    with pytest.raises(ModelLoadError, match=r"it is the Wan2\.2 VAE and this model uses the Wan2\.1 one"):
         fam.load(_mcfg(tiny21, ae=tmp_path / "wan2.2_vae.safetensors"), ["vae"])
