@@ -205,3 +205,30 @@ def test_the_host_arena_copies_exactly_shares_repeated_tensors_and_regroups_into
     kept = a.store(larger)
     assert pins.made[-1] == rounded(198_000) + 2 * rounded(66_000) and a.held_bytes == pins.made[-1]
     assert torch.equal(kept, larger)
+
+
+def test_a_slab_is_ordinary_memory_registered_with_the_driver_and_unregistered_when_given_back(monkeypatch):
+    """On Linux the arena's slabs are exactly their size: memory of the CPU allocator, registered (page-locked) with
+    cudaHostRegister and unregistered when the arena lets the slab go (the driver's calls faked here)."""
+    import sys
+
+    from difftrain.memory import activation_offload as ao
+
+    if sys.platform != "linux":
+        pytest.skip("the registered slabs are Linux's")
+    calls = []
+
+    class _Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    buf, free = ao._pin_exact(3 * 1000 + 7)
+    assert buf.numel() == 3007 and not buf.is_pinned() and calls == [("register", buf.data_ptr(), 3007)]
+    free()
+    assert calls[-1] == ("unregister", buf.data_ptr())

@@ -47,11 +47,17 @@ def _pin_exact(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     pinned.py) and where registering fails, torch's pinned allocator (rounded) is used."""
     if sys.platform == "linux":
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0:
+        try:
+            cudart = torch.cuda.cudart()
+            ok = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
+        except (AttributeError, RuntimeError, AssertionError):  # no binding in this build: torch's allocator
+            ok = False
+        else:
+            if not ok:
+                _clear_cuda_error()
+        if ok:
             ptr = buf.data_ptr()
             return buf, lambda: cudart.cudaHostUnregister(ptr)
-        _clear_cuda_error()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
 
 
