@@ -22,21 +22,17 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 #: tokens per chunk: at 8 192 tokens the 14B's 13 824-wide feed-forward layer is 0.21 GiB in bf16
-FFN_CHUNK_TOKENS = 8192
+CHUNK_TOKENS = 8192
 
 
-def _modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The six shift/scale/gate tensors, as diffusers' block computes them (2.1 / 2.2 14B: one per sample; TI2V:
-    one per token)."""
+def _modulation(block, temb: torch.Tensor, sl: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+    """The six shift/scale/gate tensors of the tokens ``sl``, as diffusers' block computes them: one per sample
+    (2.1 / 2.2 14B) or, from TI2V's per-token ``temb``, one per token of the chunk (its slice taken first: the whole
+    sequence's six would be 6 x tokens x width in fp32 for every chunk)."""
     if temb.ndim == 4:
-        mods = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        mods = (block.scale_shift_table.unsqueeze(0) + temb[:, sl].float()).chunk(6, dim=2)
         return tuple(m.squeeze(2) for m in mods)
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
-
-
-def _tokens(m: torch.Tensor, sl: slice) -> torch.Tensor:
-    """A per-token modulation's slice of tokens (TI2V); a per-sample one as it is."""
-    return m[:, sl] if m.ndim == 3 and m.shape[1] > 1 else m
 
 
 def _chunks(n: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -57,10 +53,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _qkv(block, h, temb, rotary_emb, start: int, stop: int):
     """q, k and v of a chunk of tokens for the self-attention, as the block and WanAttnProcessor make them."""
-    shift, scale, _, *_ = _modulation(block, temb)
     sl = slice(start, stop)
+    shift, scale = _modulation(block, temb, sl)[:2]
     x = h[:, sl]
-    n = (block.norm1(x.float()) * (1 + _tokens(scale, sl)) + _tokens(shift, sl)).type_as(h)
+    n = (block.norm1(x.float()) * (1 + scale) + shift).type_as(h)
     attn = block.attn1
     q, k, v = attn.norm_q(attn.to_q(n)), attn.norm_k(attn.to_k(n)), attn.to_v(n)
     q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
@@ -72,10 +68,10 @@ def _qkv(block, h, temb, rotary_emb, start: int, stop: int):
 
 def _attention_out(block, h, o, temb, start: int, stop: int):
     """The self-attention's output projection and gated residual for a chunk of tokens."""
-    *_, gate = _modulation(block, temb)[:3]
     sl = slice(start, stop)
+    gate = _modulation(block, temb, sl)[2]
     a = block.attn1.to_out[1](block.attn1.to_out[0](o[:, sl]))
-    return (h[:, sl].float() + a * _tokens(gate, sl)).type_as(h)
+    return (h[:, sl].float() + a * gate).type_as(h)
 
 
 def _self_attention(block, h, temb, rotary_emb, chunk_tokens: int):
@@ -83,7 +79,7 @@ def _self_attention(block, h, temb, rotary_emb, chunk_tokens: int):
 
     run = _runner()
     parts = [run(_qkv, block, h, temb, rotary_emb, a, b) for a, b in _chunks(h.shape[1], chunk_tokens)]
-    q, k, v = (torch.cat([p[i] for p in parts], dim=1) if len(parts) > 1 else parts[0][i] for i in range(3))
+    q, k, v = (_join([p[i] for p in parts]) for i in range(3))
     del parts
     proc = block.attn1.processor
     o = dispatch_attention_fn(
@@ -97,8 +93,7 @@ def _self_attention(block, h, temb, rotary_emb, chunk_tokens: int):
         parallel_config=proc._parallel_config,
     )
     o = o.flatten(2, 3).type_as(q)
-    outs = [run(_attention_out, block, h, o, temb, a, b) for a, b in _chunks(h.shape[1], chunk_tokens)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return _join([run(_attention_out, block, h, o, temb, a, b) for a, b in _chunks(h.shape[1], chunk_tokens)])
 
 
 def _cross_attention(block, h, encoder_hidden_states, start: int, stop: int):
@@ -108,11 +103,11 @@ def _cross_attention(block, h, encoder_hidden_states, start: int, stop: int):
 
 
 def _feed_forward(block, h, temb, start: int, stop: int):
-    *_, c_shift, c_scale, c_gate = _modulation(block, temb)
     sl = slice(start, stop)
+    c_shift, c_scale, c_gate = _modulation(block, temb, sl)[3:]
     x = h[:, sl]
-    n = (block.norm3(x.float()) * (1 + _tokens(c_scale, sl)) + _tokens(c_shift, sl)).type_as(h)
-    return (x.float() + block.ffn(n).float() * _tokens(c_gate, sl)).type_as(h)
+    n = (block.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(h)
+    return (x.float() + block.ffn(n).float() * c_gate).type_as(h)
 
 
 def _runner() -> Callable[..., Any]:
@@ -128,7 +123,7 @@ def _whole(block) -> bool:
     return type(a.processor).__name__ != "WanAttnProcessor" or a.fused_projections or a.add_k_proj is not None
 
 
-def segmented_forward(block, chunk_tokens: int = FFN_CHUNK_TOKENS) -> Callable[..., torch.Tensor]:
+def segmented_forward(block, chunk_tokens: int = CHUNK_TOKENS) -> Callable[..., torch.Tensor]:
     """A forward for ``block`` (a diffusers WanTransformerBlock) equal to its own, checkpointed in segments while
     autograd records (in the block's recompute under checkpointing); without grad it runs the segments plainly."""
 
@@ -157,7 +152,7 @@ def _self_attention_whole(block, h, temb, rotary_emb):
     return (h.float() + a * gate).type_as(h)
 
 
-def split_blocks(blocks: list[torch.nn.Module], chunk_tokens: int = FFN_CHUNK_TOKENS) -> int:
+def split_blocks(blocks: list[torch.nn.Module], chunk_tokens: int = CHUNK_TOKENS) -> int:
     """Give each block the segmented forward; returns how many blocks took it."""
     for block in blocks:
         block.forward = segmented_forward(block, chunk_tokens)
