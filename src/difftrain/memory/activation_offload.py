@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from ..console import warn
+from .pinned import ALIGN  # every host copy starts on the boundary block swap's pinned slabs use
 
 #: inputs smaller than this stay where they are (the timestep embedding is small)
 MIN_OFFLOAD_BYTES = 1 << 20
-ALIGN = 512  # every host copy starts on this boundary (any dtype; the copy engines like aligned rows)
 
 
 def _align(n: int) -> int:
@@ -47,17 +47,17 @@ def _pin_exact(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     pinned.py) and where registering fails, torch's pinned allocator (rounded) is used."""
     if sys.platform == "linux":
         buf = torch.empty(nbytes, dtype=torch.uint8)
+        err: int | None
         try:
             cudart = torch.cuda.cudart()
-            ok = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) == 0
+            err = int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0))
         except (AttributeError, RuntimeError, AssertionError):  # no binding in this build: torch's allocator
-            ok = False
-        else:
-            if not ok:
-                _clear_cuda_error()
-        if ok:
+            err = None
+        if err == 0:
             ptr = buf.data_ptr()
             return buf, lambda: cudart.cudaHostUnregister(ptr)
+        if err is not None:
+            _clear_cuda_error()
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
 
 
@@ -173,9 +173,14 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     try:
         return arena().store(t)
-    except RuntimeError as e:  # the driver refused: pageable memory (correct, the copies wait)
-        warn(f"memory.activations.offload: host memory could not be pinned ({str(e).splitlines()[0]})")
+    except RuntimeError as e:  # the driver refused: pageable memory (correct, the copies wait); said once
+        if not _REFUSED:
+            _REFUSED.append(str(e).splitlines()[0])
+            warn(f"memory.activations.offload: host memory could not be pinned ({_REFUSED[0]}): pageable copies")
         return t.to("cpu")
+
+
+_REFUSED: list[str] = []  # the first refusal to pin, once said
 
 
 class _Offloaded(torch.autograd.Function):
