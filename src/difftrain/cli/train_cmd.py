@@ -88,14 +88,13 @@ def train(
         return
 
     extra = _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts)
-    res = resolved_config(recipe, config, set_, extra)
+    given = resolved_config(recipe, config, set_, extra)
     if print_config_:
-        print_config(res)
+        print_config(given)
         return
-    for label, sets in expert_runs(res.config):  # one run, or a two-expert model's two (model.expert: both)
+    for label, _, res in _runs(given, recipe, config, set_, extra):  # one, or a two-expert model's two (both)
         if label:
-            info(f"model.expert both: the {label} expert, into {res.config.train.output_dir / label}")
-            res = resolved_config(recipe, config, [*(set_ or []), *sets], extra)
+            info(f"model.expert both: the {label} expert, into {res.config.train.output_dir}")
         with_hub_model(res)
         _check_start(res.config)
         if not no_precompute and "LOCAL_RANK" not in os.environ:  # under torchrun the launching process did it
@@ -123,6 +122,13 @@ def expert_runs(cfg) -> list[tuple[str, list[str]]]:
     return [(e, [f"model.expert={e}", f"train.output_dir={out / e}"]) for e in ("high_noise", "low_noise")]
 
 
+def _runs(res, recipe, config, set_, extra):
+    """Each run of :func:`expert_runs` with its resolved config (``res`` itself for a single run): (label, sets,
+    resolved)."""
+    for label, sets in expert_runs(res.config):
+        yield label, sets, resolved_config(recipe, config, [*(set_ or []), *sets], extra) if label else res
+
+
 def _launch(
     recipe, config, set_, extra: dict, gpus: int, where: dict, resume: str | None, overwrite: bool, no_precompute: bool
 ) -> None:
@@ -136,14 +142,12 @@ def _launch(
         raise UsageError(
             f"--gpus {gpus} --nodes {nodes} --node-rank {node_rank}: need gpus >= 1 and 0 <= node-rank < nodes."
         )
-    res = resolved_config(recipe, config, set_, extra)  # config errors, once
+    given = resolved_config(recipe, config, set_, extra)  # config errors, once
     from ..errors import ConfigError
     from ..planning.engines import launch_problem
     from ..runtime.distributed import ENGINE_HINT
 
-    for label, sets in expert_runs(res.config):  # a two-expert model's two runs, one after the other (both)
-        if label:
-            res = resolved_config(recipe, config, [*(set_ or []), *sets], extra)
+    for label, sets, res in _runs(given, recipe, config, set_, extra):  # a two-expert model's two, in turn (both)
         problem = launch_problem(res.config, gpus * nodes)
         if problem:
             raise ConfigError(problem, hint=ENGINE_HINT)
