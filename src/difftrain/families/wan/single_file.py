@@ -112,11 +112,7 @@ _VAE_STAGE = re.compile(r"^(encoder\.downsamples|decoder\.upsamples)\.(\d+)\.(do
 _VAE_STAGE_D = re.compile(
     r"^(encoder\.down_blocks|decoder\.up_blocks)\.(\d+)\.(resnets\.(\d+)|downsampler|upsampler)\.(.+)$"
 )
-
-
-def _split_param(key: str) -> tuple[str, str]:
-    path, _, param = key.rpartition(".")
-    return path, param
+_VAE_MIDDLE_D = re.compile(r"^(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d+)\.(.+)$")
 
 
 def is_wan22_vae(keys) -> bool:
@@ -126,7 +122,7 @@ def is_wan22_vae(keys) -> bool:
 
 def vae22_to_diffusers(key: str) -> str | None:
     """A Wan2.2 VAE key in Wan's names as AutoencoderKLWan names it (None: not one of its tensors)."""
-    path, param = _split_param(key)
+    path, _, param = key.rpartition(".")
     if path in _VAE_FIXED:
         return f"{_VAE_FIXED[path]}.{param}"
     if m := _VAE_MIDDLE.match(key):
@@ -152,12 +148,11 @@ def vae22_to_diffusers(key: str) -> str | None:
 def vae22_to_original(key: str, num_res_blocks: int) -> str | None:
     """The way back (for tests and files written in Wan's names). A stage's resampler follows its resnets in Wan's
     module: the encoder's ``num_res_blocks``, the decoder's one more."""
-    path, param = _split_param(key)
-    back = {v: k for k, v in _VAE_FIXED.items()}
+    path, _, param = key.rpartition(".")
+    back, res = _invert(_VAE_FIXED), _invert(_VAE_RESIDUAL)
     if path in back:
         return f"{back[path]}.{param}"
-    res = {v: k for k, v in _VAE_RESIDUAL.items()}
-    if m := re.match(r"^(encoder|decoder)\.mid_block\.(resnets|attentions)\.(\d+)\.(.+)$", key):
+    if m := _VAE_MIDDLE_D.match(key):
         side, kind, i, rest = m.groups()
         if kind == "attentions":
             return f"{side}.middle.1.{rest}"
