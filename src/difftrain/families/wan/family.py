@@ -126,6 +126,31 @@ def latent_frames(frames: int) -> int:
     return (frames - 1) // 4 + 1
 
 
+def _vae_state_dict(keys, weights, read, wants22: bool, mismatch) -> dict[str, torch.Tensor]:
+    """A VAE file's tensors in diffusers' names: as they are, or from Wan's own names (wan_2.1_vae through diffusers'
+    convert_wan_vae_to_diffusers; TI2V's wan2.2_vae per key, single_file.vae22_to_diffusers), the file's VAE
+    checked to be the one the model uses."""
+    if "encoder.conv1.weight" not in keys:  # diffusers' names
+        return {k: read(k) for k in weights}
+    v22 = single_file.is_wan22_vae(keys)
+    if v22 != wants22:
+        have, want = ("2.2", "2.1") if v22 else ("2.1", "2.2")
+        raise mismatch(
+            f"it is the Wan{have} VAE and this model uses the Wan{want} one "
+            f"({'wan2.2_vae' if wants22 else 'wan_2.1_vae'}.safetensors)."
+        )
+    if not v22:
+        from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+        return convert_wan_vae_to_diffusers({k: read(k) for k in weights})
+    sd = {}
+    for k in weights:
+        if (name := single_file.vae22_to_diffusers(k)) is None:
+            raise mismatch(f"{k} is no tensor of the Wan2.2 VAE.")
+        sd[name] = read(k)
+    return sd
+
+
 class Wan(ModelFamily):
     """Wan 2.1 T2V (1.3B, 14B), Wan 2.2 T2V-A14B (one expert per run) and Wan 2.2 TI2V-5B, text to video."""
 
@@ -389,26 +414,7 @@ class Wan(ModelFamily):
             )
 
         if part == "vae":
-            if "encoder.conv1.weight" in keys:  # Wan's own names
-                v22, wants22 = single_file.is_wan22_vae(keys), bool(cfg.get("is_residual"))
-                if v22 != wants22:
-                    files = ("wan2.2_vae.safetensors", "wan_2.1_vae.safetensors")
-                    raise mismatch(
-                        f"it is the Wan{'2.2' if v22 else '2.1'} VAE and this model uses the "
-                        f"Wan{'2.2' if wants22 else '2.1'} one ({files[0] if wants22 else files[1]})."
-                    )
-                if v22:  # TI2V-5B's: renamed as diffusers' conversion script renames it (single_file.py)
-                    sd = {}
-                    for k in weights:
-                        if (name := single_file.vae22_to_diffusers(k)) is None:
-                            raise mismatch(f"{k} is no tensor of the Wan2.2 VAE.")
-                        sd[name] = read(k)
-                else:
-                    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-                    sd = convert_wan_vae_to_diffusers({k: read(k) for k in weights})
-            else:
-                sd = {k: read(k) for k in weights}
+            sd = _vae_state_dict(keys, weights, read, bool(cfg.get("is_residual")), mismatch)
         else:
             if not any(k.startswith("encoder.block.") for k in weights):
                 raise mismatch("it has no encoder.block.N tensors (transformers' UMT5 names).")
