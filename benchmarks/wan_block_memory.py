@@ -6,7 +6,7 @@ the activations alone), and the size of its input (what checkpointing keeps per 
 
 ``--mode checkpoint`` runs the block under torch's checkpoint (what a checkpointed block peaks at while it is
 recomputed in backward); ``--mode split`` runs it as memory.activations.split does (families/wan/segments.py:
-checkpointed segments, the feed-forward over token chunks).
+checkpointed segments, their per-token work over token chunks).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def main() -> None:
     if a.lora:
         from peft import LoraConfig
 
-        t = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
-        m.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=t))
+        from difftrain.families.wan import Wan
+
+        m.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=list(Wan.default_lora_targets)))
     else:
         for p in block.parameters():
             p.requires_grad_(True)  # gradients flow through every op, as LoRA's would

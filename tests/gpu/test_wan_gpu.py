@@ -64,11 +64,7 @@ def test_split_segments_shrink_a_real_wan_block_at_81_frames():
     peaks = []
     for split in (False, True):
         m = WanTransformer3DModel.from_config({**cfg, "num_layers": 1}).to("cuda", torch.bfloat16).requires_grad_(False)
-        m.add_adapter(
-            LoraConfig(
-                r=32, lora_alpha=32, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
-            )
-        )
+        m.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=list(Wan.default_lora_targets)))
         if split:
             assert Wan().split_blocks(list(m.blocks)) == 1
         d, tokens = 1536, 21 * 30 * 52

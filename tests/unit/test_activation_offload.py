@@ -86,11 +86,7 @@ def test_segments_leave_a_recomputed_wan_block_only_their_inputs_saved():
 
     cfg = read_json(configs_root() / "wan2.1-t2v-1.3b" / "transformer" / "config.json")
     m = WanTransformer3DModel.from_config({**cfg, "num_layers": 1}).to(torch.bfloat16).requires_grad_(False)
-    m.add_adapter(
-        LoraConfig(
-            r=32, lora_alpha=32, target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
-        )
-    )
+    m.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=list(Wan.default_lora_targets)))
     tokens, d = 21 * 4 * 6, 1536
     args = (torch.randn(1, tokens, d, dtype=torch.bfloat16), torch.randn(1, 512, d, dtype=torch.bfloat16),
             torch.randn(1, 6, d, dtype=torch.bfloat16), m.rope(torch.zeros(1, 16, 21, 8, 12)))  # fmt: skip
