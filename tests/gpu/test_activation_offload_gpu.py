@@ -60,7 +60,7 @@ def test_the_host_arena_holds_exactly_the_inputs_and_reuses_its_slab_every_step(
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    ao._ARENA = ao.HostArena()  # a fresh arena for this test
+    ao.reset_arena()  # a fresh arena for this test (the one before unregisters its slabs)
     torch.manual_seed(0)
     d, tokens, n = 1024, 24576, 8  # 48 MiB a block input: 64 MiB each in torch's pinned allocator
     blocks = [_Block(d).cuda().to(torch.bfloat16) for _ in range(n)]

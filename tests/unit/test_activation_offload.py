@@ -224,7 +224,41 @@ def test_a_slab_is_ordinary_memory_registered_with_the_driver_and_unregistered_w
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    import mmap
+
     buf, free = ao._pin_exact(3 * 1000 + 7)
     assert buf.numel() == 3007 and not buf.is_pinned() and calls == [("register", buf.data_ptr(), 3007)]
+    other, free_other = ao._pin_exact(10)
+    # pages of its own: two slabs never share a page (the driver refuses a range overlapping a registered one)
+    assert buf.data_ptr() % mmap.PAGESIZE == 0 and other.data_ptr() % mmap.PAGESIZE == 0
+    assert abs(other.data_ptr() - buf.data_ptr()) >= mmap.PAGESIZE
+    buf[:] = 7  # ordinary writable memory
+    assert int(buf.sum()) == 7 * 3007
     free()
     assert calls[-1] == ("unregister", buf.data_ptr())
+    free_other()
+
+
+def test_an_arena_given_up_unregisters_every_slab_once():
+    """A replaced or dropped arena gives its slabs back (a registration left on freed memory made the next one of
+    those addresses fail on the GPU: "resource already mapped"); copies still held stay readable."""
+    from difftrain.memory import activation_offload as ao
+
+    pins = _Pins()
+    a = ao.HostArena(pin=pins)
+    x = torch.randn(1000, 40)
+    kept = [a.store(x), a.store(x + 1)]
+    assert len(pins.made) == 2 and pins.freed == 0
+    a.close()
+    assert pins.freed == 2 and a.held_bytes == 0 and torch.equal(kept[0], x)
+    a.close()
+    assert pins.freed == 2  # once each
+    b = ao.HostArena(pin=_Pins())
+    b.store(x)
+    freed = b.pin
+    del b
+    assert freed.freed == 1  # dropped: unregistered on the way out
+    ao._ARENA = ao.HostArena(pin=pins)
+    ao._ARENA.store(x)
+    ao.reset_arena()
+    assert pins.freed == 3 and ao._ARENA is None

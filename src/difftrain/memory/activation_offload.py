@@ -42,11 +42,15 @@ def _align(n: int) -> int:
 def _pin_exact(nbytes: int) -> tuple[torch.Tensor, Callable[[], None]]:
     """``nbytes`` of page-locked host memory and how to give it back. torch's pinned allocator rounds every buffer up
     to a power of two (a 14B block's 320 MiB input would take 512 MiB: 20 GiB for 40 blocks where 12.5 are used), and
-    keeps what is freed for reuse; so on Linux the slab is ordinary memory registered with the driver, exactly its
-    size, and returned to the system when the arena lets it go. Elsewhere (Windows limits what a process may pin;
-    pinned.py) and where registering fails, torch's pinned allocator (rounded) is used."""
+    keeps what is freed for reuse; so on Linux the slab is an anonymous mapping of its own pages (no other allocation
+    shares a page the registration covers: the driver refuses a range that overlaps a registered one), registered
+    with the driver, exactly its size. The returned ``free`` unregisters it; the pages go back to the system when the
+    last tensor viewing them is gone (so they are never unmapped while registered). Elsewhere (Windows limits what a
+    process may pin; pinned.py) and where registering fails, torch's pinned allocator (rounded) is used."""
     if sys.platform == "linux":
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        import mmap
+
+        buf = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]  # keeps the mapping alive
         err: int | None
         try:
             cudart = torch.cuda.cudart()
@@ -150,12 +154,28 @@ class HostArena:
         """The previous round's slabs replaced by one of its size (nothing of theirs is live: a new round)."""
         if self.live or self.slab or self.offset:
             return  # only at a round's first copy
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the last backward's copies out of the old slabs are done
-        for _, free in self.slabs:
-            free()
-        self.slabs = []
+        self._free_slabs()
         self.regroup = False
+
+    def _free_slabs(self) -> None:
+        if self.slabs and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies out of the slabs are done before they are unregistered
+        slabs, self.slabs = self.slabs, []
+        for _, free in slabs:
+            free()
+
+    def close(self) -> None:
+        """Every slab given back (unregistered before its memory can be freed: a registration left on freed memory
+        makes the driver refuse, or misdirect, the next registration of those addresses). Copies still held stay
+        readable, as ordinary memory."""
+        with self.lock:
+            self._free_slabs()
+            self.slab = self.offset = self.used = 0
+            self.shared.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the driver may be gone already
+            self.close()
 
 
 _ARENA: HostArena | None = None
@@ -166,6 +186,14 @@ def arena() -> HostArena:
     if _ARENA is None:
         _ARENA = HostArena()
     return _ARENA
+
+
+def reset_arena() -> None:
+    """The process's arena closed (its slabs unregistered) and a fresh one made at the next offload."""
+    global _ARENA
+    if _ARENA is not None:
+        _ARENA.close()
+    _ARENA = None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
