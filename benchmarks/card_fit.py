@@ -51,6 +51,7 @@ ORDER = [
     "flux-full-24gb",
     "wan-1.3b-lora-8gb",
     "wan-1.3b-full-24gb",
+    "wan-14b-lora-24gb",
 ]
 
 OVERHEAD = """
