@@ -262,3 +262,61 @@ def test_an_arena_given_up_unregisters_every_slab_once():
     ao._ARENA.store(x)
     ao.reset_arena()
     assert pins.freed == 3 and ao._ARENA is None
+
+
+@pytest.fixture
+def _budget():
+    from difftrain.memory import pinned
+
+    yield pinned
+    pinned.configure(None)  # the next test starts from the default (no cap)
+
+
+def test_the_arena_slabs_count_against_pinned_limit_gib_and_give_their_bytes_back(_budget, capsys, monkeypatch):
+    """memory.pinned_limit_gib caps the arena's slabs together with block swap's: a slab past it is pageable (said
+    once), and a slab freed (regrouped, closed) gives its bytes back, so a later one pins again."""
+    from difftrain.memory.activation_offload import ALIGN, HostArena
+
+    pinned = _budget
+    monkeypatch.setattr(pinned, "SLAB", 64 * 1024)  # block swap's slabs, small enough to show the shared cap
+    swap_pins: list[int] = []
+    pinned.configure(100_000 / 2**30, pin=lambda n: swap_pins.append(n) or torch.empty(n, dtype=torch.uint8))
+    b = pinned.budget()
+    slab = -(-66_000 // ALIGN) * ALIGN
+    x, y = torch.randn(1000, 33).to(torch.bfloat16), torch.randn(1000, 33).to(torch.bfloat16)  # 66 000 bytes each
+    pins = _Pins()
+    a = HostArena(pin=pins)
+    held = [a.store(x), a.store(y), a.store(x + 1)]  # room for one slab, not two
+    assert pins.made == [slab] and b.taken_bytes == slab and len(a.slabs) == 3
+    assert torch.equal(held[0], x) and torch.equal(held[1], y) and torch.equal(held[2], x + 1)  # pageable, correct
+    assert capsys.readouterr().err.count("pinned_limit_gib") == 1 and len(b.warnings) == 1  # said once
+    del held
+    again = a.store(x)  # regrouped: the pinned slab given back; the round's one slab (3 copies) is past the cap
+    assert pins.freed == 1 and pins.made == [slab] and b.taken_bytes == 0 and torch.equal(again, x)
+    a.close()
+    assert b.taken_bytes == 0 and pins.freed == 1  # a pageable slab gives back nothing
+    c = HostArena(pin=pins)
+    kept = c.store(y)  # room again: pinned
+    assert pins.made == [slab, slab] and b.taken_bytes == slab and torch.equal(kept, y)
+    # block swap's host copies share the cap: its 64 KiB slab does not fit beside the arena's ...
+    assert not swap_pins and pinned.host_like(torch.randn(10_000), pinned=True).numel() == 10_000
+    assert swap_pins == [] and b.pageable_bytes == 40_000
+    c.close()
+    assert pins.freed == 2 and b.taken_bytes == 0
+    pinned.host_like(torch.randn(10_000), pinned=True)  # ... and does once the arena gave its slab back
+    assert swap_pins == [64 * 1024] and b.pinned_bytes == 64 * 1024
+    assert "pinned_limit_gib" not in capsys.readouterr().err  # no second warning
+
+
+def test_without_a_pinned_limit_every_arena_slab_is_pinned(_budget, capsys):
+    from difftrain.memory.activation_offload import ALIGN, HostArena
+
+    _budget.configure(None)
+    b = _budget.budget()
+    pins = _Pins()
+    a = HostArena(pin=pins)
+    held = [a.store(torch.randn(1000, 40)) for _ in range(5)]
+    assert len(pins.made) == 5 and b.taken_bytes == 5 * -(-160_000 // ALIGN) * ALIGN
+    assert b.warnings == [] and "pinned_limit_gib" not in capsys.readouterr().err
+    a.close()
+    assert pins.freed == 5 and b.taken_bytes == 0 and len(held) == 5

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..console import warn
+from . import pinned
 from .pinned import ALIGN  # every host copy starts on the boundary block swap's pinned slabs use
 
 #: inputs smaller than this stay where they are (the timestep embedding is small)
@@ -85,6 +86,8 @@ class HostArena:
     one slab of the whole round's size, made at the next round's first copy (after the GPU finished reading the old
     ones), so a steady run holds one slab of exactly the most a step offloaded. A tensor given to several blocks in
     one round (Wan's rotary tables and text) is copied once. ``pin`` makes a slab (tests on CPU pass a stand-in).
+    The slabs count against memory.pinned_limit_gib (the process's ``pinned.budget()``, shared with block swap and
+    the CPU-offload optimizer): past it a slab is pageable memory, said once.
     """
 
     def __init__(self, pin: Callable[[int], tuple[torch.Tensor, Callable[[], None]]] = _pin_exact) -> None:
@@ -137,10 +140,30 @@ class HostArena:
         if self.slabs:
             self.regroup = True  # this round outgrew the slabs: one slab of its size next round
         size = max(a, self.high - self.used) if not self.slabs else a
-        self.slabs.append(self.pin(size))
+        self.slabs.append(self._new_slab(size))
         self.slab, self.offset = len(self.slabs) - 1, a
         self.used += a
         return self.slabs[-1][0][:a]
+
+    def _new_slab(self, size: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A slab pinned while the process's pinned budget has room (its bytes given back when it is freed), else
+        pageable (correct; its copies wait). Elsewhere than Linux torch's allocator pins it, rounded up to a power
+        of two: that is what it counts."""
+        budget = pinned.budget()
+        cost = size if sys.platform == "linux" else pinned._pow2(size)
+        if not budget.take(cost):
+            return torch.empty(size, dtype=torch.uint8), lambda: None
+        try:
+            buf, free = self.pin(size)
+        except BaseException:
+            budget.give_back(cost)
+            raise
+
+        def unpin() -> None:
+            free()
+            budget.give_back(cost)
+
+        return buf, unpin
 
     def _release(self) -> None:
         with self.lock:

@@ -1,4 +1,5 @@
-"""Pinned host memory under a cap: block swap's host copies and the CPU-offload optimizer's host buffers.
+"""Pinned host memory under a cap: block swap's host copies, the CPU-offload optimizer's host buffers and the offloaded
+checkpoints' arena (activation_offload.py, which pins its own slabs and takes their bytes from the budget: ``take``).
 
 Pinned (page-locked) memory lets a copy to or from the GPU run on a side stream, overlapped with compute. An OS
 may limit it: Windows under WDDM lets a process pin only part of the RAM, and there a large block swap or CPU
@@ -47,6 +48,7 @@ class PinnedBudget:
         self.limit = None if limit_gib is None else int(limit_gib * GIB)
         self.pin = pin
         self.pinned_bytes = 0  # what the slabs pin (the views in them take less: ``used_bytes``)
+        self.taken_bytes = 0  # what others pin against the cap: the offloaded checkpoints' arena (``take``)
         self.used_bytes = 0
         self.pageable_bytes = 0
         self.warnings: list[str] = []
@@ -55,8 +57,9 @@ class PinnedBudget:
     def _fallback(self, why: str) -> None:
         if not self.warnings:  # once a process
             msg = (
-                f"{why}: the remaining host copies of block swap and the CPU-offload optimizer use pageable memory "
-                "(correct, but their copies to the GPU wait instead of overlapping the compute)."
+                f"{why}: the remaining host copies of block swap, the CPU-offload optimizer and the offloaded "
+                "checkpoints use pageable memory (correct, but their copies to the GPU wait instead of overlapping "
+                "the compute)."
             )
             self.warnings.append(msg)
             warn(msg)
@@ -64,11 +67,11 @@ class PinnedBudget:
     def _new_slab(self, nbytes: int) -> list | None:
         size = max(SLAB, _pow2(nbytes))
         if self.limit is not None:
-            room = self.limit - self.pinned_bytes
+            room = self.limit - self.pinned_bytes - self.taken_bytes
             while size > nbytes and size > room:  # a smaller power of two that still holds the tensor
                 size //= 2
             if size < nbytes or size > room:
-                self._fallback(f"pinned host memory reached memory.pinned_limit_gib ({self.limit / GIB:g} GiB)")
+                self._capped()
                 return None
         try:
             buf = self.pin(size)
@@ -79,6 +82,23 @@ class PinnedBudget:
         slab = [buf, 0]
         self.slabs.append(slab)
         return slab
+
+    def _capped(self) -> None:
+        assert self.limit is not None
+        self._fallback(f"pinned host memory reached memory.pinned_limit_gib ({self.limit / GIB:g} GiB)")
+
+    def take(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` that the caller pins itself fit under the cap; if so they count until ``give_back``.
+        If not, the caller uses pageable memory (said once, as for the budget's own slabs)."""
+        if self.limit is not None and self.pinned_bytes + self.taken_bytes + nbytes > self.limit:
+            self._capped()
+            return False
+        self.taken_bytes += nbytes
+        return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Bytes ``take`` counted, unpinned by their owner."""
+        self.taken_bytes -= nbytes
 
     def _carve(self, t: torch.Tensor, nbytes: int) -> torch.Tensor | None:
         slab = next((s for s in self.slabs if s[1] + nbytes <= s[0].numel()), None) or self._new_slab(nbytes)
