@@ -137,3 +137,111 @@ def test_an_experts_lora_is_refused_by_the_other_expert(tmp_path):
         with pytest.raises(CheckpointError, match="trained for the high_noise expert") as e:
             read_lora_file(f, ModelConfig(path=tmp_path, expert=expert), WanI2V(), ["transformer"])
         assert "model.expert: high_noise" in e.value.hint
+
+
+# ------------------------------------------------------------------ TI2V-5B's image-to-video mode (in place)
+@pytest.fixture(scope="module")
+def tiny_ti2v(tmp_path_factory):
+    return WanI2V().build_tiny(tmp_path_factory.mktemp("ti2v") / "m", seed=0, config="wan-tiny-ti2v")
+
+
+def test_ti2v_conditions_in_place_as_the_pipeline_with_expand_timesteps(tiny_ti2v):
+    """The start frame's latents are the clip's own first latent frame (the pipeline encodes the image alone: the
+    same, the VAE being causal); the transformer reads the latents with that frame clean and timestep 0 for each
+    of its tokens, as WanImageToVideoPipeline's denoising loop with expand_timesteps builds them."""
+    from diffusers import WanImageToVideoPipeline
+
+    fam = WanI2V()
+    mcfg = ModelConfig(path=tiny_ti2v, config="wan-tiny-ti2v")
+    comps = fam.load(mcfg, ["vae"])
+    g = torch.Generator().manual_seed(0)
+    video = torch.rand(1, 3, 9, 64, 96, generator=g) * 2 - 1
+    assert fam.image_condition_entries(comps, video) == {}  # nothing more cached
+    latents = fam.encode_images(comps, video)
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny_ti2v)
+    assert pipe.config.expand_timesteps
+    noise, cond, first_mask = pipe.prepare_latents(
+        video[:, :, 0], 1, 48, 64, 96, 9, torch.float32, torch.device("cpu"), generator=torch.Generator().manual_seed(1)
+    )
+    assert cond.shape == (1, 48, 1, 4, 6) and latents.shape == (1, 48, 3, 4, 6)
+    torch.testing.assert_close(latents[:, :, :1], cond, atol=1e-4, rtol=1e-4)
+    keep = fam.kept_clean(latents)
+    assert keep is not None and keep.flatten().tolist() == [True, False, False]
+    assert fam.kept_clean(torch.zeros(1, 16, 3, 4, 6)) is None  # 2.1 / 2.2 I2V: channels, not in place
+    tr = fam.load(mcfg, ["transformer"])["transformer"]
+    text = torch.randn(1, 512, 32, generator=g)
+    t = torch.tensor([700.0])
+    model_input = (1 - first_mask) * cond + first_mask * noise  # the pipeline's latent_model_input
+    with torch.no_grad():
+        got = fam.denoise(tr, torch.where(keep, latents, noise), t, {"prompt_embeds": text})
+        want = tr(
+            hidden_states=model_input,
+            timestep=(first_mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0),
+            encoder_hidden_states=text,
+            return_dict=False,
+        )[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(DataError, match="one-frame item"):
+        fam.image_condition_entries(comps, torch.zeros(1, 3, 64, 96))
+
+
+def test_the_objective_keeps_ti2vs_start_frame_clean_and_out_of_the_loss(tiny_ti2v):
+    """The noisy input's first latent frame is the clean one; what the model predicts there does not change the
+    loss, which is the mean over the other frames."""
+    from difftrain.trainers.objectives import Draws, Objective
+
+    fam = WanI2V()
+    cfg = resolve(
+        recipe="tiny-wan-lora",
+        sets=[f"model.path={tiny_ti2v}", "data.dir=.", "family=wan-i2v", "model.config=wan-tiny-ti2v"],
+    ).config
+    obj = Objective(
+        cfg, fam, fam.training_scheduler(cfg.model), Draws(torch.Generator(), torch.device("cpu")), torch.float32, None
+    )
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, 48, 3, 4, 6, generator=g)
+    seen = {}
+
+    def fake_denoise(den, noisy, t, batch):
+        seen["noisy"] = noisy
+        return den(noisy)
+
+    fam.denoise = fake_denoise  # type: ignore[method-assign]  # this instance only
+    noise, q = torch.randn(latents.shape, generator=g), torch.tensor([0.3, 0.8])
+    pred = torch.randn(latents.shape, generator=g)
+    base = obj.loss(lambda x: pred, {"latents": latents}, fixed=(noise, q), per_sample=True)
+    torch.testing.assert_close(seen["noisy"][:, :, 0], latents[:, :, 0])
+    assert not torch.allclose(seen["noisy"][:, :, 1:], latents[:, :, 1:])
+    other = pred.clone()
+    other[:, :, 0] += 100.0  # the start frame's prediction: not learned
+    torch.testing.assert_close(obj.loss(lambda x: other, {"latents": latents}, fixed=(noise, q), per_sample=True), base)
+    _, _, target, _ = obj.flow_inputs(latents, noise, q)
+    want = (pred[:, :, 1:] - target[:, :, 1:]).square().mean(dim=(1, 2, 3, 4))
+    torch.testing.assert_close(base, want)
+
+
+@pytest.mark.slow
+def test_ti2v_trains_image_to_video_on_clips_and_its_lora_loads_into_the_i2v_pipeline(tiny_ti2v, clips, tmp_path):
+    from diffusers import WanImageToVideoPipeline
+
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    sets = tiny_sets(
+        tiny_ti2v,
+        clips,
+        tmp_path,
+        **{
+            "family": "wan-i2v",
+            "model.config": "wan-tiny-ti2v",
+            "train.max_steps": 2,
+            "data.bucket_step": 32,
+            "data.resolution": 64,
+        },
+    )
+    cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+    precompute(cfg)
+    r = train(cfg)
+    assert len(r.losses) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+    pipe = WanImageToVideoPipeline.from_pretrained(tiny_ti2v)
+    pipe.load_lora_weights(str(r.lora_path))

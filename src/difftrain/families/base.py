@@ -134,6 +134,12 @@ class ModelFamily(ABC):
         ``generator``). Other families: ``batch`` as it is, and nothing drawn."""
         return batch
 
+    def kept_clean(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """Where the noisy input keeps the clean latents: a bool mask broadcastable to ``latents`` (the conditioning
+        frames of a model that conditions in place: Wan2.2 TI2V-5B's first frame in image-to-video); those
+        positions are left out of the loss. None: every latent is noised and learned (every other family)."""
+        return None
+
     # loading
     @abstractmethod
     def load(

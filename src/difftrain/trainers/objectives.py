@@ -181,6 +181,9 @@ class Objective:
         q = fixed[1] if fixed is not None else None
         inputs = self.flow_inputs if self.family.objective == "flow" else self.ddpm_inputs
         noisy, timesteps, target, weight = inputs(latents, noise, q)
+        keep = self.family.kept_clean(latents)  # conditioning in place (TI2V's first frame): clean, not learned
+        if keep is not None:
+            noisy = torch.where(keep, latents, noisy)
         if fixed is not None:
             weight = None
         amp = self.amp_dtype
@@ -194,7 +197,13 @@ class Objective:
                 for k, v in batch.items()
             }
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
-        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=list(range(1, pred.ndim)))
+        err = F.mse_loss(pred.float(), target.float(), reduction="none")
+        dims = list(range(1, pred.ndim))
+        if keep is None:
+            loss = err.mean(dim=dims)
+        else:  # the mean over the positions learned
+            learn = (~keep).expand_as(err).to(err.dtype)
+            loss = (err * learn).sum(dim=dims) / learn.sum(dim=dims).clamp_min(1)
         if weight is not None:
             loss = loss * weight
         return loss if per_sample else loss.mean()

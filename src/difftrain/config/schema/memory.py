@@ -248,7 +248,7 @@ class MemoryConfig(Strict):
     pinned_limit_gib: float | None = Field(
         default=None,
         gt=0,
-        description="most host memory to pin (block swap, CPU-offload optimizer); past it, pageable copies. Windows "
+        description="most host memory to pin (block swap, CPU-offload optimizer, offloaded checkpoints); past it, pageable copies. Windows "
         "(WDDM) limits what a process may pin: set it there if pinning fails",
     )
     expandable_segments: bool | None = Field(

@@ -1,5 +1,5 @@
-"""Wan image to video ("wan-i2v"): Wan2.1 I2V-14B (480P and 720P: one architecture) and Wan2.2 I2V-A14B (two
-experts, one per run as for T2V-A14B).
+"""Wan image to video ("wan-i2v"): Wan2.1 I2V-14B (480P and 720P: one architecture), Wan2.2 I2V-A14B (two
+experts, one per run as for T2V-A14B) and Wan2.2 TI2V-5B's image-to-video mode.
 
 Conditioning, as WanImageToVideoPipeline builds it: the clip's first frame followed by F - 1 black frames (pixel
 zeros, not zero latents: the VAE maps black to something else) is encoded (the posterior mean) and normalised like
@@ -13,6 +13,12 @@ A one-frame item (an image) has nothing to learn here (its condition is its targ
 the item is named. The CLIP encoder (and its image processor) loads with the VAE, the part precompute encodes
 pixels with, so the latent stage needs nothing else; its weights are part of the latents' cache key (the VAE's
 fingerprint covers both).
+
+TI2V-5B conditions in place, as WanImageToVideoPipeline runs it with ``expand_timesteps``: its input is the noisy
+latents with the first latent frame replaced by the start frame's clean latents, and every token of that frame
+gets timestep 0 (the others the step's). The start frame's latents are the clip's own first latent frame (the
+causal VAE encodes the first frame alone: the same as the pipeline's encoding of the image, tested), so nothing
+more is cached; the objective keeps that frame clean and leaves it out of the loss (``kept_clean``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ def _has_clip(transformer_cfg: dict) -> bool:
     return bool(transformer_cfg.get("image_dim"))
 
 
+#: TI2V-5B's latent channels (the 2.2 VAE's z_dim; its transformer takes them alone, in_channels 48)
+TI2V_CHANNELS = 48
+
+
+def _ti2v(transformer_cfg) -> bool:
+    return int(transformer_cfg.get("in_channels", 16)) == TI2V_CHANNELS
+
+
 class WanI2V(Wan):
     """Image-to-video Wan (2.1 I2V-14B with CLIP, 2.2 I2V-A14B)."""
 
@@ -48,11 +62,11 @@ class WanI2V(Wan):
     parts: ClassVar[tuple[str, ...]] = (*PARTS, "image_encoder")
 
     def _check_trainable(self, transformer_cfg, where: str) -> None:
-        if int(transformer_cfg.get("in_channels", 16)) != 36:
+        if int(transformer_cfg.get("in_channels", 16)) != 36 and not _ti2v(transformer_cfg):
             raise ModelLoadError(
                 f"{where} is a text-to-video Wan (transformer in_channels {transformer_cfg.get('in_channels')}), not "
-                "an image-to-video one (36: noisy latents, mask, first-frame latents).",
-                hint="Set family: wan for it, or give Wan2.1-I2V-14B / Wan2.2-I2V-A14B.",
+                "an image-to-video one (36: noisy latents, mask, first-frame latents; or TI2V-5B's 48).",
+                hint="Set family: wan for it, or give Wan2.1-I2V-14B / Wan2.2-I2V-A14B / Wan2.2-TI2V-5B.",
             )
 
     def clip(self, mcfg: ModelConfig) -> bool:
@@ -108,12 +122,8 @@ class WanI2V(Wan):
         return sha256_text(own, clip)
 
     # ------------------------------------------------------------ the image conditioning
-    def encode_first_frame(
-        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """Videos [B, 3, F, H, W] -> the condition latents [B, 16, (F - 1) / 4 + 1, h, w]: the first frame and
-        F - 1 black frames, encoded (posterior mean) and normalised, as WanImageToVideoPipeline.prepare_latents."""
-        vae = comps["vae"]
+    def _clip(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """The videos checked as Wan's, and refused when one is a single frame (an image)."""
         video = self._video(vae, pixels)
         if video.shape[2] == 1:
             raise DataError(
@@ -121,7 +131,19 @@ class WanI2V(Wan):
                 "none to learn.",
                 hint="Train image-to-video on clips only (move the images out of data.dir), or use family: wan.",
             )
+        return video
+
+    def encode_first_frame(
+        self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Videos [B, 3, F, H, W] -> the condition latents [B, 16, (F - 1) / 4 + 1, h, w]: the first frame and
+        F - 1 black frames, encoded (posterior mean) and normalised, as WanImageToVideoPipeline.prepare_latents.
+        TI2V-5B: the first frame alone [B, 48, 1, h, w], as that pipeline encodes the image with expand_timesteps."""
+        vae = comps["vae"]
+        video = self._clip(vae, pixels)
         first = video[:, :, :1]
+        if int(vae.config.z_dim) == TI2V_CHANNELS:
+            return self.encode_images(comps, first)
         cond = torch.cat([first, first.new_zeros(*first.shape[:2], video.shape[2] - 1, *first.shape[3:])], dim=2)
         return self.encode_images(comps, cond)
 
@@ -138,12 +160,17 @@ class WanI2V(Wan):
     def image_condition_entries(
         self, comps: dict[str, Any], pixels: torch.Tensor, generator: torch.Generator | None = None
     ) -> dict[str, torch.Tensor]:
+        if int(comps["vae"].config.z_dim) == TI2V_CHANNELS:
+            self._clip(comps["vae"], pixels)  # a one-frame item is refused
+            return {}  # TI2V: the clip's own first latent frame is its condition, already in the cache
         out = {"condition_latents": self.encode_first_frame(comps, pixels, generator)}
         if "image_encoder" in comps:
             out["image_embeds"] = self.clip_states(comps, pixels)
         return out
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if latent_entry["latents"].shape[0] == TI2V_CHANNELS:
+            return {}  # TI2V conditions in place on the clip's own first frame
         img = latent_entry.get("condition_latents")
         if img is None:
             raise CacheMismatch(
@@ -155,11 +182,32 @@ class WanI2V(Wan):
             out["image_embeds"] = latent_entry["image_embeds"]
         return out
 
+    def kept_clean(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """TI2V's first latent frame: the start frame, clean in the input and not learned."""
+        if latents.ndim != 5 or latents.shape[1] != TI2V_CHANNELS:
+            return None
+        keep = torch.zeros(1, 1, latents.shape[2], 1, 1, dtype=torch.bool, device=latents.device)
+        keep[:, :, 0] = True
+        return keep
+
     def denoise(
         self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """The flow prediction for noisy latents [B, 16, F, h, w]: the transformer reads [noisy, mask, condition]
-        on channels (the mask marks the first latent frame, four channels of it) and, for 2.1, the CLIP states."""
+        on channels (the mask marks the first latent frame, four channels of it) and, for 2.1, the CLIP states.
+        TI2V-5B (48 channels): the latents alone (their first frame already the clean start frame), with a
+        timestep per token, 0 for the first frame's, as the pipeline's expand_timesteps."""
+        if _ti2v(transformer.config):
+            b, _, f, h, w = noisy.shape
+            _, ph, pw = transformer.config.patch_size
+            per_token = torch.ones(f, h // ph, w // pw, device=noisy.device, dtype=timesteps.dtype)
+            per_token[0] = 0
+            return transformer(
+                hidden_states=noisy,
+                timestep=timesteps.view(-1, 1) * per_token.flatten().view(1, -1),
+                encoder_hidden_states=batch["prompt_embeds"],
+                return_dict=False,
+            )[0]
         cond = batch.get("condition_latents")
         if cond is None:
             raise CacheMismatch("Image-to-video Wan needs first-frame latents, and the batch has none.")
@@ -194,20 +242,23 @@ class WanI2V(Wan):
             scheduler=UniPCMultistepScheduler.from_config(self.scheduler_config(mcfg)),
             image_processor=comps.get("image_processor"),
             image_encoder=comps.get("image_encoder"),
+            expand_timesteps=_ti2v(comps["transformer"].config),
         )
 
     def cache_shapes(self, config_name: str, resolution=(480, 832), frames: int = 81):
         shapes = super().cache_shapes(config_name, resolution, frames)
-        shapes["latent"]["condition_latents"] = shapes["latent"]["latents"]
         cfgdir = self.config_dir(config_name)
+        if _ti2v(_read_json(cfgdir / "transformer" / "config.json")):
+            return shapes  # conditions on its own first latent frame: nothing more cached
+        shapes["latent"]["condition_latents"] = shapes["latent"]["latents"]
         if _has_clip(_read_json(cfgdir / "transformer" / "config.json")):
             width = _read_json(cfgdir / "image_encoder" / "config.json")["hidden_size"]
             shapes["latent"]["image_embeds"] = (CLIP_TOKENS, width)
         return shapes
 
     def build_tiny(self, folder: Path, seed: int = 0, config: str | None = None) -> Path:
-        """A tiny seeded image-to-video Wan: "wan-tiny-i2v" (2.1, with a tiny CLIP) or "wan-tiny-i2v-a14b"
-        (2.2: two experts, no CLIP), saved as WanImageToVideoPipeline saves it."""
+        """A tiny seeded image-to-video Wan: "wan-tiny-i2v" (2.1, with a tiny CLIP), "wan-tiny-i2v-a14b" (2.2: two
+        experts, no CLIP) or "wan-tiny-ti2v" (TI2V-5B's layout), saved as WanImageToVideoPipeline saves it."""
         import shutil
 
         import transformers
@@ -223,6 +274,8 @@ class WanI2V(Wan):
         if (cfgdir / "transformer_2").is_dir():
             comps["transformer_2"] = _new_module("transformer", _read_json(cfgdir / "transformer_2" / "config.json"))
             comps["boundary_ratio"] = _read_json(cfgdir / "model_index.json")["boundary_ratio"]
+        if _read_json(cfgdir / "model_index.json").get("expand_timesteps"):  # TI2V-5B's
+            comps["expand_timesteps"] = True
         if (cfgdir / "image_encoder").is_dir():
             cfg = _read_json(cfgdir / "image_encoder" / "config.json")
             comps["image_encoder"] = CLIPVisionModel(CLIPVisionConfig(**common.hf_config(cfg)))
