@@ -134,6 +134,11 @@ class ModelFamily(ABC):
         ``generator``). Other families: ``batch`` as it is, and nothing drawn."""
         return batch
 
+    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The cached entries of one text stage for a batch, stacked (a family whose entries differ in length,
+        Z-Image's unpadded Qwen3 states, pads them here and keeps the lengths)."""
+        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+
     def kept_clean(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Where the noisy input keeps the clean latents: a bool mask broadcastable to ``latents`` (the conditioning
         frames of a model that conditions in place: Wan2.2 TI2V-5B's first frame in image-to-video); those

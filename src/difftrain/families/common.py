@@ -405,39 +405,50 @@ def t5_precisions(
     t5: str,
     label: str,
     loaded_before: str,
+    encoder: str = "T5",
 ) -> tuple[dict, dict]:
-    """Per part: the float dtype, and (for the T5 part ``t5`` only) the bitsandbytes quantization, checked to be
-    possible on ``device`` before a byte is read. ``label`` names the family, ``loaded_before`` what T5 precedes."""
+    """Per part: the float dtype, and (for the big text encoder's part ``t5`` only) the bitsandbytes quantization,
+    checked to be possible on ``device`` before a byte is read. ``label`` names the family, ``loaded_before`` what
+    the encoder precedes, ``encoder`` the encoder in messages (T5, or Z-Image's Qwen3)."""
     dtypes, quant = dict.fromkeys(parts, dtype), {}
     for part, prec in (precision or {}).items():
         if part not in parts:
             continue
         if prec in QUANTIZED:
             if part != t5:
-                raise ConfigError(f"{prec} storage is offered for {label}'s T5 encoder only, not for {part}.")
+                raise ConfigError(f"{prec} storage is offered for {label}'s {encoder} encoder only, not for {part}.")
             quant[part] = prec
         elif prec in DTYPES:
             dtypes[part] = DTYPES[prec]
         else:
             raise ConfigError(f"Unknown precision {prec!r} for {part}.", hint="Use one of int8, nf4, bf16, fp16, fp32.")
     for prec in quant.values():
-        check_quantization(prec, device, loaded_before)
+        check_quantization(prec, device, loaded_before, encoder)
     return dtypes, quant
 
 
-def check_quantization(prec: str, device, loaded_before: str) -> None:
+#: the option that sets each big text encoder's precision, and its size in 16 bits
+_ENCODER_OPTION = {
+    "T5": ("text_encoders.t5.precision", "about 9.5 GB"),
+    "Qwen3": ("text_encoders.llm.precision", "about 8 GB"),
+}
+
+
+def check_quantization(prec: str, device, loaded_before: str, encoder: str = "T5") -> None:
     """int8/nf4 go through bitsandbytes, which needs CUDA: refuse early, offering a float precision."""
+    option, size = _ENCODER_OPTION.get(encoder, _ENCODER_OPTION["T5"])
+    hint = _T5_HINT if encoder == "T5" else f"set {option}: bf16"
     dev = torch.device(device)
     if dev.type != "cuda":
         raise BackendUnavailable(
-            f"T5 precision {prec} needs bitsandbytes on a CUDA GPU, but the T5 encoder would load on {dev}.",
-            hint=f"{_T5_HINT} (about 9.5 GB; it is loaded on its own, before {loaded_before}), "
+            f"{encoder} precision {prec} needs bitsandbytes on a CUDA GPU, but the {encoder} encoder would load on {dev}.",
+            hint=f"{hint} ({size}; it is loaded on its own, before {loaded_before}), "
             "or precompute on a machine with a CUDA GPU.",
         )
     if importlib.util.find_spec("bitsandbytes") is None:
         raise BackendUnavailable(
-            f"T5 precision {prec} needs bitsandbytes, which is not installed.",
-            hint=f"pip install 'difftrain[bnb]', or {_T5_HINT}.",
+            f"{encoder} precision {prec} needs bitsandbytes, which is not installed.",
+            hint=f"pip install 'difftrain[bnb]', or {hint}.",
         )
 
 

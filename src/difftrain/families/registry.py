@@ -45,6 +45,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("flux", "flux", "Flux", "flux-dev"),
     Registered("wan", "wan", "Wan", "wan2.1-t2v-1.3b"),
     Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b"),
+    Registered("zimage", "zimage", "ZImage", "z-image"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

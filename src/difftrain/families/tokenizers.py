@@ -108,3 +108,37 @@ def tiny_t5_tokenizer(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(folder)
     return folder
+
+
+#: a chat template that renders as Qwen3's does for one user message with the generation prompt (and thinking
+#: left on, as ZImagePipeline asks): "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+QWEN_TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tiny_qwen_tokenizer(folder: Path) -> Path:
+    """Write a tiny byte-level Qwen2 tokenizer (the 256 byte symbols, no merges, Qwen's three chat tokens: ids <
+    259) with a chat template rendering as Qwen3's, to ``folder``, offline. For tests and quickstart, where the
+    tiny Qwen3 has a 300-token embedding table."""
+    from transformers import Qwen2Tokenizer
+
+    folder = Path(folder)
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=1024,
+    )
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = QWEN_TINY_CHAT_TEMPLATE
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    return folder

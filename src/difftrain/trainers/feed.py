@@ -169,7 +169,7 @@ class Feed:
                 stages[stage] = self.encode_live(stage, captions)
             else:
                 entries = [self.cache.get(tx[stage]) for tx in texts]
-                stages[stage] = {k: to(torch.stack([e[k] for e in entries])) for k in entries[0]}
+                stages[stage] = {k: to(v) for k, v in fam.collate_text(stage, entries).items()}
         batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
 

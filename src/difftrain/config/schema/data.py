@@ -122,8 +122,20 @@ class T5Options(Strict):
     )
 
 
+class LLMOptions(Strict):
+    """A language model used as the text encoder (Z-Image's Qwen3-4B), used only at precompute time: its hidden
+    states are cached."""
+
+    precision: Literal["int8", "nf4", "bf16", "fp16", "fp32"] = Field(
+        default="int8",
+        description="int8/nf4 through bitsandbytes (CUDA only), so the encoder fits beside the rest; a float type "
+        "elsewhere",
+    )
+
+
 class TextEncodersConfig(Strict):
     t5: T5Options = Field(default_factory=T5Options)
+    llm: LLMOptions = Field(default_factory=LLMOptions)
 
 
 class DreamBoothConfig(Strict):

@@ -32,6 +32,11 @@ class ModelConfig(Strict):
         description="the T5 encoder's own file: Flux's t5xxl_fp16.safetensors, Wan's umt5_xxl_fp16.safetensors "
         "(fp8-stored ones too)",
     )
+    text_encoder: Path | None = Field(
+        default=None,
+        description="the language-model text encoder's own file: Z-Image's qwen_3_4b.safetensors (transformers' "
+        "names, with or without model.); its tokenizer from model.tokenizer_path",
+    )
     allow_pickle: bool = Field(default=False, description="allow .ckpt/.pt/.bin (loaded with weights_only=True)")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         default=None, description="override the scheduler's prediction type"

@@ -1,0 +1,629 @@
+"""Z-Image (Tongyi-MAI, 2025-26): a 6B single-stream DiT on the Flux.1 VAE's 16-channel latents, conditioned by
+Qwen3-4B's hidden states.
+
+Loads offline from a diffusers folder (or a Hub id: Tongyi-MAI/Z-Image, Tongyi-MAI/Z-Image-Turbo), or from the files
+ComfyUI users have: the transformer alone in the original names (``z_image_*.safetensors``, fp8-stored ones too) as
+model.path, with the VAE (Flux's ``ae.safetensors``) as model.ae, Qwen3-4B (``qwen_3_4b.safetensors``) as
+model.text_encoder and its tokenizer folder as model.tokenizer_path. Architectures are bundled in ``configs/``
+(z-image; z-image-tiny for tests).
+
+Trained with rectified flow as ZImagePipeline runs the model (``objective = "flow"``, the model's static shift 3):
+the transformer takes each sample's latents [16, 1, h, w] and its caption's Qwen3 states with the padding dropped
+(lists: samples of several lengths in one call), a timestep *reversed* against the other flow models (1 - sigma:
+1 is clean) and predicts x0 - noise, which ``denoise`` turns into the objective's noise - x0. The text: the caption
+in Qwen3's chat template (one user turn, generation prompt), 512 tokens at most, the second-to-last hidden state of
+its tokens; cached per caption without the padding (``collate_text`` pads a batch and keeps the lengths).
+
+Z-Image-Turbo is the distilled checkpoint people generate with (8 steps, no CFG); nothing in its files tells it from
+the base model, so a path naming Turbo is warned about: train on Z-Image (base) and use the LoRA on Turbo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ...config.schema import ModelConfig, TextEncodersConfig
+from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from .. import common, streaming
+from ..base import CachedItem, ModelFamily
+from ..common import hf_config as _hf_config
+from ..common import read_json as _read_json
+from . import single_file
+
+PARTS = ("transformer", "vae", "text_encoder")
+DEFAULT_CONFIG = "z-image"
+#: Qwen3 tokens a caption is encoded with, chat template included (ZImagePipeline's max_sequence_length)
+TEXT_TOKENS = 512
+SAVE_AS: dict[str, str | tuple[str, str]] = {
+    "transformer": "ZImageTransformer2DModel",
+    "vae": "AutoencoderKL",
+    "text_encoder": ("Qwen3Model", "qwen3"),
+}
+#: model.<option> naming a part's own file, and what the part is called in messages
+FILE_OPTION = {"vae": "ae", "text_encoder": "text_encoder"}
+LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "Qwen3 text encoder"}
+FILE_EXAMPLE = {"vae": "ae.safetensors, Flux.1's VAE", "text_encoder": "qwen_3_4b.safetensors"}
+_WARNED: list[str] = []
+
+
+def known_configs() -> list[str]:
+    return common.config_names("z-image")
+
+
+def bundled_config_dir(name: str | None) -> Path:
+    return common.bundled_dir(name or DEFAULT_CONFIG, "Z-Image", known_configs, prefix="z-image")
+
+
+def _new_module(part: str, cfg: dict):
+    """A component built from its config (random weights; on the meta device inside ``torch.device("meta")``)."""
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    if part == "transformer":
+        return ZImageTransformer2DModel.from_config(cfg)
+    if part == "vae":
+        return AutoencoderKL.from_config(cfg)
+    return Qwen3Model(Qwen3Config(**_hf_config(cfg)))
+
+
+def _warn_turbo(mcfg: ModelConfig) -> None:
+    names = " ".join(str(x) for x in (mcfg.path, mcfg.config) if x is not None)
+    if "turbo" in names.lower() and not _WARNED:
+        from ...console import warn
+
+        _WARNED.append(names)
+        warn(
+            f"{names}: Z-Image-Turbo is the distilled checkpoint (8 steps, no CFG); training on it wears its "
+            "distillation away. Train on Z-Image (the base model, Tongyi-MAI/Z-Image) and use the LoRA on Turbo."
+        )
+
+
+class ZImage(ModelFamily):
+    name = "zimage"
+    image_encoder = "vae"
+    text_encoders = ("text_encoder",)
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"qwen3": ("text_encoder",)}
+    denoiser = "transformer"
+    parts = PARTS
+    objective = "flow"
+    repeated_blocks = ("ZImageTransformerBlock",)
+    tiny_recipe = "tiny-zimage-lora"
+    tiny_config = "z-image-tiny"
+    # not measured on Z-Image: Flux's figures scaled by the transformer's size (6.2 / 11.9 B)
+    compile_cost: ClassVar[Mapping[str, float]] = {
+        "cold_s": 30.0,
+        "warm_s": 12.0,
+        "saved_s": 0.4,
+        "saved_s_no_graphs": 0.25,
+        "dynamic_s": 40.0,
+        "shape_s": 0.0,
+        "record_s": 2.0,
+    }
+    #: the attention and the SwiGLU feed-forward of every block (the main layers and both refiners), as ai-toolkit
+    #: and musubi-tuner train it
+    default_lora_targets = (
+        "attention.to_q",
+        "attention.to_k",
+        "attention.to_v",
+        "attention.to_out.0",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    )
+    text_encoder_lora_targets = ()
+    trainable_text_encoders = ()  # Qwen3 only ever encodes for the cache
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "transformer": ("all_x_embedder*", "t_embedder*", "cap_embedder*", "all_final_layer*")
+    }
+    # lora merge writes every part's single-file layout; Z-Image's files hold the transformer alone (not built yet)
+    mergeable = False
+    kohya_layout = True
+    #: the names ComfyUI loads (its Z-Image model: lora_unet_ + the original module path; the fused qkv)
+    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
+    kohya_base_version = "z_image"
+    modelspec_lora_architecture = "z-image/lora"
+    single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": single_file.PREFIX}
+
+    # ------------------------------------------------------------ sources
+    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
+        return common.resolve_source(
+            mcfg,
+            parts=self.parts,
+            no_model_hint="Set model.path to a diffusers Z-Image folder, a Hub id (--set model.path=Tongyi-MAI/Z-Image) "
+            "or the transformer file (z_image_bf16.safetensors, with model.ae, model.text_encoder and "
+            "model.tokenizer_path for the other parts).",
+            missing_hint="Point model.path at a diffusers Z-Image folder (with transformer/, vae/, text_encoder/, "
+            "tokenizer/) or a Z-Image .safetensors file.",
+            check_folder=lambda p: common.require_subfolder(p, "transformer", "Z-Image"),
+        )
+
+    def architecture(self, mcfg: ModelConfig) -> str:
+        return mcfg.config or DEFAULT_CONFIG
+
+    def config_dir(self, name: str | None) -> Path:
+        return bundled_config_dir(name)
+
+    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        """A part's config: a diffusers source folder's, else the bundled architecture's."""
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", Path())
+        f = p / part / "config.json"
+        if kind == "diffusers" and f.exists():
+            return _read_json(f)
+        return _read_json(bundled_config_dir(self.architecture(mcfg)) / part / "config.json")
+
+    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
+        """model.ae / model.text_encoder: a part's own file (over a folder's part too), checked."""
+        option = FILE_OPTION.get(part)
+        own = getattr(mcfg, option) if option else None
+        if own is None:
+            return None
+        f = Path(own).expanduser()
+        if not f.is_file():
+            raise ModelLoadError(
+                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
+            )
+        if f.suffix.lower() != ".safetensors":
+            raise UnsafeCheckpoint(
+                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
+                hint="Use the .safetensors file.",
+            )
+        return f
+
+    def scheduler_config(self, mcfg: ModelConfig) -> dict:
+        if mcfg.prediction_type is not None:
+            raise ConfigError(
+                f"model.prediction_type={mcfg.prediction_type} does not apply to Z-Image, which is trained by "
+                "rectified flow.",
+                hint="Remove model.prediction_type.",
+            )
+        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", Path())
+        base = p if kind == "diffusers" and (p / "scheduler").is_dir() else bundled_config_dir(self.architecture(mcfg))
+        return _read_json(base / "scheduler" / "scheduler_config.json")
+
+    def training_scheduler(self, mcfg: ModelConfig):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+
+    # ------------------------------------------------------------ loading
+    def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
+        from transformers import AutoTokenizer
+
+        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
+        if base is None:
+            raise ModelLoadError(
+                "Qwen3's tokenizer is in no model file.",
+                hint="Set model.tokenizer_path to a folder with Qwen3's tokenizer (tokenizer.json, tokenizer_config.json: "
+                "the tokenizer/ folder of a diffusers Z-Image download, or Qwen3-4B's own folder).",
+            )
+        folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
+        if not (folder / "tokenizer_config.json").is_file():
+            raise ModelLoadError(
+                f"No Qwen3 tokenizer in {folder} (no tokenizer_config.json).",
+                hint="Point model.tokenizer_path at the tokenizer/ folder of a diffusers Z-Image download.",
+            )
+        return AutoTokenizer.from_pretrained(folder)
+
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
+        """Load the named parts on ``device`` (Qwen3's tokenizer with the text encoder); ``precision`` may store
+        Qwen3 in int8 | nf4 (bitsandbytes, CUDA) or another float type."""
+        from diffusers import AutoencoderKL, ZImageTransformer2DModel
+        from transformers import Qwen3Model
+
+        parts = list(parts)
+        common.check_parts("Z-Image", parts, PARTS)
+        kind, p = self._source(mcfg)
+        if "transformer" in parts:
+            _warn_turbo(mcfg)
+        dtypes, quant = common.t5_precisions(
+            parts,
+            dtype,
+            precision,
+            device,
+            t5="text_encoder",
+            label="Z-Image",
+            loaded_before="the VAE and the transformer",
+            encoder="Qwen3",
+        )
+        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
+        rest = [part for part in parts if part not in own]
+        toks = {"tokenizer": self._tokenizer(kind, p, mcfg)} if tokenizers and "text_encoder" in parts else {}
+        if kind == "diffusers":
+            classes = {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
+            comps = common.load_diffusers_parts(
+                p, rest, classes, dtypes, device, lambda _: "Is it a complete Z-Image folder?", quant, check_first=True
+            )
+        else:
+            missing = [part for part in rest if part != "transformer"]
+            if missing:
+                raise ModelLoadError(
+                    f"{p.name} holds the Z-Image transformer only; it has no {', '.join(LABELS[m] for m in missing)} "
+                    "weights.",
+                    hint="Give the parts' own files as ComfyUI users have them (model.ae=ae.safetensors, "
+                    "model.text_encoder=qwen_3_4b.safetensors, model.tokenizer_path=a folder with Qwen3's tokenizer), "
+                    "or set model.path to a diffusers Z-Image folder.",
+                )
+            comps = (
+                {"transformer": self._load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
+                if rest
+                else {}
+            )
+        for part, f in own.items():
+            comps[part] = self._load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
+        common.freeze(comps, parts, device, quant)
+        comps.update(toks)
+        return comps
+
+    def _mismatch(self, f: Path, part: str, mcfg: ModelConfig):
+        def mismatch(what: str) -> ModelLoadError:
+            return ModelLoadError(
+                f"{f.name} does not fit the bundled Z-Image architecture {self.architecture(mcfg)!r} for the "
+                f"{LABELS[part]}: {what}",
+                hint=f"Is it a Z-Image {LABELS[part]} file? (bundled: {', '.join(known_configs())})",
+            )
+
+        return mismatch
+
+    def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
+        """The transformer from a file in the original names, streamed: each tensor read, renamed (a fused qkv
+        split) and set before the next."""
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint(kind, p)
+        if not single_file.is_zimage_file(keys):
+            raise ModelLoadError(
+                f"{p.name} does not look like a Z-Image transformer (no layers.0.adaLN_modulation / cap_embedder / "
+                "pad tokens).",
+                hint="Give z_image_bf16.safetensors (or an fp8 copy) or a diffusers Z-Image folder; another model's "
+                "file needs its own family.",
+            )
+        config = _read_json(bundled_config_dir(self.architecture(mcfg)) / "transformer" / "config.json")
+        read = common.single_file_reader(get, dtype, device, False, False)
+        with init_empty_weights(include_buffers=False):
+            module = _new_module("transformer", config)
+        names = [k for k in keys if k.removeprefix(single_file.PREFIX) not in single_file.DROPPED]
+        tensors = single_file.transformer_tensors(names, read)
+        streaming.fill(module, "transformer", tensors, self._mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        return module
+
+    def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
+        """The VAE (Flux.1's ae.safetensors: LDM names, or diffusers') or Qwen3 (transformers' names, with or
+        without ``model.``; a language-model head is left out) from a file of its own."""
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint("single", f)
+        config = self.part_config(mcfg, part)
+        read = common.single_file_reader(get, dtype, device, quant is not None, False)
+        if part == "vae":
+            sd = {k.removeprefix("vae."): read(k) for k in keys}
+            if "encoder.conv_in.weight" in sd and "encoder.down.0.block.0.conv1.weight" in sd:
+                from diffusers.loaders import single_file_utils as sfu
+
+                sd = sfu.convert_ldm_vae_checkpoint(sd, config)
+        else:
+            sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+            if quant is not None:
+                from transformers import Qwen3Config, Qwen3Model
+
+                return common.quantized_t5_from_state_dict(
+                    sd, config, quant, dtype, device, config_cls=Qwen3Config, model_cls=Qwen3Model
+                )
+        with init_empty_weights(include_buffers=False):
+            module = _new_module(part, config)
+        common.assign_state_dict(module, sd, self._mismatch(f, part, mcfg))
+        return module
+
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        return _new_module(part, self.part_config(mcfg, part))
+
+    def recognises_folder(self, folder: Path, class_name: str) -> bool:
+        return class_name.startswith("ZImage")
+
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        return single_file.is_zimage_file(keys)
+
+    def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        return DEFAULT_CONFIG if single_file.is_zimage_file(keys) else None
+
+    def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
+        return ["transformer"] if single_file.is_zimage_file(keys) else []
+
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        own = self._own_file(mcfg, part)
+        if own is not None:
+            return common.hash_files(self.name, part, [own], memo)
+        kind, p = self._source(mcfg)
+        if kind == "diffusers":
+            return common.hash_files(
+                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
+            )
+        if part != "transformer":
+            raise ModelLoadError(f"{p.name} holds the Z-Image transformer only; give the {LABELS[part]}'s own file.")
+        return common.hash_files(self.name, part, [p], memo)
+
+    @staticmethod
+    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
+        return common.module_configs(comps, PARTS)
+
+    # ------------------------------------------------------------ LoRA names
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        """The transformer's modules by their original paths (``layers.0.attention.out``), as ComfyUI names
+        them; q, k and v are one fused ``qkv`` there (``kohya_fused``)."""
+        if part != "transformer":
+            raise ConfigError(f"Z-Image LoRAs adapt the transformer only, not {part}.")
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        return common.adaptable_paths(module, single_file.module_to_original)
+
+    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+        """Original ``...attention.qkv`` -> (to_q, to_k, to_v) with their output widths, stacked in that order."""
+        if part != "transformer":
+            return {}
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        mods = dict(module.named_modules())
+        return {
+            qkv: (tuple((m, int(mods[m].weight.shape[0])) for m in members), False)
+            for qkv, members in single_file.fused_qkv(list(mods)).items()
+        }
+
+    # ------------------------------------------------------------ memory hints
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
+        bundled = bundled_config_dir(self.architecture(mcfg))
+        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
+        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        return common.image_memory_hints(
+            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
+
+    # ------------------------------------------------------------ encoding
+    def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
+        """The posterior mean, shifted and scaled as ZImagePipeline decodes it back (Flux.1's VAE: 0.1159, 0.3611)."""
+        return common.vae_latents(comps["vae"], pixels)
+
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
+    ) -> dict[str, Any]:
+        """qwen3 -> prompt_embeds: per caption [L_i, 2560] (float32), Qwen3's second-to-last hidden state of the
+        caption's tokens in the chat template, the padding dropped (ZImagePipeline._encode_prompt)."""
+        if stage != "qwen3":
+            raise ConfigError(f"Z-Image has no text stage {stage!r}.", hint="Its one stage is qwen3.")
+        tok, te = comps["tokenizer"], comps["text_encoder"]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            )
+            for c in captions
+        ]
+        enc = tok(texts, padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt")
+        long = [c for c, n in zip(captions, tok(texts).input_ids) if len(n) > TEXT_TOKENS]
+        if long:
+            from ...console import warn
+
+            warn(
+                f"{len(long)} caption(s) longer than Z-Image's {TEXT_TOKENS} Qwen3 tokens (chat template included) "
+                f"are cut to it, e.g. {long[0][:60]!r}..."
+            )
+        mask = enc.attention_mask.to(te.device).bool()
+        hidden = te(input_ids=enc.input_ids.to(te.device), attention_mask=mask, output_hidden_states=True)
+        states = hidden.hidden_states[-2].float()
+        return {"prompt_embeds": [states[i][mask[i]] for i in range(len(captions))]}
+
+    def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
+        return f"qwen3:{options.llm.precision}:{TEXT_TOKENS}:chat:hidden-2" if stage == "qwen3" else ""
+
+    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
+        return {"text_encoder": options.llm.precision} if stage == "qwen3" else None
+
+    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
+        return ["qwen3"]
+
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
+        states = [e["prompt_embeds"] for e in entries]
+        n = max(s.shape[0] for s in states)
+        padded = torch.zeros(len(states), n, states[0].shape[-1], dtype=states[0].dtype)
+        for i, s in enumerate(states):
+            padded[i, : s.shape[0]] = s
+        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
+
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
+        return dict(stages["qwen3"])
+
+    # ------------------------------------------------------------ training
+    def denoise(
+        self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The flow prediction (noise - x0) for noisy latents [B, 16, h, w]: the transformer takes the samples and
+        their captions' states (padding dropped) as lists and the reversed timestep 1 - sigma, and predicts
+        x0 - noise (ZImagePipeline negates it too)."""
+        b, _, h, w = noisy.shape
+        if h % 2 or w % 2:
+            raise ConfigError(
+                f"A Z-Image latent of {h}x{w} cannot be cut into 2x2 patches.",
+                hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
+            )
+        text, lengths = batch["prompt_embeds"], batch["prompt_length"].tolist()
+        out = transformer(
+            list(noisy.unsqueeze(2).unbind(0)),
+            1 - timesteps / 1000,
+            [text[i, : int(lengths[i])] for i in range(b)],
+            return_dict=False,
+        )[0]
+        return -torch.stack(out).squeeze(2)
+
+    def swap_blocks(self, transformer) -> list[torch.nn.Module]:
+        return list(transformer.layers)
+
+    # ------------------------------------------------------------ pipelines and export
+    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
+        from diffusers import ZImagePipeline
+
+        return ZImagePipeline(
+            scheduler=self.training_scheduler(mcfg),
+            vae=comps["vae"],
+            text_encoder=comps["text_encoder"],
+            tokenizer=comps["tokenizer"],
+            transformer=comps["transformer"],
+        )
+
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
+        """pytorch_lora_weights.safetensors as ZImagePipeline.load_lora_weights reads it (the peft config in the
+        header, so the loader uses the trained alpha)."""
+        from diffusers import ZImagePipeline
+
+        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
+        if extra:
+            raise CheckpointError(
+                f"diffusers' Z-Image LoRA format has no place for {', '.join(extra)} LoRA layers.",
+                hint="Train LoRA on the transformer only (Qwen3 is never trained).",
+            )
+        ZImagePipeline.save_lora_weights(
+            save_directory=str(folder),
+            transformer_lora_layers=layers.get("transformer"),
+            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
+            safe_serialization=True,
+        )
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        return ("transformer",)
+
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
+        """The transformer in the original names (what ComfyUI's diffusion-model loader reads, and ``load`` reads
+        back), a fused qkv concatenated only while it is written; one tensor at a time, atomically."""
+        from ...utils import stream_save_safetensors
+        from ..common import LazyTensors
+
+        if "transformer" not in sds:
+            raise CheckpointError("A Z-Image single file holds the transformer, and none was given.")
+        tensors = LazyTensors(single_file.to_single_file(sds["transformer"]))
+        return stream_save_safetensors(
+            path, tensors, metadata={"format": "pt", "modelspec.architecture": "z-image"}, dtype=dtype
+        )
+
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
+        """A diffusers folder: the trained parts written, the others copied from the source folder with its
+        tokenizer, scheduler and model_index.json, atomically."""
+        import shutil
+
+        from ...utils import atomic_dir
+
+        kind, src = self._source(mcfg)
+        if kind != "diffusers":
+            raise CheckpointError(
+                "A diffusers Z-Image folder is written from a diffusers source folder (its VAE, Qwen3 and tokenizer "
+                "are copied from there).",
+                hint="Train from the diffusers folder, or save.formats: [single_file].",
+            )
+        with atomic_dir(Path(folder)) as tmp:
+            for part in PARTS:
+                if part in sds:
+                    common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
+                elif (src / part).is_dir():
+                    shutil.copytree(src / part, tmp / part)
+            for extra in ("tokenizer", "scheduler"):
+                if (src / extra).is_dir():
+                    shutil.copytree(src / extra, tmp / extra)
+            shutil.copy(src / "model_index.json", tmp / "model_index.json")
+        return Path(folder)
+
+    # ------------------------------------------------------------ tests and benchmarks
+    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
+        """A tiny seeded Z-Image of the real layout (Qwen3 with an offline byte-level tokenizer) saved as
+        ZImagePipeline saves it."""
+        import shutil
+
+        from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+        from transformers import AutoTokenizer
+
+        from ..tokenizers import tiny_qwen_tokenizer
+
+        folder = Path(folder)
+        cfgdir = bundled_config_dir(self.tiny_config)
+        torch.manual_seed(seed)
+        comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
+        tokdir = folder.parent / f".{folder.name}-tokenizer"
+        try:
+            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
+            sched = FlowMatchEulerDiscreteScheduler.from_config(
+                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
+            )
+            ZImagePipeline(scheduler=sched, **comps).save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
+        finally:
+            shutil.rmtree(tokdir, ignore_errors=True)
+        return folder
+
+    def build_random(
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
+    ) -> Path:
+        """Random bf16 weights of a bundled architecture as a diffusers folder (configs, scheduler and
+        model_index.json; no tokenizer: benchmarks give stand-ins)."""
+        import shutil
+
+        from ...utils import atomic_dir
+
+        cfgdir = bundled_config_dir(config_name)
+        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
+        configs = self.module_configs(comps)
+        with atomic_dir(Path(path)) as tmp:
+            for part, m in comps.items():
+                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, SAVE_AS[part])
+            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
+            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
+        return Path(path)
+
+    def cache_shapes(
+        self, config_name: str, resolution: int, caption_tokens: int = 128
+    ) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Shapes of one cached item: the latents at a square ``resolution`` and a caption of ``caption_tokens``
+        Qwen3 tokens (the template's included)."""
+        cfgdir = bundled_config_dir(config_name)
+        te = _read_json(cfgdir / "text_encoder" / "config.json")
+        vae = _read_json(cfgdir / "vae" / "config.json")
+        side = resolution // 8
+        return {
+            "latent": {"latents": (vae["latent_channels"], side, side), "crop": (2,)},
+            "qwen3": {"prompt_embeds": (caption_tokens, te["hidden_size"])},
+        }

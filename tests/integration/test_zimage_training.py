@@ -1,0 +1,78 @@
+"""Z-Image through the generic trainer on CPU: precompute (Qwen3 states cached without their padding), training,
+resume, and the two LoRA files it writes (diffusers' layout, and the kohya names ComfyUI loads, q/k/v as one fused
+qkv) loading into ZImagePipeline with the same effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import train
+
+
+@pytest.fixture(scope="module")
+def tiny_zimage(tmp_path_factory):
+    from difftrain.families.zimage import ZImage
+
+    return ZImage().build_tiny(tmp_path_factory.mktemp("zimage") / "tiny-zimage", seed=0)
+
+
+def _transformer_out(pipe) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 1, 8, 8, generator=g)
+    text = torch.randn(9, 32, generator=g)
+    with torch.no_grad():
+        return pipe.transformer([x], torch.tensor([0.4]), [text], return_dict=False)[0][0]
+
+
+def test_both_lora_files_load_into_the_zimage_pipeline_alike(tiny_zimage, dataset, tmp_path):
+    from diffusers import ZImagePipeline
+    from safetensors.torch import load_file
+
+    from difftrain.data.cache import DataCache
+
+    cfg = resolve(
+        recipe="tiny-zimage-lora", sets=tiny_sets(tiny_zimage, dataset, tmp_path, **{"train.max_steps": 4})
+    ).config
+    precompute(cfg)
+    cache = DataCache(tmp_path / "cache")
+    items = cache.read_json("index.json")["items"]
+    lengths = {cache.get(it["texts"]["qwen3"])["prompt_embeds"].shape[0] for it in items}
+    assert len(lengths) > 1  # captions of several lengths, each cached without padding
+    r = train(cfg)
+    assert len(r.losses) == 4 and all(torch.isfinite(torch.tensor(r.losses)))
+    peft_file, kohya_file = r.lora_path, r.lora_path.parent / "lora_kohya.safetensors"
+    kohya = load_file(kohya_file)
+    # ComfyUI's names: the original module paths, q/k/v fused as qkv, each with its alpha
+    assert "lora_unet_layers_0_attention_qkv.lora_down.weight" in kohya
+    assert "lora_unet_noise_refiner_0_feed_forward_w2.alpha" in kohya
+    assert "lora_unet_context_refiner_0_attention_out.lora_up.weight" in kohya
+    assert not [k for k in kohya if "to_q" in k or "to_out" in k]
+    base = _transformer_out(ZImagePipeline.from_pretrained(tiny_zimage))
+    outs = []
+    for f in (peft_file, kohya_file):
+        pipe = ZImagePipeline.from_pretrained(tiny_zimage)
+        pipe.load_lora_weights(str(f))
+        outs.append(_transformer_out(pipe))
+    assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_zimage_run_matches_an_uninterrupted_one(tiny_zimage, dataset, tmp_path):
+    sets = {"train.max_steps": 4, "train.checkpoint_every": 2}
+    whole = resolve(recipe="tiny-zimage-lora", sets=tiny_sets(tiny_zimage, dataset, tmp_path / "a", **sets)).config
+    precompute(whole)
+    full = train(whole)
+    first = resolve(
+        recipe="tiny-zimage-lora",
+        sets=tiny_sets(tiny_zimage, dataset, tmp_path / "b", **{**sets, "train.max_steps": 2}),
+    ).config
+    precompute(first)
+    train(first)
+    resumed = resolve(recipe="tiny-zimage-lora", sets=tiny_sets(tiny_zimage, dataset, tmp_path / "b", **sets)).config
+    r = train(resumed, resume="latest")
+    assert r.losses == pytest.approx(full.losses[2:], rel=1e-5)
