@@ -76,3 +76,60 @@ def test_a_resumed_zimage_run_matches_an_uninterrupted_one(tiny_zimage, dataset,
     resumed = resolve(recipe="tiny-zimage-lora", sets=tiny_sets(tiny_zimage, dataset, tmp_path / "b", **sets)).config
     r = train(resumed, resume="latest")
     assert r.losses == pytest.approx(full.losses[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_saves_the_original_transformer_file_and_a_diffusers_folder(tiny_zimage, dataset, tmp_path):
+    """save.formats single_file and diffusers: model.safetensors is the transformer alone in the original names
+    (fused qkv), loadable as model.path with the trained weights; the folder loads in ZImagePipeline."""
+    from diffusers import ZImagePipeline
+    from safetensors.torch import load_file
+
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.zimage import ZImage
+
+    sets = tiny_sets(tiny_zimage, dataset, tmp_path, **{"train.max_steps": 1, "train.checkpoint_every": 100,
+                     "report.to": "[]", "train.method": "full", "save.formats": "[single_file, diffusers]",
+                     "train.learning_rate": "1e-3", "save.precision": "fp32"})  # fmt: skip
+    cfg = resolve(recipe="tiny-zimage-lora", sets=sets).config
+    precompute(cfg)
+    train(cfg)
+    out = cfg.train.output_dir / "model.safetensors"
+    keys = set(load_file(out))
+    assert "layers.0.attention.qkv.weight" in keys and not any("to_q" in k for k in keys)
+    fam = ZImage()
+    tuned = fam.load(ModelConfig(path=out, config="z-image-tiny"), ["transformer"], tokenizers=False)["transformer"]
+    base = fam.load(ModelConfig(path=tiny_zimage), ["transformer"], tokenizers=False)["transformer"]
+    name = "layers.0.attention.to_q.weight"
+    assert not torch.equal(tuned.state_dict()[name], base.state_dict()[name])
+    folder = next(p for p in cfg.train.output_dir.iterdir() if p.is_dir() and (p / "model_index.json").exists())
+    pipe = ZImagePipeline.from_pretrained(folder)
+    torch.testing.assert_close(pipe.transformer.state_dict()[name], tuned.state_dict()[name])
+
+
+def test_a_wrong_text_encoder_file_stops_the_run_by_name_through_the_console_script(tiny_zimage, dataset, tmp_path):
+    """model.text_encoder naming another model's file (here the VAE): exit 1, the file and what it should be,
+    no traceback, no cache index written."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import clean_failure, script_train, set_args
+
+    vae = tmp_path / "ae.safetensors"
+    save_file(load_file(tiny_zimage / "vae" / "diffusion_pytorch_model.safetensors"), vae)
+    sets = tiny_sets(tiny_zimage, dataset, tmp_path, **{"model.text_encoder": vae, "train.max_steps": 1})
+    r = script_train("--recipe", "tiny-zimage-lora", *set_args(sets))
+    clean_failure(r, 1, "ae.safetensors does not fit the bundled Z-Image architecture", "Qwen3 text encoder")
+    assert not (tmp_path / "cache" / "index.json").exists()
+
+
+def test_a_caption_over_the_limit_is_cut_and_said(tiny_zimage, capsys):
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.zimage import ZImage
+
+    fam = ZImage()
+    comps = fam.load(ModelConfig(path=tiny_zimage), ["text_encoder"])
+    opts = resolve(recipe="tiny-zimage-lora", sets=[f"model.path={tiny_zimage}", "data.dir=."]).config.text_encoders
+    long = "a fox " * 200  # 1 200 byte tokens
+    out = fam.encode_prompts(comps, [long, "a fox"], "qwen3", opts)["prompt_embeds"]
+    assert out[0].shape[0] == 512 and out[1].shape[0] < 512
+    assert "1 caption(s) longer than Z-Image's 512 Qwen3 tokens" in " ".join(capsys.readouterr().err.split())
