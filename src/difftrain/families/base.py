@@ -86,6 +86,9 @@ class ModelFamily(ABC):
     #: name) and the SAI model spec's modelspec.architecture (None: "<name>/lora"), which A1111 and ComfyUI show
     #: the kohya name prefix of each part, where the family's differ from sd-scripts' SD ones (lora.kohya.PREFIXES)
     kohya_prefixes: ClassVar[Mapping[str, str] | None] = None
+    #: the second LoRA file in the model's original names under this prefix with peft's lora_A / lora_B and the
+    #: alpha folded in, instead of kohya's names (Krea 2: what both ComfyUI and diffusers' converter read)
+    lora_native_prefix: ClassVar[str | None] = None
     kohya_base_version: ClassVar[str | None] = None
     modelspec_lora_architecture: ClassVar[str | None] = None
     #: ``difftrain lora merge`` can bake its LoRAs into a single file: it has a single-file layout, whose parts'

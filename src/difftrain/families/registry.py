@@ -46,6 +46,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("wan", "wan", "Wan", "wan2.1-t2v-1.3b"),
     Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b"),
     Registered("zimage", "zimage", "ZImage", "z-image"),
+    Registered("krea2", "krea2", "Krea2", "krea2"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

@@ -88,10 +88,12 @@ def write_kohya(
 
     names = {part: family.kohya_names(cfg.model, part) for part in layers}
     fused = {part: family.kohya_fused(cfg.model, part) for part in layers}
+    scales = {p: alphas(peft_meta[p], layers[p]) for p in layers}
     try:
-        sd = kohya.to_kohya(
-            layers, names, {p: alphas(peft_meta[p], layers[p]) for p in layers}, fused, family.kohya_prefixes
-        )
+        if family.lora_native_prefix is not None:  # Krea 2: original names, lora_A / lora_B, alpha folded in
+            sd = kohya.to_native(layers, names, scales, family.lora_native_prefix)
+        else:
+            sd = kohya.to_kohya(layers, names, scales, fused, family.kohya_prefixes)
     except kohya.UnmappedKeys as e:
         raise CheckpointError(
             f"The kohya LoRA was not written: {e}.",

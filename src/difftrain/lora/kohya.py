@@ -108,6 +108,36 @@ def to_kohya(
     return out
 
 
+def to_native(
+    layers: Mapping[str, Mapping[str, torch.Tensor]],
+    names: Mapping[str, Mapping[str, str]],
+    alphas: Mapping[str, Mapping[str, float]],
+    prefix: str,
+) -> dict[str, torch.Tensor]:
+    """peft-named LoRA weights -> the model's original module paths under ``prefix``, peft's ``lora_A`` /
+    ``lora_B`` names, each up weight scaled by alpha / rank (no alpha entry): Krea 2's layout, which ComfyUI loads and
+    diffusers' Krea 2 converter reads (it takes neither an alpha nor lora_down / lora_up)."""
+    out: dict[str, torch.Tensor] = {}
+    unmapped: list[str] = []
+    for part, sd in layers.items():
+        for key, t in sd.items():
+            if not key.endswith((_A, _B)):
+                unmapped.append(f"{part}.{key}")
+                continue
+            module = key[: -len(_A)]
+            path = names.get(part, {}).get(module)
+            if path is None:
+                unmapped.append(f"{part}.{module}")
+                continue
+            if key.endswith(_B):
+                rank = sd[module + _A].shape[0]
+                t = t * (float(alphas[part][module]) / rank)
+            out[f"{prefix}{path}{key[len(module):]}"] = t.detach().contiguous()
+    if unmapped:
+        raise UnmappedKeys("LoRA layers have no module of that name in the base model's layout", sorted(unmapped))
+    return out
+
+
 def _fuse(
     sd: dict[str, torch.Tensor], group: Group, alphas: Mapping[str, float], name: str
 ) -> dict[str, torch.Tensor] | None:

@@ -1,0 +1,674 @@
+"""Krea 2 (Krea, June 2026): a 12.8B single-stream DiT on the Qwen-Image VAE's 16-channel latents, conditioned by
+twelve hidden layers of Qwen3-VL-4B that the model fuses itself (its text-fusion blocks).
+
+Loads offline from a diffusers folder (or a Hub id: krea/Krea-2-Raw), or from the files ComfyUI users have: the
+transformer alone in Krea's original names (fp8-stored ones too) as model.path, with the VAE (diffusers' names) as
+model.ae, Qwen3-VL-4B (transformers' names) as model.text_encoder and its tokenizer folder as model.tokenizer_path.
+Architectures are bundled in ``configs/`` (krea2; krea2-tiny for tests).
+
+Trained with rectified flow as Krea2Pipeline runs the model: the latents packed into 2x2 patches as Flux's, position
+ids (0, row, column) for the image and zeros for the text, the noise level sigma as the timestep (the model scales it
+by 1000 itself), a prediction of noise - x0; the shift follows the image's patch count (mu from 0.5 at 256 to 1.15 at
+6400, exponential: the scheduler's use_dynamic_shifting). The text: the caption in the pipeline's fixed-length
+template (a system prompt, the caption padded, then the assistant suffix; positions counting real tokens only), the
+hidden states of the layers the pipeline taps (its ``text_encoder_select_layers``) stacked per token, the system
+prefix dropped. Cached per caption without the padding rows (exact: every text token has position 0 and padding is
+masked as keys everywhere); ``collate_text`` pads a batch again and ``denoise`` masks the padding.
+
+Krea-2-Turbo is the distilled checkpoint people generate with (8 steps, no CFG; its model_index.json says
+``is_distilled``): training on it is warned about, naming Krea-2-Raw, the checkpoint Krea says to train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ...config.schema import ModelConfig, TextEncodersConfig
+from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from .. import common, streaming
+from ..base import CachedItem, ModelFamily
+from ..common import hf_config as _hf_config
+from ..common import read_json as _read_json
+from . import single_file
+
+PARTS = ("transformer", "vae", "text_encoder")
+DEFAULT_CONFIG = "krea2"
+#: the caption's tokens after the system prefix (the pipeline's max_sequence_length), the prefix's token count and
+#: the assistant suffix's (Krea2Pipeline's prompt_template_encode_start_idx / _num_suffix_tokens)
+TEXT_TOKENS = 512
+PREFIX_TOKENS = 34
+SUFFIX_TOKENS = 5
+TEMPLATE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+TEMPLATE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+#: the hidden states Krea2Pipeline taps by default (0 is the embeddings); a model's model_index.json may name others
+TEXT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
+SAVE_AS: dict[str, str | tuple[str, str]] = {
+    "transformer": "Krea2Transformer2DModel",
+    "vae": "AutoencoderKLQwenImage",
+    "text_encoder": ("Qwen3VLModel", "qwen3_vl"),
+}
+FILE_OPTION = {"vae": "ae", "text_encoder": "text_encoder"}
+LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "Qwen3-VL text encoder"}
+FILE_EXAMPLE = {"vae": "qwen_image_vae.safetensors", "text_encoder": "the Qwen3-VL-4B .safetensors"}
+_WARNED: list[str] = []
+
+
+def known_configs() -> list[str]:
+    return common.config_names("krea2")
+
+
+def bundled_config_dir(name: str | None) -> Path:
+    return common.bundled_dir(name or DEFAULT_CONFIG, "Krea 2", known_configs, prefix="krea2")
+
+
+def _new_module(part: str, cfg: dict):
+    """A component built from its config (random weights; on the meta device inside ``torch.device("meta")``)."""
+    from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    if part == "transformer":
+        return Krea2Transformer2DModel.from_config(cfg)
+    if part == "vae":
+        return AutoencoderKLQwenImage.from_config(cfg)
+    return Qwen3VLModel(Qwen3VLConfig(**_hf_config(cfg)))
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: 2x2 patches, as Krea2Pipeline._pack_latents (Flux's packing)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    b, _, d = packed.shape
+    c = d // 4
+    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, h, w)
+
+
+def position_ids(text_len: int, h: int, w: int, device) -> torch.Tensor:
+    """[text_len + h * w, 3]: zeros for the text, (0, row, column) for the image's patches (prepare_position_ids)."""
+    image = torch.zeros(h, w, 3, device=device)
+    image[..., 1] = torch.arange(h, device=device)[:, None]
+    image[..., 2] = torch.arange(w, device=device)[None, :]
+    return torch.cat([torch.zeros(text_len, 3, device=device), image.reshape(h * w, 3)], dim=0)
+
+
+class Krea2(ModelFamily):
+    name = "krea2"
+    image_encoder = "vae"
+    text_encoders = ("text_encoder",)
+    text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"qwen3vl": ("text_encoder",)}
+    denoiser = "transformer"
+    parts = PARTS
+    objective = "flow"
+    repeated_blocks = ("Krea2TransformerBlock",)
+    tiny_recipe = "tiny-krea2-lora"
+    tiny_config = "krea2-tiny"
+    # not measured on Krea 2: Flux's figures (a transformer of the same size)
+    compile_cost: ClassVar[Mapping[str, float]] = {
+        "cold_s": 50.0,
+        "warm_s": 20.0,
+        "saved_s": 0.8,
+        "saved_s_no_graphs": 0.48,
+        "dynamic_s": 60.0,
+        "shape_s": 0.0,
+        "record_s": 4.0,
+    }
+    #: every Linear of the attention (with its output gate) and the SwiGLU, in the main blocks and the text-fusion
+    #: blocks (the same names)
+    default_lora_targets = (
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_gate",
+        "attn.to_out.0",
+        "ff.gate",
+        "ff.up",
+        "ff.down",
+    )
+    text_encoder_lora_targets = ()
+    trainable_text_encoders = ()  # Qwen3-VL only ever encodes for the cache
+    high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "transformer": ("img_in", "time_embed*", "time_mod_proj", "txt_in*", "final_layer*", "text_fusion.projector")
+    }
+    mergeable = False  # lora merge writes every part's single-file layout; Krea 2's files hold the transformer alone
+    kohya_layout = True
+    #: the second LoRA file in Krea's original module names under ComfyUI's prefix, lora_A / lora_B with the alpha
+    #: folded in: what ComfyUI loads and diffusers' Krea 2 converter takes (it has no alpha and no lora_down)
+    lora_native_prefix: ClassVar[str | None] = "diffusion_model."
+    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
+    kohya_base_version = "krea2"
+    modelspec_lora_architecture = "krea-2/lora"
+    single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": single_file.PREFIX}
+
+    # ------------------------------------------------------------ sources
+    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
+        return common.resolve_source(
+            mcfg,
+            parts=self.parts,
+            no_model_hint="Set model.path to a diffusers Krea 2 folder, a Hub id (--set model.path=krea/Krea-2-Raw) or "
+            "the transformer file (with model.ae, model.text_encoder and model.tokenizer_path for the other parts).",
+            missing_hint="Point model.path at a diffusers Krea 2 folder (with transformer/, vae/, text_encoder/, "
+            "tokenizer/) or a Krea 2 .safetensors file.",
+            check_folder=lambda p: common.require_subfolder(p, "transformer", "Krea 2"),
+        )
+
+    def architecture(self, mcfg: ModelConfig) -> str:
+        return mcfg.config or DEFAULT_CONFIG
+
+    def config_dir(self, name: str | None) -> Path:
+        return bundled_config_dir(name)
+
+    def _folder(self, mcfg: ModelConfig) -> Path | None:
+        if mcfg.path is None:
+            return None
+        kind, p = self._source(mcfg)
+        return p if kind == "diffusers" else None
+
+    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        p = self._folder(mcfg)
+        if p is not None and (p / part / "config.json").exists():
+            return _read_json(p / part / "config.json")
+        return _read_json(bundled_config_dir(self.architecture(mcfg)) / part / "config.json")
+
+    def pipeline_config(self, mcfg: ModelConfig) -> dict:
+        """The model's model_index.json (a diffusers folder's, else the bundled architecture's): the text layers the
+        pipeline taps and whether the checkpoint is the distilled one."""
+        p = self._folder(mcfg)
+        if p is not None and (p / "model_index.json").exists():
+            return _read_json(p / "model_index.json")
+        return _read_json(bundled_config_dir(self.architecture(mcfg)) / "model_index.json")
+
+    def select_layers(self, mcfg: ModelConfig) -> tuple[int, ...]:
+        return tuple(self.pipeline_config(mcfg).get("text_encoder_select_layers") or TEXT_LAYERS)
+
+    def _warn_turbo(self, mcfg: ModelConfig) -> None:
+        names = " ".join(str(x) for x in (mcfg.path, mcfg.config) if x is not None)
+        if (self.pipeline_config(mcfg).get("is_distilled") or "turbo" in names.lower()) and not _WARNED:
+            from ...console import warn
+
+            _WARNED.append(names)
+            warn(
+                f"{names}: this is Krea-2-Turbo, the distilled checkpoint (8 steps, no CFG); training on it wears its "
+                "distillation away. Krea's guidance: train on Krea-2-Raw (krea/Krea-2-Raw) and use the LoRA on Turbo."
+            )
+
+    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
+        option = FILE_OPTION.get(part)
+        own = getattr(mcfg, option) if option else None
+        if own is None:
+            return None
+        f = Path(own).expanduser()
+        if not f.is_file():
+            raise ModelLoadError(
+                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
+            )
+        if f.suffix.lower() != ".safetensors":
+            raise UnsafeCheckpoint(
+                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
+                hint="Use the .safetensors file.",
+            )
+        return f
+
+    def scheduler_config(self, mcfg: ModelConfig) -> dict:
+        if mcfg.prediction_type is not None:
+            raise ConfigError(
+                f"model.prediction_type={mcfg.prediction_type} does not apply to Krea 2, which is trained by "
+                "rectified flow.",
+                hint="Remove model.prediction_type.",
+            )
+        p = self._folder(mcfg)
+        base = p if p is not None and (p / "scheduler").is_dir() else bundled_config_dir(self.architecture(mcfg))
+        return _read_json(base / "scheduler" / "scheduler_config.json")
+
+    def training_scheduler(self, mcfg: ModelConfig):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+
+    # ------------------------------------------------------------ loading
+    def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
+        from transformers import AutoTokenizer
+
+        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
+        if base is None:
+            raise ModelLoadError(
+                "Qwen3-VL's tokenizer is in no model file.",
+                hint="Set model.tokenizer_path to a folder with its tokenizer (the tokenizer/ folder of a diffusers "
+                "Krea 2 download, or Qwen3-VL-4B-Instruct's own folder).",
+            )
+        folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
+        if not (folder / "tokenizer_config.json").is_file():
+            raise ModelLoadError(
+                f"No Qwen3-VL tokenizer in {folder} (no tokenizer_config.json).",
+                hint="Point model.tokenizer_path at the tokenizer/ folder of a diffusers Krea 2 download.",
+            )
+        return AutoTokenizer.from_pretrained(folder)
+
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
+        """Load the named parts on ``device`` (the tokenizer with the text encoder); ``precision`` may store
+        Qwen3-VL in int8 | nf4 (bitsandbytes, CUDA) or another float type."""
+        from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
+        from transformers import Qwen3VLModel
+
+        parts = list(parts)
+        common.check_parts("Krea 2", parts, PARTS)
+        kind, p = self._source(mcfg)
+        if "transformer" in parts:
+            self._warn_turbo(mcfg)
+        dtypes, quant = common.t5_precisions(
+            parts,
+            dtype,
+            precision,
+            device,
+            t5="text_encoder",
+            label="Krea 2",
+            loaded_before="the VAE and the transformer",
+            encoder="Qwen3-VL",
+        )
+        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
+        rest = [part for part in parts if part not in own]
+        toks = {"tokenizer": self._tokenizer(kind, p, mcfg)} if tokenizers and "text_encoder" in parts else {}
+        if kind == "diffusers":
+            classes = {
+                "transformer": Krea2Transformer2DModel,
+                "vae": AutoencoderKLQwenImage,
+                "text_encoder": Qwen3VLModel,
+            }
+            comps = common.load_diffusers_parts(
+                p, rest, classes, dtypes, device, lambda _: "Is it a complete Krea 2 folder?", quant, check_first=True
+            )
+        else:
+            missing = [part for part in rest if part != "transformer"]
+            if missing:
+                raise ModelLoadError(
+                    f"{p.name} holds the Krea 2 transformer only; it has no {', '.join(LABELS[m] for m in missing)} "
+                    "weights.",
+                    hint="Give the parts' own files (model.ae, model.text_encoder, model.tokenizer_path), or set "
+                    "model.path to a diffusers Krea 2 folder.",
+                )
+            comps = (
+                {"transformer": self._load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
+                if rest
+                else {}
+            )
+        for part, f in own.items():
+            comps[part] = self._load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
+        common.freeze(comps, parts, device, quant)
+        if "text_encoder" in comps:  # the layers encode_prompts taps, as this model's pipeline config names them
+            comps["text_encoder"].difftrain_text_layers = self.select_layers(mcfg)
+        comps.update(toks)
+        return comps
+
+    def _mismatch(self, f: Path, part: str, mcfg: ModelConfig):
+        def mismatch(what: str) -> ModelLoadError:
+            return ModelLoadError(
+                f"{f.name} does not fit the bundled Krea 2 architecture {self.architecture(mcfg)!r} for the "
+                f"{LABELS[part]}: {what}",
+                hint=f"Is it a Krea 2 {LABELS[part]} file? (bundled: {', '.join(known_configs())})",
+            )
+
+        return mismatch
+
+    def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint(kind, p)
+        if not single_file.is_krea2_file(keys):
+            raise ModelLoadError(
+                f"{p.name} does not look like a Krea 2 transformer (no txtfusion.projector / blocks.0.attn.wq).",
+                hint="Give the Krea 2 transformer file (Raw) or a diffusers Krea 2 folder; another model's file needs "
+                "its own family.",
+            )
+        config = _read_json(bundled_config_dir(self.architecture(mcfg)) / "transformer" / "config.json")
+        read = common.single_file_reader(get, dtype, device, False, False)
+        with init_empty_weights(include_buffers=False):
+            module = _new_module("transformer", config)
+        tensors = single_file.transformer_tensors(keys, read)
+        streaming.fill(module, "transformer", tensors, self._mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        return module
+
+    def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
+        """The VAE (diffusers' names) or Qwen3-VL (transformers' names: the model's, or a generation model's with
+        ``model.`` and a head, which is left out) from a file of its own."""
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint("single", f)
+        config = self.part_config(mcfg, part)
+        read = common.single_file_reader(get, dtype, device, quant is not None, False)
+        if part == "vae":
+            sd = {k.removeprefix("vae."): read(k) for k in keys}
+        else:
+            sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+            if quant is not None:
+                from transformers import Qwen3VLConfig, Qwen3VLModel
+
+                return common.quantized_t5_from_state_dict(
+                    sd, config, quant, dtype, device, config_cls=Qwen3VLConfig, model_cls=Qwen3VLModel
+                )
+        with init_empty_weights(include_buffers=False):
+            module = _new_module(part, config)
+        common.assign_state_dict(module, sd, self._mismatch(f, part, mcfg))
+        return module
+
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        return _new_module(part, self.part_config(mcfg, part))
+
+    def recognises_folder(self, folder: Path, class_name: str) -> bool:
+        return class_name.startswith("Krea2")
+
+    def recognises_single_file(self, keys: Sequence[str]) -> bool:
+        return single_file.is_krea2_file(keys)
+
+    def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        return DEFAULT_CONFIG if single_file.is_krea2_file(keys) else None
+
+    def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
+        return ["transformer"] if single_file.is_krea2_file(keys) else []
+
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        own = self._own_file(mcfg, part)
+        if own is not None:
+            return common.hash_files(self.name, part, [own], memo)
+        kind, p = self._source(mcfg)
+        if kind == "diffusers":
+            return common.hash_files(
+                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
+            )
+        if part != "transformer":
+            raise ModelLoadError(f"{p.name} holds the Krea 2 transformer only; give the {LABELS[part]}'s own file.")
+        return common.hash_files(self.name, part, [p], memo)
+
+    @staticmethod
+    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
+        return common.module_configs(comps, PARTS)
+
+    # ------------------------------------------------------------ LoRA names
+    def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
+        """The transformer's modules by Krea's original paths (``blocks.0.attn.wq``): what ComfyUI names them."""
+        if part != "transformer":
+            raise ConfigError(f"Krea 2 LoRAs adapt the transformer only, not {part}.")
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        return common.adaptable_paths(module, single_file.module_to_original)
+
+    # ------------------------------------------------------------ memory hints
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
+        bundled = bundled_config_dir(self.architecture(mcfg))
+        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
+        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        return common.image_memory_hints(
+            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
+
+    # ------------------------------------------------------------ encoding
+    def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, 16, H/8, W/8] (float32): the Qwen-Image VAE's
+        posterior mean of the one-frame video, ``(z - mean) / std`` per channel (the pipeline's inverse)."""
+        vae = comps["vae"]
+        z = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean.float()
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
+        return ((z - mean) / std).squeeze(2)
+
+    def encode_prompts(
+        self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
+    ) -> dict[str, Any]:
+        """qwen3vl -> prompt_embeds: per caption [L_i, layers, width] (float32), Krea2Pipeline.get_text_hidden_states
+        with its padding rows dropped."""
+        if stage != "qwen3vl":
+            raise ConfigError(f"Krea 2 has no text stage {stage!r}.", hint="Its one stage is qwen3vl.")
+        tok, te = comps["tokenizer"], comps["text_encoder"]
+        layers = getattr(te, "difftrain_text_layers", None) or TEXT_LAYERS
+        text = [TEMPLATE_PREFIX + c for c in captions]
+        room = TEXT_TOKENS + PREFIX_TOKENS - SUFFIX_TOKENS
+        enc = tok(text, truncation=True, padding="max_length", max_length=room, return_tensors="pt")
+        long = [c for c, n in zip(captions, tok(text).input_ids) if len(n) > room]
+        if long:
+            from ...console import warn
+
+            warn(
+                f"{len(long)} caption(s) longer than Krea 2's {room - PREFIX_TOKENS} Qwen3-VL tokens are cut to it, "
+                f"e.g. {long[0][:60]!r}..."
+            )
+        suffix = tok([TEMPLATE_SUFFIX] * len(text), return_tensors="pt")
+        ids = torch.cat([enc.input_ids, suffix.input_ids], dim=1).to(te.device)
+        mask = torch.cat([enc.attention_mask, suffix.attention_mask], dim=1).bool().to(te.device)
+        positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
+        out = te(input_ids=ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+        states = torch.stack([out.hidden_states[i] for i in layers], dim=2)[:, PREFIX_TOKENS:].float()
+        mask = mask[:, PREFIX_TOKENS:]
+        return {"prompt_embeds": [states[i][mask[i]] for i in range(len(captions))]}
+
+    def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
+        return f"qwen3vl:{options.llm.precision}:{TEXT_TOKENS}:krea2-template" if stage == "qwen3vl" else ""
+
+    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
+        return {"text_encoder": options.llm.precision} if stage == "qwen3vl" else None
+
+    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
+        return ["qwen3vl"]
+
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
+        states = [e["prompt_embeds"] for e in entries]
+        n = max(s.shape[0] for s in states)
+        padded = torch.zeros(len(states), n, *states[0].shape[1:], dtype=states[0].dtype)
+        for i, s in enumerate(states):
+            padded[i, : s.shape[0]] = s
+        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
+
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
+        return dict(stages["qwen3vl"])
+
+    # ------------------------------------------------------------ training
+    def denoise(
+        self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The flow prediction (noise - x0) for noisy latents [B, 16, h, w], packed, with the position ids, sigma as
+        the timestep and the text's padding masked (none when every caption of the batch is as long)."""
+        h, w = noisy.shape[-2:]
+        if h % 2 or w % 2:
+            raise ConfigError(
+                f"A Krea 2 latent of {h}x{w} cannot be packed into 2x2 patches.",
+                hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
+            )
+        text, lengths = batch["prompt_embeds"], batch["prompt_length"].to(noisy.device)
+        mask = None
+        if bool((lengths != text.shape[1]).any()):
+            mask = torch.arange(text.shape[1], device=noisy.device)[None, :] < lengths[:, None]
+        out = transformer(
+            hidden_states=pack(noisy),
+            encoder_hidden_states=text,
+            timestep=(timesteps / 1000).to(noisy.dtype),
+            position_ids=position_ids(text.shape[1], h // 2, w // 2, noisy.device),
+            encoder_attention_mask=mask,
+            return_dict=False,
+        )[0]
+        return unpack(out, h, w)
+
+    def swap_blocks(self, transformer) -> list[torch.nn.Module]:
+        return list(transformer.transformer_blocks)
+
+    # ------------------------------------------------------------ pipelines and export
+    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
+        from diffusers import Krea2Pipeline
+
+        index = self.pipeline_config(mcfg)
+        return Krea2Pipeline(
+            scheduler=self.training_scheduler(mcfg),
+            vae=comps["vae"],
+            text_encoder=comps["text_encoder"],
+            tokenizer=comps["tokenizer"],
+            transformer=comps["transformer"],
+            text_encoder_select_layers=self.select_layers(mcfg),
+            is_distilled=bool(index.get("is_distilled", False)),
+        )
+
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
+        """pytorch_lora_weights.safetensors as Krea2Pipeline.load_lora_weights reads it (the peft config in the
+        header, so the loader uses the trained alpha)."""
+        from diffusers import Krea2Pipeline
+
+        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
+        if extra:
+            raise CheckpointError(
+                f"diffusers' Krea 2 LoRA format has no place for {', '.join(extra)} LoRA layers.",
+                hint="Train LoRA on the transformer only (Qwen3-VL is never trained).",
+            )
+        Krea2Pipeline.save_lora_weights(
+            save_directory=str(folder),
+            transformer_lora_layers=layers.get("transformer"),
+            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
+            safe_serialization=True,
+        )
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        return ("transformer",)
+
+    def save_single_file(
+        self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
+    ) -> Path:
+        """The transformer in Krea's original names (what ComfyUI's diffusion-model loader reads, and ``load`` reads
+        back); one tensor at a time, atomically."""
+        from ...utils import stream_save_safetensors
+        from ..common import LazyTensors
+
+        if "transformer" not in sds:
+            raise CheckpointError("A Krea 2 single file holds the transformer, and none was given.")
+        tensors = LazyTensors(single_file.to_single_file(sds["transformer"]))
+        return stream_save_safetensors(
+            path, tensors, metadata={"format": "pt", "modelspec.architecture": "krea-2"}, dtype=dtype
+        )
+
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
+        """A diffusers folder: the trained parts written, the others copied from the source folder with its
+        tokenizer, scheduler and model_index.json, atomically."""
+        import shutil
+
+        from ...utils import atomic_dir
+
+        kind, src = self._source(mcfg)
+        if kind != "diffusers":
+            raise CheckpointError(
+                "A diffusers Krea 2 folder is written from a diffusers source folder (its VAE, Qwen3-VL and tokenizer "
+                "are copied from there).",
+                hint="Train from the diffusers folder, or save.formats: [single_file].",
+            )
+        with atomic_dir(Path(folder)) as tmp:
+            for part in PARTS:
+                if part in sds:
+                    common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
+                elif (src / part).is_dir():
+                    shutil.copytree(src / part, tmp / part)
+            for extra in ("tokenizer", "scheduler"):
+                if (src / extra).is_dir():
+                    shutil.copytree(src / extra, tmp / extra)
+            shutil.copy(src / "model_index.json", tmp / "model_index.json")
+        return Path(folder)
+
+    # ------------------------------------------------------------ tests and benchmarks
+    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
+        """A tiny seeded Krea 2 of the real layout (Qwen3-VL with an offline byte-level tokenizer, four text layers
+        tapped) saved as Krea2Pipeline saves it."""
+        import shutil
+
+        from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
+        from transformers import AutoTokenizer
+
+        from ..tokenizers import tiny_qwen_tokenizer
+
+        folder = Path(folder)
+        cfgdir = bundled_config_dir(self.tiny_config)
+        torch.manual_seed(seed)
+        comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
+        index = _read_json(cfgdir / "model_index.json")
+        tokdir = folder.parent / f".{folder.name}-tokenizer"
+        try:
+            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
+            sched = FlowMatchEulerDiscreteScheduler.from_config(
+                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
+            )
+            Krea2Pipeline(
+                scheduler=sched, text_encoder_select_layers=index["text_encoder_select_layers"], **comps
+            ).save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
+        finally:
+            shutil.rmtree(tokdir, ignore_errors=True)
+        return folder
+
+    def build_random(
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
+    ) -> Path:
+        """Random bf16 weights of a bundled architecture as a diffusers folder (no tokenizer: benchmarks give
+        stand-ins)."""
+        import shutil
+
+        from ...utils import atomic_dir
+
+        cfgdir = bundled_config_dir(config_name)
+        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
+        configs = self.module_configs(comps)
+        with atomic_dir(Path(path)) as tmp:
+            for part, m in comps.items():
+                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, SAVE_AS[part])
+            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
+            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
+        return Path(path)
+
+    def cache_shapes(
+        self, config_name: str, resolution: int, caption_tokens: int = 128
+    ) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Shapes of one cached item: the latents at a square ``resolution``, a caption of ``caption_tokens`` rows."""
+        cfgdir = bundled_config_dir(config_name)
+        tr = _read_json(cfgdir / "transformer" / "config.json")
+        side = resolution // 8
+        return {
+            "latent": {"latents": (16, side, side), "crop": (2,)},
+            "qwen3vl": {"prompt_embeds": (caption_tokens, tr["num_text_layers"], tr["text_hidden_dim"])},
+        }

@@ -1,0 +1,107 @@
+"""Krea 2 through the generic trainer on CPU: precompute (the Qwen3-VL taps cached without their padding rows),
+training, resume, and the two LoRA files it writes (diffusers' layout, and Krea's original names with lora_A / lora_B
+and the alpha folded in, which ComfyUI loads) loading into Krea2Pipeline with the same effect; a full fine-tune's
+transformer file in the original names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_sets
+from difftrain.config.load import resolve
+from difftrain.precompute.run import precompute
+from difftrain.trainers.loop import train
+
+
+@pytest.fixture(scope="module")
+def tiny_krea2(tmp_path_factory):
+    from difftrain.families.krea2 import Krea2
+
+    return Krea2().build_tiny(tmp_path_factory.mktemp("krea2") / "tiny-krea2", seed=0)
+
+
+def _transformer_out(pipe) -> torch.Tensor:
+    from difftrain.families.krea2.family import pack, position_ids
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=g)
+    text = torch.randn(1, 9, 4, 32, generator=g)
+    with torch.no_grad():
+        return pipe.transformer(
+            hidden_states=pack(x),
+            encoder_hidden_states=text,
+            timestep=torch.tensor([0.4]),
+            position_ids=position_ids(9, 4, 4, "cpu"),
+            return_dict=False,
+        )[0]
+
+
+def test_both_lora_files_load_into_the_krea2_pipeline_alike(tiny_krea2, dataset, tmp_path):
+    from diffusers import Krea2Pipeline
+    from safetensors.torch import load_file
+
+    from difftrain.data.cache import DataCache
+
+    cfg = resolve(
+        recipe="tiny-krea2-lora", sets=tiny_sets(tiny_krea2, dataset, tmp_path, **{"train.max_steps": 4})
+    ).config
+    precompute(cfg)
+    cache = DataCache(tmp_path / "cache")
+    items = cache.read_json("index.json")["items"]
+    assert len({cache.get(it["texts"]["qwen3vl"])["prompt_embeds"].shape[0] for it in items}) > 1
+    r = train(cfg)
+    assert len(r.losses) == 4 and all(torch.isfinite(torch.tensor(r.losses)))
+    peft_file, native_file = r.lora_path, r.lora_path.parent / "lora_kohya.safetensors"
+    native = load_file(native_file)
+    # Krea's own names under ComfyUI's prefix, peft's A/B, no alpha (diffusers' converter takes no alpha)
+    assert "diffusion_model.blocks.0.attn.wq.lora_A.weight" in native
+    assert "diffusion_model.txtfusion.refiner_blocks.0.mlp.down.lora_B.weight" in native
+    assert not [k for k in native if k.endswith(".alpha") or "to_q" in k]
+    base = _transformer_out(Krea2Pipeline.from_pretrained(tiny_krea2))
+    outs = []
+    for f in (peft_file, native_file):
+        pipe = Krea2Pipeline.from_pretrained(tiny_krea2)
+        pipe.load_lora_weights(str(f))
+        outs.append(_transformer_out(pipe))
+    assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_krea2_run_matches_an_uninterrupted_one(tiny_krea2, dataset, tmp_path):
+    sets = {"train.max_steps": 4, "train.checkpoint_every": 2}
+    whole = resolve(recipe="tiny-krea2-lora", sets=tiny_sets(tiny_krea2, dataset, tmp_path / "a", **sets)).config
+    precompute(whole)
+    full = train(whole)
+    first = resolve(
+        recipe="tiny-krea2-lora",
+        sets=tiny_sets(tiny_krea2, dataset, tmp_path / "b", **{**sets, "train.max_steps": 2}),
+    ).config
+    precompute(first)
+    train(first)
+    resumed = resolve(recipe="tiny-krea2-lora", sets=tiny_sets(tiny_krea2, dataset, tmp_path / "b", **sets)).config
+    r = train(resumed, resume="latest")
+    assert r.losses == pytest.approx(full.losses[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_saves_krea_s_transformer_file(tiny_krea2, dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.krea2 import Krea2
+
+    sets = tiny_sets(tiny_krea2, dataset, tmp_path, **{"train.max_steps": 1, "train.checkpoint_every": 100,
+                     "report.to": "[]", "train.method": "full", "save.formats": "[single_file]",
+                     "train.learning_rate": "1e-3", "save.precision": "fp32"})  # fmt: skip
+    cfg = resolve(recipe="tiny-krea2-lora", sets=sets).config
+    precompute(cfg)
+    train(cfg)
+    out = cfg.train.output_dir / "model.safetensors"
+    assert "blocks.0.attn.wq.weight" in set(load_file(out))
+    fam = Krea2()
+    tuned = fam.load(ModelConfig(path=out, config="krea2-tiny"), ["transformer"], tokenizers=False)["transformer"]
+    base = fam.load(ModelConfig(path=tiny_krea2), ["transformer"], tokenizers=False)["transformer"]
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(tuned.state_dict()[name], base.state_dict()[name])
