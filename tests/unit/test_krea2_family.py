@@ -114,6 +114,10 @@ def test_comfyui_files_load_the_transformer_vae_and_qwen3vl(tiny, tmp_path):
     original = dict(LazyTensors(sf.to_single_file(ref["transformer"].state_dict())).items())
     save_file({f"{sf.PREFIX}{k}": v.contiguous() for k, v in original.items()}, tmp_path / "krea2.safetensors")
     save_file({k: v.contiguous() for k, v in ref["vae"].state_dict().items()}, tmp_path / "vae.safetensors")
+    from test_wan_family import _wan_vae_name  # Wan 2.1's own VAE names (checked there against diffusers' converter)
+
+    wan_named = {_wan_vae_name(k): v.contiguous() for k, v in ref["vae"].state_dict().items()}
+    save_file(wan_named, tmp_path / "qwen_image_vae.safetensors")
     save_file(
         {k: v.contiguous() for k, v in ref["text_encoder"].state_dict().items()}, tmp_path / "qwen3vl.safetensors"
     )
@@ -123,6 +127,10 @@ def test_comfyui_files_load_the_transformer_vae_and_qwen3vl(tiny, tmp_path):
     for part in ("transformer", "vae", "text_encoder"):
         want, have = ref[part].state_dict(), got[part].state_dict()
         assert set(have) == set(want) and all(torch.equal(have[k], want[k]) for k in want), part
+    comfy_vae = fam.load(ModelConfig(path=tiny, ae=tmp_path / "qwen_image_vae.safetensors"), ["vae"])[
+        "vae"
+    ].state_dict()
+    assert all(torch.equal(comfy_vae[k], v) for k, v in ref["vae"].state_dict().items())
     with pytest.raises(ModelLoadError, match="does not look like a Krea 2 transformer"):
         fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="krea2-tiny"), ["transformer"])
 

@@ -346,7 +346,8 @@ class Krea2(ModelFamily):
         return module
 
     def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
-        """The VAE (diffusers' names) or Qwen3-VL (transformers' names: the model's, or a generation model's with
+        """The VAE (diffusers' names, or Wan's own: the Qwen-Image VAE is Wan 2.1's layout, ComfyUI's
+        qwen_image_vae.safetensors) or Qwen3-VL (transformers' names: the model's, or a generation model's with
         ``model.`` and a head, which is left out) from a file of its own."""
         from accelerate import init_empty_weights
 
@@ -355,6 +356,10 @@ class Krea2(ModelFamily):
         read = common.single_file_reader(get, dtype, device, quant is not None, False)
         if part == "vae":
             sd = {k.removeprefix("vae."): read(k) for k in keys}
+            if "encoder.conv1.weight" in sd:  # Wan's own names (ComfyUI's qwen_image_vae.safetensors): its layout
+                from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+                sd = convert_wan_vae_to_diffusers(sd)
         else:
             sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
             if quant is not None:
