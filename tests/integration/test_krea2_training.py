@@ -66,6 +66,16 @@ def test_both_lora_files_load_into_the_krea2_pipeline_alike(tiny_krea2, dataset,
         outs.append(_transformer_out(pipe))
     assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    # lora resize keeps each file's layout: the two cut to rank 2 still load alike
+    from difftrain.lora.tools import resize
+
+    cut = []
+    for i, f in enumerate((peft_file, native_file)):
+        resize(f, tmp_path / f"r{i}.safetensors", rank=2)
+        pipe = Krea2Pipeline.from_pretrained(tiny_krea2)
+        pipe.load_lora_weights(str(tmp_path / f"r{i}.safetensors"))
+        cut.append(_transformer_out(pipe))
+    torch.testing.assert_close(cut[1], cut[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -59,6 +59,15 @@ def test_both_lora_files_load_into_the_zimage_pipeline_alike(tiny_zimage, datase
         outs.append(_transformer_out(pipe))
     assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    # lora resize keeps each file's layout (the fused qkv cut as one layer, as sd-scripts cuts it): both still load
+    from difftrain.lora.tools import resize
+
+    for i, f in enumerate((peft_file, kohya_file)):
+        resize(f, tmp_path / f"r{i}.safetensors", rank=2)
+        pipe = ZImagePipeline.from_pretrained(tiny_zimage)
+        pipe.load_lora_weights(str(tmp_path / f"r{i}.safetensors"))
+        assert not torch.allclose(_transformer_out(pipe), base, atol=1e-4)
+    assert load_file(tmp_path / "r1.safetensors")["lora_unet_layers_0_attention_qkv.lora_down.weight"].shape[0] == 2
 
 
 @pytest.mark.slow
