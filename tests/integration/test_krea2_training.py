@@ -66,6 +66,13 @@ def test_both_lora_files_load_into_the_krea2_pipeline_alike(tiny_krea2, dataset,
         outs.append(_transformer_out(pipe))
     assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    # lora merge: either file merged into the base gives the same transformer file (the original names), loadable
+    from difftrain.lora.tools import merge
+
+    for i, f in enumerate((peft_file, native_file)):
+        merge(tiny_krea2, f, tmp_path / f"m{i}.safetensors")
+    m0, m1 = load_file(tmp_path / "m0.safetensors"), load_file(tmp_path / "m1.safetensors")
+    assert set(m0) == set(m1) and all(torch.allclose(m0[k], m1[k], atol=1e-6) for k in m0)
     # lora resize keeps each file's layout: the two cut to rank 2 still load alike
     from difftrain.lora.tools import resize
 

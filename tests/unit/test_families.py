@@ -46,8 +46,10 @@ def test_every_registered_family_implements_the_base_class(row):
     assert set(fam.text_encoders) <= set(fam.parts)
     assert all(set(stage) <= set(fam.text_encoders) for stage in fam.text_stages.values())
     assert (configs_root() / row.default_architecture).is_dir()
-    if fam.mergeable:  # lora merge needs the single-file layout of every part
-        assert set(fam.single_file_prefixes) == set(fam.parts)
+    if fam.mergeable:  # lora merge needs the single-file layout of every part, or writes the denoiser alone
+        assert set(fam.single_file_prefixes) == set(fam.parts) or fam.single_file_parts([fam.denoiser]) == (
+            fam.denoiser,
+        ) == tuple(fam.single_file_prefixes)
 
 
 def test_the_base_class_states_what_every_family_must_say():

@@ -172,6 +172,26 @@ def read_lora_file(
 
 
 def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str], label: str):
+    native = family.lora_native_prefix
+    if native is not None and sd and all(k.startswith(native) for k in sd) and family.denoiser in parts:
+        # the model's original names, lora_A / lora_B, the alpha folded in (Krea 2's second file): alpha = rank
+        back = {path: module for module, path in family.kohya_names(mcfg, family.denoiser).items()}
+        own: dict[str, dict[str, torch.Tensor]] = {family.denoiser: {}}
+        unmapped = []
+        for key, t in sd.items():
+            path_, _, leaf = key[len(native) :].rpartition(".lora_")
+            module = back.get(path_)
+            if module is None:
+                unmapped.append(key)
+                continue
+            own[family.denoiser][f"{module}.lora_{leaf}"] = t
+        if unmapped:
+            raise CheckpointError(
+                f"{label} {path.name} does not fit this model: {len(unmapped)} keys name no module of it "
+                f"({', '.join(sorted(unmapped)[:5])}).",
+                hint="Is it a LoRA of this model family and architecture?",
+            )
+        return own, diffusers_alphas({}, own)
     if kohya.is_kohya(sd):
         prefixes = family.kohya_prefixes or kohya.PREFIXES
         names = {part: family.kohya_names(mcfg, part) for part in parts if part in prefixes}

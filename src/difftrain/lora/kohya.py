@@ -132,7 +132,7 @@ def to_native(
             if key.endswith(_B):
                 rank = sd[module + _A].shape[0]
                 t = t * (float(alphas[part][module]) / rank)
-            out[f"{prefix}{path}{key[len(module):]}"] = t.detach().contiguous()
+            out[f"{prefix}{path}{key[len(module) :]}"] = t.detach().contiguous()
     if unmapped:
         raise UnmappedKeys("LoRA layers have no module of that name in the base model's layout", sorted(unmapped))
     return out

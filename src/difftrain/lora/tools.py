@@ -255,7 +255,10 @@ def merge(
     layout = _layout(sd, lora)
     fam, mcfg, parts, files = _base(base, family, config)
     adaptable = [p for p in parts if p == fam.denoiser or p in fam.text_encoders]
-    stray = sorted(_lora_parts(sd, layout, fam.kohya_prefixes) - set(adaptable))
+    found = _lora_parts(sd, layout, fam.kohya_prefixes)
+    if fam.lora_native_prefix and all(k.startswith(fam.lora_native_prefix) for k in sd):
+        found = {fam.denoiser}  # the model's own names under its prefix (Krea 2's second file)
+    stray = sorted(found - set(adaptable))
     if stray:
         made_for = [_DENOISER_OF[p] for p in stray if p in _DENOISER_OF and p != fam.denoiser]
         why = f"it looks made for {made_for[0]}" if made_for else f"the base has no {', '.join(stray)} weights"

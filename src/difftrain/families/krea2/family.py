@@ -140,7 +140,8 @@ class Krea2(ModelFamily):
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("img_in", "time_embed*", "time_mod_proj", "txt_in*", "final_layer*", "text_fusion.projector")
     }
-    mergeable = False  # lora merge writes every part's single-file layout; Krea 2's files hold the transformer alone
+    #: lora merge writes the merged transformer in the original names (the other parts are the user's unchanged files)
+    mergeable = True
     kohya_layout = True
     #: the second LoRA file in Krea's original module names under ComfyUI's prefix, lora_A / lora_B with the alpha
     #: folded in: what ComfyUI loads and diffusers' Krea 2 converter takes (it has no alpha and no lora_down)

@@ -119,8 +119,8 @@ class ZImage(ModelFamily):
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("all_x_embedder*", "t_embedder*", "cap_embedder*", "all_final_layer*")
     }
-    # lora merge writes every part's single-file layout; Z-Image's files hold the transformer alone (not built yet)
-    mergeable = False
+    #: lora merge writes the merged transformer in the original names (the other parts are the user's unchanged files)
+    mergeable = True
     kohya_layout = True
     #: the names ComfyUI loads (its Z-Image model: lora_unet_ + the original module path; the fused qkv)
     kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
