@@ -50,9 +50,28 @@ def shard(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     for unit in units:
         fully_shard(unit, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload)
+        unit.register_forward_hook(_no_view_outputs, prepend=True)
     # the root's weights are gathered first in forward and needed last in backward: kept whole in between
     fully_shard(module, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
+    module.register_forward_hook(_no_view_outputs, prepend=True)
     return module
+
+
+def _no_view_outputs(module: torch.nn.Module, args, output):
+    """A sharded unit's outputs that are views of another tensor, copied (before FSDP's own post-forward hook, which
+    this one precedes). FSDP2 hangs its pre-backward hook (the all-gather of the unit's weights for backward) on the
+    outputs' autograd nodes; an in-place op on a view output replaces that node and drops the hook, so backward
+    would run without the weights gathered (torch warns: "returned a view tensor"). diffusers' blocks return views
+    (Flux's single blocks split text and image tokens by slicing; the models return reshaped outputs). A copy of a
+    block's output is cheap beside the block; tensors that are not views pass unchanged."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else None
+    if isinstance(output, tuple) and any(isinstance(o, torch.Tensor) and o._is_view() for o in output):
+        return type(output)(o.clone() if isinstance(o, torch.Tensor) and o._is_view() else o for o in output)
+    sample = getattr(output, "sample", None)  # a diffusers output dataclass (return_dict=True)
+    if hasattr(output, "to_tuple") and isinstance(sample, torch.Tensor) and sample._is_view():
+        output.sample = sample.clone()
+    return None
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
