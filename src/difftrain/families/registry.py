@@ -47,6 +47,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b"),
     Registered("zimage", "zimage", "ZImage", "z-image"),
     Registered("krea2", "krea2", "Krea2", "krea2"),
+    Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

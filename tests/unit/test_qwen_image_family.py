@@ -1,0 +1,100 @@
+"""Qwen-Image on tiny seeded models of the real layout: the bundled real architecture's sizes, the text and the
+transformer's inputs exactly as QwenImagePipeline builds them (a mixed-length batch gives each sample its own
+prediction), loading the transformer and VAE files ComfyUI users have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftrain.config.load import resolve
+from difftrain.config.schema import ModelConfig
+from difftrain.errors import ModelLoadError
+from difftrain.families.qwenimage import QwenImage
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return QwenImage().build_tiny(tmp_path_factory.mktemp("qwenimage") / "m", seed=0)
+
+
+def test_the_bundled_architecture_has_the_released_models_sizes():
+    """Qwen-Image's 20.43B MMDiT, Qwen2.5-VL-7B-Instruct (8.29B with its vision tower and head) and the Qwen-Image
+    VAE, built on the meta device from the bundled configs."""
+    fam = QwenImage()
+    mcfg = ModelConfig(config="qwen-image")
+    with torch.device("meta"):
+        counts = {
+            p: sum(x.numel() for x in fam.empty_part(mcfg, p).parameters())
+            for p in ("transformer", "text_encoder", "vae")
+        }
+    assert counts == {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531}
+
+
+def test_captions_are_encoded_as_the_pipeline_encodes_them(tiny):
+    from diffusers import QwenImagePipeline
+
+    fam = QwenImage()
+    comps = fam.load(ModelConfig(path=tiny), ["text_encoder"])
+    opts = resolve(recipe="tiny-qwen-image-lora", sets=[f"model.path={tiny}", "data.dir=."]).config.text_encoders
+    captions = ["a fox in the snow", "a much longer caption: a cat on a red sofa, evening light"]
+    got = fam.encode_prompts(comps, captions, "qwen25vl", opts)["prompt_embeds"]
+    pipe = QwenImagePipeline.from_pretrained(tiny)
+    want, mask = pipe.encode_prompt(captions, device=torch.device("cpu"))
+    for i, g in enumerate(got):
+        torch.testing.assert_close(g, want[i][mask[i].bool()].float())
+    assert got[0].shape[0] < got[1].shape[0]
+
+
+def test_the_transformer_gets_the_pipelines_inputs_in_a_mixed_length_batch(tiny):
+    from diffusers import QwenImagePipeline
+
+    fam = QwenImage()
+    comps = fam.load(ModelConfig(path=tiny), ["transformer", "text_encoder"])
+    pipe = QwenImagePipeline.from_pretrained(tiny)
+    captions = ["a fox", "a cat on a red sofa in the evening light"]
+    opts = resolve(recipe="tiny-qwen-image-lora", sets=[f"model.path={tiny}", "data.dir=."]).config.text_encoders
+    cached = fam.encode_prompts(comps, captions, "qwen25vl", opts)["prompt_embeds"]
+    batch = fam.collate_text("qwen25vl", [{"prompt_embeds": t} for t in cached])
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, 16, 8, 12, generator=g)
+    t = torch.tensor([250.0, 900.0])
+    tr = comps["transformer"]
+    with torch.no_grad():
+        got = fam.denoise(tr, noisy, t, batch)
+        for i in range(2):
+            embeds, mask = pipe.encode_prompt([captions[i]], device=torch.device("cpu"))
+            want = tr(
+                hidden_states=pipe._pack_latents(noisy[i : i + 1], 1, 16, 8, 12),
+                timestep=t[i : i + 1] / 1000,
+                encoder_hidden_states_mask=mask,
+                encoder_hidden_states=embeds,
+                img_shapes=[[(1, 4, 6)]],
+                return_dict=False,
+            )[0]
+            want = pipe._unpack_latents(want, 64, 96, 8).squeeze(2)
+            torch.testing.assert_close(got[i : i + 1], want, rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_files_load_the_transformer_and_vae(tiny, tmp_path):
+    from safetensors.torch import save_file
+    from test_wan_family import _wan_vae_name  # Wan 2.1's own VAE names (the Qwen-Image VAE has its layout)
+
+    fam = QwenImage()
+    ref = fam.load(ModelConfig(path=tiny), ["transformer", "vae"], tokenizers=False)
+    prefixed = {f"model.diffusion_model.{k}": v.contiguous() for k, v in ref["transformer"].state_dict().items()}
+    save_file(prefixed, tmp_path / "qwen_image.safetensors")
+    save_file(
+        {_wan_vae_name(k): v.contiguous() for k, v in ref["vae"].state_dict().items()}, tmp_path / "vae.safetensors"
+    )
+    mcfg = ModelConfig(
+        path=tmp_path / "qwen_image.safetensors", config="qwen-image-tiny", ae=tmp_path / "vae.safetensors"
+    )
+    got = fam.load(mcfg, ["transformer", "vae"])
+    for part in ("transformer", "vae"):
+        want, have = ref[part].state_dict(), got[part].state_dict()
+        assert set(have) == set(want) and all(torch.equal(have[k], want[k]) for k in want), part
+    with pytest.raises(ModelLoadError, match=r"Qwen2\.5-VL is read from a diffusers folder"):
+        fam.load(mcfg, ["text_encoder"])
+    with pytest.raises(ModelLoadError, match="does not look like a Qwen-Image transformer"):
+        fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="qwen-image-tiny"), ["transformer"])
