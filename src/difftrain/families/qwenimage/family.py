@@ -323,7 +323,14 @@ class QwenImage(ModelFamily):
         return module
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        return _new_module(part, self.part_config(mcfg, part))
+        """A part built from its config; on the meta device (FSDP's build) the transformer's rotary tables are made
+        for real: diffusers' QwenEmbedRope holds them as plain attributes, which no state dict fills."""
+        module = _new_module(part, self.part_config(mcfg, part))
+        rope = getattr(module, "pos_embed", None) if part == "transformer" else None
+        if rope is not None and getattr(rope, "pos_freqs", None) is not None and rope.pos_freqs.is_meta:
+            with torch.device("cpu"):
+                module.pos_embed = type(rope)(theta=rope.theta, axes_dim=rope.axes_dim, scale_rope=rope.scale_rope)
+        return module
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name == "QwenImagePipeline"
