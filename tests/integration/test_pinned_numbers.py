@@ -40,6 +40,9 @@ FAMILIES = {
         {"family": "cogvideox-i2v", "model.config": "cogvideox-tiny-i2v"},
     ),
     "wan": ("tiny-wan-lora", "wan:Wan", {}),
+    "zimage": ("tiny-zimage-lora", "zimage:ZImage", {}),
+    "krea2": ("tiny-krea2-lora", "krea2:Krea2", {}),
+    "qwen-image": ("tiny-qwen-image-lora", "qwenimage:QwenImage", {}),
 }
 BF16 = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16"}
 PLANS = {
@@ -110,6 +113,22 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
     ("wan", "full_ema"): (
         [1.4693128, 1.5931906, 1.4747435, 1.5096089],
         [5.955892627, 0.001835180946, 2.624505165, 0.0003451288833],
+    ),
+    # the 2026 image families (issues 52 and 53), pinned as added, before their shared code was factored out
+    ("zimage", "plain"): ([1.3496687, 1.290071, 1.3249402, 1.2734196], [1151.862287, 154.0595164, 6.935918126]),
+    ("zimage", "full_ema"): (
+        [1.3496687, 1.302457, 1.3538976, 1.3311658],
+        [78.77080407, 0.02230541047, 35.553512, 0.004351118439],
+    ),
+    ("krea2", "plain"): ([1.5754008, 1.521624, 1.5871794, 1.5100002], [1145.772721, 158.9097104, 25.68857882]),
+    ("krea2", "full_ema"): (
+        [1.5754008, 1.5231614, 1.5901216, 1.5256512],
+        [16.8422146, 0.005649679128, 7.1816856, 0.001012842162],
+    ),
+    ("qwen-image", "plain"): ([1.5157417, 1.5125769, 1.5020201, 1.495797], [1165.047908, 160.940415, 7.209274957]),
+    ("qwen-image", "full_ema"): (
+        [1.5157417, 1.5164833, 1.5154023, 1.5287955],
+        [21.85064456, 0.007325182457, 9.365310911, 0.001322666065],
     ),
 }
 
@@ -254,7 +273,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
 
 #: the bf16 plans' numbers depend on the CPU's bf16 kernels (PINS_AVX2, PINS_AVX512_BF16); a family added after those
 #: machines were lent pins its float32 plans only
-FP32_ONLY = {"wan"}
+FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image"}
 CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in ("plain", "full_ema")]
 
 
