@@ -28,14 +28,13 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ...errors import CheckpointError, ConfigError, ModelLoadError
 from .. import common, streaming
-from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
+from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2, vae_state_dict
 from . import single_file
 
-PARTS = ("transformer", "vae", "text_encoder")
 DEFAULT_CONFIG = "krea2"
 #: the caption's tokens after the system prefix (the pipeline's max_sequence_length), the prefix's token count and
 #: the assistant suffix's (Krea2Pipeline's prompt_template_encode_start_idx / _num_suffix_tokens)
@@ -49,23 +48,7 @@ TEMPLATE_PREFIX = (
 TEMPLATE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 #: the hidden states Krea2Pipeline taps by default (0 is the embeddings); a model's model_index.json may name others
 TEXT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
-SAVE_AS: dict[str, str | tuple[str, str]] = {
-    "transformer": "Krea2Transformer2DModel",
-    "vae": "AutoencoderKLQwenImage",
-    "text_encoder": ("Qwen3VLModel", "qwen3_vl"),
-}
-FILE_OPTION = {"vae": "ae", "text_encoder": "text_encoder"}
-LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "Qwen3-VL text encoder"}
-FILE_EXAMPLE = {"vae": "qwen_image_vae.safetensors", "text_encoder": "the Qwen3-VL-4B .safetensors"}
 _WARNED: list[str] = []
-
-
-def known_configs() -> list[str]:
-    return common.config_names("krea2")
-
-
-def bundled_config_dir(name: str | None) -> Path:
-    return common.bundled_dir(name or DEFAULT_CONFIG, "Krea 2", known_configs, prefix="krea2")
 
 
 def _new_module(part: str, cfg: dict):
@@ -80,18 +63,8 @@ def _new_module(part: str, cfg: dict):
     return Qwen3VLModel(Qwen3VLConfig(**_hf_config(cfg)))
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: 2x2 patches, as Krea2Pipeline._pack_latents (Flux's packing)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    b, _, d = packed.shape
-    c = d // 4
-    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
+#: the pipeline's 2x2 packing (Flux's), as the tests and benchmarks call it here
+pack, unpack = pack_2x2, unpack_2x2
 
 
 def position_ids(text_len: int, h: int, w: int, device) -> torch.Tensor:
@@ -102,14 +75,30 @@ def position_ids(text_len: int, h: int, w: int, device) -> torch.Tensor:
     return torch.cat([torch.zeros(text_len, 3, device=device), image.reshape(h * w, 3)], dim=0)
 
 
-class Krea2(ModelFamily):
+class Krea2(LLMImageFamily):
     name = "krea2"
-    image_encoder = "vae"
-    text_encoders = ("text_encoder",)
+    label = "Krea 2"
+    config_prefix = "krea2"
+    default_config = DEFAULT_CONFIG
+    hub_example = "krea/Krea-2-Raw"
+    text_stage = "qwen3vl"
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"qwen3vl": ("text_encoder",)}
-    denoiser = "transformer"
-    parts = PARTS
-    objective = "flow"
+    pipeline_class = "Krea2Pipeline"
+    save_as: ClassVar[Mapping[str, str | tuple[str, str]]] = {
+        "transformer": "Krea2Transformer2DModel",
+        "vae": "AutoencoderKLQwenImage",
+        "text_encoder": ("Qwen3VLModel", "qwen3_vl"),
+    }
+    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae", "text_encoder": "text_encoder"}
+    part_labels: ClassVar[Mapping[str, str]] = {
+        "transformer": "transformer",
+        "vae": "VAE",
+        "text_encoder": "Qwen3-VL text encoder",
+    }
+    file_examples: ClassVar[Mapping[str, str]] = {
+        "vae": "qwen_image_vae.safetensors",
+        "text_encoder": "the Qwen3-VL-4B .safetensors",
+    }
     repeated_blocks = ("Krea2TransformerBlock",)
     tiny_recipe = "tiny-krea2-lora"
     tiny_config = "krea2-tiny"
@@ -135,59 +124,28 @@ class Krea2(ModelFamily):
         "ff.up",
         "ff.down",
     )
-    text_encoder_lora_targets = ()
-    trainable_text_encoders = ()  # Qwen3-VL only ever encodes for the cache
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("img_in", "time_embed*", "time_mod_proj", "txt_in*", "final_layer*", "text_fusion.projector")
     }
     #: lora merge writes the merged transformer in the original names (the other parts are the user's unchanged files)
-    mergeable = True
-    kohya_layout = True
     #: the second LoRA file in Krea's original module names under ComfyUI's prefix, lora_A / lora_B with the alpha
     #: folded in: what ComfyUI loads and diffusers' Krea 2 converter takes (it has no alpha and no lora_down)
     lora_native_prefix: ClassVar[str | None] = "diffusion_model."
-    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
     kohya_base_version = "krea2"
     modelspec_lora_architecture = "krea-2/lora"
     single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": single_file.PREFIX}
 
+    def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
+        return _new_module(part, cfg)
+
     # ------------------------------------------------------------ sources
-    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        return common.resolve_source(
-            mcfg,
-            parts=self.parts,
-            no_model_hint="Set model.path to a diffusers Krea 2 folder, a Hub id (--set model.path=krea/Krea-2-Raw) or "
-            "the transformer file (with model.ae, model.text_encoder and model.tokenizer_path for the other parts).",
-            missing_hint="Point model.path at a diffusers Krea 2 folder (with transformer/, vae/, text_encoder/, "
-            "tokenizer/) or a Krea 2 .safetensors file.",
-            check_folder=lambda p: common.require_subfolder(p, "transformer", "Krea 2"),
-        )
-
-    def architecture(self, mcfg: ModelConfig) -> str:
-        return mcfg.config or DEFAULT_CONFIG
-
-    def config_dir(self, name: str | None) -> Path:
-        return bundled_config_dir(name)
-
-    def _folder(self, mcfg: ModelConfig) -> Path | None:
-        if mcfg.path is None:
-            return None
-        kind, p = self._source(mcfg)
-        return p if kind == "diffusers" else None
-
-    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
-        p = self._folder(mcfg)
-        if p is not None and (p / part / "config.json").exists():
-            return _read_json(p / part / "config.json")
-        return _read_json(bundled_config_dir(self.architecture(mcfg)) / part / "config.json")
-
     def pipeline_config(self, mcfg: ModelConfig) -> dict:
         """The model's model_index.json (a diffusers folder's, else the bundled architecture's): the text layers the
         pipeline taps and whether the checkpoint is the distilled one."""
         p = self._folder(mcfg)
         if p is not None and (p / "model_index.json").exists():
             return _read_json(p / "model_index.json")
-        return _read_json(bundled_config_dir(self.architecture(mcfg)) / "model_index.json")
+        return _read_json(self.bundled(self.architecture(mcfg)) / "model_index.json")
 
     def select_layers(self, mcfg: ModelConfig) -> tuple[int, ...]:
         return tuple(self.pipeline_config(mcfg).get("text_encoder_select_layers") or TEXT_LAYERS)
@@ -202,39 +160,6 @@ class Krea2(ModelFamily):
                 f"{names}: this is Krea-2-Turbo, the distilled checkpoint (8 steps, no CFG); training on it wears its "
                 "distillation away. Krea's guidance: train on Krea-2-Raw (krea/Krea-2-Raw) and use the LoRA on Turbo."
             )
-
-    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
-        option = FILE_OPTION.get(part)
-        own = getattr(mcfg, option) if option else None
-        if own is None:
-            return None
-        f = Path(own).expanduser()
-        if not f.is_file():
-            raise ModelLoadError(
-                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
-            )
-        if f.suffix.lower() != ".safetensors":
-            raise UnsafeCheckpoint(
-                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
-                hint="Use the .safetensors file.",
-            )
-        return f
-
-    def scheduler_config(self, mcfg: ModelConfig) -> dict:
-        if mcfg.prediction_type is not None:
-            raise ConfigError(
-                f"model.prediction_type={mcfg.prediction_type} does not apply to Krea 2, which is trained by "
-                "rectified flow.",
-                hint="Remove model.prediction_type.",
-            )
-        p = self._folder(mcfg)
-        base = p if p is not None and (p / "scheduler").is_dir() else bundled_config_dir(self.architecture(mcfg))
-        return _read_json(base / "scheduler" / "scheduler_config.json")
-
-    def training_scheduler(self, mcfg: ModelConfig):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
 
     # ------------------------------------------------------------ loading
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
@@ -270,7 +195,7 @@ class Krea2(ModelFamily):
         from transformers import Qwen3VLModel
 
         parts = list(parts)
-        common.check_parts("Krea 2", parts, PARTS)
+        common.check_parts("Krea 2", parts, self.parts)
         kind, p = self._source(mcfg)
         if "transformer" in parts:
             self._warn_turbo(mcfg)
@@ -300,7 +225,7 @@ class Krea2(ModelFamily):
             missing = [part for part in rest if part != "transformer"]
             if missing:
                 raise ModelLoadError(
-                    f"{p.name} holds the Krea 2 transformer only; it has no {', '.join(LABELS[m] for m in missing)} "
+                    f"{p.name} holds the Krea 2 transformer only; it has no {', '.join(self.part_labels[m] for m in missing)} "
                     "weights.",
                     hint="Give the parts' own files (model.ae, model.text_encoder, model.tokenizer_path), or set "
                     "model.path to a diffusers Krea 2 folder.",
@@ -318,16 +243,6 @@ class Krea2(ModelFamily):
         comps.update(toks)
         return comps
 
-    def _mismatch(self, f: Path, part: str, mcfg: ModelConfig):
-        def mismatch(what: str) -> ModelLoadError:
-            return ModelLoadError(
-                f"{f.name} does not fit the bundled Krea 2 architecture {self.architecture(mcfg)!r} for the "
-                f"{LABELS[part]}: {what}",
-                hint=f"Is it a Krea 2 {LABELS[part]} file? (bundled: {', '.join(known_configs())})",
-            )
-
-        return mismatch
-
     def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
         from accelerate import init_empty_weights
 
@@ -338,44 +253,29 @@ class Krea2(ModelFamily):
                 hint="Give the Krea 2 transformer file (Raw) or a diffusers Krea 2 folder; another model's file needs "
                 "its own family.",
             )
-        config = _read_json(bundled_config_dir(self.architecture(mcfg)) / "transformer" / "config.json")
+        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
         read = common.single_file_reader(get, dtype, device, False, False)
         with init_empty_weights(include_buffers=False):
             module = _new_module("transformer", config)
         tensors = single_file.transformer_tensors(keys, read)
-        streaming.fill(module, "transformer", tensors, self._mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
         return module
 
     def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
-        """The VAE (diffusers' names, or Wan's own: the Qwen-Image VAE is Wan 2.1's layout, ComfyUI's
-        qwen_image_vae.safetensors) or Qwen3-VL (transformers' names: the model's, or a generation model's with
-        ``model.`` and a head, which is left out) from a file of its own."""
-        from accelerate import init_empty_weights
-
+        """The VAE (diffusers' names, or Wan's: ComfyUI's qwen_image_vae.safetensors) or Qwen3-VL (transformers'
+        names: the model's, or a generation model's with ``model.`` and a head, which is left out) from its own file."""
         keys, get, _, _ = common.open_checkpoint("single", f)
-        config = self.part_config(mcfg, part)
         read = common.single_file_reader(get, dtype, device, quant is not None, False)
         if part == "vae":
-            sd = {k.removeprefix("vae."): read(k) for k in keys}
-            if "encoder.conv1.weight" in sd:  # Wan's own names (ComfyUI's qwen_image_vae.safetensors): its layout
-                from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+            return self.load_module(part, vae_state_dict({k: read(k) for k in keys}), f, mcfg)
+        sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+        if quant is not None:
+            from transformers import Qwen3VLConfig, Qwen3VLModel
 
-                sd = convert_wan_vae_to_diffusers(sd)
-        else:
-            sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
-            if quant is not None:
-                from transformers import Qwen3VLConfig, Qwen3VLModel
-
-                return common.quantized_t5_from_state_dict(
-                    sd, config, quant, dtype, device, config_cls=Qwen3VLConfig, model_cls=Qwen3VLModel
-                )
-        with init_empty_weights(include_buffers=False):
-            module = _new_module(part, config)
-        common.assign_state_dict(module, sd, self._mismatch(f, part, mcfg))
-        return module
-
-    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        return _new_module(part, self.part_config(mcfg, part))
+            return common.quantized_t5_from_state_dict(
+                sd, self.part_config(mcfg, part), quant, dtype, device, config_cls=Qwen3VLConfig, model_cls=Qwen3VLModel
+            )
+        return self.load_module(part, sd, f, mcfg)
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name.startswith("Krea2")
@@ -389,23 +289,6 @@ class Krea2(ModelFamily):
     def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
         return ["transformer"] if single_file.is_krea2_file(keys) else []
 
-    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        own = self._own_file(mcfg, part)
-        if own is not None:
-            return common.hash_files(self.name, part, [own], memo)
-        kind, p = self._source(mcfg)
-        if kind == "diffusers":
-            return common.hash_files(
-                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
-            )
-        if part != "transformer":
-            raise ModelLoadError(f"{p.name} holds the Krea 2 transformer only; give the {LABELS[part]}'s own file.")
-        return common.hash_files(self.name, part, [p], memo)
-
-    @staticmethod
-    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return common.module_configs(comps, PARTS)
-
     # ------------------------------------------------------------ LoRA names
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """The transformer's modules by Krea's original paths (``blocks.0.attn.wq``): what ComfyUI names them."""
@@ -415,34 +298,9 @@ class Krea2(ModelFamily):
             module = self.empty_part(mcfg, part)
         return common.adaptable_paths(module, single_file.module_to_original)
 
-    # ------------------------------------------------------------ memory hints
-    def memory_hints(
-        self,
-        mcfg: ModelConfig,
-        lora_targets: list[str],
-        lora_rank: int,
-        resolution: int,
-        loaded: list[str],
-        trained: list[str],
-        method: str,
-    ) -> dict:
-        bundled = bundled_config_dir(self.architecture(mcfg))
-        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
-        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
-        return common.image_memory_hints(
-            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
-        )
-
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, 16, H/8, W/8] (float32): the Qwen-Image VAE's
-        posterior mean of the one-frame video, ``(z - mean) / std`` per channel (the pipeline's inverse)."""
-        vae = comps["vae"]
-        z = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean.float()
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
-        return ((z - mean) / std).squeeze(2)
+        return qwen_vae_latents(comps["vae"], pixels)
 
     def encode_prompts(
         self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
@@ -456,14 +314,7 @@ class Krea2(ModelFamily):
         text = [TEMPLATE_PREFIX + c for c in captions]
         room = TEXT_TOKENS + PREFIX_TOKENS - SUFFIX_TOKENS
         enc = tok(text, truncation=True, padding="max_length", max_length=room, return_tensors="pt")
-        long = [c for c, n in zip(captions, tok(text).input_ids) if len(n) > room]
-        if long:
-            from ...console import warn
-
-            warn(
-                f"{len(long)} caption(s) longer than Krea 2's {room - PREFIX_TOKENS} Qwen3-VL tokens are cut to it, "
-                f"e.g. {long[0][:60]!r}..."
-            )
+        self.warn_long(captions, [len(n) for n in tok(text).input_ids], room, room - PREFIX_TOKENS, "Qwen3-VL")
         suffix = tok([TEMPLATE_SUFFIX] * len(text), return_tensors="pt")
         ids = torch.cat([enc.input_ids, suffix.input_ids], dim=1).to(te.device)
         mask = torch.cat([enc.attention_mask, suffix.attention_mask], dim=1).bool().to(te.device)
@@ -476,29 +327,6 @@ class Krea2(ModelFamily):
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"qwen3vl:{options.llm.precision}:{TEXT_TOKENS}:krea2-template" if stage == "qwen3vl" else ""
 
-    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
-        return {"text_encoder": options.llm.precision} if stage == "qwen3vl" else None
-
-    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
-        return ["qwen3vl"]
-
-    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {}
-
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
-        states = [e["prompt_embeds"] for e in entries]
-        n = max(s.shape[0] for s in states)
-        padded = torch.zeros(len(states), n, *states[0].shape[1:], dtype=states[0].dtype)
-        for i, s in enumerate(states):
-            padded[i, : s.shape[0]] = s
-        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
-
-    def combine_texts(
-        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
-    ) -> dict[str, torch.Tensor]:
-        return dict(stages["qwen3vl"])
-
     # ------------------------------------------------------------ training
     def denoise(
         self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -506,11 +334,7 @@ class Krea2(ModelFamily):
         """The flow prediction (noise - x0) for noisy latents [B, 16, h, w], packed, with the position ids, sigma as
         the timestep and the text's padding masked (none when every caption of the batch is as long)."""
         h, w = noisy.shape[-2:]
-        if h % 2 or w % 2:
-            raise ConfigError(
-                f"A Krea 2 latent of {h}x{w} cannot be packed into 2x2 patches.",
-                hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
-            )
+        check_2x2("Krea 2", h, w)
         text, lengths = batch["prompt_embeds"], batch["prompt_length"].to(noisy.device)
         mask = None
         if bool((lengths != text.shape[1]).any()):
@@ -543,29 +367,6 @@ class Krea2(ModelFamily):
             is_distilled=bool(index.get("is_distilled", False)),
         )
 
-    def save_lora(
-        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
-    ) -> None:
-        """pytorch_lora_weights.safetensors as Krea2Pipeline.load_lora_weights reads it (the peft config in the
-        header, so the loader uses the trained alpha)."""
-        from diffusers import Krea2Pipeline
-
-        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
-        if extra:
-            raise CheckpointError(
-                f"diffusers' Krea 2 LoRA format has no place for {', '.join(extra)} LoRA layers.",
-                hint="Train LoRA on the transformer only (Qwen3-VL is never trained).",
-            )
-        Krea2Pipeline.save_lora_weights(
-            save_directory=str(folder),
-            transformer_lora_layers=layers.get("transformer"),
-            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
-            safe_serialization=True,
-        )
-
-    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
-        return ("transformer",)
-
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
@@ -581,97 +382,16 @@ class Krea2(ModelFamily):
             path, tensors, metadata={"format": "pt", "modelspec.architecture": "krea-2"}, dtype=dtype
         )
 
-    def save_diffusers(
-        self,
-        sds: dict[str, Any],
-        configs: dict[str, dict],
-        folder: Path,
-        mcfg: ModelConfig,
-        dtype: torch.dtype | None = None,
-    ) -> Path:
-        """A diffusers folder: the trained parts written, the others copied from the source folder with its
-        tokenizer, scheduler and model_index.json, atomically."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        kind, src = self._source(mcfg)
-        if kind != "diffusers":
-            raise CheckpointError(
-                "A diffusers Krea 2 folder is written from a diffusers source folder (its VAE, Qwen3-VL and tokenizer "
-                "are copied from there).",
-                hint="Train from the diffusers folder, or save.formats: [single_file].",
-            )
-        with atomic_dir(Path(folder)) as tmp:
-            for part in PARTS:
-                if part in sds:
-                    common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
-                elif (src / part).is_dir():
-                    shutil.copytree(src / part, tmp / part)
-            for extra in ("tokenizer", "scheduler"):
-                if (src / extra).is_dir():
-                    shutil.copytree(src / extra, tmp / extra)
-            shutil.copy(src / "model_index.json", tmp / "model_index.json")
-        return Path(folder)
-
     # ------------------------------------------------------------ tests and benchmarks
-    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
-        """A tiny seeded Krea 2 of the real layout (Qwen3-VL with an offline byte-level tokenizer, four text layers
-        tapped) saved as Krea2Pipeline saves it."""
-        import shutil
-
-        from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline
-        from transformers import AutoTokenizer
-
-        from ..tokenizers import tiny_qwen_tokenizer
-
-        folder = Path(folder)
-        cfgdir = bundled_config_dir(self.tiny_config)
-        torch.manual_seed(seed)
-        comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
-        index = _read_json(cfgdir / "model_index.json")
-        tokdir = folder.parent / f".{folder.name}-tokenizer"
-        try:
-            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
-            sched = FlowMatchEulerDiscreteScheduler.from_config(
-                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
-            )
-            Krea2Pipeline(
-                scheduler=sched, text_encoder_select_layers=index["text_encoder_select_layers"], **comps
-            ).save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
-        finally:
-            shutil.rmtree(tokdir, ignore_errors=True)
-        return folder
-
-    def build_random(
-        self,
-        config_name: str,
-        path: Path,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        parts: Sequence[str] = PARTS,
-    ) -> Path:
-        """Random bf16 weights of a bundled architecture as a diffusers folder (no tokenizer: benchmarks give
-        stand-ins)."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        cfgdir = bundled_config_dir(config_name)
-        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
-        configs = self.module_configs(comps)
-        with atomic_dir(Path(path)) as tmp:
-            for part, m in comps.items():
-                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, SAVE_AS[part])
-            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
-            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
-        return Path(path)
+    def tiny_pipeline_kwargs(self, cfgdir: Path) -> dict[str, Any]:
+        """The tiny model's tapped layers (four: its text model has four)."""
+        return {"text_encoder_select_layers": _read_json(cfgdir / "model_index.json")["text_encoder_select_layers"]}
 
     def cache_shapes(
         self, config_name: str, resolution: int, caption_tokens: int = 128
     ) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item: the latents at a square ``resolution``, a caption of ``caption_tokens`` rows."""
-        cfgdir = bundled_config_dir(config_name)
+        cfgdir = self.bundled(config_name)
         tr = _read_json(cfgdir / "transformer" / "config.json")
         side = resolution // 8
         return {

@@ -24,13 +24,12 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ...errors import CheckpointError, ConfigError, ModelLoadError
 from .. import common, streaming
-from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
+from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2, vae_state_dict
 
-PARTS = ("transformer", "vae", "text_encoder")
 DEFAULT_CONFIG = "qwen-image"
 #: QwenImagePipeline's prompt template, the system prefix's token count it drops, and the most caption tokens it keeps
 TEMPLATE = (
@@ -39,27 +38,11 @@ TEMPLATE = (
 )
 PREFIX_TOKENS = 34
 TEXT_TOKENS = 1024
-SAVE_AS: dict[str, str | tuple[str, str]] = {
-    "transformer": "QwenImageTransformer2DModel",
-    "vae": "AutoencoderKLQwenImage",
-    "text_encoder": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
-}
-FILE_OPTION = {"vae": "ae"}
-LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "Qwen2.5-VL text encoder"}
-FILE_EXAMPLE = {"vae": "qwen_image_vae.safetensors"}
 #: the prefix ComfyUI's one-file checkpoints put before the transformer's (diffusers-named) tensors
 PREFIX = "model.diffusion_model."
 #: what tells a Qwen-Image transformer file (diffusers' names): the text-input norm and the image modulation
 MARKERS = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
 _WARNED: list[str] = []
-
-
-def known_configs() -> list[str]:
-    return common.config_names("qwen-image")
-
-
-def bundled_config_dir(name: str | None) -> Path:
-    return common.bundled_dir(name or DEFAULT_CONFIG, "Qwen-Image", known_configs, prefix="qwen-image")
 
 
 def is_qwen_image_file(keys: Sequence[str]) -> bool:
@@ -79,28 +62,31 @@ def _new_module(part: str, cfg: dict):
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**_hf_config(cfg)))
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: 2x2 patches, as QwenImagePipeline._pack_latents (Flux's packing)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+#: the pipeline's 2x2 packing (Flux's), as the tests and benchmarks call it here
+pack, unpack = pack_2x2, unpack_2x2
 
 
-def unpack(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    b, _, d = packed.shape
-    c = d // 4
-    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
-
-
-class QwenImage(ModelFamily):
+class QwenImage(LLMImageFamily):
     name = "qwen-image"
-    image_encoder = "vae"
-    text_encoders = ("text_encoder",)
+    label = "Qwen-Image"
+    config_prefix = "qwen-image"
+    default_config = DEFAULT_CONFIG
+    hub_example = "Qwen/Qwen-Image"
+    text_stage = "qwen25vl"
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"qwen25vl": ("text_encoder",)}
-    denoiser = "transformer"
-    parts = PARTS
-    objective = "flow"
+    pipeline_class = "QwenImagePipeline"
+    save_as: ClassVar[Mapping[str, str | tuple[str, str]]] = {
+        "transformer": "QwenImageTransformer2DModel",
+        "vae": "AutoencoderKLQwenImage",
+        "text_encoder": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
+    }
+    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae"}
+    part_labels: ClassVar[Mapping[str, str]] = {
+        "transformer": "transformer",
+        "vae": "VAE",
+        "text_encoder": "Qwen2.5-VL text encoder",
+    }
+    file_examples: ClassVar[Mapping[str, str]] = {"vae": "qwen_image_vae.safetensors"}
     repeated_blocks = ("QwenImageTransformerBlock",)
     tiny_recipe = "tiny-qwen-image-lora"
     tiny_config = "qwen-image-tiny"
@@ -129,82 +115,16 @@ class QwenImage(ModelFamily):
         "txt_mlp.net.0.proj",
         "txt_mlp.net.2",
     )
-    text_encoder_lora_targets = ()
-    trainable_text_encoders = ()  # Qwen2.5-VL only ever encodes for the cache
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("img_in", "txt_in", "txt_norm", "time_text_embed*", "norm_out*", "proj_out")
     }
-    #: lora merge writes the merged transformer (diffusers' names, as ComfyUI's files have them)
-    mergeable = True
-    kohya_layout = True
     #: ComfyUI's and musubi-tuner's Qwen-Image LoRA names: lora_unet_ + diffusers' module path (diffusers converts them)
-    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
     kohya_base_version = "qwen_image"
     modelspec_lora_architecture = "qwen-image/lora"
     single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": PREFIX}
 
-    # ------------------------------------------------------------ sources
-    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        return common.resolve_source(
-            mcfg,
-            parts=self.parts,
-            no_model_hint="Set model.path to a diffusers Qwen-Image folder, a Hub id (--set model.path=Qwen/Qwen-Image) "
-            "or the transformer file (with model.ae for the VAE; the text encoder from a diffusers folder).",
-            missing_hint="Point model.path at a diffusers Qwen-Image folder (with transformer/, vae/, text_encoder/, "
-            "tokenizer/) or a Qwen-Image .safetensors file.",
-            check_folder=lambda p: common.require_subfolder(p, "transformer", "Qwen-Image"),
-        )
-
-    def architecture(self, mcfg: ModelConfig) -> str:
-        return mcfg.config or DEFAULT_CONFIG
-
-    def config_dir(self, name: str | None) -> Path:
-        return bundled_config_dir(name)
-
-    def _folder(self, mcfg: ModelConfig) -> Path | None:
-        if mcfg.path is None:
-            return None
-        kind, p = self._source(mcfg)
-        return p if kind == "diffusers" else None
-
-    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
-        p = self._folder(mcfg)
-        if p is not None and (p / part / "config.json").exists():
-            return _read_json(p / part / "config.json")
-        return _read_json(bundled_config_dir(self.architecture(mcfg)) / part / "config.json")
-
-    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
-        option = FILE_OPTION.get(part)
-        own = getattr(mcfg, option) if option else None
-        if own is None:
-            return None
-        f = Path(own).expanduser()
-        if not f.is_file():
-            raise ModelLoadError(
-                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
-            )
-        if f.suffix.lower() != ".safetensors":
-            raise UnsafeCheckpoint(
-                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
-                hint="Use the .safetensors file.",
-            )
-        return f
-
-    def scheduler_config(self, mcfg: ModelConfig) -> dict:
-        if mcfg.prediction_type is not None:
-            raise ConfigError(
-                f"model.prediction_type={mcfg.prediction_type} does not apply to Qwen-Image, which is trained by "
-                "rectified flow.",
-                hint="Remove model.prediction_type.",
-            )
-        p = self._folder(mcfg)
-        base = p if p is not None and (p / "scheduler").is_dir() else bundled_config_dir(self.architecture(mcfg))
-        return _read_json(base / "scheduler" / "scheduler_config.json")
-
-    def training_scheduler(self, mcfg: ModelConfig):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+    def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
+        return _new_module(part, cfg)
 
     # ------------------------------------------------------------ loading
     def load(
@@ -222,7 +142,7 @@ class QwenImage(ModelFamily):
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         parts = list(parts)
-        common.check_parts("Qwen-Image", parts, PARTS)
+        common.check_parts("Qwen-Image", parts, self.parts)
         kind, p = self._source(mcfg)
         dtypes, quant = common.t5_precisions(
             parts,
@@ -277,16 +197,6 @@ class QwenImage(ModelFamily):
             comps["tokenizer"] = AutoTokenizer.from_pretrained(p / "tokenizer")
         return comps
 
-    def _mismatch(self, f: Path, part: str, mcfg: ModelConfig):
-        def mismatch(what: str) -> ModelLoadError:
-            return ModelLoadError(
-                f"{f.name} does not fit the bundled Qwen-Image architecture {self.architecture(mcfg)!r} for the "
-                f"{LABELS[part]}: {what}",
-                hint=f"Is it a Qwen-Image {LABELS[part]} file? (bundled: {', '.join(known_configs())})",
-            )
-
-        return mismatch
-
     def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
         """The transformer from a file in diffusers' names (ComfyUI's prefix or none), streamed."""
         from accelerate import init_empty_weights
@@ -298,34 +208,24 @@ class QwenImage(ModelFamily):
                 hint="Give the Qwen-Image transformer file or a diffusers Qwen-Image folder; another model's file "
                 "needs its own family.",
             )
-        config = _read_json(bundled_config_dir(self.architecture(mcfg)) / "transformer" / "config.json")
+        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
         read = common.single_file_reader(get, dtype, device, False, False)
         with init_empty_weights(include_buffers=False):
             module = _new_module("transformer", config)
         tensors = ((k.removeprefix(PREFIX), read(k)) for k in keys)
-        streaming.fill(module, "transformer", tensors, self._mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
         return module
 
     def _load_vae_file(self, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
         """The VAE from its own file: diffusers' names, or Wan's (ComfyUI's qwen_image_vae.safetensors)."""
-        from accelerate import init_empty_weights
-
         keys, get, _, _ = common.open_checkpoint("single", f)
         read = common.single_file_reader(get, dtype, device, False, False)
-        sd = {k.removeprefix("vae."): read(k) for k in keys}
-        if "encoder.conv1.weight" in sd:
-            from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
-
-            sd = convert_wan_vae_to_diffusers(sd)
-        with init_empty_weights(include_buffers=False):
-            module = _new_module("vae", self.part_config(mcfg, "vae"))
-        common.assign_state_dict(module, sd, self._mismatch(f, "vae", mcfg))
-        return module
+        return self.load_module("vae", vae_state_dict({k: read(k) for k in keys}), f, mcfg)
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         """A part built from its config; on the meta device (FSDP's build) the transformer's rotary tables are made
         for real: diffusers' QwenEmbedRope holds them as plain attributes, which no state dict fills."""
-        module = _new_module(part, self.part_config(mcfg, part))
+        module = self.new_module(part, self.part_config(mcfg, part))
         rope = getattr(module, "pos_embed", None) if part == "transformer" else None
         if rope is not None and getattr(rope, "pos_freqs", None) is not None and rope.pos_freqs.is_meta:
             with torch.device("cpu"):
@@ -344,23 +244,6 @@ class QwenImage(ModelFamily):
     def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
         return ["transformer"] if is_qwen_image_file(keys) else []
 
-    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        own = self._own_file(mcfg, part)
-        if own is not None:
-            return common.hash_files(self.name, part, [own], memo)
-        kind, p = self._source(mcfg)
-        if kind == "diffusers":
-            return common.hash_files(
-                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
-            )
-        if part != "transformer":
-            raise ModelLoadError(f"{p.name} holds the Qwen-Image transformer only; give the {LABELS[part]}'s own file.")
-        return common.hash_files(self.name, part, [p], memo)
-
-    @staticmethod
-    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return common.module_configs(comps, PARTS)
-
     # ------------------------------------------------------------ LoRA names
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
         """The transformer's modules by their diffusers paths (ComfyUI's Qwen-Image model has the same names)."""
@@ -370,34 +253,9 @@ class QwenImage(ModelFamily):
             module = self.empty_part(mcfg, part)
         return common.adaptable_paths(module)
 
-    # ------------------------------------------------------------ memory hints
-    def memory_hints(
-        self,
-        mcfg: ModelConfig,
-        lora_targets: list[str],
-        lora_rank: int,
-        resolution: int,
-        loaded: list[str],
-        trained: list[str],
-        method: str,
-    ) -> dict:
-        bundled = bundled_config_dir(self.architecture(mcfg))
-        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
-        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
-        return common.image_memory_hints(
-            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
-        )
-
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
-        """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, 16, H/8, W/8] (float32): the Qwen-Image VAE's
-        posterior mean of the one-frame video, ``(z - mean) / std`` per channel (the pipeline's inverse)."""
-        vae = comps["vae"]
-        z = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean.float()
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
-        return ((z - mean) / std).squeeze(2)
+        return qwen_vae_latents(comps["vae"], pixels)
 
     def encode_prompts(
         self, comps: dict[str, Any], captions: list[str], stage: str, options: TextEncodersConfig
@@ -410,14 +268,7 @@ class QwenImage(ModelFamily):
         text = [TEMPLATE.format(c) for c in captions]
         room = TEXT_TOKENS + PREFIX_TOKENS
         enc = tok(text, max_length=room, padding=True, truncation=True, return_tensors="pt")
-        long = [c for c, n in zip(captions, tok(text).input_ids) if len(n) > room]
-        if long:
-            from ...console import warn
-
-            warn(
-                f"{len(long)} caption(s) longer than Qwen-Image's {TEXT_TOKENS} Qwen2.5-VL tokens are cut to it, "
-                f"e.g. {long[0][:60]!r}..."
-            )
+        self.warn_long(captions, [len(n) for n in tok(text).input_ids], room, TEXT_TOKENS, "Qwen2.5-VL")
         mask = enc.attention_mask.to(te.device)
         out = te(input_ids=enc.input_ids.to(te.device), attention_mask=mask, output_hidden_states=True)
         states = out.hidden_states[-1].float()
@@ -426,30 +277,6 @@ class QwenImage(ModelFamily):
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"qwen25vl:{options.llm.precision}:{TEXT_TOKENS}:qwen-image-template" if stage == "qwen25vl" else ""
 
-    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
-        return {"text_encoder": options.llm.precision} if stage == "qwen25vl" else None
-
-    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
-        return ["qwen25vl"]
-
-    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {}
-
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept (the
-        pipeline's padding and mask)."""
-        states = [e["prompt_embeds"] for e in entries]
-        n = max(s.shape[0] for s in states)
-        padded = torch.zeros(len(states), n, states[0].shape[-1], dtype=states[0].dtype)
-        for i, s in enumerate(states):
-            padded[i, : s.shape[0]] = s
-        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
-
-    def combine_texts(
-        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
-    ) -> dict[str, torch.Tensor]:
-        return dict(stages["qwen25vl"])
-
     # ------------------------------------------------------------ training
     def denoise(
         self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -457,11 +284,7 @@ class QwenImage(ModelFamily):
         """The flow prediction (noise - x0) for noisy latents [B, 16, h, w], packed, with the patch grid as
         ``img_shapes``, sigma as the timestep and the text mask, as QwenImagePipeline calls the transformer."""
         b, _, h, w = noisy.shape
-        if h % 2 or w % 2:
-            raise ConfigError(
-                f"A Qwen-Image latent of {h}x{w} cannot be packed into 2x2 patches.",
-                hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
-            )
+        check_2x2("Qwen-Image", h, w)
         text, lengths = batch["prompt_embeds"], batch["prompt_length"].to(noisy.device)
         mask = (torch.arange(text.shape[1], device=noisy.device)[None, :] < lengths[:, None]).long()
         out = transformer(
@@ -489,28 +312,6 @@ class QwenImage(ModelFamily):
             transformer=comps["transformer"],
         )
 
-    def save_lora(
-        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
-    ) -> None:
-        """pytorch_lora_weights.safetensors as QwenImagePipeline.load_lora_weights reads it."""
-        from diffusers import QwenImagePipeline
-
-        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
-        if extra:
-            raise CheckpointError(
-                f"diffusers' Qwen-Image LoRA format has no place for {', '.join(extra)} LoRA layers.",
-                hint="Train LoRA on the transformer only (Qwen2.5-VL is never trained).",
-            )
-        QwenImagePipeline.save_lora_weights(
-            save_directory=str(folder),
-            transformer_lora_layers=layers.get("transformer"),
-            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
-            safe_serialization=True,
-        )
-
-    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
-        return ("transformer",)
-
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
@@ -527,94 +328,11 @@ class QwenImage(ModelFamily):
             dtype=dtype,
         )
 
-    def save_diffusers(
-        self,
-        sds: dict[str, Any],
-        configs: dict[str, dict],
-        folder: Path,
-        mcfg: ModelConfig,
-        dtype: torch.dtype | None = None,
-    ) -> Path:
-        """A diffusers folder: the trained parts written, the others copied from the source folder with its
-        tokenizer, scheduler and model_index.json, atomically."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        kind, src = self._source(mcfg)
-        if kind != "diffusers":
-            raise CheckpointError(
-                "A diffusers Qwen-Image folder is written from a diffusers source folder (its VAE, Qwen2.5-VL and "
-                "tokenizer are copied from there).",
-                hint="Train from the diffusers folder, or save.formats: [single_file].",
-            )
-        with atomic_dir(Path(folder)) as tmp:
-            for part in PARTS:
-                if part in sds:
-                    common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
-                elif (src / part).is_dir():
-                    shutil.copytree(src / part, tmp / part)
-            for extra in ("tokenizer", "scheduler"):
-                if (src / extra).is_dir():
-                    shutil.copytree(src / extra, tmp / extra)
-            shutil.copy(src / "model_index.json", tmp / "model_index.json")
-        return Path(folder)
-
-    # ------------------------------------------------------------ tests and benchmarks
-    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
-        """A tiny seeded Qwen-Image of the real layout (Qwen2.5-VL with an offline byte-level tokenizer) saved as
-        QwenImagePipeline saves it."""
-        import shutil
-
-        from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-        from transformers import AutoTokenizer
-
-        from ..tokenizers import tiny_qwen_tokenizer
-
-        folder = Path(folder)
-        cfgdir = bundled_config_dir(self.tiny_config)
-        torch.manual_seed(seed)
-        comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
-        tokdir = folder.parent / f".{folder.name}-tokenizer"
-        try:
-            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
-            sched = FlowMatchEulerDiscreteScheduler.from_config(
-                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
-            )
-            QwenImagePipeline(scheduler=sched, **comps).save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
-        finally:
-            shutil.rmtree(tokdir, ignore_errors=True)
-        return folder
-
-    def build_random(
-        self,
-        config_name: str,
-        path: Path,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        parts: Sequence[str] = PARTS,
-    ) -> Path:
-        """Random bf16 weights of a bundled architecture as a diffusers folder (no tokenizer: benchmarks give
-        stand-ins)."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        cfgdir = bundled_config_dir(config_name)
-        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
-        configs = self.module_configs(comps)
-        with atomic_dir(Path(path)) as tmp:
-            for part, m in comps.items():
-                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, SAVE_AS[part])
-            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
-            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
-        return Path(path)
-
     def cache_shapes(
         self, config_name: str, resolution: int, caption_tokens: int = 128
     ) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item: the latents at a square ``resolution``, a caption of ``caption_tokens`` rows."""
-        cfgdir = bundled_config_dir(config_name)
+        cfgdir = self.bundled(config_name)
         tr = _read_json(cfgdir / "transformer" / "config.json")
         side = resolution // 8
         return {

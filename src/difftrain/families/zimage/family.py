@@ -27,35 +27,17 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ...errors import CheckpointError, ConfigError, ModelLoadError
 from .. import common, streaming
-from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
+from ..llm_image import LLMImageFamily, check_2x2, vae_state_dict
 from . import single_file
 
-PARTS = ("transformer", "vae", "text_encoder")
 DEFAULT_CONFIG = "z-image"
 #: Qwen3 tokens a caption is encoded with, chat template included (ZImagePipeline's max_sequence_length)
 TEXT_TOKENS = 512
-SAVE_AS: dict[str, str | tuple[str, str]] = {
-    "transformer": "ZImageTransformer2DModel",
-    "vae": "AutoencoderKL",
-    "text_encoder": ("Qwen3Model", "qwen3"),
-}
-#: model.<option> naming a part's own file, and what the part is called in messages
-FILE_OPTION = {"vae": "ae", "text_encoder": "text_encoder"}
-LABELS = {"transformer": "transformer", "vae": "VAE", "text_encoder": "Qwen3 text encoder"}
-FILE_EXAMPLE = {"vae": "ae.safetensors, Flux.1's VAE", "text_encoder": "qwen_3_4b.safetensors"}
 _WARNED: list[str] = []
-
-
-def known_configs() -> list[str]:
-    return common.config_names("z-image")
-
-
-def bundled_config_dir(name: str | None) -> Path:
-    return common.bundled_dir(name or DEFAULT_CONFIG, "Z-Image", known_configs, prefix="z-image")
 
 
 def _new_module(part: str, cfg: dict):
@@ -82,14 +64,30 @@ def _warn_turbo(mcfg: ModelConfig) -> None:
         )
 
 
-class ZImage(ModelFamily):
+class ZImage(LLMImageFamily):
     name = "zimage"
-    image_encoder = "vae"
-    text_encoders = ("text_encoder",)
+    label = "Z-Image"
+    config_prefix = "z-image"
+    default_config = DEFAULT_CONFIG
+    hub_example = "Tongyi-MAI/Z-Image"
+    text_stage = "qwen3"
     text_stages: ClassVar[Mapping[str, tuple[str, ...]]] = {"qwen3": ("text_encoder",)}
-    denoiser = "transformer"
-    parts = PARTS
-    objective = "flow"
+    pipeline_class = "ZImagePipeline"
+    save_as: ClassVar[Mapping[str, str | tuple[str, str]]] = {
+        "transformer": "ZImageTransformer2DModel",
+        "vae": "AutoencoderKL",
+        "text_encoder": ("Qwen3Model", "qwen3"),
+    }
+    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae", "text_encoder": "text_encoder"}
+    part_labels: ClassVar[Mapping[str, str]] = {
+        "transformer": "transformer",
+        "vae": "VAE",
+        "text_encoder": "Qwen3 text encoder",
+    }
+    file_examples: ClassVar[Mapping[str, str]] = {
+        "vae": "ae.safetensors, Flux.1's VAE",
+        "text_encoder": "qwen_3_4b.safetensors",
+    }
     repeated_blocks = ("ZImageTransformerBlock",)
     tiny_recipe = "tiny-zimage-lora"
     tiny_config = "z-image-tiny"
@@ -114,80 +112,16 @@ class ZImage(ModelFamily):
         "feed_forward.w2",
         "feed_forward.w3",
     )
-    text_encoder_lora_targets = ()
-    trainable_text_encoders = ()  # Qwen3 only ever encodes for the cache
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("all_x_embedder*", "t_embedder*", "cap_embedder*", "all_final_layer*")
     }
-    #: lora merge writes the merged transformer in the original names (the other parts are the user's unchanged files)
-    mergeable = True
-    kohya_layout = True
     #: the names ComfyUI loads (its Z-Image model: lora_unet_ + the original module path; the fused qkv)
-    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
     kohya_base_version = "z_image"
     modelspec_lora_architecture = "z-image/lora"
     single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": single_file.PREFIX}
 
-    # ------------------------------------------------------------ sources
-    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
-        return common.resolve_source(
-            mcfg,
-            parts=self.parts,
-            no_model_hint="Set model.path to a diffusers Z-Image folder, a Hub id (--set model.path=Tongyi-MAI/Z-Image) "
-            "or the transformer file (z_image_bf16.safetensors, with model.ae, model.text_encoder and "
-            "model.tokenizer_path for the other parts).",
-            missing_hint="Point model.path at a diffusers Z-Image folder (with transformer/, vae/, text_encoder/, "
-            "tokenizer/) or a Z-Image .safetensors file.",
-            check_folder=lambda p: common.require_subfolder(p, "transformer", "Z-Image"),
-        )
-
-    def architecture(self, mcfg: ModelConfig) -> str:
-        return mcfg.config or DEFAULT_CONFIG
-
-    def config_dir(self, name: str | None) -> Path:
-        return bundled_config_dir(name)
-
-    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
-        """A part's config: a diffusers source folder's, else the bundled architecture's."""
-        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", Path())
-        f = p / part / "config.json"
-        if kind == "diffusers" and f.exists():
-            return _read_json(f)
-        return _read_json(bundled_config_dir(self.architecture(mcfg)) / part / "config.json")
-
-    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
-        """model.ae / model.text_encoder: a part's own file (over a folder's part too), checked."""
-        option = FILE_OPTION.get(part)
-        own = getattr(mcfg, option) if option else None
-        if own is None:
-            return None
-        f = Path(own).expanduser()
-        if not f.is_file():
-            raise ModelLoadError(
-                f"model.{option} {f} does not exist.", hint=f"Give the {LABELS[part]} file ({FILE_EXAMPLE[part]})."
-            )
-        if f.suffix.lower() != ".safetensors":
-            raise UnsafeCheckpoint(
-                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
-                hint="Use the .safetensors file.",
-            )
-        return f
-
-    def scheduler_config(self, mcfg: ModelConfig) -> dict:
-        if mcfg.prediction_type is not None:
-            raise ConfigError(
-                f"model.prediction_type={mcfg.prediction_type} does not apply to Z-Image, which is trained by "
-                "rectified flow.",
-                hint="Remove model.prediction_type.",
-            )
-        kind, p = self._source(mcfg) if mcfg.path is not None else ("bundled", Path())
-        base = p if kind == "diffusers" and (p / "scheduler").is_dir() else bundled_config_dir(self.architecture(mcfg))
-        return _read_json(base / "scheduler" / "scheduler_config.json")
-
-    def training_scheduler(self, mcfg: ModelConfig):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+    def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
+        return _new_module(part, cfg)
 
     # ------------------------------------------------------------ loading
     def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
@@ -223,7 +157,7 @@ class ZImage(ModelFamily):
         from transformers import Qwen3Model
 
         parts = list(parts)
-        common.check_parts("Z-Image", parts, PARTS)
+        common.check_parts("Z-Image", parts, self.parts)
         kind, p = self._source(mcfg)
         if "transformer" in parts:
             _warn_turbo(mcfg)
@@ -249,8 +183,8 @@ class ZImage(ModelFamily):
             missing = [part for part in rest if part != "transformer"]
             if missing:
                 raise ModelLoadError(
-                    f"{p.name} holds the Z-Image transformer only; it has no {', '.join(LABELS[m] for m in missing)} "
-                    "weights.",
+                    f"{p.name} holds the Z-Image transformer only; it has no "
+                    f"{', '.join(self.part_labels[m] for m in missing)} weights.",
                     hint="Give the parts' own files as ComfyUI users have them (model.ae=ae.safetensors, "
                     "model.text_encoder=qwen_3_4b.safetensors, model.tokenizer_path=a folder with Qwen3's tokenizer), "
                     "or set model.path to a diffusers Z-Image folder.",
@@ -266,16 +200,6 @@ class ZImage(ModelFamily):
         comps.update(toks)
         return comps
 
-    def _mismatch(self, f: Path, part: str, mcfg: ModelConfig):
-        def mismatch(what: str) -> ModelLoadError:
-            return ModelLoadError(
-                f"{f.name} does not fit the bundled Z-Image architecture {self.architecture(mcfg)!r} for the "
-                f"{LABELS[part]}: {what}",
-                hint=f"Is it a Z-Image {LABELS[part]} file? (bundled: {', '.join(known_configs())})",
-            )
-
-        return mismatch
-
     def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
         """The transformer from a file in the original names, streamed: each tensor read, renamed (a fused qkv
         split) and set before the next."""
@@ -289,25 +213,23 @@ class ZImage(ModelFamily):
                 hint="Give z_image_bf16.safetensors (or an fp8 copy) or a diffusers Z-Image folder; another model's "
                 "file needs its own family.",
             )
-        config = _read_json(bundled_config_dir(self.architecture(mcfg)) / "transformer" / "config.json")
+        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
         read = common.single_file_reader(get, dtype, device, False, False)
         with init_empty_weights(include_buffers=False):
             module = _new_module("transformer", config)
         names = [k for k in keys if k.removeprefix(single_file.PREFIX) not in single_file.DROPPED]
         tensors = single_file.transformer_tensors(names, read)
-        streaming.fill(module, "transformer", tensors, self._mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
         return module
 
     def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
         """The VAE (Flux.1's ae.safetensors: LDM names, or diffusers') or Qwen3 (transformers' names, with or
         without ``model.``; a language-model head is left out) from a file of its own."""
-        from accelerate import init_empty_weights
-
         keys, get, _, _ = common.open_checkpoint("single", f)
         config = self.part_config(mcfg, part)
         read = common.single_file_reader(get, dtype, device, quant is not None, False)
         if part == "vae":
-            sd = {k.removeprefix("vae."): read(k) for k in keys}
+            sd = vae_state_dict({k: read(k) for k in keys})
             if "encoder.conv_in.weight" in sd and "encoder.down.0.block.0.conv1.weight" in sd:
                 from diffusers.loaders import single_file_utils as sfu
 
@@ -320,13 +242,7 @@ class ZImage(ModelFamily):
                 return common.quantized_t5_from_state_dict(
                     sd, config, quant, dtype, device, config_cls=Qwen3Config, model_cls=Qwen3Model
                 )
-        with init_empty_weights(include_buffers=False):
-            module = _new_module(part, config)
-        common.assign_state_dict(module, sd, self._mismatch(f, part, mcfg))
-        return module
-
-    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
-        return _new_module(part, self.part_config(mcfg, part))
+        return self.load_module(part, sd, f, mcfg)
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name.startswith("ZImage")
@@ -339,23 +255,6 @@ class ZImage(ModelFamily):
 
     def parts_in_single_file(self, keys: Sequence[str]) -> list[str]:
         return ["transformer"] if single_file.is_zimage_file(keys) else []
-
-    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
-        own = self._own_file(mcfg, part)
-        if own is not None:
-            return common.hash_files(self.name, part, [own], memo)
-        kind, p = self._source(mcfg)
-        if kind == "diffusers":
-            return common.hash_files(
-                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
-            )
-        if part != "transformer":
-            raise ModelLoadError(f"{p.name} holds the Z-Image transformer only; give the {LABELS[part]}'s own file.")
-        return common.hash_files(self.name, part, [p], memo)
-
-    @staticmethod
-    def module_configs(comps: dict[str, Any]) -> dict[str, dict]:
-        return common.module_configs(comps, PARTS)
 
     # ------------------------------------------------------------ LoRA names
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
@@ -379,24 +278,6 @@ class ZImage(ModelFamily):
             for qkv, members in single_file.fused_qkv(list(mods)).items()
         }
 
-    # ------------------------------------------------------------ memory hints
-    def memory_hints(
-        self,
-        mcfg: ModelConfig,
-        lora_targets: list[str],
-        lora_rank: int,
-        resolution: int,
-        loaded: list[str],
-        trained: list[str],
-        method: str,
-    ) -> dict:
-        bundled = bundled_config_dir(self.architecture(mcfg))
-        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
-        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
-        return common.image_memory_hints(
-            self, _new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
-        )
-
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
         """The posterior mean, shifted and scaled as ZImagePipeline decodes it back (Flux.1's VAE: 0.1159, 0.3611)."""
@@ -417,14 +298,7 @@ class ZImage(ModelFamily):
             for c in captions
         ]
         enc = tok(texts, padding="max_length", max_length=TEXT_TOKENS, truncation=True, return_tensors="pt")
-        long = [c for c, n in zip(captions, tok(texts).input_ids) if len(n) > TEXT_TOKENS]
-        if long:
-            from ...console import warn
-
-            warn(
-                f"{len(long)} caption(s) longer than Z-Image's {TEXT_TOKENS} Qwen3 tokens (chat template included) "
-                f"are cut to it, e.g. {long[0][:60]!r}..."
-            )
+        self.warn_long(captions, [len(n) for n in tok(texts).input_ids], TEXT_TOKENS, TEXT_TOKENS, "Qwen3")
         mask = enc.attention_mask.to(te.device).bool()
         hidden = te(input_ids=enc.input_ids.to(te.device), attention_mask=mask, output_hidden_states=True)
         states = hidden.hidden_states[-2].float()
@@ -432,29 +306,6 @@ class ZImage(ModelFamily):
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"qwen3:{options.llm.precision}:{TEXT_TOKENS}:chat:hidden-2" if stage == "qwen3" else ""
-
-    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
-        return {"text_encoder": options.llm.precision} if stage == "qwen3" else None
-
-    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
-        return ["qwen3"]
-
-    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {}
-
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
-        states = [e["prompt_embeds"] for e in entries]
-        n = max(s.shape[0] for s in states)
-        padded = torch.zeros(len(states), n, states[0].shape[-1], dtype=states[0].dtype)
-        for i, s in enumerate(states):
-            padded[i, : s.shape[0]] = s
-        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
-
-    def combine_texts(
-        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
-    ) -> dict[str, torch.Tensor]:
-        return dict(stages["qwen3"])
 
     # ------------------------------------------------------------ training
     def denoise(
@@ -464,11 +315,7 @@ class ZImage(ModelFamily):
         their captions' states (padding dropped) as lists and the reversed timestep 1 - sigma, and predicts
         x0 - noise (ZImagePipeline negates it too)."""
         b, _, h, w = noisy.shape
-        if h % 2 or w % 2:
-            raise ConfigError(
-                f"A Z-Image latent of {h}x{w} cannot be cut into 2x2 patches.",
-                hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
-            )
+        check_2x2("Z-Image", h, w)
         text, lengths = batch["prompt_embeds"], batch["prompt_length"].tolist()
         out = transformer(
             list(noisy.unsqueeze(2).unbind(0)),
@@ -493,29 +340,6 @@ class ZImage(ModelFamily):
             transformer=comps["transformer"],
         )
 
-    def save_lora(
-        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
-    ) -> None:
-        """pytorch_lora_weights.safetensors as ZImagePipeline.load_lora_weights reads it (the peft config in the
-        header, so the loader uses the trained alpha)."""
-        from diffusers import ZImagePipeline
-
-        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
-        if extra:
-            raise CheckpointError(
-                f"diffusers' Z-Image LoRA format has no place for {', '.join(extra)} LoRA layers.",
-                hint="Train LoRA on the transformer only (Qwen3 is never trained).",
-            )
-        ZImagePipeline.save_lora_weights(
-            save_directory=str(folder),
-            transformer_lora_layers=layers.get("transformer"),
-            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
-            safe_serialization=True,
-        )
-
-    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
-        return ("transformer",)
-
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
@@ -531,95 +355,12 @@ class ZImage(ModelFamily):
             path, tensors, metadata={"format": "pt", "modelspec.architecture": "z-image"}, dtype=dtype
         )
 
-    def save_diffusers(
-        self,
-        sds: dict[str, Any],
-        configs: dict[str, dict],
-        folder: Path,
-        mcfg: ModelConfig,
-        dtype: torch.dtype | None = None,
-    ) -> Path:
-        """A diffusers folder: the trained parts written, the others copied from the source folder with its
-        tokenizer, scheduler and model_index.json, atomically."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        kind, src = self._source(mcfg)
-        if kind != "diffusers":
-            raise CheckpointError(
-                "A diffusers Z-Image folder is written from a diffusers source folder (its VAE, Qwen3 and tokenizer "
-                "are copied from there).",
-                hint="Train from the diffusers folder, or save.formats: [single_file].",
-            )
-        with atomic_dir(Path(folder)) as tmp:
-            for part in PARTS:
-                if part in sds:
-                    common.write_part(tmp, part, sds[part], configs[part], dtype, SAVE_AS[part])
-                elif (src / part).is_dir():
-                    shutil.copytree(src / part, tmp / part)
-            for extra in ("tokenizer", "scheduler"):
-                if (src / extra).is_dir():
-                    shutil.copytree(src / extra, tmp / extra)
-            shutil.copy(src / "model_index.json", tmp / "model_index.json")
-        return Path(folder)
-
-    # ------------------------------------------------------------ tests and benchmarks
-    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
-        """A tiny seeded Z-Image of the real layout (Qwen3 with an offline byte-level tokenizer) saved as
-        ZImagePipeline saves it."""
-        import shutil
-
-        from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-        from transformers import AutoTokenizer
-
-        from ..tokenizers import tiny_qwen_tokenizer
-
-        folder = Path(folder)
-        cfgdir = bundled_config_dir(self.tiny_config)
-        torch.manual_seed(seed)
-        comps: dict[str, Any] = {part: _new_module(part, _read_json(cfgdir / part / "config.json")) for part in PARTS}
-        tokdir = folder.parent / f".{folder.name}-tokenizer"
-        try:
-            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
-            sched = FlowMatchEulerDiscreteScheduler.from_config(
-                _read_json(cfgdir / "scheduler" / "scheduler_config.json")
-            )
-            ZImagePipeline(scheduler=sched, **comps).save_pretrained(folder, safe_serialization=True)  # type: ignore[attr-defined]
-        finally:
-            shutil.rmtree(tokdir, ignore_errors=True)
-        return folder
-
-    def build_random(
-        self,
-        config_name: str,
-        path: Path,
-        device: str | torch.device = "cpu",
-        seed: int = 0,
-        parts: Sequence[str] = PARTS,
-    ) -> Path:
-        """Random bf16 weights of a bundled architecture as a diffusers folder (configs, scheduler and
-        model_index.json; no tokenizer: benchmarks give stand-ins)."""
-        import shutil
-
-        from ...utils import atomic_dir
-
-        cfgdir = bundled_config_dir(config_name)
-        comps = common.random_parts(_new_module, cfgdir, parts, device, seed)
-        configs = self.module_configs(comps)
-        with atomic_dir(Path(path)) as tmp:
-            for part, m in comps.items():
-                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, SAVE_AS[part])
-            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
-            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
-        return Path(path)
-
     def cache_shapes(
         self, config_name: str, resolution: int, caption_tokens: int = 128
     ) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item: the latents at a square ``resolution`` and a caption of ``caption_tokens``
         Qwen3 tokens (the template's included)."""
-        cfgdir = bundled_config_dir(config_name)
+        cfgdir = self.bundled(config_name)
         te = _read_json(cfgdir / "text_encoder" / "config.json")
         vae = _read_json(cfgdir / "vae" / "config.json")
         side = resolution // 8

@@ -1,0 +1,387 @@
+"""What the 2026 image families share (Z-Image, Krea 2, Qwen-Image): one DiT transformer, one VAE and one language
+model as the text encoder (Qwen3 / Qwen3-VL / Qwen2.5-VL), read from a diffusers folder or from the transformer file
+ComfyUI users have with the other parts as files of their own; the language model's hidden states cached per caption
+at the caption's own length (``collate_text`` pads a batch and keeps the lengths); a transformer-only single file;
+LoRAs of the transformer alone.
+
+A family sets the class facts below (its label, bundled config prefix, diffusers class names, file options) and
+``new_module``; everything that reads folders, files and configs the same way lives here. The Qwen-Image VAE (Krea
+2's and Qwen-Image's) and the 2x2 packing of latents (theirs, as Flux's) are here too.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..config.schema import ModelConfig, TextEncodersConfig
+from ..errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from . import common
+from .base import CachedItem, ModelFamily
+from .common import read_json
+
+PARTS = ("transformer", "vae", "text_encoder")
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: 2x2 patches (the pipelines' _pack_latents, Flux's packing)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of :func:`pack_2x2` for a latent of ``h`` x ``w``."""
+    b, _, d = packed.shape
+    c = d // 4
+    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, h, w)
+
+
+def check_2x2(label: str, h: int, w: int) -> None:
+    if h % 2 or w % 2:
+        raise ConfigError(
+            f"A {label} latent of {h}x{w} cannot be cut into 2x2 patches.",
+            hint="Use buckets whose sides are multiples of 16 pixels (data.bucket_step: 64 does).",
+        )
+
+
+def qwen_vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, H, W] in [-1, 1] -> normalised latents [B, 16, H/8, W/8] (float32): the Qwen-Image VAE's
+    posterior mean of the one-frame video, ``(z - mean) / std`` per channel (the pipelines' inverse)."""
+    z = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist.mean.float()
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(shape)
+    return ((z - mean) / std).squeeze(2)
+
+
+def vae_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A VAE file's tensors in diffusers' names: as they are, or from Wan's own names (the Qwen-Image VAE is Wan
+    2.1's layout: ComfyUI's qwen_image_vae.safetensors), through diffusers' converter."""
+    sd = {k.removeprefix("vae."): v for k, v in sd.items()}
+    if "encoder.conv1.weight" in sd:
+        from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+        return convert_wan_vae_to_diffusers(sd)
+    return sd
+
+
+class LLMImageFamily(ModelFamily):
+    """The shared half of Z-Image, Krea 2 and Qwen-Image (see the module's doc)."""
+
+    image_encoder = "vae"
+    text_encoders = ("text_encoder",)
+    denoiser = "transformer"
+    parts = PARTS
+    objective = "flow"
+    text_encoder_lora_targets = ()
+    trainable_text_encoders = ()  # the language model only ever encodes for the cache
+    #: lora merge writes the merged transformer in the family's single-file names (the other parts are the user's
+    #: unchanged files)
+    mergeable = True
+    kohya_layout = True
+    kohya_prefixes: ClassVar[Mapping[str, str]] = {"transformer": "lora_unet"}
+
+    #: the model in messages, its bundled configs' prefix and default, a Hub id for hints
+    label: ClassVar[str]
+    config_prefix: ClassVar[str]
+    default_config: ClassVar[str]
+    hub_example: ClassVar[str]
+    #: the one text stage, the pipeline's diffusers class and how each part is saved (write_part's ``model``)
+    text_stage: ClassVar[str]
+    pipeline_class: ClassVar[str]
+    save_as: ClassVar[Mapping[str, str | tuple[str, str]]]
+    #: model.<option> naming a part's own file, the parts' names in messages, a file example per option
+    file_option: ClassVar[Mapping[str, str]]
+    part_labels: ClassVar[Mapping[str, str]]
+    file_examples: ClassVar[Mapping[str, str]]
+
+    def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
+        """A part built from its config (random weights; on the meta device inside ``torch.device("meta")``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ sources and configs
+    def known_configs(self) -> list[str]:
+        return common.config_names(self.config_prefix)
+
+    def bundled(self, name: str | None) -> Path:
+        return common.bundled_dir(
+            name or self.default_config, self.label, self.known_configs, prefix=self.config_prefix
+        )
+
+    def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
+        return common.resolve_source(
+            mcfg,
+            parts=self.parts,
+            no_model_hint=f"Set model.path to a diffusers {self.label} folder, a Hub id (--set model.path="
+            f"{self.hub_example}) or the transformer file (with the other parts' own files).",
+            missing_hint=f"Point model.path at a diffusers {self.label} folder (with transformer/, vae/, "
+            f"text_encoder/, tokenizer/) or a {self.label} .safetensors file.",
+            check_folder=lambda p: common.require_subfolder(p, "transformer", self.label),
+        )
+
+    def architecture(self, mcfg: ModelConfig) -> str:
+        return mcfg.config or self.default_config
+
+    def config_dir(self, name: str | None) -> Path:
+        return self.bundled(name)
+
+    def _folder(self, mcfg: ModelConfig) -> Path | None:
+        """model.path when it is a diffusers folder."""
+        if mcfg.path is None:
+            return None
+        kind, p = self._source(mcfg)
+        return p if kind == "diffusers" else None
+
+    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        """A part's config: a diffusers source folder's, else the bundled architecture's."""
+        p = self._folder(mcfg)
+        if p is not None and (p / part / "config.json").exists():
+            return read_json(p / part / "config.json")
+        return read_json(self.bundled(self.architecture(mcfg)) / part / "config.json")
+
+    def _own_file(self, mcfg: ModelConfig, part: str) -> Path | None:
+        """A part's own file (model.ae, model.text_encoder), over a folder's part too; checked."""
+        option = self.file_option.get(part)
+        own = getattr(mcfg, option) if option else None
+        if own is None:
+            return None
+        f = Path(own).expanduser()
+        if not f.is_file():
+            raise ModelLoadError(
+                f"model.{option} {f} does not exist.",
+                hint=f"Give the {self.part_labels[part]} file ({self.file_examples[part]}).",
+            )
+        if f.suffix.lower() != ".safetensors":
+            raise UnsafeCheckpoint(
+                f"model.{option} {f.name} is not a .safetensors file; difftrain does not unpickle a checkpoint.",
+                hint="Use the .safetensors file.",
+            )
+        return f
+
+    def scheduler_config(self, mcfg: ModelConfig) -> dict:
+        if mcfg.prediction_type is not None:
+            raise ConfigError(
+                f"model.prediction_type={mcfg.prediction_type} does not apply to {self.label}, which is trained by "
+                "rectified flow.",
+                hint="Remove model.prediction_type.",
+            )
+        p = self._folder(mcfg)
+        base = p if p is not None and (p / "scheduler").is_dir() else self.bundled(self.architecture(mcfg))
+        return read_json(base / "scheduler" / "scheduler_config.json")
+
+    def training_scheduler(self, mcfg: ModelConfig):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config(mcfg))
+
+    def mismatch(self, f: Path, part: str, mcfg: ModelConfig):
+        """The error for a file that does not fit the bundled architecture."""
+
+        def make(what: str) -> ModelLoadError:
+            return ModelLoadError(
+                f"{f.name} does not fit the bundled {self.label} architecture {self.architecture(mcfg)!r} for the "
+                f"{self.part_labels[part]}: {what}",
+                hint=f"Is it a {self.label} {self.part_labels[part]} file? (bundled: {', '.join(self.known_configs())})",
+            )
+
+        return make
+
+    def load_module(self, part: str, sd: dict[str, torch.Tensor], f: Path, mcfg: ModelConfig) -> torch.nn.Module:
+        """``part`` built on the meta device and given the tensors ``sd`` (every one checked)."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            module = self.new_module(part, self.part_config(mcfg, part))
+        common.assign_state_dict(module, sd, self.mismatch(f, part, mcfg))
+        return module
+
+    def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
+        return self.new_module(part, self.part_config(mcfg, part))
+
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        own = self._own_file(mcfg, part)
+        if own is not None:
+            return common.hash_files(self.name, part, [own], memo)
+        kind, p = self._source(mcfg)
+        if kind == "diffusers":
+            return common.hash_files(
+                self.name, part, common.weight_files(p / part) if (p / part).is_dir() else [], memo
+            )
+        if part != "transformer":
+            raise ModelLoadError(
+                f"{p.name} holds the {self.label} transformer only; give the {self.part_labels[part]}'s own file."
+            )
+        return common.hash_files(self.name, part, [p], memo)
+
+    def module_configs(self, comps: dict[str, Any]) -> dict[str, dict]:
+        return common.module_configs(comps, PARTS)
+
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
+        bundled = self.bundled(self.architecture(mcfg))
+        p = Path(mcfg.path).expanduser() if mcfg.path is not None else None
+        base = p if p is not None and p.is_dir() and (p / "transformer").is_dir() else bundled
+        return common.image_memory_hints(
+            self, self.new_module, base, bundled, PARTS, loaded, trained, method, lora_targets, lora_rank, resolution
+        )
+
+    # ------------------------------------------------------------ text
+    def stage_precision(self, stage: str, options: TextEncodersConfig) -> dict[str, str] | None:
+        return {"text_encoder": options.llm.precision} if stage == self.text_stage else None
+
+    def enabled_stages(self, options: TextEncodersConfig) -> list[str]:
+        return [self.text_stage]
+
+    def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {}
+
+    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
+        states = [e["prompt_embeds"] for e in entries]
+        n = max(s.shape[0] for s in states)
+        padded = torch.zeros(len(states), n, *states[0].shape[1:], dtype=states[0].dtype)
+        for i, s in enumerate(states):
+            padded[i, : s.shape[0]] = s
+        return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
+
+    def combine_texts(
+        self, stages: dict[str, dict[str, torch.Tensor]], options: TextEncodersConfig
+    ) -> dict[str, torch.Tensor]:
+        return dict(stages[self.text_stage])
+
+    def warn_long(self, captions: list[str], lengths: Sequence[int], room: int, shown: int, encoder: str) -> None:
+        """Said once per batch: the captions whose tokens (``lengths``) pass ``room``, cut to ``shown`` tokens."""
+        long = [c for c, n in zip(captions, lengths) if n > room]
+        if long:
+            from ..console import warn
+
+            warn(
+                f"{len(long)} caption(s) longer than {self.label}'s {shown} {encoder} tokens are cut to it, "
+                f"e.g. {long[0][:60]!r}..."
+            )
+
+    # ------------------------------------------------------------ export
+    def save_lora(
+        self, folder: Path, layers: dict[str, dict[str, torch.Tensor]], metadata: dict[str, dict] | None = None
+    ) -> None:
+        """pytorch_lora_weights.safetensors as the pipeline's load_lora_weights reads it (the peft config in the
+        header, so the loader uses the trained alpha)."""
+        import diffusers
+
+        extra = [part for part, sd in layers.items() if sd and part != "transformer"]
+        if extra:
+            raise CheckpointError(
+                f"diffusers' {self.label} LoRA format has no place for {', '.join(extra)} LoRA layers.",
+                hint="Train LoRA on the transformer only (the text encoder is never trained).",
+            )
+        getattr(diffusers, self.pipeline_class).save_lora_weights(
+            save_directory=str(folder),
+            transformer_lora_layers=layers.get("transformer"),
+            transformer_lora_adapter_metadata=(metadata or {}).get("transformer"),
+            safe_serialization=True,
+        )
+
+    def single_file_parts(self, trained: Sequence[str]) -> tuple[str, ...]:
+        """A single-file export holds the transformer (the VAE and text encoder never change in fine-tuning)."""
+        return ("transformer",)
+
+    def save_diffusers(
+        self,
+        sds: dict[str, Any],
+        configs: dict[str, dict],
+        folder: Path,
+        mcfg: ModelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> Path:
+        """A diffusers folder: the trained parts written, the others copied from the source folder with its
+        tokenizer, scheduler and model_index.json, atomically."""
+        from ..utils import atomic_dir
+
+        kind, src = self._source(mcfg)
+        if kind != "diffusers":
+            raise CheckpointError(
+                f"A diffusers {self.label} folder is written from a diffusers source folder (its VAE, text encoder and "
+                "tokenizer are copied from there).",
+                hint="Train from the diffusers folder, or save.formats: [single_file].",
+            )
+        with atomic_dir(Path(folder)) as tmp:
+            for part in PARTS:
+                if part in sds:
+                    common.write_part(tmp, part, sds[part], configs[part], dtype, self.save_as[part])
+                elif (src / part).is_dir():
+                    shutil.copytree(src / part, tmp / part)
+            for extra in ("tokenizer", "scheduler"):
+                if (src / extra).is_dir():
+                    shutil.copytree(src / extra, tmp / extra)
+            shutil.copy(src / "model_index.json", tmp / "model_index.json")
+        return Path(folder)
+
+    # ------------------------------------------------------------ tests and benchmarks
+    def tiny_pipeline_kwargs(self, cfgdir: Path) -> dict[str, Any]:
+        """Extra arguments of the pipeline a tiny model is saved with (Krea 2's tapped layers)."""
+        return {}
+
+    def build_tiny(self, folder: Path, seed: int = 0) -> Path:
+        """A tiny seeded model of the real layout (the language model with an offline byte-level Qwen tokenizer)
+        saved as its pipeline saves it."""
+        import diffusers
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from transformers import AutoTokenizer
+
+        from .tokenizers import tiny_qwen_tokenizer
+
+        folder = Path(folder)
+        cfgdir = self.bundled(self.tiny_config)
+        torch.manual_seed(seed)
+        comps: dict[str, Any] = {
+            part: self.new_module(part, read_json(cfgdir / part / "config.json")) for part in PARTS
+        }
+        tokdir = folder.parent / f".{folder.name}-tokenizer"
+        try:
+            comps["tokenizer"] = AutoTokenizer.from_pretrained(tiny_qwen_tokenizer(tokdir))
+            sched = FlowMatchEulerDiscreteScheduler.from_config(
+                read_json(cfgdir / "scheduler" / "scheduler_config.json")
+            )
+            pipe = getattr(diffusers, self.pipeline_class)(
+                scheduler=sched, **comps, **self.tiny_pipeline_kwargs(cfgdir)
+            )
+            pipe.save_pretrained(folder, safe_serialization=True)
+        finally:
+            shutil.rmtree(tokdir, ignore_errors=True)
+        return folder
+
+    def build_random(
+        self,
+        config_name: str,
+        path: Path,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        parts: Sequence[str] = PARTS,
+    ) -> Path:
+        """Random bf16 weights of a bundled architecture as a diffusers folder (configs, scheduler and
+        model_index.json; no tokenizer: benchmarks give stand-ins)."""
+        from ..utils import atomic_dir
+
+        cfgdir = self.bundled(config_name)
+        comps = common.random_parts(self.new_module, cfgdir, parts, device, seed)
+        configs = self.module_configs(comps)
+        with atomic_dir(Path(path)) as tmp:
+            for part, m in comps.items():
+                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, self.save_as[part])
+            shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
+            shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
+        return Path(path)
