@@ -20,7 +20,7 @@ import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
 from ..errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
-from . import common
+from . import common, streaming
 from .base import CachedItem, ModelFamily
 from .common import read_json
 
@@ -100,9 +100,26 @@ class LLMImageFamily(ModelFamily):
     file_option: ClassVar[Mapping[str, str]]
     part_labels: ClassVar[Mapping[str, str]]
     file_examples: ClassVar[Mapping[str, str]]
+    #: the language model in messages, what tells the family's transformer file (for the refusal of another), and
+    #: what to do when a transformer file is all there is
+    encoder_name: ClassVar[str]
+    file_markers: ClassVar[str]
+    single_file_hint: ClassVar[str]
 
     def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
         """A part built from its config (random weights; on the meta device inside ``torch.device("meta")``)."""
+        raise NotImplementedError
+
+    def diffusers_classes(self) -> dict[str, Any]:
+        """Each part's class, as a diffusers folder holds it."""
+        raise NotImplementedError
+
+    def text_encoder_classes(self) -> tuple[Any, Any]:
+        """(config class, model class) of the language model, for its own file quantized."""
+        raise NotImplementedError
+
+    def transformer_tensors(self, keys: Sequence[str], read) -> Any:
+        """(diffusers name, tensor) of a transformer file's tensors, each read by ``read`` as its turn comes."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ sources and configs
@@ -191,6 +208,133 @@ class LLMImageFamily(ModelFamily):
             )
 
         return make
+
+    # ------------------------------------------------------------ loading
+    def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
+        """Said before anything loads (a distilled checkpoint's warning)."""
+
+    def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
+        """What the loaded parts need to know of the model (Krea 2's tapped layers)."""
+
+    def tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
+        """The language model's tokenizer: the diffusers folder's, else model.tokenizer_path (its tokenizer/ or
+        itself)."""
+        from transformers import AutoTokenizer
+
+        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
+        if base is None:
+            raise ModelLoadError(
+                f"{self.encoder_name}'s tokenizer is in no model file.",
+                hint=f"Set model.tokenizer_path to a folder with {self.encoder_name}'s tokenizer (tokenizer.json, "
+                f"tokenizer_config.json: the tokenizer/ folder of a diffusers {self.label} download).",
+            )
+        folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
+        if not (folder / "tokenizer_config.json").is_file():
+            raise ModelLoadError(
+                f"No {self.encoder_name} tokenizer in {folder} (no tokenizer_config.json).",
+                hint=f"Point model.tokenizer_path at the tokenizer/ folder of a diffusers {self.label} download.",
+            )
+        return AutoTokenizer.from_pretrained(folder)
+
+    def load(
+        self,
+        mcfg: ModelConfig,
+        parts: Sequence[str],
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        precision: dict[str, str] | None = None,
+        tokenizers: bool = True,
+    ) -> dict[str, Any]:
+        """Load the named parts on ``device`` (the tokenizer with the text encoder); ``precision`` may store the
+        language model in int8 | nf4 (bitsandbytes, CUDA) or another float type. What can be wrong (a part no source
+        has, a tokenizer nowhere) is said before a weight is read."""
+        parts = list(parts)
+        common.check_parts(self.label, parts, self.parts)
+        kind, p = self._source(mcfg)
+        self.before_load(mcfg, parts)
+        dtypes, quant = common.t5_precisions(
+            parts,
+            dtype,
+            precision,
+            device,
+            t5="text_encoder",
+            label=self.label,
+            loaded_before="the VAE and the transformer",
+            encoder=self.encoder_name,
+        )
+        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
+        rest = [part for part in parts if part not in own]
+        if kind != "diffusers" and (missing := [part for part in rest if part != "transformer"]):
+            raise ModelLoadError(
+                f"{p.name} holds the {self.label} transformer only; it has no "
+                f"{', '.join(self.part_labels[m] for m in missing)} weights.",
+                hint=self.single_file_hint,
+            )
+        toks = {"tokenizer": self.tokenizer(kind, p, mcfg)} if tokenizers and "text_encoder" in parts else {}
+        if kind == "diffusers":
+            comps = common.load_diffusers_parts(
+                p,
+                rest,
+                self.diffusers_classes(),
+                dtypes,
+                device,
+                lambda _: f"Is it a complete {self.label} folder?",
+                quant,
+                check_first=True,
+            )
+        else:
+            comps = (
+                {"transformer": self.load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
+                if rest
+                else {}
+            )
+        for part, f in own.items():
+            comps[part] = self.load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
+        common.freeze(comps, parts, device, quant)
+        self.after_load(comps, mcfg)
+        comps.update(toks)
+        return comps
+
+    def load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
+        """The transformer from a file of the family's layout, streamed: each tensor read, renamed and set before
+        the next (families/streaming.py)."""
+        from accelerate import init_empty_weights
+
+        keys, get, _, _ = common.open_checkpoint(kind, p)
+        if not self.recognises_single_file(keys):
+            raise ModelLoadError(
+                f"{p.name} does not look like a {self.label} transformer (no {self.file_markers}).",
+                hint=f"Give the {self.label} transformer file (fp8-stored copies too) or a diffusers {self.label} "
+                "folder; another model's file needs its own family.",
+            )
+        config = read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
+        read = common.single_file_reader(get, dtype, device, False, False)
+        with init_empty_weights(include_buffers=False):
+            module = self.new_module("transformer", config)
+        tensors = self.transformer_tensors(keys, read)
+        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
+        return module
+
+    def vae_tensors(self, sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+        """A VAE file's tensors in diffusers' names (diffusers' or Wan's names; Z-Image's LDM names too)."""
+        return vae_state_dict(sd)
+
+    def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
+        """The VAE or the language model (transformers' names: the model's, or a generation model's with ``model.``
+        and a head, which is left out) from a file of its own."""
+        keys, get, _, _ = common.open_checkpoint("single", f)
+        read = common.single_file_reader(get, dtype, device, quant is not None, False)
+        if part == "vae":
+            return self.load_module(
+                part, self.vae_tensors({k: read(k) for k in keys}, self.part_config(mcfg, part)), f, mcfg
+            )
+        sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+        if quant is not None:
+            config_cls, model_cls = self.text_encoder_classes()
+            return common.quantized_t5_from_state_dict(
+                sd, self.part_config(mcfg, part), quant, dtype, device, config_cls=config_cls, model_cls=model_cls
+            )
+        return self.load_module(part, sd, f, mcfg)
 
     def load_module(self, part: str, sd: dict[str, torch.Tensor], f: Path, mcfg: ModelConfig) -> torch.nn.Module:
         """``part`` built on the meta device and given the tensors ``sd`` (every one checked)."""

@@ -28,11 +28,11 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError
-from .. import common, streaming
+from ...errors import CheckpointError, ConfigError
+from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
-from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2, vae_state_dict
+from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
 from . import single_file
 
 DEFAULT_CONFIG = "krea2"
@@ -99,6 +99,12 @@ class Krea2(LLMImageFamily):
         "vae": "qwen_image_vae.safetensors",
         "text_encoder": "the Qwen3-VL-4B .safetensors",
     }
+    encoder_name = "Qwen3-VL"
+    file_markers = "txtfusion.projector / blocks.0.attn.wq"
+    single_file_hint = (
+        "Give the parts' own files (model.ae, model.text_encoder, model.tokenizer_path), or set model.path to a "
+        "diffusers Krea 2 folder."
+    )
     repeated_blocks = ("Krea2TransformerBlock",)
     tiny_recipe = "tiny-krea2-lora"
     tiny_config = "krea2-tiny"
@@ -161,121 +167,27 @@ class Krea2(LLMImageFamily):
                 "distillation away. Krea's guidance: train on Krea-2-Raw (krea/Krea-2-Raw) and use the LoRA on Turbo."
             )
 
-    # ------------------------------------------------------------ loading
-    def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
-        from transformers import AutoTokenizer
-
-        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
-        if base is None:
-            raise ModelLoadError(
-                "Qwen3-VL's tokenizer is in no model file.",
-                hint="Set model.tokenizer_path to a folder with its tokenizer (the tokenizer/ folder of a diffusers "
-                "Krea 2 download, or Qwen3-VL-4B-Instruct's own folder).",
-            )
-        folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
-        if not (folder / "tokenizer_config.json").is_file():
-            raise ModelLoadError(
-                f"No Qwen3-VL tokenizer in {folder} (no tokenizer_config.json).",
-                hint="Point model.tokenizer_path at the tokenizer/ folder of a diffusers Krea 2 download.",
-            )
-        return AutoTokenizer.from_pretrained(folder)
-
-    def load(
-        self,
-        mcfg: ModelConfig,
-        parts: Sequence[str],
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
-        precision: dict[str, str] | None = None,
-        tokenizers: bool = True,
-    ) -> dict[str, Any]:
-        """Load the named parts on ``device`` (the tokenizer with the text encoder); ``precision`` may store
-        Qwen3-VL in int8 | nf4 (bitsandbytes, CUDA) or another float type."""
+    def diffusers_classes(self) -> dict[str, Any]:
         from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
         from transformers import Qwen3VLModel
 
-        parts = list(parts)
-        common.check_parts("Krea 2", parts, self.parts)
-        kind, p = self._source(mcfg)
+        return {"transformer": Krea2Transformer2DModel, "vae": AutoencoderKLQwenImage, "text_encoder": Qwen3VLModel}
+
+    def text_encoder_classes(self) -> tuple[Any, Any]:
+        from transformers import Qwen3VLConfig, Qwen3VLModel
+
+        return Qwen3VLConfig, Qwen3VLModel
+
+    def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
         if "transformer" in parts:
             self._warn_turbo(mcfg)
-        dtypes, quant = common.t5_precisions(
-            parts,
-            dtype,
-            precision,
-            device,
-            t5="text_encoder",
-            label="Krea 2",
-            loaded_before="the VAE and the transformer",
-            encoder="Qwen3-VL",
-        )
-        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
-        rest = [part for part in parts if part not in own]
-        toks = {"tokenizer": self._tokenizer(kind, p, mcfg)} if tokenizers and "text_encoder" in parts else {}
-        if kind == "diffusers":
-            classes = {
-                "transformer": Krea2Transformer2DModel,
-                "vae": AutoencoderKLQwenImage,
-                "text_encoder": Qwen3VLModel,
-            }
-            comps = common.load_diffusers_parts(
-                p, rest, classes, dtypes, device, lambda _: "Is it a complete Krea 2 folder?", quant, check_first=True
-            )
-        else:
-            missing = [part for part in rest if part != "transformer"]
-            if missing:
-                raise ModelLoadError(
-                    f"{p.name} holds the Krea 2 transformer only; it has no {', '.join(self.part_labels[m] for m in missing)} "
-                    "weights.",
-                    hint="Give the parts' own files (model.ae, model.text_encoder, model.tokenizer_path), or set "
-                    "model.path to a diffusers Krea 2 folder.",
-                )
-            comps = (
-                {"transformer": self._load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
-                if rest
-                else {}
-            )
-        for part, f in own.items():
-            comps[part] = self._load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
-        common.freeze(comps, parts, device, quant)
+
+    def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
         if "text_encoder" in comps:  # the layers encode_prompts taps, as this model's pipeline config names them
             comps["text_encoder"].difftrain_text_layers = self.select_layers(mcfg)
-        comps.update(toks)
-        return comps
 
-    def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
-        from accelerate import init_empty_weights
-
-        keys, get, _, _ = common.open_checkpoint(kind, p)
-        if not single_file.is_krea2_file(keys):
-            raise ModelLoadError(
-                f"{p.name} does not look like a Krea 2 transformer (no txtfusion.projector / blocks.0.attn.wq).",
-                hint="Give the Krea 2 transformer file (Raw) or a diffusers Krea 2 folder; another model's file needs "
-                "its own family.",
-            )
-        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
-        read = common.single_file_reader(get, dtype, device, False, False)
-        with init_empty_weights(include_buffers=False):
-            module = _new_module("transformer", config)
-        tensors = single_file.transformer_tensors(keys, read)
-        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
-        return module
-
-    def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
-        """The VAE (diffusers' names, or Wan's: ComfyUI's qwen_image_vae.safetensors) or Qwen3-VL (transformers'
-        names: the model's, or a generation model's with ``model.`` and a head, which is left out) from its own file."""
-        keys, get, _, _ = common.open_checkpoint("single", f)
-        read = common.single_file_reader(get, dtype, device, quant is not None, False)
-        if part == "vae":
-            return self.load_module(part, vae_state_dict({k: read(k) for k in keys}), f, mcfg)
-        sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
-        if quant is not None:
-            from transformers import Qwen3VLConfig, Qwen3VLModel
-
-            return common.quantized_t5_from_state_dict(
-                sd, self.part_config(mcfg, part), quant, dtype, device, config_cls=Qwen3VLConfig, model_cls=Qwen3VLModel
-            )
-        return self.load_module(part, sd, f, mcfg)
+    def transformer_tensors(self, keys: Sequence[str], read) -> Any:
+        return single_file.transformer_tensors(keys, read)
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name.startswith("Krea2")

@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError
-from .. import common, streaming
+from ...errors import CheckpointError, ConfigError
+from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
-from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2, vae_state_dict
+from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
 
 DEFAULT_CONFIG = "qwen-image"
 #: QwenImagePipeline's prompt template, the system prefix's token count it drops, and the most caption tokens it keeps
@@ -87,6 +87,12 @@ class QwenImage(LLMImageFamily):
         "text_encoder": "Qwen2.5-VL text encoder",
     }
     file_examples: ClassVar[Mapping[str, str]] = {"vae": "qwen_image_vae.safetensors"}
+    encoder_name = "Qwen2.5-VL"
+    file_markers = "txt_norm / transformer_blocks.0.img_mod"
+    single_file_hint = (
+        "Give the VAE's own file as model.ae (qwen_image_vae.safetensors); Qwen2.5-VL is read from a diffusers folder: "
+        "precompute with model.path set to a diffusers Qwen-Image folder (Qwen/Qwen-Image), then train with this file."
+    )
     repeated_blocks = ("QwenImageTransformerBlock",)
     tiny_recipe = "tiny-qwen-image-lora"
     tiny_config = "qwen-image-tiny"
@@ -126,101 +132,24 @@ class QwenImage(LLMImageFamily):
     def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
         return _new_module(part, cfg)
 
-    # ------------------------------------------------------------ loading
-    def load(
-        self,
-        mcfg: ModelConfig,
-        parts: Sequence[str],
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
-        precision: dict[str, str] | None = None,
-        tokenizers: bool = True,
-    ) -> dict[str, Any]:
-        """Load the named parts on ``device`` (the tokenizer with the text encoder); ``precision`` may store
-        Qwen2.5-VL in int8 | nf4 (bitsandbytes, CUDA) or another float type."""
+    def diffusers_classes(self) -> dict[str, Any]:
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+        from transformers import Qwen2_5_VLForConditionalGeneration
 
-        parts = list(parts)
-        common.check_parts("Qwen-Image", parts, self.parts)
-        kind, p = self._source(mcfg)
-        dtypes, quant = common.t5_precisions(
-            parts,
-            dtype,
-            precision,
-            device,
-            t5="text_encoder",
-            label="Qwen-Image",
-            loaded_before="the VAE and the transformer",
-            encoder="Qwen2.5-VL",
-        )
-        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
-        rest = [part for part in parts if part not in own]
-        if kind != "diffusers" and "text_encoder" in rest:
-            raise ModelLoadError(
-                f"{p.name} holds the Qwen-Image transformer only; Qwen2.5-VL is read from a diffusers folder.",
-                hint="Precompute with model.path set to a diffusers Qwen-Image folder (Qwen/Qwen-Image: it holds "
-                "text_encoder/ and tokenizer/), then train with model.path set to this file.",
-            )
-        if kind == "diffusers":
-            classes = {
-                "transformer": QwenImageTransformer2DModel,
-                "vae": AutoencoderKLQwenImage,
-                "text_encoder": Qwen2_5_VLForConditionalGeneration,
-            }
-            comps = common.load_diffusers_parts(
-                p,
-                rest,
-                classes,
-                dtypes,
-                device,
-                lambda _: "Is it a complete Qwen-Image folder?",
-                quant,
-                check_first=True,
-            )
-        else:
-            if "vae" in rest:
-                raise ModelLoadError(
-                    f"{p.name} holds the Qwen-Image transformer only; it has no VAE weights.",
-                    hint="Give the VAE's own file as model.ae (qwen_image_vae.safetensors), or model.path a diffusers "
-                    "Qwen-Image folder.",
-                )
-            comps = (
-                {"transformer": self._load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
-                if rest
-                else {}
-            )
-        for part, f in own.items():
-            comps[part] = self._load_vae_file(f, mcfg, dtypes[part], device)
-        common.freeze(comps, parts, device, quant)
-        if tokenizers and "text_encoder" in parts:
-            comps["tokenizer"] = AutoTokenizer.from_pretrained(p / "tokenizer")
-        return comps
+        return {
+            "transformer": QwenImageTransformer2DModel,
+            "vae": AutoencoderKLQwenImage,
+            "text_encoder": Qwen2_5_VLForConditionalGeneration,
+        }
 
-    def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
-        """The transformer from a file in diffusers' names (ComfyUI's prefix or none), streamed."""
-        from accelerate import init_empty_weights
+    def text_encoder_classes(self) -> tuple[Any, Any]:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        keys, get, _, _ = common.open_checkpoint(kind, p)
-        if not is_qwen_image_file(keys):
-            raise ModelLoadError(
-                f"{p.name} does not look like a Qwen-Image transformer (no txt_norm / transformer_blocks.0.img_mod).",
-                hint="Give the Qwen-Image transformer file or a diffusers Qwen-Image folder; another model's file "
-                "needs its own family.",
-            )
-        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
-        read = common.single_file_reader(get, dtype, device, False, False)
-        with init_empty_weights(include_buffers=False):
-            module = _new_module("transformer", config)
-        tensors = ((k.removeprefix(PREFIX), read(k)) for k in keys)
-        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
-        return module
+        return Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    def _load_vae_file(self, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
-        """The VAE from its own file: diffusers' names, or Wan's (ComfyUI's qwen_image_vae.safetensors)."""
-        keys, get, _, _ = common.open_checkpoint("single", f)
-        read = common.single_file_reader(get, dtype, device, False, False)
-        return self.load_module("vae", vae_state_dict({k: read(k) for k in keys}), f, mcfg)
+    def transformer_tensors(self, keys: Sequence[str], read) -> Any:
+        """diffusers' names, ComfyUI's prefix or none."""
+        return ((k.removeprefix(PREFIX), read(k)) for k in keys)
 
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         """A part built from its config; on the meta device (FSDP's build) the transformer's rotary tables are made

@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CheckpointError, ConfigError, ModelLoadError
-from .. import common, streaming
+from ...errors import CheckpointError, ConfigError
+from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..llm_image import LLMImageFamily, check_2x2, vae_state_dict
@@ -88,6 +88,13 @@ class ZImage(LLMImageFamily):
         "vae": "ae.safetensors, Flux.1's VAE",
         "text_encoder": "qwen_3_4b.safetensors",
     }
+    encoder_name = "Qwen3"
+    file_markers = "layers.0.adaLN_modulation / cap_embedder / pad tokens"
+    single_file_hint = (
+        "Give the parts' own files as ComfyUI users have them (model.ae=ae.safetensors, "
+        "model.text_encoder=qwen_3_4b.safetensors, model.tokenizer_path=a folder with Qwen3's tokenizer), or set "
+        "model.path to a diffusers Z-Image folder."
+    )
     repeated_blocks = ("ZImageTransformerBlock",)
     tiny_recipe = "tiny-zimage-lora"
     tiny_config = "z-image-tiny"
@@ -123,126 +130,34 @@ class ZImage(LLMImageFamily):
     def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
         return _new_module(part, cfg)
 
-    # ------------------------------------------------------------ loading
-    def _tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
-        from transformers import AutoTokenizer
-
-        base = p if kind == "diffusers" else (Path(mcfg.tokenizer_path).expanduser() if mcfg.tokenizer_path else None)
-        if base is None:
-            raise ModelLoadError(
-                "Qwen3's tokenizer is in no model file.",
-                hint="Set model.tokenizer_path to a folder with Qwen3's tokenizer (tokenizer.json, tokenizer_config.json: "
-                "the tokenizer/ folder of a diffusers Z-Image download, or Qwen3-4B's own folder).",
-            )
-        folder = base / "tokenizer" if (base / "tokenizer").is_dir() else base
-        if not (folder / "tokenizer_config.json").is_file():
-            raise ModelLoadError(
-                f"No Qwen3 tokenizer in {folder} (no tokenizer_config.json).",
-                hint="Point model.tokenizer_path at the tokenizer/ folder of a diffusers Z-Image download.",
-            )
-        return AutoTokenizer.from_pretrained(folder)
-
-    def load(
-        self,
-        mcfg: ModelConfig,
-        parts: Sequence[str],
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
-        precision: dict[str, str] | None = None,
-        tokenizers: bool = True,
-    ) -> dict[str, Any]:
-        """Load the named parts on ``device`` (Qwen3's tokenizer with the text encoder); ``precision`` may store
-        Qwen3 in int8 | nf4 (bitsandbytes, CUDA) or another float type."""
+    def diffusers_classes(self) -> dict[str, Any]:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
         from transformers import Qwen3Model
 
-        parts = list(parts)
-        common.check_parts("Z-Image", parts, self.parts)
-        kind, p = self._source(mcfg)
+        return {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
+
+    def text_encoder_classes(self) -> tuple[Any, Any]:
+        from transformers import Qwen3Config, Qwen3Model
+
+        return Qwen3Config, Qwen3Model
+
+    def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
         if "transformer" in parts:
             _warn_turbo(mcfg)
-        dtypes, quant = common.t5_precisions(
-            parts,
-            dtype,
-            precision,
-            device,
-            t5="text_encoder",
-            label="Z-Image",
-            loaded_before="the VAE and the transformer",
-            encoder="Qwen3",
-        )
-        own = {part: f for part in parts if (f := self._own_file(mcfg, part)) is not None}
-        rest = [part for part in parts if part not in own]
-        toks = {"tokenizer": self._tokenizer(kind, p, mcfg)} if tokenizers and "text_encoder" in parts else {}
-        if kind == "diffusers":
-            classes = {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model}
-            comps = common.load_diffusers_parts(
-                p, rest, classes, dtypes, device, lambda _: "Is it a complete Z-Image folder?", quant, check_first=True
-            )
-        else:
-            missing = [part for part in rest if part != "transformer"]
-            if missing:
-                raise ModelLoadError(
-                    f"{p.name} holds the Z-Image transformer only; it has no "
-                    f"{', '.join(self.part_labels[m] for m in missing)} weights.",
-                    hint="Give the parts' own files as ComfyUI users have them (model.ae=ae.safetensors, "
-                    "model.text_encoder=qwen_3_4b.safetensors, model.tokenizer_path=a folder with Qwen3's tokenizer), "
-                    "or set model.path to a diffusers Z-Image folder.",
-                )
-            comps = (
-                {"transformer": self._load_transformer_file(kind, p, mcfg, dtypes["transformer"], device)}
-                if rest
-                else {}
-            )
-        for part, f in own.items():
-            comps[part] = self._load_part_file(part, f, mcfg, dtypes[part], device, quant.get(part))
-        common.freeze(comps, parts, device, quant)
-        comps.update(toks)
-        return comps
 
-    def _load_transformer_file(self, kind: str, p: Path, mcfg: ModelConfig, dtype: torch.dtype, device):
-        """The transformer from a file in the original names, streamed: each tensor read, renamed (a fused qkv
-        split) and set before the next."""
-        from accelerate import init_empty_weights
-
-        keys, get, _, _ = common.open_checkpoint(kind, p)
-        if not single_file.is_zimage_file(keys):
-            raise ModelLoadError(
-                f"{p.name} does not look like a Z-Image transformer (no layers.0.adaLN_modulation / cap_embedder / "
-                "pad tokens).",
-                hint="Give z_image_bf16.safetensors (or an fp8 copy) or a diffusers Z-Image folder; another model's "
-                "file needs its own family.",
-            )
-        config = _read_json(self.bundled(self.architecture(mcfg)) / "transformer" / "config.json")
-        read = common.single_file_reader(get, dtype, device, False, False)
-        with init_empty_weights(include_buffers=False):
-            module = _new_module("transformer", config)
+    def transformer_tensors(self, keys: Sequence[str], read) -> Any:
+        """The original names, a fused qkv split as it is read; a stray norm_final dropped."""
         names = [k for k in keys if k.removeprefix(single_file.PREFIX) not in single_file.DROPPED]
-        tensors = single_file.transformer_tensors(names, read)
-        streaming.fill(module, "transformer", tensors, self.mismatch(p, "transformer", mcfg), common.assign_state_dict)
-        return module
+        return single_file.transformer_tensors(names, read)
 
-    def _load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
-        """The VAE (Flux.1's ae.safetensors: LDM names, or diffusers') or Qwen3 (transformers' names, with or
-        without ``model.``; a language-model head is left out) from a file of its own."""
-        keys, get, _, _ = common.open_checkpoint("single", f)
-        config = self.part_config(mcfg, part)
-        read = common.single_file_reader(get, dtype, device, quant is not None, False)
-        if part == "vae":
-            sd = vae_state_dict({k: read(k) for k in keys})
-            if "encoder.conv_in.weight" in sd and "encoder.down.0.block.0.conv1.weight" in sd:
-                from diffusers.loaders import single_file_utils as sfu
+    def vae_tensors(self, sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+        """Flux.1's ae.safetensors (LDM names) or diffusers' names."""
+        sd = vae_state_dict(sd)
+        if "encoder.conv_in.weight" in sd and "encoder.down.0.block.0.conv1.weight" in sd:
+            from diffusers.loaders import single_file_utils as sfu
 
-                sd = sfu.convert_ldm_vae_checkpoint(sd, config)
-        else:
-            sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
-            if quant is not None:
-                from transformers import Qwen3Config, Qwen3Model
-
-                return common.quantized_t5_from_state_dict(
-                    sd, config, quant, dtype, device, config_cls=Qwen3Config, model_cls=Qwen3Model
-                )
-        return self.load_module(part, sd, f, mcfg)
+            return sfu.convert_ldm_vae_checkpoint(sd, config)
+        return sd
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name.startswith("ZImage")
