@@ -35,6 +35,7 @@ from .. import common, streaming
 from ..base import CachedItem, ModelFamily
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
+from ..llm_image import pack_2x2, unpack_2x2
 from ..tokenizers import tiny_clip_vocab
 from . import single_file
 
@@ -75,19 +76,8 @@ def _new_module(part: str, cfg: dict):
     return CLIPTextModel(CLIPTextConfig(**_hf_config(cfg)))
 
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, h, w] -> [B, h/2 * w/2, 4C]: 2x2 patches, as FluxPipeline._pack_latents."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of :func:`pack` for a latent of ``h`` x ``w`` (FluxPipeline._unpack_latents in latent units)."""
-    b, _, d = packed.shape
-    c = d // 4
-    x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
+#: FluxPipeline's 2x2 packing of latents ([B, C, h, w] <-> [B, h/2 * w/2, 4C]), shared with the 2026 image families
+pack, unpack = pack_2x2, unpack_2x2
 
 
 def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
