@@ -22,7 +22,8 @@ def tiny_krea2(tmp_path_factory):
 
 
 def _transformer_out(pipe) -> torch.Tensor:
-    from difftrain.families.krea2.family import pack, position_ids
+    from difftrain.families.krea2.family import position_ids
+    from difftrain.families.llm_image import pack_2x2 as pack
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 8, 8, generator=g)

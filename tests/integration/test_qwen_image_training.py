@@ -21,7 +21,7 @@ def tiny_qwen_image(tmp_path_factory):
 
 
 def _transformer_out(pipe) -> torch.Tensor:
-    from difftrain.families.qwenimage.family import pack
+    from difftrain.families.llm_image import pack_2x2 as pack
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 8, 8, generator=g)

@@ -136,16 +136,16 @@ def test_comfyui_files_load_the_transformer_vae_and_qwen3vl(tiny, tmp_path):
 
 
 def test_a_distilled_checkpoint_is_warned_about_naming_raw(tiny, tmp_path, capsys):
-    from difftrain.families.krea2 import family as kf
+    from difftrain.families import llm_image
 
     turbo = tmp_path / "distilled"
     shutil.copytree(tiny, turbo)
     index = json.loads((turbo / "model_index.json").read_text())
     (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
-    kf._WARNED.clear()
+    llm_image._WARNED.clear()
     Krea2().load(ModelConfig(path=turbo), ["transformer"])
     err = " ".join(capsys.readouterr().err.split())
     assert "distilled checkpoint" in err and "train on Krea-2-Raw" in err
-    kf._WARNED.clear()
+    llm_image._WARNED.clear()
     Krea2().load(ModelConfig(path=tiny), ["transformer"])
     assert "distilled" not in capsys.readouterr().err

@@ -125,14 +125,14 @@ def test_comfyui_files_load_the_transformer_vae_and_qwen3(tiny, tmp_path):
 
 
 def test_a_turbo_checkpoint_is_warned_about_naming_the_base_model(tiny, tmp_path, capsys):
-    from difftrain.families.zimage import family as zf
+    from difftrain.families import llm_image
 
     turbo = tmp_path / "Z-Image-Turbo"
     turbo.symlink_to(tiny, target_is_directory=True)
-    zf._WARNED.clear()
+    llm_image._WARNED.clear()
     ZImage().load(ModelConfig(path=turbo), ["transformer"])
     err = " ".join(capsys.readouterr().err.split())
     assert "distilled" in err and "Train on Z-Image (the base model" in err
-    zf._WARNED.clear()
+    llm_image._WARNED.clear()
     ZImage().load(ModelConfig(path=tiny), ["transformer"])
     assert "distilled" not in capsys.readouterr().err

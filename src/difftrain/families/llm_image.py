@@ -25,6 +25,8 @@ from .base import CachedItem, ModelFamily
 from .common import read_json
 
 PARTS = ("transformer", "vae", "text_encoder")
+#: the families whose distilled-checkpoint warning was said in this process (once each)
+_WARNED: set[str] = set()
 
 
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
@@ -105,6 +107,8 @@ class LLMImageFamily(ModelFamily):
     encoder_name: ClassVar[str]
     file_markers: ClassVar[str]
     single_file_hint: ClassVar[str]
+    #: what training a distilled (Turbo) checkpoint is warned with, or "" where the model has none
+    distilled_warning: ClassVar[str] = ""
 
     def new_module(self, part: str, cfg: dict) -> torch.nn.Module:
         """A part built from its config (random weights; on the meta device inside ``torch.device("meta")``)."""
@@ -210,8 +214,22 @@ class LLMImageFamily(ModelFamily):
         return make
 
     # ------------------------------------------------------------ loading
+    @staticmethod
+    def _model_names(mcfg: ModelConfig) -> str:
+        return " ".join(str(x) for x in (mcfg.path, mcfg.config) if x is not None)
+
+    def distilled(self, mcfg: ModelConfig) -> bool:
+        """model.path / model.config name a distilled (Turbo) checkpoint: nothing in the files of these models says
+        it, but their names do."""
+        return "turbo" in self._model_names(mcfg).lower()
+
     def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
-        """Said before anything loads (a distilled checkpoint's warning)."""
+        """Loading the transformer of a distilled checkpoint to train: warned, once a process."""
+        if "transformer" in parts and self.distilled_warning and self.name not in _WARNED and self.distilled(mcfg):
+            from ..console import warn
+
+            _WARNED.add(self.name)
+            warn(f"{self._model_names(mcfg)}: {self.distilled_warning}")
 
     def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
         """What the loaded parts need to know of the model (Krea 2's tapped layers)."""
@@ -474,10 +492,24 @@ class LLMImageFamily(ModelFamily):
             shutil.copy(src / "model_index.json", tmp / "model_index.json")
         return Path(folder)
 
-    # ------------------------------------------------------------ tests and benchmarks
-    def tiny_pipeline_kwargs(self, cfgdir: Path) -> dict[str, Any]:
-        """Extra arguments of the pipeline a tiny model is saved with (Krea 2's tapped layers)."""
+    def pipeline_kwargs(self, mcfg: ModelConfig) -> dict[str, Any]:
+        """The pipeline's arguments beyond its parts (Krea 2's tapped layers and distilled flag)."""
         return {}
+
+    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
+        """The family's diffusers pipeline over the loaded parts, with the model's scheduler."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)(
+            scheduler=self.training_scheduler(mcfg),
+            vae=comps["vae"],
+            text_encoder=comps["text_encoder"],
+            tokenizer=comps["tokenizer"],
+            transformer=comps["transformer"],
+            **self.pipeline_kwargs(mcfg),
+        )
+
+    # ------------------------------------------------------------ tests and benchmarks
 
     def build_tiny(self, folder: Path, seed: int = 0) -> Path:
         """A tiny seeded model of the real layout (the language model with an offline byte-level Qwen tokenizer)
@@ -501,7 +533,7 @@ class LLMImageFamily(ModelFamily):
                 read_json(cfgdir / "scheduler" / "scheduler_config.json")
             )
             pipe = getattr(diffusers, self.pipeline_class)(
-                scheduler=sched, **comps, **self.tiny_pipeline_kwargs(cfgdir)
+                scheduler=sched, **comps, **self.pipeline_kwargs(ModelConfig(config=self.tiny_config))
             )
             pipe.save_pretrained(folder, safe_serialization=True)
         finally:

@@ -48,7 +48,6 @@ TEMPLATE_PREFIX = (
 TEMPLATE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 #: the hidden states Krea2Pipeline taps by default (0 is the embeddings); a model's model_index.json may name others
 TEXT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
-_WARNED: list[str] = []
 
 
 def _new_module(part: str, cfg: dict):
@@ -61,10 +60,6 @@ def _new_module(part: str, cfg: dict):
     if part == "vae":
         return AutoencoderKLQwenImage.from_config(cfg)
     return Qwen3VLModel(Qwen3VLConfig(**_hf_config(cfg)))
-
-
-#: the pipeline's 2x2 packing (Flux's), as the tests and benchmarks call it here
-pack, unpack = pack_2x2, unpack_2x2
 
 
 def position_ids(text_len: int, h: int, w: int, device) -> torch.Tensor:
@@ -100,6 +95,10 @@ class Krea2(LLMImageFamily):
         "text_encoder": "the Qwen3-VL-4B .safetensors",
     }
     encoder_name = "Qwen3-VL"
+    distilled_warning = (
+        "this is Krea-2-Turbo, the distilled checkpoint (8 steps, no CFG); training on it wears its distillation "
+        "away. Krea's guidance: train on Krea-2-Raw (krea/Krea-2-Raw) and use the LoRA on Turbo."
+    )
     file_markers = "txtfusion.projector / blocks.0.attn.wq"
     single_file_hint = (
         "Give the parts' own files (model.ae, model.text_encoder, model.tokenizer_path), or set model.path to a "
@@ -133,7 +132,6 @@ class Krea2(LLMImageFamily):
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("img_in", "time_embed*", "time_mod_proj", "txt_in*", "final_layer*", "text_fusion.projector")
     }
-    #: lora merge writes the merged transformer in the original names (the other parts are the user's unchanged files)
     #: the second LoRA file in Krea's original module names under ComfyUI's prefix, lora_A / lora_B with the alpha
     #: folded in: what ComfyUI loads and diffusers' Krea 2 converter takes (it has no alpha and no lora_down)
     lora_native_prefix: ClassVar[str | None] = "diffusion_model."
@@ -156,16 +154,9 @@ class Krea2(LLMImageFamily):
     def select_layers(self, mcfg: ModelConfig) -> tuple[int, ...]:
         return tuple(self.pipeline_config(mcfg).get("text_encoder_select_layers") or TEXT_LAYERS)
 
-    def _warn_turbo(self, mcfg: ModelConfig) -> None:
-        names = " ".join(str(x) for x in (mcfg.path, mcfg.config) if x is not None)
-        if (self.pipeline_config(mcfg).get("is_distilled") or "turbo" in names.lower()) and not _WARNED:
-            from ...console import warn
-
-            _WARNED.append(names)
-            warn(
-                f"{names}: this is Krea-2-Turbo, the distilled checkpoint (8 steps, no CFG); training on it wears its "
-                "distillation away. Krea's guidance: train on Krea-2-Raw (krea/Krea-2-Raw) and use the LoRA on Turbo."
-            )
+    def distilled(self, mcfg: ModelConfig) -> bool:
+        """model_index.json says is_distilled (Krea2Pipeline's flag), or the names say Turbo."""
+        return bool(self.pipeline_config(mcfg).get("is_distilled")) or super().distilled(mcfg)
 
     def diffusers_classes(self) -> dict[str, Any]:
         from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
@@ -177,10 +168,6 @@ class Krea2(LLMImageFamily):
         from transformers import Qwen3VLConfig, Qwen3VLModel
 
         return Qwen3VLConfig, Qwen3VLModel
-
-    def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
-        if "transformer" in parts:
-            self._warn_turbo(mcfg)
 
     def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
         if "text_encoder" in comps:  # the layers encode_prompts taps, as this model's pipeline config names them
@@ -252,32 +239,25 @@ class Krea2(LLMImageFamily):
         if bool((lengths != text.shape[1]).any()):
             mask = torch.arange(text.shape[1], device=noisy.device)[None, :] < lengths[:, None]
         out = transformer(
-            hidden_states=pack(noisy),
+            hidden_states=pack_2x2(noisy),
             encoder_hidden_states=text,
             timestep=(timesteps / 1000).to(noisy.dtype),
             position_ids=position_ids(text.shape[1], h // 2, w // 2, noisy.device),
             encoder_attention_mask=mask,
             return_dict=False,
         )[0]
-        return unpack(out, h, w)
+        return unpack_2x2(out, h, w)
 
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
     # ------------------------------------------------------------ pipelines and export
-    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
-        from diffusers import Krea2Pipeline
-
-        index = self.pipeline_config(mcfg)
-        return Krea2Pipeline(
-            scheduler=self.training_scheduler(mcfg),
-            vae=comps["vae"],
-            text_encoder=comps["text_encoder"],
-            tokenizer=comps["tokenizer"],
-            transformer=comps["transformer"],
-            text_encoder_select_layers=self.select_layers(mcfg),
-            is_distilled=bool(index.get("is_distilled", False)),
-        )
+    def pipeline_kwargs(self, mcfg: ModelConfig) -> dict[str, Any]:
+        """The layers the pipeline taps and whether the checkpoint is the distilled one (its model_index.json)."""
+        return {
+            "text_encoder_select_layers": self.select_layers(mcfg),
+            "is_distilled": bool(self.pipeline_config(mcfg).get("is_distilled", False)),
+        }
 
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
@@ -295,10 +275,6 @@ class Krea2(LLMImageFamily):
         )
 
     # ------------------------------------------------------------ tests and benchmarks
-    def tiny_pipeline_kwargs(self, cfgdir: Path) -> dict[str, Any]:
-        """The tiny model's tapped layers (four: its text model has four)."""
-        return {"text_encoder_select_layers": _read_json(cfgdir / "model_index.json")["text_encoder_select_layers"]}
-
     def cache_shapes(
         self, config_name: str, resolution: int, caption_tokens: int = 128
     ) -> dict[str, dict[str, tuple[int, ...]]]:

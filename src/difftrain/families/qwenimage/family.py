@@ -42,7 +42,6 @@ TEXT_TOKENS = 1024
 PREFIX = "model.diffusion_model."
 #: what tells a Qwen-Image transformer file (diffusers' names): the text-input norm and the image modulation
 MARKERS = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
-_WARNED: list[str] = []
 
 
 def is_qwen_image_file(keys: Sequence[str]) -> bool:
@@ -60,10 +59,6 @@ def _new_module(part: str, cfg: dict):
     if part == "vae":
         return AutoencoderKLQwenImage.from_config(cfg)
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**_hf_config(cfg)))
-
-
-#: the pipeline's 2x2 packing (Flux's), as the tests and benchmarks call it here
-pack, unpack = pack_2x2, unpack_2x2
 
 
 class QwenImage(LLMImageFamily):
@@ -217,30 +212,19 @@ class QwenImage(LLMImageFamily):
         text, lengths = batch["prompt_embeds"], batch["prompt_length"].to(noisy.device)
         mask = (torch.arange(text.shape[1], device=noisy.device)[None, :] < lengths[:, None]).long()
         out = transformer(
-            hidden_states=pack(noisy),
+            hidden_states=pack_2x2(noisy),
             timestep=(timesteps / 1000).to(noisy.dtype),
             encoder_hidden_states=text,
             encoder_hidden_states_mask=mask,
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]
-        return unpack(out, h, w)
+        return unpack_2x2(out, h, w)
 
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
-    # ------------------------------------------------------------ pipelines and export
-    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
-        from diffusers import QwenImagePipeline
-
-        return QwenImagePipeline(
-            scheduler=self.training_scheduler(mcfg),
-            vae=comps["vae"],
-            text_encoder=comps["text_encoder"],
-            tokenizer=comps["tokenizer"],
-            transformer=comps["transformer"],
-        )
-
+    # ------------------------------------------------------------ export
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:

@@ -37,7 +37,6 @@ from . import single_file
 DEFAULT_CONFIG = "z-image"
 #: Qwen3 tokens a caption is encoded with, chat template included (ZImagePipeline's max_sequence_length)
 TEXT_TOKENS = 512
-_WARNED: list[str] = []
 
 
 def _new_module(part: str, cfg: dict):
@@ -50,18 +49,6 @@ def _new_module(part: str, cfg: dict):
     if part == "vae":
         return AutoencoderKL.from_config(cfg)
     return Qwen3Model(Qwen3Config(**_hf_config(cfg)))
-
-
-def _warn_turbo(mcfg: ModelConfig) -> None:
-    names = " ".join(str(x) for x in (mcfg.path, mcfg.config) if x is not None)
-    if "turbo" in names.lower() and not _WARNED:
-        from ...console import warn
-
-        _WARNED.append(names)
-        warn(
-            f"{names}: Z-Image-Turbo is the distilled checkpoint (8 steps, no CFG); training on it wears its "
-            "distillation away. Train on Z-Image (the base model, Tongyi-MAI/Z-Image) and use the LoRA on Turbo."
-        )
 
 
 class ZImage(LLMImageFamily):
@@ -89,6 +76,10 @@ class ZImage(LLMImageFamily):
         "text_encoder": "qwen_3_4b.safetensors",
     }
     encoder_name = "Qwen3"
+    distilled_warning = (
+        "Z-Image-Turbo is the distilled checkpoint (8 steps, no CFG); training on it wears its distillation away. "
+        "Train on Z-Image (the base model, Tongyi-MAI/Z-Image) and use the LoRA on Turbo."
+    )
     file_markers = "layers.0.adaLN_modulation / cap_embedder / pad tokens"
     single_file_hint = (
         "Give the parts' own files as ComfyUI users have them (model.ae=ae.safetensors, "
@@ -140,10 +131,6 @@ class ZImage(LLMImageFamily):
         from transformers import Qwen3Config, Qwen3Model
 
         return Qwen3Config, Qwen3Model
-
-    def before_load(self, mcfg: ModelConfig, parts: list[str]) -> None:
-        if "transformer" in parts:
-            _warn_turbo(mcfg)
 
     def transformer_tensors(self, keys: Sequence[str], read) -> Any:
         """The original names, a fused qkv split as it is read; a stray norm_final dropped."""
@@ -243,18 +230,7 @@ class ZImage(LLMImageFamily):
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.layers)
 
-    # ------------------------------------------------------------ pipelines and export
-    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
-        from diffusers import ZImagePipeline
-
-        return ZImagePipeline(
-            scheduler=self.training_scheduler(mcfg),
-            vae=comps["vae"],
-            text_encoder=comps["text_encoder"],
-            tokenizer=comps["tokenizer"],
-            transformer=comps["transformer"],
-        )
-
+    # ------------------------------------------------------------ export
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:

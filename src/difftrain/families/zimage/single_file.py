@@ -31,6 +31,8 @@ _ATTN = ((".attention.out.", ".attention.to_out.0."), (".attention.q_norm.", ".a
          (".attention.k_norm.", ".attention.norm_k."))  # fmt: skip
 _QKV = re.compile(r"^(.*\.attention)\.qkv\.weight$")
 _SPLIT = re.compile(r"^(.*\.attention)\.to_([qkv])\.weight$")
+#: a member of a fused qkv: its weight, or its module path
+_MEMBER = re.compile(r"\.attention\.to_[qkv](\.|$)")
 DROPPED = ("norm_final.weight",)
 
 
@@ -56,7 +58,7 @@ def to_diffusers(key: str) -> str | None:
 def to_original(key: str) -> str | None:
     """The original name of a diffusers key (or module path with a leaf); None for ``to_q``/``to_k``/``to_v``
     (one fused ``qkv`` there: :func:`fused_qkv`)."""
-    if _SPLIT.match(key) or re.search(r"\.attention\.to_[qkv](\.|$)", key):
+    if _MEMBER.search(key):
         return None
     for a, b in _TOP:
         if key.startswith(b):
