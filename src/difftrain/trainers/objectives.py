@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config.schema import Config, FlowConfig
+from ..config.schema import Config, FlowConfig, TrainConfig
 from ..families.base import ModelFamily
 
 
@@ -112,6 +112,41 @@ def flow_loss_weight(kind: str, sigmas: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def huber_threshold(train: TrainConfig, timesteps: torch.Tensor, scheduler: Any, objective: str) -> torch.Tensor | None:
+    """The pseudo-Huber threshold c of each sample for ``train.loss_type`` huber / smooth_l1 (None for the others),
+    from its timestep: sd-scripts' get_huber_threshold_if_needed. ``timesteps`` are the denoiser's: integer steps
+    (ddpm) or sigma x 1000 (flow, as sd-scripts' Flux and SD3 scripts pass them). Its snr schedule needs the DDPM
+    scheduler's alphas_cumprod, and sd-scripts refuses it for flow models; here a flow model's sigma is its
+    noise-to-signal ratio s / (1 - s), what sqrt((1 - alpha_bar) / alpha_bar) is for DDPM."""
+    if train.loss_type not in ("huber", "smooth_l1"):
+        return None
+    c, scale, t = train.huber_c, train.huber_scale, timesteps.float()
+    if train.huber_schedule == "constant":
+        return torch.full_like(t, c * scale)
+    if train.huber_schedule == "exponential":
+        n = scheduler.config.get("num_train_timesteps", 1000)
+        return torch.exp(math.log(c) / n * t) * scale  # exp(-alpha t), alpha = -ln(c) / T
+    if objective == "flow":
+        s = (t / 1000).clamp(max=1 - 1e-6)
+        sigmas = s / (1 - s)
+    else:
+        a = scheduler.alphas_cumprod.to(timesteps.device)[timesteps.long()].float()
+        sigmas = ((1 - a) / a) ** 0.5
+    return (1 - c) / (1 + sigmas) ** 2 + c
+
+
+def elementwise_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str, c: torch.Tensor | None) -> torch.Tensor:
+    """The loss of each element (no reduction): sd-scripts' conditional_loss. ``c``: one threshold per sample."""
+    if loss_type == "l2":
+        return F.mse_loss(pred, target, reduction="none")
+    if loss_type == "l1":
+        return F.l1_loss(pred, target, reduction="none")
+    assert c is not None  # huber_threshold gives one for huber and smooth_l1
+    c = c.view(-1, *([1] * (pred.ndim - 1)))
+    pseudo = torch.sqrt((pred - target) ** 2 + c**2) - c
+    return 2 * c * pseudo if loss_type == "huber" else 2 * pseudo
+
+
 class Draws:
     """Random draws of a micro-batch from the training generator. On several processes the whole global batch is
     drawn on each (same generator, same seed) and this process's slice kept, so N processes see exactly the draws
@@ -169,6 +204,9 @@ class Objective:
         a quantile q in (0, 1) instead of drawing them, and drops what only training adds (noise offset,
         image dropout, loss weighting): the validation loss, comparable across trials."""
         latents = batch["latents"]
+        # masked loss: a weight per latent pixel (precompute's area-downsampled mask), read here, never by the denoiser
+        mask = batch.get("loss_mask")
+        batch = {k: v for k, v in batch.items() if k != "loss_mask"}
         b = latents.shape[0]
         if fixed is not None:
             noise = fixed[0]
@@ -197,7 +235,12 @@ class Objective:
                 for k, v in batch.items()
             }
             pred = self.family.denoise(denoiser, noisy.to(self.compute_dtype), timesteps, cond)
-        err = F.mse_loss(pred.float(), target.float(), reduction="none")
+        # the validation loss (fixed) stays the squared error whatever train.loss_type: comparable across trials
+        loss_type = "l2" if fixed is not None else self.cfg.train.loss_type
+        c = huber_threshold(self.cfg.train, timesteps, self.scheduler, self.family.objective)
+        err = elementwise_loss(pred.float(), target.float(), loss_type, c)
+        if mask is not None:  # as sd-scripts' apply_masked_loss: weighted, then the mean over every position
+            err = err * mask.to(err.dtype)
         dims = list(range(1, pred.ndim))
         if keep is None:
             loss = err.mean(dim=dims)

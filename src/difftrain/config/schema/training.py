@@ -34,6 +34,23 @@ class TrainConfig(Strict):
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     noise_offset: float = Field(default=0.0, ge=0)
     min_snr_gamma: float | None = Field(default=None, gt=0)
+    # the loss per latent element (sd-scripts' --loss_type and Huber options, library/train_util.py)
+    loss_type: Literal["l2", "l1", "huber", "smooth_l1"] = Field(
+        default="l2",
+        description="l2: squared error (every family's own); l1: absolute error; huber: 2c(sqrt(e^2 + c^2) - c), "
+        "smooth_l1: 2(sqrt(e^2 + c^2) - c), pseudo-Huber with c from train.huber_schedule (sd-scripts' formulas)",
+    )
+    huber_schedule: Literal["constant", "exponential", "snr"] = Field(
+        default="snr",
+        description="huber/smooth_l1: c per sample from its noise level. constant: huber_c x huber_scale; "
+        "exponential: huber_scale x huber_c^(t/T), from 1 at t=0 to huber_c at the last timestep T; snr: "
+        "(1 - huber_c) / (1 + sigma)^2 + huber_c with sigma = sqrt((1 - alpha_bar) / alpha_bar) (DDPM) or s / (1 - s) "
+        "(flow, the same quantity; sd-scripts' flow scripts refuse snr)",
+    )
+    huber_c: float = Field(default=0.1, gt=0, le=1, description="huber/smooth_l1: the threshold c (sd-scripts: 0.1)")
+    huber_scale: float = Field(
+        default=1.0, gt=0, description="huber/smooth_l1: scales c of the constant and exponential schedules"
+    )
     checkpoint_every: int | None = Field(default=None, ge=1, description="save training state every N steps")
     keep_checkpoints: int | None = Field(default=None, ge=1, description="keep only the newest N checkpoints")
     log_every: int = Field(
@@ -162,8 +179,10 @@ class ValidationConfig(Strict):
         return self
 
     prompts: list[str] = Field(default_factory=list, description="empty: no validation samples")
-    images: list[Path] = Field(
-        default_factory=list, description="image-to-video: the start image of each prompt, in order"
+    images: list[Path | list[Path]] = Field(
+        default_factory=list,
+        description="image-to-video: the start image of each prompt, in order; edit training: each prompt's "
+        "reference image (or list of them)",
     )
     every_n_steps: int | None = Field(
         default=None, ge=1, description="samples and validation loss; also once at the end of training"
