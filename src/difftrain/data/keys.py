@@ -6,6 +6,9 @@ and never a stale one:
 - a latent (:func:`latent_key`): the family, the image encoder's weights (:func:`cache_fingerprints`), the
   encoder's dtype, the bucket, the crop mode, the image's content (sha256 of the file) and, for a video
   family, the frames taken (:func:`clip_tag`);
+- a mask at latent resolution (:func:`mask_key`, masked loss only): its latent's key (all that places the mask:
+  bucket, crop, frames and the latent's size) and the mask's source and content; a changed mask is a new mask
+  entry beside the same latent, and caches without masks have no such keys;
 - a caption's embedding of one text stage (:func:`text_key`): the family, the stage, the stage's fingerprint
   (its encoders' weights, ``precompute.text_encoder_dtype`` and the stage's options) and the caption.
 
@@ -91,6 +94,13 @@ def latent_key(
 def text_key(family: str, stage: str, stage_fingerprint: str, caption: str) -> str:
     """The cache key of ``caption``'s embedding by one text stage."""
     return sha256_text("text", family, stage, stage_fingerprint, caption)
+
+def mask_key(latent: str, kind: str, mask_sha256: str) -> str:
+    """The cache key of a mask fitted to the latent ``latent`` (its key): ``kind`` alpha (the image's own channel,
+    whose content the latent key holds; ``mask_sha256`` empty), file or frames (``mask_sha256`` of the mask
+    file, or of its frame files' hashes)."""
+    return sha256_text("mask", latent, kind, mask_sha256)
+
 
 
 @dataclass(frozen=True)
