@@ -73,6 +73,33 @@ class DataConfig(Strict):
         description="with shuffle or tag dropout and cached text "
         "embeddings: augmented versions of each caption precompute encodes",
     )
+    # masked loss (data/masks.py): a weight per latent pixel, cached beside the latents
+    alpha_mask: bool = Field(
+        default=False,
+        description="masked loss from the image's alpha channel (sd-scripts' alpha_mask): opaque is learned, "
+        "transparent is not, half-transparent by half; an image without alpha is learned everywhere",
+    )
+    mask_dir: Path | None = Field(
+        default=None,
+        description="masked loss from mask images with the images' names (and sub-folders) in this folder "
+        "(sd-scripts' conditioning_data_dir): white is learned, black is not, grey by its value (a colour mask: its "
+        "red channel); resized to its image if drawn at another size of the same shape; an image without a mask is "
+        "learned everywhere (precompute lists them); a video: one mask image, or a folder of one per frame",
+    )
+    mask_suffix: str = Field(
+        default="",
+        description="what a mask's file name adds to its image's name: OneTrainer's '-masklabel' "
+        "(photo.jpg -> photo-masklabel.png); without data.mask_dir the masks lie beside the images",
+    )
+
+    @model_validator(mode="after")
+    def _masks(self):
+        if self.alpha_mask and (self.mask_dir is not None or self.mask_suffix):
+            raise ValueError(
+                "data.alpha_mask and data.mask_dir / mask_suffix both name where masks come from: keep one (the alpha "
+                "channel, or the mask files)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _sides(self):
