@@ -71,6 +71,14 @@ class BackendUnavailable(DifftrainError):
     pass
 
 
+class SweepStorageError(DifftrainError):
+    """A sweep's Optuna storage cannot be reached or written (exit 1)."""
+
+
+class StudyMismatch(UsageError):
+    """A sweep's study was made by another base config, cache or search space (exit 2)."""
+
+
 class LossNotFinite(DifftrainError):
     """The loss became NaN or infinite: the run diverged (a sweep records the trial as 'nan')."""
 

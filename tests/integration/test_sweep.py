@@ -143,24 +143,19 @@ def test_results_are_written_as_csv_json_plots_and_a_report(swept):
     )
 
 
-def test_rerunning_skips_finished_trials_and_resumes_an_interrupted_one(swept):
+def test_rerunning_continues_the_study_and_runs_no_finished_trial_again(swept):
+    """The study (study.db in the sweep folder) knows every trial's end: a rerun of the same command runs none."""
     from typer.testing import CliRunner
 
     from difftrain.cli.app import app
 
     sw, args, _ = swept
-    ok = next(r for r in _rows(sw) if r["status"] == "ok")
     stamps = {p: p.stat().st_mtime_ns for p in (sw / "trials").glob("*/result.json")}
     r = CliRunner().invoke(app, args, catch_exceptions=False)
-    assert r.exit_code == 0 and "4 trial(s) already finished" in r.output
+    assert r.exit_code == 0 and "(continued, grid sampler" in r.output and "1 finished, 3 failed" in r.output
+    assert "sweep: trial #" not in r.output
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
-    # a trial killed before it wrote its result runs again, resuming from its checkpoint
-    result = sw / "trials" / ok["trial"] / "result.json"
-    result.unlink()
-    r = CliRunner().invoke(app, args, catch_exceptions=False)
-    assert r.exit_code == 0 and "3 trial(s) already finished" in r.output and "trial 1/1" in r.output
-    again = json.loads(result.read_text())
-    assert again["status"] == "ok" and again["final_loss"] == ok["final_loss"]
+    assert [r["number"] for r in _rows(sw)] == [0, 1, 2, 3]
 
 
 def test_sweep_report_re_renders_sorted(swept, tmp_path):
