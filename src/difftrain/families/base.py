@@ -75,6 +75,10 @@ class ModelFamily(ABC):
     video: ClassVar[bool] = False
     #: the denoiser also takes first-frame image latents (precompute caches ``image_condition_entries``)
     image_conditioned: ClassVar[bool] = False
+    #: the denoiser also takes reference images (Qwen-Image-Edit): precompute pairs each target with its references
+    #: (data/pairs.py), decodes them fitted to the target's bucket and hands them to ``image_condition_entries``
+    #: (``references=``), and encodes each caption with them (``encode_prompts_with_images``)
+    references: ClassVar[bool] = False
     #: the recipe that trains the family's tiny seeded model (``build_tiny``): what ``difftrain quickstart --family``
     #: runs; None: no quickstart. A family sharing another's recipe (image-to-video) sets its own config over it
     tiny_recipe: ClassVar[str | None] = None
@@ -124,6 +128,24 @@ class ModelFamily(ABC):
         """Image-to-video families: what precompute caches beside a batch's latents for the image conditioning, by
         the names ``conditioning`` reads them back under."""
         raise NotImplementedError(f"{self.name} is not image-conditioned")
+
+    def encode_prompts_with_images(
+        self,
+        comps: dict[str, Any],
+        captions: list[str],
+        images: list[list[Any]],
+        stage: str,
+        options: TextEncodersConfig,
+        mcfg: ModelConfig,
+    ) -> dict[str, Any]:
+        """Families with ``references``: each caption encoded with its reference images (PIL, as read), as the
+        family's pipeline encodes an instruction; per-item tensors by name, as ``encode_prompts``."""
+        raise NotImplementedError(f"{self.name} takes no reference images")
+
+    def validation_image(self, images: list[Any], side: int, mcfg: ModelConfig) -> Any:
+        """An image-conditioned family's validation prompt's images (PIL, as read) as its pipeline's ``image``
+        argument: the start frame fitted to the sample's square side (image-to-video)."""
+        return images[0].resize((side, side))
 
     def timestep_range(self, mcfg: ModelConfig) -> tuple[float, float] | None:
         """The noise levels (shifted sigmas, timestep / 1000) the denoiser is trained on, where it is not all of

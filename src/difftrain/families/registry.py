@@ -48,6 +48,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("zimage", "zimage", "ZImage", "z-image"),
     Registered("krea2", "krea2", "Krea2", "krea2"),
     Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image"),
+    Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

@@ -118,15 +118,20 @@ QWEN_TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_qwen_tokenizer(folder: Path) -> Path:
+#: Qwen2.5-VL's vision tokens, in the order of their ids (151652 ...; the tiny tokenizer's 259 ...)
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen_tokenizer(folder: Path, vision: bool = False) -> Path:
     """Write a tiny byte-level Qwen2 tokenizer (the 256 byte symbols, no merges, Qwen's three chat tokens: ids <
     259) with a chat template rendering as Qwen3's, to ``folder``, offline. For tests and quickstart, where the
-    tiny Qwen3 has a 300-token embedding table."""
+    tiny Qwen3 has a 300-token embedding table. ``vision``: Qwen2.5-VL's five vision tokens too (ids 259-263), what
+    Qwen2VLProcessor marks an image's place with (Qwen-Image-Edit)."""
     from transformers import Qwen2Tokenizer
 
     folder = Path(folder)
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(QWEN_VISION_TOKENS if vision else ())]
     vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
     tok = Qwen2Tokenizer(
         vocab=vocab,
