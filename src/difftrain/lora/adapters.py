@@ -1,25 +1,69 @@
-"""LoRA adapters through peft, the way the diffusers training examples add them."""
+"""LoRA adapters through peft, the way the diffusers training examples add them: LoRA, DoRA (LoraConfig(use_dora=True)),
+and LyCORIS' LoHa and LoKr (peft's LoHaConfig / LoKrConfig, ports of LyCORIS' modules computing the same weights;
+the lycoris-lora package is not on the index difftrain installs from, and peft's layers work with everything else
+difftrain does to a peft model: state dicts, merging, diffusers' add_adapter)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
-from peft import LoraConfig
+from peft import LoraConfig, PeftConfig
 
 from ..config.schema import LoraConfig as LoraSettings
 
 
-def add_lora(module: torch.nn.Module, settings: LoraSettings, targets: Sequence[str]) -> list[torch.nn.Parameter]:
-    """Add a LoRA adapter to ``module``; return its trainable parameters (kept in fp32)."""
-    cfg = LoraConfig(
+def peft_config(module: torch.nn.Module, settings: LoraSettings, targets: Sequence[str]) -> PeftConfig:
+    """The peft config of ``settings.type`` (and use_dora) over ``targets``."""
+    from peft import LoHaConfig, LoKrConfig
+
+    # peft annotates an int alpha, but a float works: it is only divided by the rank
+    alpha = settings.alpha if settings.alpha is not None else settings.rank
+    if settings.type == "loha":
+        return LoHaConfig(r=settings.rank, alpha=alpha, target_modules=list(targets))  # type: ignore[arg-type]
+    if settings.type == "lokr":
+        rank = settings.rank
+        if settings.full_matrix:
+            # LyCORIS' full_matrix: both Kronecker factors full, scale 1. peft keeps a factor full where the rank is at
+            # least half its larger side, so a rank that covers every layer of the module does the same
+            rank = alpha = full_matrix_rank(module, settings.factor)
+        return LoKrConfig(
+            r=rank,
+            alpha=alpha,  # type: ignore[arg-type]
+            decompose_both=settings.decompose_both,
+            decompose_factor=settings.factor,
+            target_modules=list(targets),
+        )
+    return LoraConfig(
         r=settings.rank,
-        # peft annotates an int, but a float alpha works as it is only divided by the rank
-        lora_alpha=settings.alpha if settings.alpha is not None else settings.rank,  # type: ignore[arg-type]
+        lora_alpha=alpha,  # type: ignore[arg-type]
         lora_dropout=settings.dropout,
         init_lora_weights="gaussian" if settings.init == "gaussian" else True,
+        use_dora=settings.use_dora,
         target_modules=list(targets),
     )
+
+
+def full_matrix_rank(module: torch.nn.Module, factor: int) -> int:
+    """A LoKr rank at which peft keeps the second Kronecker factor of every Linear/Conv2d of ``module`` full."""
+    from peft.tuners.lokr.layer import factorization
+
+    need = 1
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            sizes = (m.out_features, m.in_features)
+        elif isinstance(m, torch.nn.Conv2d):
+            sizes = (m.out_channels, m.in_channels // m.groups)
+        else:
+            continue
+        need = max(need, *(2 * factorization(n, factor)[1] for n in sizes))
+    return need
+
+
+def add_lora(module: torch.nn.Module, settings: LoraSettings, targets: Sequence[str]) -> list[torch.nn.Parameter]:
+    """Add the adapter of ``settings`` (LoRA, DoRA, LoHa or LoKr) to ``module``; return its trainable parameters
+    (kept in fp32)."""
+    cfg = peft_config(module, settings, targets)
     module.add_adapter(cfg)  # type: ignore[operator]  # diffusers' PeftAdapterMixin, unknown to Module's type
     params = []
     for p in module.parameters():
@@ -52,5 +96,5 @@ def export_layers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def adapter_metadata(module: torch.nn.Module) -> dict:
-    """The LoRA config (rank, alpha, targets) that diffusers stores in the file header."""
+    """The adapter's peft config (type, rank, alpha, targets) that diffusers stores in the file header."""
     return module.peft_config["default"].to_dict()  # type: ignore[index,union-attr]  # set by add_adapter

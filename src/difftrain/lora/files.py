@@ -11,7 +11,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, UnsafeCheckpoint
 from ..utils import atomic_file, read_safetensors_header
-from . import kohya
+from . import kohya, lycoris
 
 KOHYA_FILE = "lora_kohya.safetensors"
 
@@ -23,9 +23,25 @@ def kohya_file(cfg) -> str:
 
 
 def formats(cfg, family) -> list[str]:
-    """The LoRA layouts to write: save.lora_formats, else diffusers plus kohya where the family has it."""
+    """The LoRA layouts to write: save.lora_formats, else diffusers plus kohya where the family has it. LoHa and LoKr
+    are written in the kohya/LyCORIS layout only: diffusers loads neither (its loaders take LoRA and DoRA)."""
     chosen = cfg.save.lora_formats
+    lycoris_only = cfg.lora.type != "lora"
+    if lycoris_only and not family.kohya_layout:
+        raise ConfigError(
+            f"lora.type {cfg.lora.type}: {family.name} LoRAs have no kohya layout, and diffusers does not load "
+            "LoHa or LoKr, so no file any tool loads could be written.",
+            hint="Use lora.type: lora (with lora.use_dora: true for DoRA) for this family.",
+        )
+    if lycoris_only and chosen is not None and "diffusers" in chosen:
+        raise ConfigError(
+            f"save.lora_formats diffusers with lora.type {cfg.lora.type}: diffusers does not load LoHa or LoKr "
+            "(its loaders take LoRA and DoRA); the kohya/LyCORIS layout is what ComfyUI, Forge and A1111 load.",
+            hint="Set save.lora_formats: [kohya] (or leave it unset).",
+        )
     if chosen is None:
+        if lycoris_only:
+            return ["kohya"]
         return ["diffusers", "kohya"] if family.kohya_layout else ["diffusers"]
     if "kohya" in chosen and not family.kohya_layout:
         raise ConfigError(
@@ -36,16 +52,62 @@ def formats(cfg, family) -> list[str]:
     return list(chosen)
 
 
-def alphas(peft_meta: dict, layers: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each adapted module's alpha (peft's lora_alpha, or its alpha_pattern entry)."""
-    base = float(peft_meta.get("lora_alpha", peft_meta.get("r", 1)))
-    pattern = peft_meta.get("alpha_pattern") or {}
+def check_kohya_names(cfg, family, parts: list[str]) -> None:
+    """Before anything loads: a LoKr whose targets the kohya names fuse into one layer (Flux's and Z-Image's q/k/v)
+    cannot be written there (rows of several Kronecker products are no Kronecker product)."""
+    if cfg.lora.type != "lokr" or "kohya" not in formats(cfg, family):
+        return
+    targets = set(cfg.lora.targets)
+    for part in parts:
+        for path, (members, _) in family.kohya_fused(cfg.model, part).items():
+            hit = sorted({m.rpartition(".")[2] for m, _ in members} & {t.rpartition(".")[2] for t in targets})
+            if hit:
+                raise ConfigError(
+                    f"lora.type lokr with lora.targets {', '.join(hit)}: {family.name}'s kohya layout has one fused "
+                    f"layer for them ({path.rsplit('.', 1)[-1]}...), and rows of several Kronecker products are no "
+                    "Kronecker product, so the LoKr file could not be written.",
+                    hint=f"Leave {', '.join(hit)} out of lora.targets, or use lora.type: loha (which fuses exactly).",
+                )
+
+
+def _pattern(peft_meta: dict, field: str, base, layers: dict[str, torch.Tensor]) -> dict:
+    pattern = peft_meta.get(field) or {}
     out = {}
-    for key in layers:
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            hit = [v for k, v in pattern.items() if module == k or module.endswith("." + k)]
-            out[module] = float(hit[0]) if hit else base
+    for module in lycoris.modules(layers):
+        hit = [v for k, v in pattern.items() if module == k or module.endswith("." + k)]
+        out[module] = hit[0] if hit else base
+    return out
+
+
+def alphas(peft_meta: dict, layers: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each adapted module's alpha (peft's lora_alpha, LoHa's / LoKr's alpha, or its alpha_pattern entry)."""
+    base = peft_meta.get("lora_alpha", peft_meta.get("alpha", peft_meta.get("r", 1)))
+    return {m: float(a) for m, a in _pattern(peft_meta, "alpha_pattern", base, layers).items()}
+
+
+def ranks(peft_meta: dict, layers: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each adapted module's peft rank (r, or its rank_pattern entry)."""
+    return {m: int(r) for m, r in _pattern(peft_meta, "rank_pattern", peft_meta.get("r", 1), layers).items()}
+
+
+def adapter_kind(peft_meta: dict) -> str:
+    """ "lora", "dora", "loha" or "lokr" from a part's peft config."""
+    peft_type = str(peft_meta.get("peft_type", "LORA")).rpartition(".")[2].upper()
+    if peft_type in ("LOHA", "LOKR"):
+        return peft_type.lower()
+    return "dora" if peft_meta.get("use_dora") else "lora"
+
+
+def lycoris_layers(peft_meta: dict, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The layers as LyCORIS' readers take them: a LoKr module with both factors full gets peft's scale alpha / r
+    folded into its w1 (readers apply none there)."""
+    if adapter_kind(peft_meta) != "lokr":
+        return layers
+    a, r = alphas(peft_meta, layers), ranks(peft_meta, layers)
+    out = {}
+    for module, leaves in lycoris.modules(layers).items():
+        for leaf, t in lycoris.fold_full_lokr(leaves, a[module] / r[module]).items():
+            out[module + leaf] = t
     return out
 
 
@@ -54,7 +116,8 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
     (sd-scripts' ss_* names and the SAI model spec's, which A1111 and ComfyUI show)."""
     first = next(iter(peft_meta.values()), {})
     rank = first.get("r")
-    alpha = first.get("lora_alpha", rank)
+    alpha = first.get("lora_alpha", first.get("alpha", rank))
+    kind = adapter_kind(first)
     conf = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str)
     trigger = cfg.save.trigger_phrase or cfg.dreambooth.instance_prompt
     out = {
@@ -71,6 +134,21 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
         "difftrain.parts": ",".join(peft_meta),
         "difftrain.config_sha256": hashlib.sha256(conf.encode()).hexdigest(),
     }
+    if kind != "lora":  # as LyCORIS' kohya network records itself (what sd-scripts' tools and UIs show)
+        args = {"algo": "lora" if kind == "dora" else kind}
+        if kind == "dora":
+            args.update(dora_wd="True", wd_on_output="True")
+        if kind == "lokr":
+            args.update(
+                factor=str(cfg.lora.factor),
+                decompose_both=str(cfg.lora.decompose_both),
+                full_matrix=str(cfg.lora.full_matrix),
+            )
+        out["ss_network_module"] = "lycoris.kohya"
+        out["ss_network_args"] = json.dumps(args)
+        out["difftrain.adapter"] = kind
+        if kind in ("loha", "lokr"):
+            out["difftrain.diffusers"] = "diffusers does not load LoHa/LoKr: ComfyUI, Forge and A1111 load this file"
     if cfg.model.expert:  # WanPipeline: load_lora_weights(..., load_into_transformer_2=True) for low_noise
         out["difftrain.expert"] = cfg.model.expert
         out["modelspec.architecture"] += f"-{cfg.model.expert.replace('_', '-')}"
@@ -89,8 +167,12 @@ def write_kohya(
     names = {part: family.kohya_names(cfg.model, part) for part in layers}
     fused = {part: family.kohya_fused(cfg.model, part) for part in layers}
     scales = {p: alphas(peft_meta[p], layers[p]) for p in layers}
+    kinds = {adapter_kind(m) for m in peft_meta.values()}
+    layers = {p: lycoris_layers(peft_meta[p], sd) for p, sd in layers.items()}
     try:
-        if family.lora_native_prefix is not None:  # Krea 2: original names, lora_A / lora_B, alpha folded in
+        if family.lora_native_prefix is not None and kinds <= {"lora", "dora"}:
+            # Krea 2: original names, lora_A / lora_B, alpha folded in (LoHa / LoKr keep kohya's names: ComfyUI maps
+            # lora_unet_ + a module's original path for every model)
             sd = kohya.to_native(layers, names, scales, family.lora_native_prefix)
         else:
             sd = kohya.to_kohya(layers, names, scales, fused, family.kohya_prefixes)
@@ -98,6 +180,10 @@ def write_kohya(
         raise CheckpointError(
             f"The kohya LoRA was not written: {e}.",
             hint="Those layers cannot be named as sd-scripts names them; the diffusers file has them all.",
+        ) from None
+    except ValueError as e:  # a fused layer the adapter cannot be written as
+        raise CheckpointError(
+            f"The kohya LoRA was not written: {e}.", hint="Change lora.targets or lora.type."
         ) from None
     with atomic_file(path) as f:
         f.write(save(sd, metadata=metadata(cfg, family, peft_meta)))
@@ -180,6 +266,10 @@ def _parse_lora(sd: dict, meta: dict, path: Path, mcfg, family, parts: list[str]
         unmapped = []
         for key, t in sd.items():
             path_, _, leaf = key[len(native) :].rpartition(".lora_")
+            if key.endswith(".dora_scale"):  # DoRA's magnitude (dora_scale [out, 1, ...]) beside the LoRA
+                path_, leaf = key[len(native) : -len(".dora_scale")], "magnitude_vector"
+                down = sd.get(f"{native}{path_}.lora_A.weight")
+                t = lycoris.from_dora_scale(t, down.dim() if down is not None else 2)
             module = back.get(path_)
             if module is None:
                 unmapped.append(key)
@@ -271,7 +361,13 @@ def load_into(
             hint="Set lora.rank to the file's rank.",
         )
     want = alphas(peft_meta, mine)
-    off = [m for m, a in want.items() if abs(file_alphas.get(m, a) - a) > 1e-6 * max(1.0, a)]
+    full = {m for m, leaves in lycoris.modules(mine).items() if lycoris.full_lokr(leaves)}
+    if full:  # both LoKr factors full: the file's w1 holds peft's scale alpha / r (lycoris_layers), its alpha is unused
+        r = ranks(peft_meta, mine)
+        layers = dict(layers)
+        for m in full:
+            layers[m + ".lokr_w1"] = layers[m + ".lokr_w1"] / (want[m] / r[m])
+    off = [m for m, a in want.items() if m not in full and abs(file_alphas.get(m, a) - a) > 1e-6 * max(1.0, a)]
     if off:
         m = off[0]
         raise ConfigError(

@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from . import lycoris
+
 #: the name prefix of each part
 PREFIXES = {
     "unet": "lora_unet",
@@ -40,7 +42,9 @@ Group = tuple[tuple[tuple[str, int], ...], bool]
 
 
 def is_kohya(keys: Iterable[str]) -> bool:
-    return any(k.endswith((_DOWN, _UP)) and k.split("_", 2)[0] == "lora" for k in keys)
+    """kohya's layout (or LyCORIS' in it): lora_<prefix>_<path>.lora_down / lora_up, or .hada_* / .lokr_* keys."""
+    lyco = tuple(k for k in lycoris.BACK if k.startswith((".hada_", ".lokr_")))
+    return any((k.endswith((_DOWN, _UP)) and k.split("_", 2)[0] == "lora") or k.endswith(lyco) for k in keys)
 
 
 def kohya_name(part: str, path: str, prefixes: Mapping[str, str] | None = None) -> str:
@@ -87,22 +91,25 @@ def to_kohya(
             made = _fuse(sd, group, alphas.get(part, {}), name)
             if made is not None:
                 out.update(made)
+        grouped: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in sd.items():
-            if key.endswith(_A):
-                module, new = key[: -len(_A)], _DOWN
-            elif key.endswith(_B):
-                module, new = key[: -len(_B)], _UP
-            else:
+            hit = lycoris.split(key)
+            if hit is None:
                 unmapped.append(f"{part}.{key}")
-                continue
+            else:
+                grouped.setdefault(hit[0], {})[hit[1]] = t
+        for module, leaves in grouped.items():
             path = names.get(part, {}).get(module)
             if path is None:
                 unmapped.append(f"{part}.{module}")
                 continue
             name = kohya_name(part, path, pre)
-            out[name + new] = t.detach().contiguous()
-            if new == _DOWN:
-                out[name + _ALPHA] = torch.tensor(float(alphas[part][module]), dtype=torch.float32)
+            ndim = leaves[_A].dim() if _A in leaves else 0
+            for leaf, t in leaves.items():
+                if leaf == lycoris.MAG:
+                    t = lycoris.to_dora_scale(t, ndim)
+                out[name + lycoris.LEAVES[leaf]] = t.detach().contiguous()
+            out[name + _ALPHA] = torch.tensor(float(alphas[part][module]), dtype=torch.float32)
     if unmapped:
         raise UnmappedKeys("LoRA layers have no module of that name in the base model's layout", sorted(unmapped))
     return out
@@ -116,23 +123,27 @@ def to_native(
 ) -> dict[str, torch.Tensor]:
     """peft-named LoRA weights -> the model's original module paths under ``prefix``, peft's ``lora_A`` /
     ``lora_B`` names, each up weight scaled by alpha / rank (no alpha entry): Krea 2's layout, which ComfyUI loads and
-    diffusers' Krea 2 converter reads (it takes neither an alpha nor lora_down / lora_up)."""
+    diffusers' Krea 2 converter reads (it takes neither an alpha nor lora_down / lora_up). DoRA's magnitude is
+    ``dora_scale`` as in the kohya layout (ComfyUI reads it by any module name)."""
     out: dict[str, torch.Tensor] = {}
     unmapped: list[str] = []
     for part, sd in layers.items():
         for key, t in sd.items():
-            if not key.endswith((_A, _B)):
+            hit = lycoris.split(key, (_A, _B, lycoris.MAG))
+            if hit is None:
                 unmapped.append(f"{part}.{key}")
                 continue
-            module = key[: -len(_A)]
+            module, leaf = hit
             path = names.get(part, {}).get(module)
             if path is None:
                 unmapped.append(f"{part}.{module}")
                 continue
-            if key.endswith(_B):
+            if leaf == _B:
                 rank = sd[module + _A].shape[0]
                 t = t * (float(alphas[part][module]) / rank)
-            out[f"{prefix}{path}{key[len(module) :]}"] = t.detach().contiguous()
+            elif leaf == lycoris.MAG:  # DoRA: ComfyUI's dora_scale beside the LoRA (the alpha folded in the same)
+                t, leaf = lycoris.to_dora_scale(t, sd[module + _A].dim()), ".dora_scale"
+            out[f"{prefix}{path}{leaf}"] = t.detach().contiguous()
     if unmapped:
         raise UnmappedKeys("LoRA layers have no module of that name in the base model's layout", sorted(unmapped))
     return out
@@ -141,23 +152,48 @@ def to_native(
 def _fuse(
     sd: dict[str, torch.Tensor], group: Group, alphas: Mapping[str, float], name: str
 ) -> dict[str, torch.Tensor] | None:
-    """The group's adapters (popped from ``sd``) as one block-diagonal kohya LoRA; None if none is adapted."""
+    """The group's adapters (popped from ``sd``) as one block-diagonal kohya layer; None if none is adapted.
+
+    LoRA: down = [A_1; A_2; ...], up = diag(B_1, B_2, ...). DoRA adds each member's magnitude rows in the same order
+    (its norm is per output row, so the fused weight's rows keep theirs): every member must be adapted, as the
+    magnitude of one that is not would be its base weight's norm. LoHa: w1_a = diag(w1_a of each), w1_b = [w1_b of
+    each] (and w2 the same), whose Hadamard product is each member's in its rows. LoKr has no such form (rows of
+    several Kronecker products are not one): a ValueError says so."""
     members, swap = group
-    present = [m for m, _ in members if m + _A in sd]
+    present = [m for m, _ in members if any(k.startswith(m + ".") for k in sd)]
     if not present:
         return None
+    kinds = {lycoris.kind(k[len(m) :] for k in sd if k.startswith(m + ".")) for m in present}
+    if kinds & {"lokr"}:
+        raise ValueError(
+            f"{name}: LoKr layers of {', '.join(present)} cannot be written as the one fused layer the kohya names "
+            "have there (rows of several Kronecker products are no Kronecker product)"
+        )
+    if len(kinds) != 1:
+        raise ValueError(f"{name}: the fused modules {', '.join(present)} have adapters of different types")
+    (kind,) = kinds
+    if kind == "loha":
+        return _fuse_loha(sd, group, present, alphas, name)
+    if kind == "dora" and len(present) != len(members):
+        missing = [m for m, _ in members if m not in present]
+        raise ValueError(
+            f"{name}: DoRA on {', '.join(present)} without {', '.join(missing)}: the kohya names have one fused "
+            "layer there, whose magnitude needs every member adapted"
+        )
     first = sd[present[0] + _A]
     rank = first.shape[0]
     if any(sd[m + _A].shape[0] != rank for m in present):
         raise ValueError(f"{name}: the fused modules {', '.join(present)} have LoRAs of different ranks")
     alpha = float(alphas[present[0]])
-    downs, ups = [], []
+    downs, ups, mags = [], [], []
     for m, width in members:
         if m in present:
             a, b = sd.pop(m + _A), sd.pop(m + _B)
             # each member keeps its own scale alpha_m / r inside the common one (alpha / r)
             downs.append(a.detach())
             ups.append(b.detach() * (float(alphas[m]) / alpha))
+            if kind == "dora":
+                mags.append(sd.pop(m + lycoris.MAG).detach().reshape(-1))
         else:
             downs.append(first.new_zeros(first.shape))
             ups.append(first.new_zeros(width, rank))
@@ -165,11 +201,48 @@ def _fuse(
     up = torch.block_diag(*ups).to(first.dtype)
     if swap:
         up = _swap(up)
-    return {
+    out = {
         name + _DOWN: down.contiguous(),
         name + _UP: up.contiguous(),
         name + _ALPHA: torch.tensor(alpha * len(members), dtype=torch.float32),
     }
+    if mags:
+        mag = torch.cat(mags)
+        out[name + ".dora_scale"] = lycoris.to_dora_scale(_swap(mag) if swap else mag, first.dim()).contiguous()
+    return out
+
+
+_HADA = (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b")
+
+
+def _fuse_loha(
+    sd: dict[str, torch.Tensor], group: Group, present: list[str], alphas: Mapping[str, float], name: str
+) -> dict[str, torch.Tensor]:
+    members, swap = group
+    first = sd[present[0] + ".hada_w1_b"]
+    rank = first.shape[0]
+    if any(sd[m + ".hada_w1_b"].shape[0] != rank or sd[m + ".hada_w2_b"].shape[0] != rank for m in present):
+        raise ValueError(f"{name}: the fused modules {', '.join(present)} have LoHa layers of different ranks")
+    alpha = float(alphas[present[0]])
+    parts: dict[str, list[torch.Tensor]] = {leaf: [] for leaf in _HADA}
+    for m, width in members:
+        if m in present:
+            w = {leaf: sd.pop(m + leaf).detach() for leaf in _HADA}
+            w[".hada_w1_a"] = w[".hada_w1_a"] * (float(alphas[m]) / alpha)  # the member's own scale in one factor
+        else:
+            w = {".hada_w1_a": first.new_zeros(width, rank), ".hada_w2_a": first.new_zeros(width, rank)}
+            w[".hada_w1_b"] = w[".hada_w2_b"] = first.new_zeros(first.shape)
+        for leaf in _HADA:
+            parts[leaf].append(w[leaf])
+    out = {}
+    for leaf in (".hada_w1_a", ".hada_w2_a"):
+        t = torch.block_diag(*parts[leaf]).to(first.dtype)
+        out[name + leaf] = (_swap(t) if swap else t).contiguous()
+    for leaf in (".hada_w1_b", ".hada_w2_b"):
+        out[name + leaf] = torch.cat(parts[leaf], dim=0).contiguous()
+    # ComfyUI divides alpha by w1_b's rows (n * r): n * alpha keeps the scale alpha / r
+    out[name + _ALPHA] = torch.tensor(alpha * len(members), dtype=torch.float32)
+    return out
 
 
 def _unfuse(
@@ -197,15 +270,76 @@ def _unfuse(
     return [(m, down.clone(), row.contiguous(), alpha) for (m, _), row in zip(members, rows, strict=True)]
 
 
+def _unfuse_any(
+    leaves: dict[str, torch.Tensor], alpha: float, group: Group
+) -> list[tuple[str, dict[str, torch.Tensor], float]]:
+    """A fused kohya layer (its kohya leaves) -> (module, peft-named leaves, alpha) per member."""
+    members, swap = group
+    widths = [w for _, w in members]
+    if ".hada_w1_a" in leaves:
+        return _unfuse_loha(leaves, alpha, group)
+    out = []
+    mags = None
+    if ".dora_scale" in leaves:
+        mag = leaves[".dora_scale"].reshape(-1)
+        mags = dict(zip([m for m, _ in members], torch.split(_swap(mag) if swap else mag, widths), strict=True))
+    ndim = leaves[_DOWN].dim()
+    for m, a, b, al in _unfuse(leaves[_DOWN], leaves[_UP], alpha, group):
+        got = {_A: a, _B: b}
+        if mags is not None:
+            got[lycoris.MAG] = lycoris.from_dora_scale(mags[m].contiguous(), ndim)
+        out.append((m, got, al))
+    return out
+
+
+def _unfuse_loha(
+    leaves: dict[str, torch.Tensor], alpha: float, group: Group
+) -> list[tuple[str, dict[str, torch.Tensor], float]]:
+    """A fused LoHa: block-diagonal ones (:func:`_fuse_loha`) split exactly; any other as a LoHa of the whole rank
+    for each member (its rows of w1_a and w2_a, all of w1_b and w2_b, the same alpha): the same rows of ΔW."""
+    members, swap = group
+    widths = [w for _, w in members]
+    n, rank = len(members), leaves[".hada_w1_b"].shape[0]
+    rows = {
+        leaf: torch.split(_swap(leaves[leaf]) if swap else leaves[leaf], widths)
+        for leaf in (".hada_w1_a", ".hada_w2_a")
+    }
+    if rank % n == 0 and leaves[".hada_w2_b"].shape[0] == rank:
+        r = rank // n
+        blocks = {leaf: [row.split(r, dim=1) for row in rows[leaf]] for leaf in rows}
+        if all(not b[i][j].any() for b in blocks.values() for i in range(n) for j in range(n) if i != j):
+            out = []
+            for i, (m, _) in enumerate(members):
+                got = {leaf: blocks[leaf][i][i].contiguous() for leaf in blocks}
+                for leaf in (".hada_w1_b", ".hada_w2_b"):
+                    got[leaf] = leaves[leaf][i * r : (i + 1) * r].contiguous()
+                if any(t.any() for t in got.values()):
+                    out.append((m, got, alpha / n))
+            return out
+    return [
+        (
+            m,
+            {
+                ".hada_w1_a": rows[".hada_w1_a"][i].contiguous(),
+                ".hada_w2_a": rows[".hada_w2_a"][i].contiguous(),
+                ".hada_w1_b": leaves[".hada_w1_b"].clone(),
+                ".hada_w2_b": leaves[".hada_w2_b"].clone(),
+            },
+            alpha,
+        )
+        for i, (m, _) in enumerate(members)
+    ]
+
+
 def from_kohya(
     sd: Mapping[str, torch.Tensor],
     names: Mapping[str, Mapping[str, str]],
     fused: Mapping[str, Mapping[str, Group]] | None = None,
     prefixes: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, float]]]:
-    """A kohya state dict -> (peft-named layers per part, alpha per part and module). Keys that name no
-    module of ``names`` (the model's) are all listed in the error; a module without its alpha gets
-    alpha = rank (sd-scripts' convention)."""
+    """A kohya state dict (LoRA, DoRA's dora_scale, LyCORIS' LoHa and LoKr) -> (peft-named layers per part, alpha
+    per part and module). Keys that name no module of ``names`` (the model's) are all listed in the error; a module
+    without its alpha gets alpha = rank (sd-scripts' convention: scale 1)."""
     lookup = {
         kohya_name(part, path, prefixes): (part, module) for part, m in names.items() for module, path in m.items()
     }
@@ -217,40 +351,46 @@ def from_kohya(
     layers: dict[str, dict[str, torch.Tensor]] = {}
     alphas: dict[str, dict[str, float]] = {}
     unmapped: list[str] = []
-    found_alpha: dict[tuple[str, str], float] = {}
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in sd.items():
-        for suffix, new in ((_DOWN, _A), (_UP, _B), (_ALPHA, None)):
-            if key.endswith(suffix):
-                base = key[: -len(suffix)]
-                if base in groups:
-                    if new == _A:
-                        part, group = groups[base]
-                        up = sd.get(base + _UP)
-                        if up is None:
-                            unmapped.append(base + _UP + " (missing)")
-                            break
-                        stored = sd.get(base + _ALPHA)
-                        alpha = float(stored.item()) if stored is not None else float(t.shape[0])
-                        for module, a, b, al in _unfuse(t, up, alpha, group):
-                            layers.setdefault(part, {})[module + _A] = a
-                            layers[part][module + _B] = b
-                            found_alpha[(part, module)] = al
-                    break
-                hit = lookup.get(base)
-                if hit is None:
-                    unmapped.append(key)
-                elif new is None:
-                    found_alpha[hit] = float(t.item())
-                else:
-                    layers.setdefault(hit[0], {})[hit[1] + new] = t
-                break
-        else:
+        hit = lycoris.split(key, (*lycoris.BACK, _ALPHA))
+        if hit is None:
             unmapped.append(key)
+        else:
+            by_name.setdefault(hit[0], {})[hit[1]] = t
+    for base, leaves in by_name.items():
+        stored = leaves.pop(_ALPHA, None)
+        if not leaves:
+            unmapped.append(base + _ALPHA)
+            continue
+        peft_named = {lycoris.BACK[leaf]: t for leaf, t in leaves.items()}
+        r = lycoris.rank(peft_named)
+        alpha = float(stored.item()) if stored is not None else float(r or 1)
+        if base in groups:
+            part, group = groups[base]
+            need = [_DOWN, _UP] if ".hada_w1_a" not in leaves else [".hada_w1_b", ".hada_w2_a", ".hada_w2_b"]
+            lacking = [base + n for n in need if n not in leaves]
+            if any(leaf.startswith(".lokr_") for leaf in leaves):  # no per-module LoKr makes these rows
+                unmapped.append(f"{base} (LoKr of a fused layer)")
+                continue
+            if lacking:
+                unmapped.extend(f"{k} (missing)" for k in lacking)
+                continue
+            for module, got, al in _unfuse_any(leaves, alpha, group):
+                layers.setdefault(part, {}).update({module + leaf: t for leaf, t in got.items()})
+                alphas.setdefault(part, {})[module] = al
+            continue
+        hit2 = lookup.get(base)
+        if hit2 is None:
+            unmapped.extend(base + leaf for leaf in leaves)
+            continue
+        part, module = hit2
+        ndim = leaves[_DOWN].dim() if _DOWN in leaves else 2
+        for leaf, t in peft_named.items():
+            if leaf == lycoris.MAG:
+                t = lycoris.from_dora_scale(t, ndim)
+            layers.setdefault(part, {})[module + leaf] = t
+        alphas.setdefault(part, {})[module] = alpha
     if unmapped:
         raise UnmappedKeys("keys of the LoRA name no module of this model", sorted(unmapped))
-    for part, sd_part in layers.items():
-        for key, t in sd_part.items():
-            if key.endswith(_A):
-                module = key[: -len(_A)]
-                alphas.setdefault(part, {})[module] = found_alpha.get((part, module), float(t.shape[0]))
     return layers, alphas

@@ -4,6 +4,8 @@ Both read the two layouts difftrain writes (diffusers/peft ``<part>.<module>.lor
 config in the header, and kohya ``lora_<prefix>_<path>.lora_down.weight`` with ``.alpha`` tensors), safetensors
 only. A layer's change to its weight is ΔW = (alpha / rank) * up @ down (a Conv2d LoRA's down is a conv of the
 layer's kernel, its up a 1x1 conv: the same product with the kernel flattened into the input dimension).
+merge also bakes DoRA (``lora_magnitude_vector`` / ``dora_scale``) and LyCORIS' LoHa and LoKr (lycoris.py: the
+weights ComfyUI computes from them); resize takes plain LoRAs only and says why for the others.
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ import torch
 from ..config.schema import ModelConfig
 from ..errors import CheckpointError, ModelLoadError, UnsafeCheckpoint, UsageError
 from ..utils import atomic_file, read_safetensors_header, stored_float_dtype, to_dtype
-from . import kohya
+from . import kohya, lycoris
 
 if TYPE_CHECKING:
     from ..families.base import ModelFamily
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _SUFFIXES = {"diffusers": (_A, _B), "kohya": (".lora_down.weight", ".lora_up.weight", ".alpha")}
+_HADA = (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b")
+#: what each layout may hold besides: DoRA's magnitude, LyCORIS' LoHa and LoKr tensors (lycoris.py)
+_MORE = {
+    "diffusers": (lycoris.MAG,),
+    "kohya": tuple(k for k in lycoris.BACK if k not in _SUFFIXES["kohya"]),
+}
 #: the denoiser part name -> the families that have it, to name the family a stray LoRA was made for
 _DENOISER_OF = {"unet": "SDXL", "transformer": "SD3 (or another MMDiT/DiT)"}
 #: header fields that hash the old tensors: wrong once they change
@@ -63,7 +71,7 @@ def _read(path: Path, label: str) -> tuple[dict[str, torch.Tensor], dict[str, st
 def _layout(sd: dict[str, torch.Tensor], path: Path) -> str:
     """ "kohya" or "diffusers"; every key must be one of that layout's LoRA tensors (else all are named)."""
     layout = "kohya" if kohya.is_kohya(sd) else "diffusers"
-    other = sorted(k for k in sd if not k.endswith(_SUFFIXES[layout]))
+    other = sorted(k for k in sd if not k.endswith(_SUFFIXES[layout] + _MORE[layout]))
     if other or not sd:
         shown = ", ".join(other[:5]) + (f" (and {len(other) - 5} more)" if len(other) > 5 else "")
         raise CheckpointError(
@@ -71,8 +79,9 @@ def _layout(sd: dict[str, torch.Tensor], path: Path) -> str:
             + (
                 f"{len(other)} keys are not {layout}-layout LoRA weights: {shown}." if other else "it holds no tensors."
             ),
-            hint="difftrain reads LoRA (lora_A/lora_B or lora_down/lora_up + alpha); LoHa/LoKr/DoRA files are other "
-            "layouts: use the tool that made them.",
+            hint="difftrain reads LoRA and DoRA (lora_A/lora_B or lora_down/lora_up + alpha, dora_scale) and "
+            "LyCORIS' LoHa / LoKr (hada_*, lokr_*); other adapters (LoCon's Tucker mid weights, OFT, GLoRA): use the "
+            "tool that made them.",
         )
     return layout
 
@@ -186,30 +195,48 @@ def _lora_parts(sd: dict[str, torch.Tensor], layout: str, prefixes=None) -> set[
 def _check_fit(fam, mcfg: ModelConfig, layers: dict[str, dict[str, torch.Tensor]], lora: Path) -> None:
     """Every layer names a Linear/Conv2d of the base model and its ΔW has that layer's weight shape (checked on
     meta-device copies of the parts, before a weight is read); all that do not are named."""
-    unmapped, wrong = [], []
+    unmapped: list[str] = []
+    wrong: list[str] = []
     for part, sd in layers.items():
         with torch.device("meta"):
             modules = dict(fam.empty_part(mcfg, part).named_modules())
-        for key in sd:
-            module = key[: -len(_A)] if key.endswith(_A) else key[: -len(_B)]
+        stray = [k for k in sd if lycoris.split(k) is None]
+        unmapped.extend(f"{part}.{k}" for k in stray)
+        for module, leaves in lycoris.modules(sd).items():
             m = modules.get(module)
             if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
-                unmapped.append(f"{part}.{key}")
+                unmapped.extend(f"{part}.{module}{leaf}" for leaf in leaves)
                 continue
-            if not key.endswith(_A):
+            kind = lycoris.kind(leaves)
+            need = {"lora": (_A, _B), "dora": (_A, _B, lycoris.MAG), "loha": _HADA}.get(kind, ())
+            lacking = [leaf for leaf in need if leaf not in leaves]
+            if kind == "lokr" and not (
+                (".lokr_w1" in leaves or {".lokr_w1_a", ".lokr_w1_b"} <= set(leaves))
+                and (".lokr_w2" in leaves or {".lokr_w2_a", ".lokr_w2_b"} <= set(leaves))
+            ):
+                lacking = ["a lokr_w1 or lokr_w2 factor"]
+            if lacking:
+                wrong.append(f"{part}.{module}: no {', '.join(x.strip('.') for x in lacking)}")
                 continue
-            down, up = sd[key], sd.get(module + _B)
-            if up is None:
-                wrong.append(f"{part}.{module}: no lora_B/lora_up")
-            elif up.shape[1] != down.shape[0] or up.dim() != down.dim() or any(s != 1 for s in up.shape[2:]):
+            if kind in ("lora", "dora"):
+                down, up = leaves[_A], leaves[_B]
+                if up.shape[1] != down.shape[0] or up.dim() != down.dim() or any(s != 1 for s in up.shape[2:]):
+                    wrong.append(
+                        f"{part}.{module}: down {tuple(down.shape)} and up {tuple(up.shape)} are not one LoRA "
+                        "(rank or kernel differ)"
+                    )
+                    continue
+            try:
+                out, size = lycoris.out_and_size(leaves)
+            except (RuntimeError, IndexError, KeyError) as e:
+                wrong.append(f"{part}.{module}: its {kind} tensors are not one adapter ({e})")
+                continue
+            if out != m.weight.shape[0] or size != m.weight.numel():
                 wrong.append(
-                    f"{part}.{module}: down {tuple(down.shape)} and up {tuple(up.shape)} are not one LoRA "
-                    "(rank or kernel differ)"
+                    f"{part}.{module}: ΔW of {out} rows and {size} elements, the model's weight {tuple(m.weight.shape)}"
                 )
-            elif (up.shape[0], *down.shape[1:]) != tuple(m.weight.shape):
-                wrong.append(
-                    f"{part}.{module}: ΔW {(up.shape[0], *down.shape[1:])}, the model's weight {tuple(m.weight.shape)}"
-                )
+            elif kind == "dora" and leaves[lycoris.MAG].numel() != out:
+                wrong.append(f"{part}.{module}: DoRA magnitude of {leaves[lycoris.MAG].numel()} rows, ΔW has {out}")
     if unmapped:
         more = f" (and {len(unmapped) - 8} more)" if len(unmapped) > 8 else ""
         raise CheckpointError(
@@ -276,10 +303,13 @@ def merge(
     sds = {p: comps[p].state_dict() for p in parts}
     counts = {}
     for part, sd_part in layers.items():
-        for module, alpha in alphas[part].items():
+        adapted = lycoris.modules(sd_part)
+        for module, leaves in adapted.items():
             key = module + ".weight"
-            sds[part][key] = sds[part][key].float() + scale * delta(sd_part[module + _A], sd_part[module + _B], alpha)
-        counts[part] = len(alphas[part])
+            w = sds[part][key]
+            # LoRA, DoRA, LoHa, LoKr: W + scale * (W' - W), ComfyUI's strength (and sd-scripts' merge ratio)
+            sds[part][key] = w.float() + scale * lycoris.delta(leaves, alphas[part].get(module), w)
+        counts[part] = len(adapted)
     fam.save_single_file(sds, fam.module_configs(comps), out, dtype=out_dtype)
     return MergeResult(out, fam.name, layout, out_dtype, counts)
 
@@ -385,6 +415,7 @@ def resize(lora: Path, out: Path, rank: int | None = None, energy: float | None 
         )
     sd, meta = _read(lora, "The LoRA")
     layout = _layout(sd, lora)
+    _refuse_other_adapters(sd, lora)
     pairs = _pairs(sd, meta, layout)
     missing = sorted(up for _, up, _ in pairs.values() if up not in sd)
     if missing or not pairs:
@@ -432,6 +463,31 @@ def resize(lora: Path, out: Path, rank: int | None = None, energy: float | None 
     with atomic_file(out) as f:
         f.write(save(new, metadata=_resized_metadata(meta, layout, ranks, new_alphas, old_max, rank, energy)))
     return result
+
+
+#: why each adapter other than a plain LoRA has no exact smaller rank
+_NO_RESIZE = {
+    "loha": "a LoHa's ΔW is the Hadamard product of two rank-r products, whose rank is up to r², and no pair of "
+    "smaller factors is its best approximation (an SVD cuts a product, not a Hadamard product of two)",
+    "lokr": "a LoKr's ΔW is a Kronecker product, whose factors are not low-rank products an SVD could cut (its rank is "
+    "the product of theirs)",
+    "dora": "a DoRA's magnitude divides by the norm of each row of W + ΔW: cutting ΔW's rank changes every norm, so the "
+    "file would no longer make its trained weights, and the cut cannot be measured without the base model",
+}
+
+
+def _refuse_other_adapters(sd: dict[str, torch.Tensor], lora: Path) -> None:
+    """lora resize cuts a LoRA's up @ down by SVD: any other adapter is refused with the reason."""
+    kinds = {lycoris.kind([k]) for k in sd}
+    other = [k for k in ("dora", "loha", "lokr") if k in kinds]
+    if other:
+        k = other[0]
+        raise UsageError(
+            f"lora resize: {lora.name} is a {k.upper() if k != 'dora' else 'DoRA'} file, which has no exact smaller "
+            f"rank: {_NO_RESIZE[k]}.",
+            hint="Resize plain LoRA files only; for a smaller file, train again with a lower lora.rank (or lora merge "
+            "it into the base model).",
+        )
 
 
 def _resized_metadata(

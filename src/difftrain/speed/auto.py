@@ -333,6 +333,8 @@ def lora_kernel_auto(cfg: Config, device: torch.device) -> str:
     why is not known: on the CPU the checkpointed blocks save the same tensors either way)."""
     if cfg.speed.lora_kernel != "auto":
         return cfg.speed.lora_kernel
+    if not cfg.lora.plain:  # DoRA, LoHa and LoKr have no fused kernel: peft's own layers
+        return "peft"
     return "fused" if device.type == "cuda" and cfg.memory.activations.kind == "none" else "peft"
 
 

@@ -139,6 +139,8 @@ def warm_key(cfg) -> str:
         "torch": torch.__version__,
         "method": cfg.train.method,
         "lora": [cfg.lora.rank, list(cfg.lora.targets or [])] if cfg.train.method == "lora" else None,
+        # another adapter computes another graph (a plain LoRA's key stays as it was)
+        **({"adapter": cfg.lora.model_dump(mode="json", exclude={"init_weights"})} if not cfg.lora.plain else {}),
         "weights": m.weights.kind,
         "activations": m.activations.kind,
         "mode": sp.compile_mode,

@@ -1,5 +1,6 @@
-"""What training leaves behind: the LoRA file (diffusers layout, and kohya's where the family has it) and full
-fine-tunes in ``save.formats``, from the trained weights or their EMA.
+"""What training leaves behind: the LoRA file (diffusers layout, and kohya's where the family has it; LoHa and LoKr
+in the kohya/LyCORIS layout alone, as diffusers loads neither) and full fine-tunes in ``save.formats``, from the
+trained weights or their EMA.
 
 On several processes the first one writes; the others take part in what is collective (ZeRO-3 gathers the
 partitioned weights on every process) and write nothing.
@@ -56,8 +57,15 @@ class Exporter:
             return {k: {n: t.clone() for n, t in v.items()} for k, v in self.layers().items()}
 
     def save_lora(self, folder: Path, use_ema: bool = False, layers: dict | None = None) -> None:
-        """The family's diffusers LoRA file in ``folder`` (a checkpoint's copy of the LoRA)."""
+        """The family's diffusers LoRA file in ``folder`` (a checkpoint's copy of the LoRA); LoHa and LoKr, which
+        diffusers does not load, as the kohya/LyCORIS file."""
         chosen = layers if layers is not None and not use_ema else self.lora_layers(use_ema)
+        if self.cfg.lora.type != "lora":
+            from ..lora import files as lora_files
+
+            path = folder / lora_files.kohya_file(self.cfg)
+            lora_files.write_kohya(path, self.cfg, self.family, chosen, self.metadata())
+            return
         self.family.save_lora(folder, chosen, self.metadata())
 
     @contextmanager

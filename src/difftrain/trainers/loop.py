@@ -149,6 +149,7 @@ class Trainer:
         from ..lora import files as lora_files
 
         lora_files.formats(self.cfg, self.family)  # a layout the family lacks is refused before anything loads
+        lora_files.check_kohya_names(self.cfg, self.family, trained)  # and an adapter the layout cannot name
         if self.cfg.lora.init_weights is None:
             return None
         return lora_files.read_lora(Path(self.cfg.lora.init_weights), self.cfg, self.family, trained)

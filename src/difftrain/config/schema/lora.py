@@ -1,11 +1,28 @@
-"""``lora``: the adapter a LoRA run trains."""
+"""``lora``: the adapter a LoRA run trains.
+
+``type`` picks the adapter as sd-scripts' LyCORIS network does with ``--network_args algo=...``: ``lora`` (sd-scripts'
+``networks.lora``, or LyCORIS' ``algo=lora`` / ``locon``), ``loha`` (``algo=loha``: LoHa, the Hadamard product of two
+low-rank products) or ``lokr`` (``algo=lokr``: LoKr, a Kronecker product). ``use_dora`` is DoRA (LyCORIS'
+``dora_wd=True``; sd-scripts-derived trainers' ``use_dora``) on the LoRA. What each sd-scripts / LyCORIS argument is here:
+
+    --network_module networks.lora | lycoris.kohya       -> (nothing; the adapter is lora.type)
+    --network_args algo=lora | locon | loha | lokr        -> lora.type: lora | lora | loha | lokr
+    --network_args dora_wd=True (or use_dora=True)        -> lora.use_dora: true (lora.type lora only)
+    --network_args factor=N                               -> lora.factor: N (lokr)
+    --network_args decompose_both=True                    -> lora.decompose_both: true (lokr)
+    --network_args full_matrix=True                       -> lora.full_matrix: true (lokr)
+    --network_dim / --network_alpha                       -> lora.rank / lora.alpha
+
+All of it is peft's (LoHaConfig, LoKrConfig, LoraConfig(use_dora=True)); lycoris-lora itself is not on the package
+index difftrain installs from, and peft computes the same weights (the files are written in LyCORIS' names).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Strict
 
@@ -21,3 +38,53 @@ class LoraConfig(Strict):
         description="a LoRA file (diffusers or kohya layout) to continue training "
         "from; its rank, alpha and layers must match this config",
     )
+    type: Literal["lora", "loha", "lokr"] = Field(
+        default="lora",
+        description="the adapter (sd-scripts / LyCORIS network_args algo=): lora, loha (LyCORIS LoHa) or lokr "
+        "(LyCORIS LoKr); loha and lokr are written in the kohya/LyCORIS layout only (diffusers does not load them)",
+    )
+    use_dora: bool = Field(
+        default=False,
+        description="DoRA (LyCORIS dora_wd=True): a learned magnitude per output row on top of the LoRA; "
+        "lora.type lora only",
+    )
+    factor: int = Field(
+        default=-1,
+        description="lokr: the Kronecker factor (LyCORIS factor=); -1: the two factors as near the square root as "
+        "the layer's sizes allow",
+    )
+    decompose_both: bool = Field(
+        default=False, description="lokr: the first Kronecker factor low-rank as well (LyCORIS decompose_both=True)"
+    )
+    full_matrix: bool = Field(
+        default=False,
+        description="lokr: both Kronecker factors full matrices, lora.rank unused (LyCORIS full_matrix=True)",
+    )
+
+    @model_validator(mode="after")
+    def _adapter(self):
+        if self.use_dora and self.type != "lora":
+            raise ValueError(
+                f"lora.use_dora with lora.type {self.type}: peft's LoHa and LoKr have no weight decomposition "
+                "(LyCORIS' dora_wd on loha/lokr); use lora.type: lora with use_dora, or drop use_dora"
+            )
+        lokr_only = [k for k in ("decompose_both", "full_matrix") if getattr(self, k)]
+        if self.factor != -1:
+            lokr_only.insert(0, "factor")
+        if lokr_only and self.type != "lokr":
+            raise ValueError(f"lora.{', lora.'.join(lokr_only)} only apply to lora.type: lokr (this is {self.type})")
+        if self.factor == 0 or self.factor < -1:
+            raise ValueError(f"lora.factor {self.factor}: a Kronecker factor is a positive size, or -1 (automatic)")
+        if self.full_matrix and self.decompose_both:
+            raise ValueError("lora.full_matrix and lora.decompose_both contradict each other: keep one")
+        if self.dropout and self.type != "lora":
+            raise ValueError(
+                f"lora.dropout with lora.type {self.type}: peft's LoHa and LoKr have no input dropout "
+                "(sd-scripts' network_dropout); set lora.dropout: 0"
+            )
+        return self
+
+    @property
+    def plain(self) -> bool:
+        """A plain LoRA (lora_A / lora_B only): what diffusers, the fused kernel and lora resize take as they are."""
+        return self.type == "lora" and not self.use_dora
