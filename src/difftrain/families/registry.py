@@ -49,6 +49,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("krea2", "krea2", "Krea2", "krea2"),
     Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image"),
     Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit"),
+    Registered("flux2", "flux2", "Flux2", "flux2-klein-4b"),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name

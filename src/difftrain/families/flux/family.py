@@ -55,11 +55,11 @@ SINGLE_PROJ_OUT = tuple(f"single_transformer_blocks.{i}.proj_out" for i in range
 
 
 def known_configs() -> list[str]:
-    return common.config_names("flux")
+    return common.config_names("flux-")  # FLUX.1's (flux2-* are FLUX.2's, another family)
 
 
 def bundled_config_dir(name: str | None) -> Path:
-    return common.bundled_dir(name or DEFAULT_CONFIG, "Flux", known_configs, prefix="flux")
+    return common.bundled_dir(name or DEFAULT_CONFIG, "Flux", known_configs, prefix="flux-")
 
 
 def _new_module(part: str, cfg: dict):
@@ -412,10 +412,11 @@ class Flux(ModelFamily):
         return module
 
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
-        return class_name.startswith("Flux")
+        return class_name.startswith("Flux") and not class_name.startswith("Flux2")  # FLUX.2 is its own family
 
     def recognises_single_file(self, keys: Sequence[str]) -> bool:
-        return single_file.is_flux_file(keys)
+        """A FLUX.1 transformer: BFL's block names with each double block's own modulation (FLUX.2 shares one)."""
+        return single_file.is_flux_file(keys) and any(k.endswith("double_blocks.0.img_mod.lin.weight") for k in keys)
 
     def single_file_architecture(self, keys: Sequence[str]) -> str | None:
         return single_file.guess_architecture(keys)

@@ -1,0 +1,238 @@
+"""FLUX.2 on tiny seeded models of the real layouts (klein-like with Qwen3, [dev]-like with Mistral 3 and guidance):
+the bundled real architectures' sizes, the latents, the text and the transformer's inputs exactly as Flux2Pipeline /
+Flux2KleinPipeline build them, BFL's file layout both ways (against diffusers' own converter), loading the files
+ComfyUI users have, FLUX.1 and FLUX.2 told apart, and a distilled klein warned about."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from difftrain.config.load import resolve
+from difftrain.config.schema import ModelConfig
+from difftrain.errors import ModelLoadError
+from difftrain.families.flux2 import Flux2
+from difftrain.families.flux2 import single_file as sf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return Flux2().build_tiny(tmp_path_factory.mktemp("flux2") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dev(tmp_path_factory):
+    return Flux2().build_tiny(tmp_path_factory.mktemp("flux2dev") / "m", seed=1, config="flux2-tiny-dev")
+
+
+def _opts(tiny):
+    return resolve(recipe="tiny-flux2-lora", sets=[f"model.path={tiny}", "data.dir=."]).config.text_encoders
+
+
+def test_the_bundled_architectures_have_the_released_models_sizes():
+    """klein 4B (3.88B transformer, Qwen3-4B), klein 9B (9.08B, Qwen3-8B without its head), [dev] (32.2B,
+    Mistral-Small-3's 24.0B with its vision tower and head) and the 32-channel VAE, built on the meta device."""
+    fam = Flux2()
+    counts = {}
+    for arch in ("flux2-klein-4b", "flux2-klein-9b", "flux2-dev"):
+        mcfg = ModelConfig(config=arch)
+        with torch.device("meta"):
+            counts[arch] = {
+                p: sum(x.numel() for x in fam.empty_part(mcfg, p).parameters())
+                for p in ("transformer", "text_encoder", "vae")
+            }
+    assert counts == {
+        "flux2-klein-4b": {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096, "vae": 84_046_115},
+        "flux2-klein-9b": {"transformer": 9_078_581_248, "text_encoder": 7_568_405_504, "vae": 84_046_115},
+        "flux2-dev": {"transformer": 32_223_281_152, "text_encoder": 24_011_361_280, "vae": 84_046_115},
+    }
+    assert [fam.is_dev(ModelConfig(config=a)) for a in ("flux2-klein-4b", "flux2-dev")] == [False, True]
+
+
+def test_latents_are_the_pipelines_normalised_patches(tiny):
+    """The cached 32-channel latent, cut into 2x2 patches, is what the pipeline's _encode_vae_image gives (the
+    posterior mean normalised by the VAE's batch-norm statistics, which the tiny model has drawn)."""
+    from diffusers import Flux2KleinPipeline
+
+    fam = Flux2()
+    vae = fam.load(ModelConfig(path=tiny), ["vae"])["vae"]
+    assert not torch.allclose(vae.bn.running_var, torch.ones_like(vae.bn.running_var))
+    pixels = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    got = fam.encode_images({"vae": vae}, pixels)
+    assert got.shape == (2, 4, 8, 12)
+    pipe = Flux2KleinPipeline.from_pretrained(tiny)
+    with torch.no_grad():
+        want = pipe._encode_vae_image(pixels, generator=None)
+    torch.testing.assert_close(pipe._patchify_latents(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_captions_are_encoded_as_the_pipeline_encodes_them(tiny, tiny_dev, variant):
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+    path = tiny if variant == "klein" else tiny_dev
+    fam = Flux2()
+    comps = fam.load(ModelConfig(path=path), ["text_encoder"])
+    captions = ["a fox in the snow", "a much longer caption: a cat on a red sofa, evening light"]
+    got = fam.encode_prompts(comps, captions, "llm", _opts(path))["prompt_embeds"]
+    pipe = (Flux2KleinPipeline if variant == "klein" else Flux2Pipeline).from_pretrained(path)
+    with torch.no_grad():
+        want, _ = pipe.encode_prompt(captions, device=torch.device("cpu"))
+    assert got.shape == (2, 512, 96) == want.shape  # every caption 512 rows, three layers of 32 stacked
+    torch.testing.assert_close(got, want.float())
+    assert not torch.allclose(got[0], got[1])
+    assert fam.text_stage_tag("llm", _opts(path)).startswith("llm:fp32:512")
+
+
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_the_transformer_gets_the_pipelines_inputs(tiny, tiny_dev, variant):
+    """``denoise`` on [B, 4, h, w] latents is the pipeline's call on its packed patches with its position ids (and
+    [dev]'s guidance), unpacked by the pipeline's own scatter and unpatched."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+
+    path = tiny if variant == "klein" else tiny_dev
+    fam = Flux2()
+    fam.guidance_scale = 2.5
+    tr = fam.load(ModelConfig(path=path), ["transformer"])["transformer"]
+    assert tr.config.guidance_embeds == (variant == "dev")
+    pipe_cls = Flux2KleinPipeline if variant == "klein" else Flux2Pipeline
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, 4, 8, 12, generator=g)
+    text = torch.randn(2, 11, 96, generator=g)
+    t = torch.tensor([250.0, 900.0])
+    with torch.no_grad():
+        got = fam.denoise(tr, noisy, t, {"prompt_embeds": text})
+        x = pipe_cls._patchify_latents(noisy)
+        ids = pipe_cls._prepare_latent_ids(x)
+        out = tr(
+            hidden_states=pipe_cls._pack_latents(x),
+            timestep=t / 1000,
+            guidance=torch.full([2], 2.5) if variant == "dev" else None,
+            encoder_hidden_states=text,
+            txt_ids=pipe_cls._prepare_text_ids(text),
+            img_ids=ids,
+            return_dict=False,
+        )[0]
+        want = pipe_cls._unpatchify_latents(Flux2KleinPipeline._unpack_latents_with_ids(out, ids, 4, 6))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bfl_s_layout_is_diffusers_converters_both_ways(tiny_dev):
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    from difftrain.families.common import LazyTensors
+
+    tr = Flux2().load(ModelConfig(path=tiny_dev), ["transformer"])["transformer"]
+    sd = tr.state_dict()
+    original = dict(LazyTensors(sf.to_single_file(sd)).items())
+    assert "double_blocks.0.img_attn.qkv.weight" in original and "single_blocks.1.linear2.weight" in original
+    assert "double_blocks.1.txt_attn.norm.key_norm.scale" in original and "guidance_in.in_layer.weight" in original
+    assert not torch.equal(original["final_layer.adaLN_modulation.1.weight"], sd["norm_out.linear.weight"])
+    back = convert_flux2_transformer_checkpoint_to_diffusers(dict(original))
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    ours = dict(sf.transformer_tensors(list(original), original.__getitem__))
+    assert set(ours) == set(sd) and all(torch.equal(ours[k], sd[k]) for k in sd)
+    assert sf.module_to_original("transformer_blocks.0.attn.to_out.0") == "double_blocks.0.img_attn.proj"
+    assert sf.module_to_original("single_transformer_blocks.1.attn.to_out") == "single_blocks.1.linear2"
+    assert sf.module_to_original("transformer_blocks.0.attn.add_k_proj") is None  # a member of txt_attn.qkv
+    kohya_names = Flux2().kohya_names(ModelConfig(path=tiny_dev), "transformer")
+    assert kohya_names["transformer_blocks.1.ff_context.linear_out"] == "double_blocks.1.txt_mlp.2"
+    fused = Flux2().kohya_fused(ModelConfig(path=tiny_dev), "transformer")
+    assert fused["double_blocks.0.txt_attn.qkv"] == (
+        tuple((f"transformer_blocks.0.attn.add_{x}_proj", 32) for x in "qkv"),
+        False,
+    )
+
+
+def test_comfyui_files_load_the_transformer_vae_and_qwen3(tiny, tmp_path):
+    """The transformer in BFL's names under ComfyUI's prefix, the VAE in BFL's names (flux2-vae.safetensors: the
+    LDM names, its quant convs inside the encoder and decoder, the batch norm) and in diffusers', Qwen3 as
+    transformers names it with the head (qwen_3_4b.safetensors); the architecture told by the file's blocks."""
+    from safetensors.torch import save_file
+
+    from difftrain.families.common import LazyTensors
+    from difftrain.families.ldm_vae import VAE_PREFIX, vae_to_original
+
+    fam = Flux2()
+    ref = fam.load(ModelConfig(path=tiny), ["transformer", "vae", "text_encoder"], tokenizers=False)
+    original = dict(LazyTensors(sf.to_single_file(ref["transformer"].state_dict())).items())
+    save_file({f"{sf.PREFIX}{k}": v.contiguous() for k, v in original.items()}, tmp_path / "flux2.safetensors")
+    vae_sd = ref["vae"].state_dict()
+    ldm = vae_to_original({k: v for k, v in vae_sd.items() if not k.startswith("bn.")}, dict(ref["vae"].config))
+    ldm = {k.removeprefix(VAE_PREFIX): v for k, v in ldm.items()}
+    moved = {"quant_conv.": "encoder.quant_conv.", "post_quant_conv.": "decoder.post_quant_conv."}
+    bfl = {next((b + k[len(a) :] for a, b in moved.items() if k.startswith(a)), k): v for k, v in ldm.items()}
+    bfl.update({k: v for k, v in vae_sd.items() if k.startswith("bn.")})
+    assert "encoder.quant_conv.weight" in bfl and "encoder.down.0.block.0.conv1.weight" in bfl
+    save_file({k: v.contiguous() for k, v in bfl.items()}, tmp_path / "flux2-vae.safetensors")
+    save_file({k: v.contiguous() for k, v in vae_sd.items()}, tmp_path / "vae.safetensors")
+    qwen = {f"model.{k}": v.contiguous() for k, v in ref["text_encoder"].state_dict().items()}
+    save_file({**qwen, "lm_head.weight": torch.zeros(300, 32)}, tmp_path / "qwen_3_4b.safetensors")
+    mcfg = ModelConfig(path=tmp_path / "flux2.safetensors", config="flux2-tiny", ae=tmp_path / "flux2-vae.safetensors",
+                       text_encoder=tmp_path / "qwen_3_4b.safetensors", tokenizer_path=tiny / "tokenizer")  # fmt: skip
+    got = fam.load(mcfg, ["transformer", "vae", "text_encoder"])
+    for part in ("transformer", "vae", "text_encoder"):
+        want, have = ref[part].state_dict(), got[part].state_dict()
+        assert set(have) == set(want) and all(torch.equal(have[k], want[k]) for k in want), part
+    plain = fam.load(ModelConfig(path=tiny, ae=tmp_path / "vae.safetensors"), ["vae"])["vae"].state_dict()
+    assert all(torch.equal(plain[k], v) for k, v in vae_sd.items())
+    assert fam.recognises_single_file(list(original)) and fam.parts_in_single_file(list(original)) == ["transformer"]
+    with pytest.raises(ModelLoadError, match=r"does not look like a FLUX\.2 transformer"):
+        fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="flux2-tiny"), ["transformer"])
+
+
+def test_a_files_blocks_and_a_folders_config_name_the_architecture(tiny_dev):
+    fam = Flux2()
+    keys = [f"double_blocks.{i}.img_attn.qkv.weight" for i in range(8)]
+    keys += [f"single_blocks.{i}.linear1.weight" for i in range(24)] + [sf.MARKER]
+    assert fam.single_file_architecture(keys) == "flux2-klein-9b"
+    keys += [f"single_blocks.{i}.linear1.weight" for i in range(24, 48)]
+    assert fam.single_file_architecture(keys) == "flux2-dev"
+    assert fam.single_file_architecture(["double_blocks.0.img_mod.lin.weight"]) is None  # FLUX.1's
+    assert fam.architecture(ModelConfig(path=tiny_dev)) == "flux2-klein-4b"  # no real one matches: the default
+    assert fam.is_dev(ModelConfig(path=tiny_dev))
+
+
+def test_flux1_and_flux2_are_told_apart(tiny):
+    """FLUX.1's family claims neither a FLUX.2 folder nor a FLUX.2 file (both are BFL's double/single block names),
+    nor lists FLUX.2's bundled configs; FLUX.2's claims no FLUX.1 file."""
+    from difftrain.families.registry import get_family
+
+    flux1, flux2 = get_family("flux"), Flux2()
+    assert not flux1.recognises_folder(tiny, "Flux2KleinPipeline") and flux2.recognises_folder(tiny, "Flux2Pipeline")
+    assert flux1.recognises_folder(tiny, "FluxPipeline") and not flux2.recognises_folder(tiny, "FluxPipeline")
+    two = ["double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight", sf.MARKER]
+    one = [
+        "double_blocks.0.img_mod.lin.weight",
+        "double_blocks.0.img_attn.qkv.weight",
+        "single_blocks.0.linear1.weight",
+    ]
+    assert flux2.recognises_single_file(two) and not flux1.recognises_single_file(two)
+    assert flux1.recognises_single_file(one) and not flux2.recognises_single_file(one)
+    with pytest.raises(ModelLoadError, match="No bundled Flux config"):
+        flux1.empty_part(ModelConfig(config="flux2-klein-4b"), "transformer")
+
+
+def test_a_distilled_klein_is_warned_about_naming_the_base_model(tiny, tmp_path, capsys):
+    from difftrain.families import llm_image
+
+    distilled = tmp_path / "distilled"
+    shutil.copytree(tiny, distilled)
+    index = json.loads((distilled / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    llm_image._WARNED.clear()
+    Flux2().load(ModelConfig(path=distilled), ["transformer"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "step-distilled" in err and "FLUX.2-klein-base-4B" in err
+    llm_image._WARNED.clear()
+    Flux2().load(ModelConfig(path=tiny), ["transformer"])
+    assert "distilled" not in capsys.readouterr().err
+    fam = Flux2()
+    for name in ("flux-2-klein-4b.safetensors", "flux-2-klein-base-4b.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert fam.distilled(ModelConfig(path=tmp_path / "flux-2-klein-4b.safetensors", config="flux2-klein-4b"))
+    assert not fam.distilled(ModelConfig(path=tmp_path / "flux-2-klein-base-4b.safetensors", config="flux2-klein-4b"))
+    llm_image._WARNED.clear()
