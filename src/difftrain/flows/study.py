@@ -471,6 +471,27 @@ def study_id(study: Any) -> int:
 def claim(study: Any) -> Any | None:
     """Move one WAITING trial of the study to RUNNING, for this process only (the storage refuses a second
     process the same trial); its values drawn by the study's sampler where it has none. None when none waits."""
+    with _sqlite_claim_lock(study._storage):
+        return _claim(study)
+
+
+@contextmanager
+def _sqlite_claim_lock(storage: Any) -> Iterator[None]:
+    """SQLite has no SELECT ... FOR UPDATE: two processes may both read a trial as WAITING and both set it RUNNING
+    (Optuna's own ask does the same there), so an SQLite study's claims take a lock file beside the database in
+    turn. PostgreSQL and MySQL lock the row; the journal orders the claims in its log."""
+    backend = getattr(storage, "_backend", storage)  # a study's RDB storage is wrapped in Optuna's cache
+    url = getattr(getattr(backend, "engine", None), "url", None)
+    if url is None or url.get_backend_name() != "sqlite" or not url.database:
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(f"{url.database}.claim.lock", timeout=600):
+        yield
+
+
+def _claim(study: Any) -> Any | None:
     optuna = optuna_quiet()
     from optuna.trial import TrialState
 
