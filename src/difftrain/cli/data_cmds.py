@@ -127,6 +127,22 @@ def _say_unused(unused: list) -> None:
     )
 
 
+def _print_masks(r, plan: bool = False) -> None:
+    """Masked loss: where the items' masks come from, and (in a plan) each item without one."""
+    if not r.masks:
+        return
+    learned = " (learned everywhere)" if r.masks.get("none") else ""
+    encoded = "" if plan else f"; {r.masks_encoded} fitted, the rest reused"
+    info("masks: " + ", ".join(f"{kind} {n}" for kind, n in sorted(r.masks.items())) + learned + encoded)
+    if plan:
+        for path, why in r.unmasked:
+            info(f"no mask for {path}: {why}")
+    if r.colour_masks:
+        info(
+            f"{len(r.colour_masks)} mask(s) in colour, their red channel read (as sd-scripts), e.g. {r.colour_masks[0]}"
+        )
+
+
 def precompute(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
@@ -161,6 +177,7 @@ def precompute(
         for b, n in sorted(r.buckets.items(), key=lambda kv: -kv[1]):
             table.add_row(b, str(n), f"{n / max(1, r.items):.1%}")
         console.print(table)
+        _print_masks(r, plan=True)
         for path, why in r.skipped:
             info(f"dropped {path}: {why}")
         return
@@ -186,6 +203,7 @@ def precompute(
         f"captions: {r.texts_encoded} encoded, {r.texts_reused} reused; "
         f"{len(r.skipped)} skipped -> {r.cache_dir}"
     )
+    _print_masks(r)
     if r.converted:
         info("converted to RGB: " + ", ".join(f"{n} {mode}" for mode, n in sorted(r.converted.items())))
     if set(r.captions) - {"caption"}:

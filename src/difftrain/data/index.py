@@ -32,6 +32,7 @@ class IndexItem:
     frames: int | None = None  # video families: the frame bucket
     text_variants: tuple[TextKeys, ...] = ()  # caption augmentation: keys of each cached variant
     prior: bool = False  # a DreamBooth class image
+    mask: str | None = None  # masked loss: cache key of its mask at latent resolution (none: learned everywhere)
 
     @property
     def bucket_key(self) -> tuple[int, int, int]:
@@ -52,6 +53,7 @@ class IndexItem:
             frames=d.get("frames"),
             text_variants=tuple(dict(t) for t in d.get("text_variants", ())),
             prior=bool(d.get("prior", False)),
+            mask=d.get("mask"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -72,11 +74,13 @@ class IndexItem:
             out["text_variants"] = [dict(t) for t in self.text_variants]
         if self.prior:
             out["prior"] = True
+        if self.mask is not None:
+            out["mask"] = self.mask
         return out
 
     def entry_keys(self) -> set[str]:
         """Every cache entry this item uses: its latent, and its captions' embeddings (variants included)."""
-        keys = {self.latent}
+        keys = {self.latent} | ({self.mask} if self.mask else set())
         for texts in (self.texts, *self.text_variants):
             keys.update(texts.values())
         return keys
@@ -96,6 +100,7 @@ class CacheIndex:
     text_encoder_dtype: str | None = None
     captions: dict[str, Any] | None = None  # CaptionAugment.record() of the cached variants
     empty_text: TextKeys | None = None  # the empty caption's keys (caption dropout)
+    masks: dict[str, Any] | None = None  # masked loss: data.masks.MaskSpec.record() of the items' masks
     extra: dict[str, Any] = field(default_factory=dict)  # fields this difftrain does not know, kept as read
 
     @classmethod
@@ -112,6 +117,7 @@ class CacheIndex:
             "text_encoder_dtype",
             "captions",
             "empty_text",
+            "masks",
         }
         return cls(
             items=[IndexItem.from_json(it) for it in d.get("items", [])],
@@ -123,6 +129,7 @@ class CacheIndex:
             text_encoder_dtype=d.get("text_encoder_dtype"),
             captions=d.get("captions"),
             empty_text=d.get("empty_text") or None,
+            masks=d.get("masks"),
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -137,6 +144,7 @@ class CacheIndex:
             "text_encoder_dtype",
             "captions",
             "empty_text",
+            "masks",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -7,10 +7,11 @@ captions (:mod:`difftrain.data.keys`). Every process of a distributed run makes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,9 +20,10 @@ from ..data.buckets import Bucket, choose_bucket, make_buckets
 from ..data.cache import DataCache
 from ..data.captions import CaptionAugment, caption_variants
 from ..data.index import CacheIndex, IndexItem, TextKeys
-from ..data.keys import CacheKeys
+from ..data.keys import CacheKeys, mask_key
+from ..data.masks import MaskSource, MaskSpec, check_mask_size
 from ..data.sources import ImageRecord, scan_dataset
-from ..errors import UsageError
+from ..errors import DataError, UsageError
 from ..families.base import ModelFamily
 from ..runtime.distributed import World
 from ..runtime.distributed import barrier as dist_barrier
@@ -73,6 +75,8 @@ class PlanItem(Placement):
     image_sha256: str
     texts: TextKeys  # its caption's entry key per text stage
     variants: tuple[TextKeys, ...] = ()  # caption augmentation: each cached variant's keys
+    mask: str | None = None  # masked loss: its mask entry's key (None: learned everywhere)
+    mask_source: MaskSource | None = None  # where that mask is read
 
     @property
     def shape(self) -> tuple[Bucket, int]:
@@ -93,6 +97,7 @@ class PlanItem(Placement):
             frames=self.frames,
             text_variants=self.variants,
             prior=self.prior,
+            mask=self.mask,
         )
 
 
@@ -105,6 +110,8 @@ class Plan:
     captions: dict[str, str]  # text entry key -> the caption it encodes
     empty_text: TextKeys | None = None  # the empty caption's keys, for the caption dropout
     skipped: Skipped = field(default_factory=list)  # what the bucketing dropped
+    masks: dict[str, Any] | None = None  # masked loss: MaskSpec.record() of the masks read
+    unmasked: list[tuple[str, str]] = field(default_factory=list)  # masked loss: (path, why) of items without a mask
 
     def text_sets(self) -> list[TextKeys]:
         """Every caption entry the items use ({stage: key} each): their captions, augmented variants, the empty
@@ -123,6 +130,7 @@ class Plan:
             text_encoder_dtype=cfg.precompute.text_encoder_dtype,
             captions=aug.record(),
             empty_text=self.empty_text or None,
+            masks=self.masks,
             items=[p.index_item() for p in self.items],
         )
 
@@ -147,6 +155,8 @@ def scan(
             replace(r, caption=r.caption if (db.use_captions and r.caption) else instance_prompt) for r in records
         ]
     out: list[tuple[Record, bool]] = [(r, False) for r in records]
+    out, mask_files = _without_masks(out, cfg)
+    skipped += mask_files
     if db.with_prior_preservation and not plan_only:  # (a plan does not generate class images)
         class_records, class_skipped = _class_images(cfg, family, world, device)
         skipped += class_skipped
@@ -305,6 +315,7 @@ def make_plan(
         plan.captions.update((k, "") for k in plan.empty_text.values())
     for p in placed:
         plan.items.append(_keyed(p, keys, hashes[p.record.path], aug, plan.captions))
+    add_masks(plan, cfg)
     return plan
 
 
@@ -329,3 +340,137 @@ def _keyed(p: Placement, keys: CacheKeys, sha: str, aug: CaptionAugment, caption
         texts=texts,
         variants=tuple(variants),
     )
+
+
+# ------------------------------------------------------------------ masks
+#: OneTrainer's mask files (``photo-masklabel.png`` beside ``photo.jpg``): never training images
+ONETRAINER_MASK = "-masklabel"
+
+
+def _without_masks(scanned: list[tuple[Record, bool]], cfg: Config) -> tuple[list[tuple[Record, bool]], Skipped]:
+    """The records that are not masks: files in data.mask_dir (when it lies inside the data folder) and names
+    with data.mask_suffix (or OneTrainer's ``-masklabel``) are masks, left out of the training images (said)."""
+    spec = MaskSpec.from_config(cfg.data)
+    folder = spec.folder.resolve() if spec.folder is not None else None
+    kept: list[tuple[Record, bool]] = []
+    left: Skipped = []
+    for r, reg in scanned:
+        if folder is not None and Path(r.path).resolve().is_relative_to(folder):
+            left.append((str(r.path), "a mask (in data.mask_dir), not a training image"))
+        elif spec.is_mask_file(r.path):
+            left.append((str(r.path), f"a mask (its name ends in data.mask_suffix {spec.suffix!r})"))
+        elif Path(r.path).stem.endswith(ONETRAINER_MASK) and not spec.suffix:
+            left.append((str(r.path), f"a OneTrainer mask; to train with it, set data.mask_suffix: {ONETRAINER_MASK}"))
+        else:
+            kept.append((r, reg))
+    return kept, left
+
+
+def mask_spec(cfg: Config, record: Record) -> tuple[MaskSpec, Path | None]:
+    """The masks ``record`` is trained with (its subset's data settings: a subset may set its own) and the folder
+    its key in the mask folder is relative to: the data folder for data.mask_dir, the subset's for its own."""
+    data, root = cfg.data, cfg.data.dir
+    subset = getattr(record, "subset", "")
+    if subset:
+        from ..data.subsets import resolve_subsets
+
+        for sub in resolve_subsets(cfg.data):
+            if sub.name == subset:
+                data = sub.data
+                own_dir = data.mask_dir is not None and data.mask_dir != cfg.data.mask_dir
+                inside = root is not None and Path(record.path).resolve().is_relative_to(Path(root).resolve())
+                root = sub.dir if own_dir or not inside else root
+    return MaskSpec.from_config(data), Path(root) if root is not None else None
+
+
+@dataclass
+class MaskPlan:
+    """Where each placed item's mask is read (None: learned everywhere), the items without one and why, and what
+    the index records of them; ``sources`` is empty when no item is trained with masks."""
+
+    sources: list[MaskSource | None] = field(default_factory=list)
+    unmasked: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
+    record: dict[str, Any] | None = None
+
+    def counts(self) -> dict[str, int]:
+        """Items per mask source (alpha channel, mask file, per-frame masks) and without a mask."""
+        out: dict[str, int] = {}
+        for s in self.sources:
+            name = {"alpha": "alpha channel", "file": "mask file", "frames": "mask per frame"}[s.kind] if s else "none"
+            out[name] = out.get(name, 0) + 1
+        return out
+
+
+def find_masks(placed: Sequence[Placement], cfg: Config) -> MaskPlan:
+    """Each item's mask (masked loss), its size checked against its image's: DataError naming both when the shapes
+    differ, when a per-frame mask folder has another frame count than its clip, and when mask files are asked for
+    and no item has one (a wrong data.mask_dir or data.mask_suffix). Items without a mask are listed."""
+    from ..data.masks import alpha_present
+
+    out = MaskPlan()
+    specs: dict[str, tuple[MaskSpec, Path | None]] = {}
+    file_spec: MaskSpec | None = None
+    for p in placed:
+        r = p.record
+        sub = getattr(r, "subset", "")
+        if sub not in specs:
+            specs[sub] = mask_spec(cfg, r)
+        spec, root = specs[sub]
+        if not spec.enabled or (p.prior and not sub):  # DreamBooth's generated class images have no masks
+            out.sources.append(None)
+            continue
+        out.record = out.record or spec.record()
+        file_spec = spec if spec.files else file_spec
+        rel = _relative_key(r, root)
+        source = spec.find(rel, r.path, video=p.frames is not None, root=None if cfg.data.allow_outside_paths else root)
+        if source is not None and source.kind == "alpha" and not alpha_present(r.path):
+            out.unmasked.append((str(r.path), "no alpha channel: learned everywhere"))
+            source = None
+        elif source is None:
+            out.unmasked.append((str(r.path), "no mask file: learned everywhere"))
+        else:
+            check_mask_size(source, r.path, (r.width, r.height))
+            frames = getattr(r, "frames", 1)
+            if source.kind == "frames" and len(source.files()) != frames:
+                raise DataError(
+                    f"the mask folder {source.path} holds {len(source.files())} images, its clip {r.path} has "
+                    f"{frames} frames",
+                    hint="give one mask image per frame of the clip (sorted by name), or one mask image for all frames",
+                )
+        out.sources.append(source)
+    if out.record is None:
+        return MaskPlan()
+    if file_spec is not None and not any(s is not None and s.kind != "alpha" for s in out.sources):
+        where = f"in {file_spec.folder}" if file_spec.folder is not None else "beside the images"
+        raise DataError(
+            f"masked loss: no image has a mask file {where}"
+            + (f" (names ending in {file_spec.suffix!r})" if file_spec.suffix else ""),
+            hint="a mask has its image's name and sub-folder (data.mask_suffix before the extension); check "
+            "data.mask_dir and data.mask_suffix",
+        )
+    return out
+
+
+def add_masks(plan: Plan, cfg: Config) -> None:
+    """The items' masks (:func:`find_masks`) hashed and keyed: a mask's entry is named by its latent's key, its
+    source and its content, so a changed mask is encoded again without its latent."""
+    from ..utils import sha256_file, sha256_text
+
+    found = find_masks(plan.items, cfg)
+    plan.masks = found.record
+    plan.unmasked = found.unmasked
+    for i, (p, source) in enumerate(zip(plan.items, found.sources)):
+        if source is not None:
+            sha = "" if source.kind == "alpha" else sha256_text(*(sha256_file(f) for f in source.files()))
+            plan.items[i] = replace(p, mask=mask_key(p.latent, source.kind, sha), mask_source=source)
+
+
+def _relative_key(record: Record, root: Path | None) -> str:
+    """The item's path under ``root`` without extension ('/'-separated): its mask's name in the mask folder."""
+    path = Path(record.path)
+    if root is not None:
+        try:
+            return path.resolve().relative_to(Path(root).resolve()).with_suffix("").as_posix()
+        except ValueError:
+            pass
+    return path.stem

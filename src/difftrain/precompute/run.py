@@ -40,6 +40,13 @@ class PrecomputeReport:
     latents_encoded: int = 0
     texts_encoded: int = 0
     latents_reused: int = 0
+    masks: dict[str, int] = field(default_factory=dict)
+    """Masked loss: items per mask source (alpha channel, mask file, mask per frame, none); empty without masks."""
+    unmasked: list[tuple[str, str]] = field(default_factory=list)
+    """Masked loss: (path, why) of the items without a mask (learned everywhere)."""
+    masks_encoded: int = 0
+    colour_masks: list[str] = field(default_factory=list)
+    """Mask files in colour: their red channel is the weight (as sd-scripts reads them)."""
     texts_reused: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     buckets: dict[str, int] = field(default_factory=dict)
@@ -95,6 +102,7 @@ def _precompute(
     if plan_only:
         placed, dropped = place_all(records, cfg.data, buckets_for(cfg.data, family.video))
         report.skipped += dropped
+        _plan_masks(report, placed, cfg)
         return _plan_report(report, placed)
     plan = make_plan(records, cfg, family, cache, world)
     report.skipped += plan.skipped
@@ -114,6 +122,7 @@ def _precompute(
     plan.items = [p for p in plan.items if p.latent not in bad]
     report.latents_encoded = len({p.latent for p in plan.items if p.latent in missing_lat})
     report.latents_reused = len(plan.items) - sum(p.latent in missing_lat for p in plan.items)
+    _masks_phase(report, plan, cache, world)
 
     n_text_keys = len({k for t in plan.text_sets() for k in t.values()})
     t_txt = time.perf_counter()
@@ -136,6 +145,40 @@ def _plan_report(report: PrecomputeReport, placed: list[Placement]) -> Precomput
     return report
 
 
+def _plan_masks(report: PrecomputeReport, placed: list[Placement], cfg: Config) -> None:
+    """``precompute --plan-only``: where the masks come from and which items have none (masks found, not read)."""
+    from .plan import find_masks
+
+    found = find_masks(placed, cfg)
+    if found.record is not None:
+        report.masks = found.counts()
+        report.unmasked = found.unmasked
+
+
+def _masks_phase(report: PrecomputeReport, plan: Plan, cache: DataCache, world: World) -> None:
+    """Masked loss: the masks the cache lacks fitted to their latents (this process's share), the items whose mask
+    cannot be read skipped, and the counts reported."""
+    from .masks import encode_masks
+    from .plan import MaskPlan
+
+    if plan.masks is None:
+        return
+    missing = set(cache.missing(sorted({p.mask for p in plan.items if p.mask})))
+    done = encode_masks(cache, plan.items, set(sorted(missing)[world.rank :: world.size]))
+    bad, skipped, colour = done.unreadable, done.skipped, done.colour
+    if world.distributed:
+        bad = set(gather(sorted(bad), world))
+        skipped = [(path, why) for path, why in gather(skipped, world)]
+        colour = gather(colour, world)
+        merge_shards(cache, world)
+    report.skipped += skipped
+    plan.items = [p for p in plan.items if p.mask not in bad]
+    report.masks_encoded = len(missing - bad)
+    report.masks = MaskPlan([p.mask_source for p in plan.items if not p.prior or p.mask]).counts()
+    report.unmasked = plan.unmasked
+    report.colour_masks = sorted(colour)
+
+
 def _finish_report(
     report: PrecomputeReport, plan: Plan, cache: DataCache, cfg: Config, world: World, strict: bool
 ) -> None:
@@ -151,6 +194,10 @@ def _finish_report(
         report.report_file = _write_report(cache, cfg, report, len(plan.items))
     for path, why in report.skipped[:20]:
         warn(f"skipped {path}: {why}")
+    for path, why in report.unmasked[:20]:
+        warn(f"masked loss: {path}: {why}")
+    if len(report.unmasked) > 20:
+        warn(f"masked loss: ... and {len(report.unmasked) - 20} more without a mask (learned everywhere)")
     if len(report.skipped) > 20:
         warn(f"... and {len(report.skipped) - 20} more skipped (all of them: {cache.root / 'precompute-report.json'})")
     if not plan.items:
@@ -186,6 +233,11 @@ def _write_report(cache: DataCache, cfg: Config, report: PrecomputeReport, usabl
             "captions": report.captions,
             "latents_encoded": report.latents_encoded,
             "latents_reused": report.latents_reused,
+            **(
+                {"masks": report.masks, "unmasked": [{"path": p, "reason": why} for p, why in report.unmasked]}
+                if report.masks
+                else {}
+            ),
         },
     )
     return path

@@ -12,6 +12,7 @@ from ..data.cache import DataCache
 from ..data.captions import CaptionAugment
 from ..data.index import CacheIndex
 from ..data.keys import cache_fingerprints
+from ..data.masks import masks_wanted
 from ..errors import CacheMismatch
 from ..families.base import ModelFamily
 
@@ -56,6 +57,12 @@ def cache_differences(
                     f"text stage {s!r} ({', '.join(family.text_stages[s])}): other weights or options "
                     f"(text_encoders settings) than the cache was made with"
                 )
+    masks = masks_wanted(cfg.data)
+    if masks is not None and index.masks != masks:
+        diffs.append(
+            f"masked loss: this config reads masks from {_masks_said(masks)}, the cache holds "
+            + (f"masks from {_masks_said(index.masks)}" if index.masks else "none")
+        )
     want = CaptionAugment.from_config(cfg.data)
     had_captions = index.captions
     if had_captions is not None and not _all_live(family, cfg, live_stages):
@@ -74,6 +81,12 @@ def cache_differences(
         if want.dropout_rate > 0 and not index.empty_text:
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
     return diffs
+
+
+def _masks_said(record: dict) -> str:
+    if record.get("source") == "alpha":
+        return "the alpha channel (data.alpha_mask)"
+    return f"mask files (data.mask_dir {record.get('dir')}, data.mask_suffix {record.get('suffix', '')!r})"
 
 
 def _all_live(family: ModelFamily, cfg: Config, live_stages: list[str]) -> bool:

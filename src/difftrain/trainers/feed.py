@@ -20,6 +20,7 @@ from ..data.batches import BucketBatchSampler
 from ..data.cache import DataCache, cache_dir_for
 from ..data.captions import CaptionAugment, live_caption, pick_text
 from ..data.index import CacheIndex, IndexItem
+from ..data.masks import masks_wanted
 from ..errors import CacheMismatch, ConfigError
 from ..families.base import ModelFamily
 
@@ -85,6 +86,7 @@ class Feed:
             )
         self.val_items = self._hold_out()
         self.caption_aug = CaptionAugment.from_config(cfg.data)
+        self.masked = masks_wanted(cfg.data) is not None  # masked loss: the cache's masks are read
         self.live_stages: list[str] = []
         self.encode_live: LiveEncoder | None = None  # set by the trainer once the trained encoders are built
 
@@ -158,6 +160,9 @@ class Feed:
         to = self.to_device
         batch = {"latents": to(torch.stack([le["latents"] for le in lat_entries]))}
         batch.update({k: to(torch.stack([r[k] for r in rows])) for k in rows[0]})
+        mask = self.masks(items)
+        if mask is not None:  # masked loss: read by the objective, never by the denoiser
+            batch["loss_mask"] = to(mask)
         texts = [pick_text(it, aug, seed, epoch, self.index.empty_text) if augment else it.texts for it in items]
         stages: dict[str, dict[str, Any]] = {}
         for stage in fam.enabled_stages(self.cfg.text_encoders):
@@ -172,6 +177,16 @@ class Feed:
                 stages[stage] = {k: to(v) for k, v in fam.collate_text(stage, entries).items()}
         batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
+
+    def masks(self, items: list[IndexItem]) -> torch.Tensor | None:
+        """The items' loss masks at latent resolution, ``[B, 1, (f,) h, w]``, when the config trains with masks and
+        one of the items has one (an item without a mask: ones, learned everywhere); None otherwise."""
+        if not self.masked or not any(it.mask for it in items):
+            return None
+        found = [self.cache.get(it.mask)["mask"].float() if it.mask else None for it in items]
+        # one mask for all of a clip's frames ([1, 1, h, w]) beside a mask per frame ([1, f, h, w]): broadcast
+        shape = torch.broadcast_shapes(*(m.shape for m in found if m is not None))
+        return torch.stack([(m if m is not None else torch.ones(())).expand(shape) for m in found])
 
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its

@@ -4,6 +4,10 @@
 weighting. ``flow``: rectified flow (SD3): x_s = (1 - s) x0 + s noise, target noise - x0, with SD3's sigma
 sampling, shift and loss weightings. Everything random is drawn through :class:`Draws`, from the trainer's
 seeded generator, so a resumed run draws what an uninterrupted one would.
+
+The loss per latent element is ``train.loss_type``'s (sd-scripts' conditional_loss: l2, l1, pseudo-Huber with a
+threshold per sample from its noise level), times the batch's ``loss_mask`` where the config trains with masks
+(sd-scripts' apply_masked_loss: the mask at latent resolution, then the mean over every position).
 """
 
 from __future__ import annotations
