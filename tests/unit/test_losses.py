@@ -189,3 +189,17 @@ def test_a_mask_for_all_frames_broadcasts_over_a_clips_latent_frames():
     mask = _mask(1)[:, :, None]  # [B, 1, 1, h, w]
     got = obj.loss(den, {"latents": latents, "loss_mask": mask}, fixed=(noise, q), per_sample=True)
     torch.testing.assert_close(got, ((den(noisy) - target).square() * mask).mean(dim=(1, 2, 3, 4)))
+
+
+def test_convert_args_maps_sd_scripts_loss_and_mask_options():
+    from difftrain.config.load import resolve
+    from difftrain.config.sdscripts import convert
+
+    c = convert(
+        ["sdxl_train_network.py", "--network_dim=8", "--loss_type=huber", "--huber_schedule=exponential"]
+        + ["--huber_c=0.2", "--huber_scale=1.5", "--alpha_mask", "--masked_loss"]
+    )
+    t = resolve(extra=c.config).config.train
+    assert (t.loss_type, t.huber_schedule, t.huber_c, t.huber_scale) == ("huber", "exponential", 0.2, 1.5)
+    assert resolve(extra=c.config).config.data.alpha_mask is True
+    assert "data.mask_dir" in dict(c.unmapped)["--masked_loss"]

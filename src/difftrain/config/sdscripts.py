@@ -162,6 +162,10 @@ SIMPLE: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "gradient_accumulation_steps": ("train.grad_accum", int),
     "noise_offset": ("train.noise_offset", _num),
     "min_snr_gamma": ("train.min_snr_gamma", _num),
+    "loss_type": ("train.loss_type", str),
+    "huber_schedule": ("train.huber_schedule", str),
+    "huber_c": ("train.huber_c", _num),
+    "huber_scale": ("train.huber_scale", _num),
     "network_dim": ("lora.rank", int),
     "network_alpha": ("lora.alpha", _num),
     "network_dropout": ("lora.dropout", _num),
@@ -275,6 +279,10 @@ def _convert_data_and_saving(c: Conversion, name: str, v: Any, lora: bool) -> bo
         c.set("data.resolution", side - side % 64 or 64)
     elif name == "shuffle_caption":
         c.set("data.shuffle_caption", v is True or str(v).lower() in ("true", "1"))
+    elif name == "alpha_mask":
+        c.set("data.alpha_mask", v is True or str(v).lower() in ("true", "1"))
+    elif name == "masked_loss":  # sd-scripts: the dataset config's conditioning_data_dir holds the masks
+        c.unmapped.append((f"--{name}", "set data.mask_dir to the masks' folder (sd-scripts' conditioning_data_dir)"))
     elif name == "bucket_no_upscale":
         c.set("data.no_upscale", True)
     elif name == "no_half_vae":
