@@ -149,3 +149,38 @@ def test_video_masks_one_for_all_frames_and_one_per_frame(tmp_path):
     want = torch.tensor([0.0, (1 + 2 + 3 + 4) / 4 / 8, (5 + 6 + 7 + 8) / 4 / 8])
     torch.testing.assert_close(learned, want, atol=2e-3, rtol=0)
     assert len(train(cfg).losses) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, builder",
+    [
+        ("tiny-sd3-lora", "sd3:SD3"),
+        ("tiny-flux-lora", "flux:Flux"),
+        ("tiny-zimage-lora", "zimage:ZImage"),
+        ("tiny-qwen-image-lora", "qwenimage:QwenImage"),
+    ],
+)
+def test_masks_reach_the_loss_of_every_image_family(recipe, builder, tmp_path):
+    """Flow families, packed (Flux, Z-Image, Qwen-Image: 2x2 patches) or not: the prediction comes back in the
+    latent's layout, so the mask weights it there. Fully transparent images train with a loss of exactly 0; half
+    transparent ones with a loss above 0."""
+    import importlib
+
+    module, cls = builder.split(":")
+    model = getattr(importlib.import_module(f"difftrain.families.{module}"), cls)().build_tiny(tmp_path / "m", seed=0)
+    losses = {}
+    for alpha in (0, 128):
+        data = tmp_path / f"images{alpha}"
+        data.mkdir()
+        for i in range(2):
+            px = np.random.default_rng(i).integers(0, 256, (128, 128, 4), dtype=np.uint8)
+            px[..., 3] = alpha
+            Image.fromarray(px, "RGBA").save(data / f"{i}.png")
+            (data / f"{i}.caption").write_text(f"image {i}")
+        sets = {"data.alpha_mask": "true", "train.max_steps": 2, "train.loss_type": "huber"}
+        cfg = resolve(recipe=recipe, sets=tiny_sets(model, data, tmp_path / f"out{alpha}", **sets)).config
+        assert precompute(cfg).masks == {"alpha channel": 2}
+        losses[alpha] = train(cfg).losses
+    assert losses[0] == [0.0, 0.0]
+    assert all(v > 0 for v in losses[128])
