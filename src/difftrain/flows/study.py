@@ -313,7 +313,17 @@ def open_storage(url: str, heartbeat_interval: int | None = 60, grace_period: in
                     max_retry=3, inherit_intermediate_values=True
                 ),
             }
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beats)
+        for attempt in range(3):  # two processes making the tables at once: the second may see the first's
+            try:
+                with _sqlite_file_lock(url):
+                    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beats)
+            except ModuleNotFoundError:
+                raise
+            except Exception:
+                if attempt == 2 or url.startswith("sqlite"):
+                    raise
+                time.sleep(1 + attempt)
+        raise AssertionError("unreachable")
     except ModuleNotFoundError as e:
         raise SweepStorageError(
             f"The study storage {shown(url)} needs the database driver {e.name!r}, which is not installed.",
@@ -482,12 +492,24 @@ def _sqlite_claim_lock(storage: Any) -> Iterator[None]:
     turn. PostgreSQL and MySQL lock the row; the journal orders the claims in its log."""
     backend = getattr(storage, "_backend", storage)  # a study's RDB storage is wrapped in Optuna's cache
     url = getattr(getattr(backend, "engine", None), "url", None)
-    if url is None or url.get_backend_name() != "sqlite" or not url.database:
+    with _sqlite_file_lock(url.render_as_string(hide_password=False) if url is not None else None):
+        yield
+
+
+@contextmanager
+def _sqlite_file_lock(url: str | None) -> Iterator[None]:
+    """The lock file beside an SQLite database (claims; making its tables), or nothing for another storage."""
+    if not url or not url.startswith("sqlite"):
         yield
         return
     from filelock import FileLock
+    from sqlalchemy.engine import make_url
 
-    with FileLock(f"{url.database}.claim.lock", timeout=600):
+    database = make_url(url).database
+    if not database or database == ":memory:":
+        yield
+        return
+    with FileLock(f"{database}.claim.lock", timeout=600):
         yield
 
 

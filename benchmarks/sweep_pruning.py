@@ -1,0 +1,175 @@
+"""What pruning saves a sweep, and one sweep spread over two processes (issue 55). Not yet run on a GPU.
+
+A 16-trial SDXL LoRA sweep at 1024 px on random weights of the real architecture (the model file as
+benchmarks/multi_gpu.py makes it, a synthetic dataset of 16 images that the sweep's precompute encodes once):
+learning rate 1e-5 .. 1e-2 (4 log-spaced points) x LoRA rank 4, 16, 32, 64, 200 steps each, the held-out loss on
+2 items every 25 steps. Cases:
+
+- ``none``: the grid, no pruning.
+- ``median``: the same grid with ``--prune median`` (Optuna's MedianPruner, 4 startup trials).
+- ``shared``: the grid without pruning run by two sweep processes of one GPU each sharing one study (a journal
+  file: the stand-in for two machines), each with its own sweep folder and cache.
+
+Each prints the GPU-seconds its trials took (the sum of every trial's wall time on its GPU, from the trial
+folders' result.json), the trials finished / pruned / failed, the best trial (its values and held-out loss) and
+the wall time; ``--out`` writes them as JSON. Random weights train nothing useful: the numbers are the sweep's
+costs, and which trials the pruner stops depends on how these random models' losses move.
+
+    python benchmarks/sweep_pruning.py --work /tmp/swp --out $OUT/sweep_pruning.json [--cases none,median,shared]
+    DIFFTRAIN_BENCH_TINY=1 python benchmarks/sweep_pruning.py --work /tmp/swp    # the tiny SDXL on CPU, 4 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
+STEPS, EVERY = (4, 2) if TINY else (200, 25)
+LRS = "1e-5,1e-4,1e-3,1e-2"
+RANKS = "4,16,32,64"
+
+
+def _sets(work: Path) -> tuple[list[str], Path]:
+    """The base --set options and the model file (random weights; the tiny model under DIFFTRAIN_BENCH_TINY)."""
+    import torch
+
+    from difftrain.families.sdxl import SDXL
+    from difftrain.flows.quickstart import make_dataset
+
+    data = work / "data"
+    if not data.exists():
+        make_dataset(data, n=16, seed=0)
+    sets = [
+        f"data.dir={data}",
+        "train.batch_size=1",
+        f"train.max_steps={STEPS}",
+        "validation.loss_items=2",
+        f"validation.every_n_steps={EVERY}",
+        "train.checkpoint_every=100",
+        "report.to=[]",
+        "report.html=false",
+        "speed.sync_seconds=0",
+    ]
+    if TINY:
+        model = work / "tiny-sdxl"
+        if not model.exists():
+            SDXL().build_tiny(model, seed=0)
+        return [*sets, "data.resolution=64", "train.device=cpu"], model
+    model = work / "random-sdxl.safetensors"
+    if not model.exists():
+        SDXL().build_random("sdxl-base-1.0", model, device="cuda" if torch.cuda.is_available() else "cpu")
+    sets += [
+        "data.resolution=1024",
+        "train.mixed_precision=bf16",
+        "memory.weights.kind=bf16",
+        "memory.activations.kind=checkpoint",
+        "train.device=cuda",
+    ]
+    return sets, model
+
+
+def _cmd(sets: list[str], model: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    recipe = "tiny-sdxl-lora" if TINY else "sdxl-lora-8gb"
+    return [
+        sys.executable,
+        "-m",
+        "difftrain",
+        "sweep",
+        "--recipe",
+        recipe,
+        "--model",
+        str(model),
+        *[a for s in [*sets, f"data.cache_dir={cache}"] for a in ("--set", s)],
+        "-g",
+        f"train.learning_rate={LRS}",
+        "-g",
+        f"lora.rank={RANKS}",
+        "-o",
+        str(out),
+        *extra,
+    ]
+
+
+def _summary(folders: list[Path], wall: float) -> dict:
+    rows = []
+    for folder in folders:
+        rows += json.loads((folder / "results.json").read_text())
+    mine = [json.loads(p.read_text()) for f in folders for p in f.glob("trials/*/result.json")]
+    by_trial = {r["trial"]: r for r in rows}  # one row per trial (every process's table holds the whole study)
+    statuses = [r["status"] for r in by_trial.values()]
+    done = [r for r in by_trial.values() if r["status"] == "ok" and r.get("val_loss") is not None]
+    best = min(done, key=lambda r: r["val_loss"]) if done else None
+    return {
+        "gpu_seconds": round(sum(r.get("seconds") or 0 for r in mine), 1),
+        "wall_seconds": round(wall, 1),
+        "trials": len(by_trial),
+        "finished": statuses.count("ok"),
+        "pruned": statuses.count("pruned"),
+        "failed": len(statuses) - statuses.count("ok") - statuses.count("pruned"),
+        "best": None
+        if best is None
+        else {
+            "trial": best["trial"],
+            "learning_rate": best.get("train.learning_rate"),
+            "rank": best.get("lora.rank"),
+            "val_loss": best["val_loss"],
+        },
+    }
+
+
+def run_case(case: str, work: Path, sets: list[str], model: Path) -> dict:
+    root = work / case
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    t0 = time.time()
+    if case in ("none", "median"):
+        extra: list[str] = []
+        if case == "median":  # --prune median, with a quarter of the grid as the pruner's startup trials
+            spec = root / "sweep.yaml"
+            spec.write_text("prune: {pruner: median, n_startup_trials: 4}\n")
+            extra = ["--spec", str(spec)]
+        subprocess.run(_cmd(sets, model, root / "sw", work / "cache", *extra), check=True)
+        return _summary([root / "sw"], time.time() - t0)
+    # shared: two processes of one GPU each, one study in a journal file; each its own folder and cache
+    journal = root / "study.journal"
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if not TINY else dict(os.environ)
+        cmd = _cmd(sets, model, root / f"sw{i}", root / f"cache{i}", "--storage", str(journal), "--study", "shared")
+        procs.append(subprocess.Popen(cmd, env=env))
+    for p in procs:
+        if p.wait():
+            raise SystemExit(f"a sweep process ended with exit code {p.returncode}")
+    return _summary([root / "sw0", root / "sw1"], time.time() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--cases", default="none,median,shared")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    sets, model = _sets(args.work)
+    results = {}
+    for case in args.cases.split(","):
+        results[case] = run_case(case, args.work, sets, model)
+        print(f"{case}: {json.dumps(results[case])}", flush=True)
+    if "none" in results and "median" in results:
+        a, b = results["none"]["gpu_seconds"], results["median"]["gpu_seconds"]
+        print(f"pruning saved {a - b:.0f} GPU-seconds of {a:.0f} ({(a - b) / a:.0%})" if a else "")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
