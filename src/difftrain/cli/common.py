@@ -11,7 +11,16 @@ from ..config.load import Resolved, resolve
 
 
 def resolved_config(recipe, config_file: Path | None, sets, extra: dict | None = None) -> Resolved:
-    return resolve(recipe=recipe, config_file=config_file, sets=sets, extra=extra)
+    res = resolve(recipe=recipe, config_file=config_file, sets=sets, extra=extra)
+    if res.notes:  # what the dataset TOML holds that did not map, said once (info prints on the first process)
+        from ..console import info
+
+        info(
+            f"dataset config {res.config.data.dataset_config}: {len(res.notes)} key(s) not mapped, or mapped with a note"
+        )
+        for key, why in res.notes:
+            info(f"  {key}: {why}")
+    return res
 
 
 def with_hub_model(res: Resolved) -> Resolved:

@@ -10,10 +10,21 @@ from rich.table import Table
 
 from ..console import console, info
 from .common import print_config, resolved_config, with_hub_model
-from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
+from .options import (
+    AllowPickleOpt,
+    ConfigOpt,
+    DataDirOpt,
+    DatasetConfigOpt,
+    ModelOpt,
+    PrintConfigOpt,
+    RecipeOpt,
+    SetOpt,
+    shortcuts,
+)
 
 if TYPE_CHECKING:  # an annotation only: data.tags loads torch (through utils), which the CLI imports when it runs
     from ..data.tags import MergeReport
+    from ..precompute.run import PrecomputeReport
 
 
 def merge_tags(
@@ -127,6 +138,28 @@ def _say_unused(unused: list) -> None:
     )
 
 
+def _print_subsets(r: PrecomputeReport) -> None:
+    """The folders read, when there are several (kohya's layout, data.subsets, data.reg_dir): their repeats, images
+    and where their captions came from."""
+    if not r.subsets:
+        return
+    origins = sorted({s.origin for s in r.subsets})
+    table = Table(title=f"subsets ({', '.join(origins)})")
+    for col in ("subset", "kind", "repeats", "images", "per epoch", "captions from"):
+        table.add_column(col, justify="right" if col in ("repeats", "images", "per epoch") else "left")
+    for s in r.subsets:
+        sources = ", ".join(f"{origin} {n}" for origin, n in sorted(s.captions.items(), key=lambda kv: -kv[1]))
+        per_epoch = "beside batches" if s.is_reg else str(s.images * s.repeats)
+        kind = "regularisation" if s.is_reg else "training"
+        table.add_row(s.name, kind, str(s.repeats), str(s.images), per_epoch, sources or "-")
+    console.print(table)
+    if "kohya layout" in origins:
+        info(
+            "data.dir is read in kohya's layout: each <repeats>_<name> folder is seen <repeats> times an epoch, and "
+            "its name is the caption of an image with no caption or tag file (data.layout: folder reads it plainly)"
+        )
+
+
 def _print_masks(r, plan: bool = False) -> None:
     """Masked loss: where the items' masks come from, and (in a plan) each item without one."""
     if not r.masks:
@@ -148,6 +181,7 @@ def precompute(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     data_dir: DataDirOpt = None,
+    dataset_config: DatasetConfigOpt = None,
     model: ModelOpt = None,
     allow_pickle: AllowPickleOpt = False,
     strict: Annotated[bool, typer.Option("--strict", help="fail if any image cannot be used")] = False,
@@ -165,7 +199,7 @@ def precompute(
     from ..console import quiet_rank
     from ..precompute.run import precompute as run
 
-    res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle))
+    res = resolved_config(recipe, config, set_, shortcuts(data_dir, model, allow_pickle, dataset_config))
     if print_config_:
         print_config(res)
         return
@@ -177,6 +211,7 @@ def precompute(
         for b, n in sorted(r.buckets.items(), key=lambda kv: -kv[1]):
             table.add_row(b, str(n), f"{n / max(1, r.items):.1%}")
         console.print(table)
+        _print_subsets(r)
         _print_masks(r, plan=True)
         for path, why in r.skipped:
             info(f"dropped {path}: {why}")
@@ -198,6 +233,7 @@ def precompute(
     for b, n in sorted(r.buckets.items()):
         table.add_row(b, str(n))
     console.print(table)
+    _print_subsets(r)
     info(
         f"latents: {r.latents_encoded} encoded, {r.latents_reused} reused from cache; "
         f"captions: {r.texts_encoded} encoded, {r.texts_reused} reused; "

@@ -17,6 +17,14 @@ SetOpt = Annotated[
 PrintConfigOpt = Annotated[
     bool, typer.Option("--print-config", help="print the resolved config with the source of each value, then exit")
 ]
+DatasetConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--dataset-config",
+        help="sd-scripts' or diffusion-pipe's dataset TOML: its folders become data.subsets (shortcut for --set "
+        "data.dataset_config=...)",
+    ),
+]
 DataDirOpt = Annotated[Path | None, typer.Option("--data-dir", help="shortcut for --set data.dir=...")]
 ModelOpt = Annotated[Path | None, typer.Option("--model", help="shortcut for --set model.path=...")]
 AllowPickleOpt = Annotated[
@@ -24,11 +32,15 @@ AllowPickleOpt = Annotated[
 ]
 
 
-def shortcuts(data_dir: Path | None, model: Path | None, allow_pickle: bool) -> dict:
+def shortcuts(
+    data_dir: Path | None, model: Path | None, allow_pickle: bool, dataset_config: Path | None = None
+) -> dict:
     """The config layer the shortcut options add (applied under --set)."""
     extra: dict = {}
     if data_dir is not None:
         extra.setdefault("data", {})["dir"] = str(data_dir)
+    if dataset_config is not None:
+        extra.setdefault("data", {})["dataset_config"] = str(dataset_config)
     if model is not None:
         extra.setdefault("model", {})["path"] = str(model)
     if allow_pickle:

@@ -9,7 +9,17 @@ import typer
 
 from ..console import info
 from .common import print_config, resolved_config, with_hub_model
-from .options import AllowPickleOpt, ConfigOpt, DataDirOpt, ModelOpt, PrintConfigOpt, RecipeOpt, SetOpt, shortcuts
+from .options import (
+    AllowPickleOpt,
+    ConfigOpt,
+    DataDirOpt,
+    DatasetConfigOpt,
+    ModelOpt,
+    PrintConfigOpt,
+    RecipeOpt,
+    SetOpt,
+    shortcuts,
+)
 
 
 def train(
@@ -17,6 +27,7 @@ def train(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     data_dir: DataDirOpt = None,
+    dataset_config: DatasetConfigOpt = None,
     model: ModelOpt = None,
     output_dir: Annotated[
         Path | None, typer.Option("--output-dir", "-o", help="shortcut for --set train.output_dir=...")
@@ -83,11 +94,11 @@ def train(
             "master_port": master_port,
             "rdzv_endpoint": rdzv_endpoint,
         }
-        extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts)
+        extra = _extra(data_dir, model, allow_pickle, output_dir, None, max_restarts, dataset_config)
         _launch(recipe, config, set_, extra, gpus, where, resume, overwrite, no_precompute)
         return
 
-    extra = _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts)
+    extra = _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts, dataset_config)
     given = resolved_config(recipe, config, set_, extra)
     if print_config_:
         print_config(given)
@@ -168,9 +179,9 @@ def _launch(
         info(f"trained on {gpus * nodes} processes" + (f" ({label} expert)" if label else ""))
 
 
-def _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts) -> dict:
+def _extra(data_dir, model, allow_pickle, output_dir, save_precision, max_restarts, dataset_config=None) -> dict:
     """The train command's shortcut options as config values."""
-    extra = shortcuts(data_dir, model, allow_pickle)
+    extra = shortcuts(data_dir, model, allow_pickle, dataset_config)
     t = extra.setdefault("train", {})
     if output_dir is not None:
         t["output_dir"] = str(output_dir)
@@ -241,8 +252,9 @@ def _check_start(cfg) -> None:
 
 def precompute_missing(cfg) -> None:
     """The one-command flow: encode what the cache lacks for ``cfg`` (nothing when it is complete: every latent and
-    caption is found by its content key) and say so; a config without data.dir trains from its cache as it is."""
-    if cfg.data.dir is None:
+    caption is found by its content key) and say so; a config without data.dir (or data.subsets) trains from its cache
+    as it is."""
+    if cfg.data.dir is None and not cfg.data.subsets:
         return
     from ..precompute.run import precompute
 

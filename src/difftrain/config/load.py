@@ -1,4 +1,4 @@
-"""Layered configuration: defaults < recipe < --config FILE < --set a.b=c.
+"""Layered configuration: defaults < recipe < data.dataset_config (a dataset TOML) < --config FILE < --set a.b=c.
 
 The layers are plain dicts deep-merged here, then validated once by the
 pydantic schema. Each dotted key remembers the layer that set it, so
@@ -127,10 +127,12 @@ _KINDS = {
 class Resolved:
     """A validated config plus the layer each value came from."""
 
-    def __init__(self, config: Config, sources: dict[str, str], raw: dict):
+    def __init__(self, config: Config, sources: dict[str, str], raw: dict, notes: list[tuple[str, str]] | None = None):
         self.config = config
         self.sources = sources
         self.raw = raw
+        self.notes = notes or []
+        """What data.dataset_config's TOML holds that was not mapped, or mapped with a caveat: (key, why)."""
 
     def rows(self) -> list[tuple[str, Any, str]]:
         flat: dict[str, Any] = {}
@@ -177,18 +179,30 @@ def resolve(
     sets: list[str] | None = None,
     extra: dict | None = None,
 ) -> Resolved:
-    """Build the config from its layers and validate it once."""
-    sources: dict[str, str] = {}
-    merged: dict = {}
+    """Build the config from its layers and validate it once. A data.dataset_config (set in any layer) is read
+    (config/dataset_toml.py) and its overrides are a layer of their own above the recipe's."""
+    layers: list[tuple[dict, str]] = []
     if recipe:
-        merged = _merge(merged, load_recipe(recipe), f"recipe {recipe}", sources)
+        layers.append((load_recipe(recipe), f"recipe {recipe}"))
     if config_file:
-        merged = _merge(merged, read_yaml(config_file), f"file {config_file}", sources)
+        layers.append((read_yaml(config_file), f"file {config_file}"))
     if extra:
-        merged = _merge(merged, extra, "command line", sources)
+        layers.append((extra, "command line"))
     for item in sets or []:
         parts, value = parse_set(item)
-        merged = _merge(merged, _nest(parts, value), f"--set {'.'.join(parts)}", sources)
+        layers.append((_nest(parts, value), f"--set {'.'.join(parts)}"))
+    sources: dict[str, str] = {}
+    merged = _merge_layers(layers, sources)
+    notes: list[tuple[str, str]] = []
+    toml = merged.get("data", {}).get("dataset_config") if isinstance(merged.get("data"), dict) else None
+    if isinstance(toml, str | Path) and str(toml):
+        from .dataset_toml import read_dataset_toml
+
+        reading = read_dataset_toml(Path(toml))
+        notes = reading.unmapped
+        layers.insert(1 if recipe else 0, (reading.config, f"dataset config {toml}"))
+        sources = {}
+        merged = _merge_layers(layers, sources)
     try:
         config = validate(merged)
     except ValidationError as e:
@@ -199,4 +213,11 @@ def resolve(
             problems,
             hint="Fix them in your config file or --set options; `difftrain recipes show NAME` shows a working example.",
         ) from None
-    return Resolved(config, sources, merged)
+    return Resolved(config, sources, merged, notes)
+
+
+def _merge_layers(layers: list[tuple[dict, str]], sources: dict[str, str]) -> dict:
+    merged: dict = {}
+    for layer, source in layers:
+        merged = _merge(merged, layer, source, sources)
+    return merged

@@ -111,9 +111,12 @@ def check_index(index, path: Path) -> dict:
 
 
 def cache_dir_for(cfg: Config) -> Path:
-    """data.cache_dir, or <data.dir>/.difftrain-cache."""
+    """data.cache_dir, or <data.dir>/.difftrain-cache (without data.dir: beside the first of data.subsets, as
+    sd-scripts keeps its caches in the image folders)."""
     if cfg.data.cache_dir is not None:
         return Path(cfg.data.cache_dir)
+    if cfg.data.dir is None and cfg.data.subsets:
+        return Path(cfg.data.subsets[0].dir) / ".difftrain-cache"
     if cfg.data.dir is None:
         raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
     return Path(cfg.data.dir) / ".difftrain-cache"

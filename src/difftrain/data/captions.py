@@ -116,7 +116,7 @@ def pick_text(item: IndexItem, aug: CaptionAugment, seed: int, epoch: int, empty
     with probability ``aug.dropout_rate`` (``empty``: its keys), else one of its cached variants. The draw
     depends on the seed, the epoch and the item only, so a resumed run, or one on another number of GPUs,
     draws the same."""
-    rng = random.Random(f"difftrain-caption:{seed}:{epoch}:{item.key}")
+    rng = random.Random(f"difftrain-caption:{seed}:{epoch}:{item.draw_key}")
     if aug.dropout_rate > 0 and empty is not None and rng.random() < aug.dropout_rate:
         return empty
     variants = item.text_variants

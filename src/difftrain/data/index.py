@@ -33,6 +33,15 @@ class IndexItem:
     text_variants: tuple[TextKeys, ...] = ()  # caption augmentation: keys of each cached variant
     prior: bool = False  # a DreamBooth class image
     mask: str | None = None  # masked loss: cache key of its mask at latent resolution (none: learned everywhere)
+    subset: str = ""  # the subset it was read from (data.subsets or a kohya folder; "" for data.dir read whole)
+    repeats: int = 1  # times it is seen per epoch (its subset's num_repeats)
+    draw: int = field(default=0, compare=False)
+    """Which of its repeats in an epoch this is (the trainer's copies; never written): each draws its own caption."""
+
+    @property
+    def draw_key(self) -> str:
+        """What seeds this copy's caption draws: its key, and for a repeat after the first its number too."""
+        return self.key if not self.draw else f"{self.key}#{self.draw}"
 
     @property
     def bucket_key(self) -> tuple[int, int, int]:
@@ -54,6 +63,8 @@ class IndexItem:
             text_variants=tuple(dict(t) for t in d.get("text_variants", ())),
             prior=bool(d.get("prior", False)),
             mask=d.get("mask"),
+            subset=str(d.get("subset", "")),
+            repeats=int(d.get("repeats", 1)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -76,6 +87,10 @@ class IndexItem:
             out["prior"] = True
         if self.mask is not None:
             out["mask"] = self.mask
+        if self.subset:
+            out["subset"] = self.subset
+        if self.repeats != 1:
+            out["repeats"] = self.repeats
         return out
 
     def entry_keys(self) -> set[str]:

@@ -57,6 +57,8 @@ class ImageRecord:
     (``filename`` or ``empty``); counted in the precompute report."""
     mode: str = "RGB"
     """Pillow's pixel mode from the header (``CMYK``, ``P``, ``RGBA``, ``I;16`` ... are converted to RGB)."""
+    subset: str = ""
+    """The subset it was read from (:mod:`.subsets`; "" for data.dir read as one folder)."""
 
 
 # ----------------------------------------------------------------- captions

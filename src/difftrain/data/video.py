@@ -101,6 +101,8 @@ class VideoRecord:
     fps: float
     """Average frame rate from the header; 0.0 for an image or when the container gives none."""
     is_image: bool
+    subset: str = ""
+    """The subset it was read from (:mod:`.subsets`; "" for data.dir read as one folder)."""
 
 
 # ----------------------------------------------------------------- PyAV

@@ -23,6 +23,7 @@ from ..data.index import CacheIndex, IndexItem, TextKeys
 from ..data.keys import CacheKeys, mask_key
 from ..data.masks import MaskSource, MaskSpec, check_mask_size
 from ..data.sources import ImageRecord, scan_dataset
+from ..data.subsets import Subset, resolve_subsets
 from ..errors import DataError, UsageError
 from ..families.base import ModelFamily
 from ..runtime.distributed import World
@@ -53,9 +54,10 @@ class Placement:
 
     record: Record
     bucket: Bucket  # (width, height)
-    prior: bool = False  # a DreamBooth class image
+    prior: bool = False  # a DreamBooth class image, or a regularisation image
     frames: int | None = None  # video: the frame bucket
     indices: list[int] | None = None  # video: the frames taken
+    repeats: int = 1  # times it is seen per epoch (its subset's num_repeats)
 
     @property
     def size_name(self) -> str:
@@ -98,6 +100,8 @@ class PlanItem(Placement):
             text_variants=self.variants,
             prior=self.prior,
             mask=self.mask,
+            subset=r.subset,
+            repeats=self.repeats,
         )
 
 
@@ -139,9 +143,9 @@ class Plan:
 def scan(
     cfg: Config, family: ModelFamily, world: World, device: torch.device, *, plan_only: bool = False
 ) -> tuple[list[tuple[Record, bool]], Skipped]:
-    """The records to cache, each with whether it is a DreamBooth class image, and the files the scans left
-    out. Missing class images are generated first (by the first process; never for a plan)."""
-    records, skipped = _scan_data(cfg, family.video)
+    """The records to cache, each with whether it is a DreamBooth class image or a regularisation image, and the
+    files the scans left out. Missing class images are generated first (by the first process; never for a plan)."""
+    scanned, skipped = _scan_data(cfg, family.video)
     db = cfg.dreambooth
     if family.video and db.with_prior_preservation:
         raise UsageError(
@@ -151,12 +155,13 @@ def scan(
         )
     instance_prompt = db.instance_prompt
     if instance_prompt:
-        records = [
-            replace(r, caption=r.caption if (db.use_captions and r.caption) else instance_prompt) for r in records
+        scanned = [
+            (r if reg else replace(r, caption=r.caption if (db.use_captions and r.caption) else instance_prompt), reg)
+            for r, reg in scanned
         ]
-    out: list[tuple[Record, bool]] = [(r, False) for r in records]
-    out, mask_files = _without_masks(out, cfg)
+    scanned, mask_files = _without_masks(scanned, cfg)
     skipped += mask_files
+    out: list[tuple[Record, bool]] = scanned
     if db.with_prior_preservation and not plan_only:  # (a plan does not generate class images)
         class_records, class_skipped = _class_images(cfg, family, world, device)
         skipped += class_skipped
@@ -164,26 +169,54 @@ def scan(
     return out, skipped
 
 
-def _scan_data(cfg: Config, video: bool) -> tuple[list[Record], Skipped]:
-    d = cfg.data
-    assert d.dir is not None  # precompute refuses a config without one before planning
+def _scan_data(cfg: Config, video: bool) -> tuple[list[tuple[Record, bool]], Skipped]:
+    """Every subset's records (data.dir read whole, kohya's folders, or data.subsets: :mod:`difftrain.data.subsets`),
+    each with whether it is a regularisation image."""
+    assert cfg.data.dir is not None or cfg.data.subsets  # precompute refuses a config without either first
+    out: list[tuple[Record, bool]] = []
+    skipped: Skipped = []
+    for sub in resolve_subsets(cfg.data):
+        records, left = _scan_subset(sub, video)
+        out += [(r, sub.is_reg) for r in records]
+        skipped += left
+    return out, skipped
+
+
+def _scan_subset(sub: Subset, video: bool) -> tuple[list[Record], Skipped]:
+    """One folder's records, keyed with its prefix and named by its subset; an image without caption or tags gets
+    the subset's class tokens (kohya: the folder's name part). data.dir read whole gives its records as before."""
+    d = sub.data
+    records: list[Record]
     if video:
         from ..data.video import frame_buckets, scan_videos
 
-        clips, skipped = scan_videos(
-            Path(d.dir), caption_ext=d.caption_ext, buckets=frame_buckets(d.frames), allow_outside=d.allow_outside_paths
+        clips, left = scan_videos(
+            sub.dir, caption_ext=d.caption_ext, buckets=frame_buckets(d.frames), allow_outside=d.allow_outside_paths
         )
-        return list(clips), [(str(p), why) for p, why in skipped]
-    images, skipped = scan_dataset(
-        Path(d.dir),
-        metadata=d.metadata,
-        caption_ext=d.caption_ext,
-        tag_ext=d.tag_ext,
-        caption_source=d.caption_source,
-        caption_fallback=d.caption_fallback,
-        allow_outside=d.allow_outside_paths,
-    )
-    return list(images), [(str(p), why) for p, why in skipped]
+        records = [
+            replace(c, key=sub.key_prefix + c.key, subset=sub.name, caption=c.caption or sub.class_tokens or "")
+            for c in clips
+        ]
+    else:
+        images, left = scan_dataset(
+            sub.dir,
+            metadata=sub.metadata,
+            caption_ext=d.caption_ext,
+            tag_ext=d.tag_ext,
+            caption_source=d.caption_source,
+            caption_fallback="empty" if sub.class_tokens is not None else d.caption_fallback,
+            allow_outside=d.allow_outside_paths,
+        )
+        records = [_in_subset(r, sub) for r in images]
+    return records, [(str(p), why) for p, why in left]
+
+
+def _in_subset(r: ImageRecord, sub: Subset) -> ImageRecord:
+    if not sub.name:
+        return r  # data.dir read whole: keys and captions as they always were
+    if sub.class_tokens is not None and r.caption_from == "empty":
+        r = replace(r, caption=sub.class_tokens, caption_from=sub.caption_label)
+    return replace(r, key=sub.key_prefix + r.key, subset=sub.name)
 
 
 def _class_images(
@@ -267,16 +300,23 @@ def place(record: Record, prior: bool, d: DataConfig, buckets: Buckets) -> Place
     return Placement(record, bucket, prior, frames, indices)
 
 
-def place_all(records: list[tuple[Record, bool]], d: DataConfig, buckets: Buckets) -> tuple[list[Placement], Skipped]:
-    """Every record that fits a bucket, placed; and those that do not, with the reason, in the records' order."""
+def place_all(
+    records: list[tuple[Record, bool]], d: DataConfig, buckets: Buckets, subsets: list[Subset] | None = None
+) -> tuple[list[Placement], Skipped]:
+    """Every record that fits a bucket, placed; and those that do not, with the reason, in the records' order. A
+    record of one of ``subsets`` is placed by that subset's settings (its resolution, buckets and repeats)."""
+    own: dict[str, tuple[Subset | None, Buckets]] = {}
+    for sub in subsets or []:
+        own[sub.name] = (sub, buckets if sub.data == d else buckets_for(sub.data, bool(buckets.frames)))
     placed: list[Placement] = []
     skipped: Skipped = []
     for r, prior in records:
-        p = place(r, prior, d, buckets)
+        found, sub_buckets = own.get(r.subset, (None, buckets))
+        p = place(r, prior, found.data if found is not None else d, sub_buckets)
         if isinstance(p, str):
             skipped.append((str(r.path), p))
         else:
-            placed.append(p)
+            placed.append(p if found is None or found.repeats == 1 else replace(p, repeats=found.repeats))
     return placed, skipped
 
 
@@ -307,14 +347,16 @@ def make_plan(
     buckets = buckets_for(cfg.data, family.video)
     keys = cache_keys(cfg, family, cache, world)
     aug = CaptionAugment.from_config(cfg.data)
+    subsets = resolve_subsets(cfg.data)
+    augs = {sub.name: CaptionAugment.from_config(sub.data) for sub in subsets}  # each subset's own augmentation
     hashes = hash_images(records)
-    placed, skipped = place_all(records, cfg.data, buckets)
+    placed, skipped = place_all(records, cfg.data, buckets, subsets)
     plan = Plan(items=[], keys=keys, captions={}, skipped=skipped)
-    if aug.dropout_rate > 0:  # the empty caption, once, for the caption dropout
+    if any(a.dropout_rate > 0 for a in (aug, *augs.values())):  # the empty caption, once, for the caption dropout
         plan.empty_text = keys.texts("")
         plan.captions.update((k, "") for k in plan.empty_text.values())
     for p in placed:
-        plan.items.append(_keyed(p, keys, hashes[p.record.path], aug, plan.captions))
+        plan.items.append(_keyed(p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions))
     add_masks(plan, cfg)
     return plan
 
@@ -335,6 +377,7 @@ def _keyed(p: Placement, keys: CacheKeys, sha: str, aug: CaptionAugment, caption
         prior=p.prior,
         frames=p.frames,
         indices=p.indices,
+        repeats=p.repeats,
         latent=keys.latent(p.bucket, sha, p.frames),
         image_sha256=sha,
         texts=texts,

@@ -12,6 +12,7 @@ lacks, and this module runs them in order and reports.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..console import warn
 from ..data.cache import DataCache, cache_dir_for
 from ..data.captions import CaptionAugment
 from ..data.sources import ImageRecord
+from ..data.subsets import Subset, resolve_subsets
 from ..errors import DataError, UsageError
 from ..families.base import ModelFamily
 from ..families.registry import get_family
@@ -31,6 +33,18 @@ from ..runtime.distributed import init as dist_init
 from ..utils import cap_gpu_memory, fix_malloc_mmap_threshold, pick_device
 from .encode import encode_latents, encode_texts, gather, merge_shards
 from .plan import Placement, Plan, buckets_for, make_plan, place_all, scan
+
+
+@dataclass
+class SubsetRow:
+    """One subset in the plan's table."""
+
+    name: str
+    origin: str  # kohya layout, reg_dir, data.subsets
+    repeats: int
+    is_reg: bool
+    images: int = 0
+    captions: dict[str, int] = field(default_factory=dict)  # where its items' captions came from, counted
 
 
 @dataclass
@@ -54,6 +68,9 @@ class PrecomputeReport:
     """Images of another pixel mode than RGB (CMYK, P, RGBA, I;16 ...) converted on the way, by mode."""
     captions: dict[str, int] = field(default_factory=dict)
     """Where the items' captions came from: caption, tags, caption+tags, or the fallback (empty, filename)."""
+    subsets: list[SubsetRow] = field(default_factory=list)
+    """Each folder read (kohya's layout, data.subsets, data.reg_dir) with its repeats, images and captions' sources;
+    empty for data.dir read as one folder."""
     report_file: Path | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of the phases: plan (scan, hashes, keys), latents (decode + encode + write, the encoder's
@@ -66,8 +83,11 @@ def precompute(cfg: Config, strict: bool = False, plan_only: bool = False) -> Pr
     merges their manifests after each phase and alone writes index.json. The plan (scan, buckets, keys) is
     made identically by every process. ``plan_only``: scan and bucket (image headers only, no hashing, no
     encoder) and return the bucket counts and what was dropped and why; nothing is written."""
-    if cfg.data.dir is None:
-        raise UsageError("No data folder was given.", hint="Set data.dir (--set data.dir=/path/to/images).")
+    if cfg.data.dir is None and not cfg.data.subsets:
+        raise UsageError(
+            "No data folder was given.",
+            hint="Set data.dir (--set data.dir=/path/to/images), or give a dataset config (--dataset-config FILE.toml).",
+        )
     family = get_family(cfg.family)
     world = world_from_env()
     device = pick_device(cfg.precompute.device)
@@ -99,9 +119,11 @@ def _precompute(
     fix_malloc_mmap_threshold()  # host RAM flat however many images pass through (see its docstring)
 
     records, report.skipped = scan(cfg, family, world, device, plan_only=plan_only)
+    subsets = resolve_subsets(cfg.data)
     if plan_only:
-        placed, dropped = place_all(records, cfg.data, buckets_for(cfg.data, family.video))
+        placed, dropped = place_all(records, cfg.data, buckets_for(cfg.data, family.video), subsets)
         report.skipped += dropped
+        report.subsets = subset_rows(subsets, placed)
         _plan_masks(report, placed, cfg)
         return _plan_report(report, placed)
     plan = make_plan(records, cfg, family, cache, world)
@@ -130,11 +152,27 @@ def _precompute(
     report.texts_reused = n_text_keys - report.texts_encoded
     report.seconds["texts"] = time.perf_counter() - t_txt
 
+    report.subsets = subset_rows(subsets, plan.items)
     _finish_report(report, plan, cache, cfg, world, strict)
     if world.main:  # the first process writes the index
         cache.write_json("index.json", plan.index(cfg, CaptionAugment.from_config(cfg.data)).to_json())
     dist_barrier(world)
     return report
+
+
+def subset_rows(subsets: list[Subset], placed: Sequence[Placement]) -> list[SubsetRow]:
+    """The table of subsets: none for data.dir read as one folder."""
+    if [s.name for s in subsets] == [""]:
+        return []
+    rows = {s.name: SubsetRow(s.name, s.origin, s.repeats, s.is_reg) for s in subsets}
+    for p in placed:
+        row = rows.get(p.record.subset)
+        if row is None:
+            continue  # a DreamBooth class image
+        row.images += 1
+        origin = getattr(p.record, "caption_from", None) or ("caption" if p.record.caption else "empty")
+        row.captions[origin] = row.captions.get(origin, 0) + 1
+    return list(rows.values())
 
 
 def _plan_report(report: PrecomputeReport, placed: list[Placement]) -> PrecomputeReport:
@@ -202,7 +240,7 @@ def _finish_report(
         warn(f"... and {len(report.skipped) - 20} more skipped (all of them: {cache.root / 'precompute-report.json'})")
     if not plan.items:
         raise DataError(
-            f"No usable images in {cfg.data.dir}"
+            f"No usable images in {cfg.data.dir or ', '.join(str(s.dir) for s in cfg.data.subsets)}"
             + (f" ({len(report.skipped)} skipped)" if report.skipped else "")
             + ".",
             hint="Add .png/.jpg/.webp images with caption files, or check the skipped list above.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -85,7 +85,15 @@ class Feed:
                 f"The cache at {self.cache.root} holds class images only.", hint="Run precompute with data.dir set."
             )
         self.val_items = self._hold_out()
+        # a subset's num_repeats: its items that many times in each epoch's order (sd-scripts' repeats), each copy
+        # drawing its own caption variant; the order stays a function of (seed, epoch, position)
+        self.items = [it if r == 0 else replace(it, draw=r) for it in self.items for r in range(max(1, it.repeats))]
         self.caption_aug = CaptionAugment.from_config(cfg.data)
+        # data.subsets' own caption options; kohya's folders and data.dir read whole use the data section's
+        d = cfg.data
+        self.subset_augs = {
+            d.subset_name(i): CaptionAugment.from_config(d.subset_data(i)) for i in range(len(d.subsets))
+        }
         self.masked = masks_wanted(cfg.data) is not None  # masked loss: the cache's masks are read
         self.live_stages: list[str] = []
         self.encode_live: LiveEncoder | None = None  # set by the trainer once the trained encoders are built
@@ -147,14 +155,16 @@ class Feed:
         rng = random.Random(f"difftrain-prior:{self.cfg.train.seed}:{epoch}:{batch_pos}")
         buckets = sorted({it.bucket_key for it in self.prior_items})
         bucket = rng.choice(buckets)
-        pool = [it for it in self.prior_items if it.bucket_key == bucket]
+        # a regularisation folder's repeats weight its images in the draw, as they weight sd-scripts' epoch
+        pool = [it for it in self.prior_items if it.bucket_key == bucket for _ in range(max(1, it.repeats))]
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
     # ---------------------------------------------------------------- tensors
     def batch(self, items: list[IndexItem], epoch: int = 0, augment: bool = False) -> dict[str, torch.Tensor]:
         """The tensors of a micro-batch. ``augment``: the captions as caption augmentation draws them in ``epoch``
         (the training batches), else as written (validation, prior images)."""
-        fam, seed, aug = self.family, self.cfg.train.seed, self.caption_aug
+        fam, seed = self.family, self.cfg.train.seed
+        augs = [self.subset_augs.get(it.subset, self.caption_aug) for it in items]
         lat_entries = [self.cache.get(it.latent) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
         to = self.to_device
@@ -163,13 +173,17 @@ class Feed:
         mask = self.masks(items)
         if mask is not None:  # masked loss: read by the objective, never by the denoiser
             batch["loss_mask"] = to(mask)
-        texts = [pick_text(it, aug, seed, epoch, self.index.empty_text) if augment else it.texts for it in items]
+        texts = [
+            pick_text(it, aug, seed, epoch, self.index.empty_text) if augment else it.texts
+            for it, aug in zip(items, augs)
+        ]
         stages: dict[str, dict[str, Any]] = {}
         for stage in fam.enabled_stages(self.cfg.text_encoders):
             if stage in self.live_stages:
                 assert self.encode_live is not None  # set with live_stages
                 captions = [
-                    live_caption(it.caption, aug, seed, epoch, it.key) if augment else it.caption for it in items
+                    live_caption(it.caption, aug, seed, epoch, it.draw_key) if augment else it.caption
+                    for it, aug in zip(items, augs)
                 ]
                 stages[stage] = self.encode_live(stage, captions)
             else:

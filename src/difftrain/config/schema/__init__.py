@@ -9,7 +9,7 @@ One module per section, each importing only ``base`` and the sections it names:
 
 - ``base``: ``Strict``, the base model of every section
 - ``model``: ``ModelConfig`` (``model``)
-- ``data``: ``DataConfig``, ``PrecomputeConfig``, ``T5Options``, ``LLMOptions``, ``TextEncodersConfig``, ``DreamBoothConfig``
+- ``data``: ``DataConfig``, ``SubsetConfig``, ``PrecomputeConfig``, ``T5Options``, ``LLMOptions``, ``TextEncodersConfig``, ``DreamBoothConfig``
   (``data``, ``precompute``, ``text_encoders``, ``dreambooth``)
 - ``training``: ``TrainConfig``, ``FlowConfig``, ``FullConfig``, ``EMAConfig``, ``SaveConfig``,
   ``ValidationConfig``, ``ReportConfig`` (``train``, ``flow``, ``full``, ``ema``, ``save``, ``validation``,
@@ -27,7 +27,15 @@ Import the names from here (``difftrain.config.schema``); the modules are its la
 from __future__ import annotations
 
 from .base import Strict
-from .data import DataConfig, DreamBoothConfig, LLMOptions, PrecomputeConfig, T5Options, TextEncodersConfig
+from .data import (
+    DataConfig,
+    DreamBoothConfig,
+    LLMOptions,
+    PrecomputeConfig,
+    SubsetConfig,
+    T5Options,
+    TextEncodersConfig,
+)
 from .lora import LoraConfig
 from .memory import (
     ActCheckpoint,
@@ -109,6 +117,7 @@ __all__ = [
     "SaveConfig",
     "SpeedConfig",
     "Strict",
+    "SubsetConfig",
     "T5Options",
     "TextEncodersConfig",
     "TrainConfig",

@@ -5,9 +5,76 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from .base import Strict
+
+#: DataConfig fields a subset may set for itself (None in the subset: the data section's value)
+SUBSET_OVERRIDES: tuple[str, ...] = (
+    "caption_ext",
+    "tag_ext",
+    "shuffle_caption",
+    "keep_tokens",
+    "keep_tokens_separator",
+    "caption_separator",
+    "caption_tag_dropout_rate",
+    "caption_dropout_rate",
+    "resolution",
+    "bucket_step",
+    "min_side",
+    "max_side",
+    "no_upscale",
+    "frames",
+    "alpha_mask",
+)
+
+
+class SubsetConfig(Strict):
+    """One folder of a dataset of several (sd-scripts' ``[[datasets.subsets]]``, diffusion-pipe's ``[[directory]]``):
+    its own repeats, caption options and buckets; every other setting is the data section's. Items of every subset
+    share one cache, keyed by content as always."""
+
+    dir: Path = Field(description="its images (sd-scripts' image_dir); relative: to data.dir when set, else as given")
+    metadata: Path | None = Field(default=None, description="merge-tags / sd-scripts metadata JSON (metadata_file)")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="names it in the plan and the cache's index (default: its folder's name)",
+    )
+    num_repeats: int = Field(
+        default=1, ge=1, le=100_000, description="times each image is seen per epoch (sd-scripts' num_repeats)"
+    )
+    is_reg: bool = Field(
+        default=False,
+        description="regularisation images (sd-scripts' is_reg): drawn beside each training batch and weighted by "
+        "dreambooth.prior_loss_weight, as DreamBooth's class images",
+    )
+    class_tokens: str | None = Field(
+        default=None, description="the caption of an image with no caption or tag file (sd-scripts' class_tokens)"
+    )
+    caption_ext: str | None = None
+    tag_ext: str | None = None
+    shuffle_caption: bool | None = None
+    keep_tokens: int | None = Field(default=None, ge=0)
+    keep_tokens_separator: str | None = None
+    caption_separator: str | None = Field(default=None, min_length=1)
+    caption_tag_dropout_rate: float | None = Field(default=None, ge=0, lt=1)
+    caption_dropout_rate: float | None = Field(default=None, ge=0, le=1)
+    resolution: int | None = Field(default=None, ge=64, le=16384)
+    bucket_step: int | None = Field(default=None, ge=8)
+    min_side: int | None = Field(default=None, ge=8, le=16384)
+    max_side: int | None = Field(default=None, ge=8, le=16384)
+    no_upscale: bool | None = None
+    frames: int | None = Field(default=None, ge=1, description="video families: this subset's longest frame bucket")
+    alpha_mask: bool | None = Field(
+        default=None,
+        description="sd-scripts' alpha_mask: the image's alpha channel weights the loss (white/opaque = trained); "
+        "read by the masked loss, which data.alpha_mask switches on for every subset",
+    )
+
+    def overrides(self) -> dict:
+        """The data-section fields this subset sets for itself."""
+        return {k: getattr(self, k) for k in SUBSET_OVERRIDES if getattr(self, k) is not None}
 
 
 class DataConfig(Strict):
@@ -91,6 +158,68 @@ class DataConfig(Strict):
         description="what a mask's file name adds to its image's name: OneTrainer's '-masklabel' "
         "(photo.jpg -> photo-masklabel.png); without data.mask_dir the masks lie beside the images",
     )
+
+    subsets: list[SubsetConfig] = Field(
+        default_factory=list,
+        description="several folders in one run, each with its own repeats, captions and buckets (sd-scripts' "
+        "dataset config: `--dataset-config FILE.toml`); data.dir is then not scanned itself",
+    )
+    dataset_config: Path | None = Field(
+        default=None,
+        description="sd-scripts' --dataset_config TOML or diffusion-pipe's dataset TOML, read into data.subsets "
+        "(and train.batch_size) under your own settings; what does not map is listed (`--dataset-config FILE`)",
+    )
+    layout: Literal["auto", "kohya", "folder"] = Field(
+        default="auto",
+        description="auto: a data.dir whose image folders are all named <repeats>_<name> (sd-scripts' '10_sks dog') "
+        "is read as kohya's layout (repeats, and the name as the caption of an image without one); folder: every "
+        "image once, whatever its folders are called",
+    )
+    reg_dir: Path | None = Field(
+        default=None,
+        description="sd-scripts' reg_data_dir: regularisation images in the same <repeats>_<name> layout, drawn "
+        "beside each training batch and weighted by dreambooth.prior_loss_weight",
+    )
+
+    @model_validator(mode="after")
+    def _subsets(self):
+        names: set[str] = set()
+        for i, s in enumerate(self.subsets):
+            unknown = sorted(k for k in s.overrides() if k not in type(self).model_fields)
+            if unknown:
+                raise ValueError(
+                    f"data.subsets[{i}] sets {', '.join(unknown)}, which this difftrain cannot apply yet: remove it"
+                )
+            name = self.subset_name(i)
+            if name in names:
+                raise ValueError(
+                    f"data.subsets[{i}]: another subset is named {name!r} too: give each a distinct data.subsets[].name"
+                )
+            names.add(name)
+            try:
+                self.subset_data(i)
+            except ValidationError as e:
+                why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+                raise ValueError(f"data.subsets[{i}] ({name}): {why}") from None
+        return self
+
+    def subset_name(self, i: int) -> str:
+        """A subset's name: its own, or its folder's name (made distinct by its position when two share one)."""
+        s = self.subsets[i]
+        if s.name:
+            return s.name
+        base = Path(s.dir).name or str(s.dir)
+        earlier = [Path(t.dir).name or str(t.dir) for t in self.subsets[:i] if not t.name]
+        return base if base not in earlier else f"{base}#{i}"
+
+    def subset_data(self, i: int) -> DataConfig:
+        """The data section as subset ``i`` sees it: its own values over the section's, validated."""
+        merged = {**self.model_dump(exclude={"subsets"}), **self.subsets[i].overrides()}
+        return DataConfig.model_validate(merged)
+
+    def view(self, overrides: dict) -> DataConfig:
+        """The data section with ``overrides`` over it, validated (a kohya folder's settings)."""
+        return DataConfig.model_validate({**self.model_dump(exclude={"subsets"}), **overrides})
 
     @model_validator(mode="after")
     def _masks(self):

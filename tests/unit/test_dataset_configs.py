@@ -1,0 +1,300 @@
+"""Dataset layouts and configs users bring from sd-scripts and diffusion-pipe (issue 54): kohya's <repeats>_<name>
+folders (data/subsets.py) and the dataset TOMLs (config/dataset_toml.py), read into data.subsets and checked by the
+schema. The TOMLs below are the trainers' own examples (sd-scripts' docs/config_README-en.md, diffusion-pipe's
+examples/dataset.toml) with the folders pointed at the test's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from difftrain.config.dataset_toml import read_dataset_toml
+from difftrain.config.load import resolve
+from difftrain.data.subsets import resolve_subsets
+from difftrain.errors import ConfigError, DataError
+
+# sd-scripts' docs/config_README-en.md, its first example, verbatim but for the folders
+SD_EXAMPLE = r"""
+[general]
+shuffle_caption = true
+caption_extension = '.txt'
+keep_tokens = 1
+
+# This is a DreamBooth-style dataset
+[[datasets]]
+resolution = 512
+batch_size = 4
+keep_tokens = 2
+
+  [[datasets.subsets]]
+  image_dir = 'C:\hoge'
+  class_tokens = 'hoge girl'
+  # This subset uses keep_tokens = 2 (the value of the parent datasets)
+
+  [[datasets.subsets]]
+  image_dir = 'C:\fuga'
+  class_tokens = 'fuga boy'
+  keep_tokens = 3
+
+  [[datasets.subsets]]
+  is_reg = true
+  image_dir = 'C:\reg'
+  class_tokens = 'human'
+  keep_tokens = 1
+
+# This is a fine-tuning dataset
+[[datasets]]
+resolution = [768, 768]
+batch_size = 2
+
+  [[datasets.subsets]]
+  image_dir = 'C:\piyo'
+  metadata_file = 'C:\piyo\piyo_md.json'
+  # This subset uses keep_tokens = 1 (the value of [general])
+"""
+
+# the same page's example of secondary_separator, wildcards and keep_tokens_separator
+SD_SEPARATORS = r"""
+[general]
+flip_aug = true
+color_aug = false
+resolution = [1024, 1024]
+
+[[datasets]]
+batch_size = 6
+enable_bucket = true
+bucket_no_upscale = true
+caption_extension = ".txt"
+keep_tokens_separator= "|||"
+shuffle_caption = true
+caption_tag_dropout_rate = 0.1
+secondary_separator = ";;;" # subset 側に書くこともできます / can be written in the subset side
+enable_wildcard = true # 同上 / same as above
+
+  [[datasets.subsets]]
+  image_dir = "/path/to/image_dir"
+  num_repeats = 1
+
+  # ||| の前後はカンマは不要です（自動的に追加されます） / No comma is required before and after ||| (it is added automatically)
+  caption_prefix = "1girl, hatsune miku, vocaloid |||"
+
+  # ||| の後はシャッフル、drop されず残ります / After |||, it is not shuffled or dropped and remains
+  # 単純に文字列として連結されるので、カンマなどは自分で入れる必要があります / It is simply concatenated as a string, so you need to put commas yourself
+  caption_suffix = ", anime screencap ||| masterpiece, rating: general"
+"""
+
+# and its example of one folder in two datasets at two resolutions
+SD_TWO_RESOLUTIONS = r"""
+# If data sets exist separately, they are not considered duplicates and are both used for training.
+
+[[datasets]]
+resolution = 512
+
+  [[datasets.subsets]]
+  image_dir = 'C:\hoge'
+
+[[datasets]]
+resolution = 768
+
+  [[datasets.subsets]]
+  image_dir = 'C:\hoge'
+"""
+
+# diffusion-pipe's examples/dataset.toml (its comments shortened), the folder pointed at the test's
+DP_EXAMPLE = r"""
+resolutions = [512]
+enable_ar_bucket = true
+min_ar = 0.5
+max_ar = 2.0
+num_ar_buckets = 7
+frame_buckets = [1, 33]
+
+[[directory]]
+path = '/home/anon/data/images/grayscale'
+num_repeats = 1
+"""
+
+
+def _write(tmp_path: Path, text: str, **folders: str) -> Path:
+    for old, new in folders.items():
+        text = text.replace(old, new)
+    path = tmp_path / "dataset.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _images(folder: Path, n: int, size=(96, 64)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.new("RGB", size, (40 * i, 90, 160)).save(folder / f"{i}.png")
+    return folder
+
+
+def test_sd_scripts_example_maps_each_subset_with_its_inherited_keys(tmp_path):
+    folders = {f"C:\\{n}": str(tmp_path / n) for n in ("piyo\\piyo_md.json", "hoge", "fuga", "reg", "piyo")}
+    folders["C:\\piyo\\piyo_md.json"] = str(tmp_path / "piyo" / "piyo_md.json")
+    reading = read_dataset_toml(_write(tmp_path, SD_EXAMPLE, **folders))
+    assert reading.kind == "sd-scripts"
+    subs = reading.config["data"]["subsets"]
+    assert [Path(s["dir"]).name for s in subs] == ["hoge", "fuga", "reg", "piyo"]
+    # keep_tokens: the dataset's 2, the subset's own 3 and 1, [general]'s 1 for the second dataset
+    assert [s["keep_tokens"] for s in subs] == [2, 3, 1, 1]
+    assert [s["resolution"] for s in subs] == [512, 512, 512, 768]
+    assert [s.get("class_tokens") for s in subs] == ["hoge girl", "fuga boy", "human", None]
+    assert [s.get("is_reg", False) for s in subs] == [False, False, True, False]
+    assert all(s["caption_ext"] == ".txt" and s["shuffle_caption"] is True for s in subs)
+    assert subs[3]["metadata"] == str(tmp_path / "piyo" / "piyo_md.json")
+    # two batch sizes: the first is taken, and that is said
+    assert reading.config["train"] == {"batch_size": 4}
+    assert [why for key, why in reading.unmapped if "batch_size" in key] == [
+        "difftrain trains one batch size: train.batch_size 4, the first dataset's"
+    ]
+    # the whole config validates (the recipe's largest side raised for 768), each subset named by its folder
+    cfg = resolve(
+        recipe="tiny-sdxl-lora", sets=[f"data.dataset_config={tmp_path / 'dataset.toml'}", "data.max_side=1024"]
+    ).config
+    d = cfg.data
+    assert [d.subset_name(i) for i in range(4)] == ["hoge", "fuga", "reg", "piyo"]
+    assert d.subset_data(1).keep_tokens == 3 and d.subset_data(3).resolution == 768 and d.resolution == 128
+
+
+def test_sd_scripts_separators_example_maps_what_difftrain_has_and_lists_the_rest(tmp_path):
+    reading = read_dataset_toml(_write(tmp_path, SD_SEPARATORS))
+    (sub,) = reading.config["data"]["subsets"]
+    assert sub["dir"] == "/path/to/image_dir" and sub["num_repeats"] == 1
+    assert sub["keep_tokens_separator"] == "|||" and sub["caption_tag_dropout_rate"] == 0.1
+    assert sub["no_upscale"] is True and sub["resolution"] == 1024 and sub["shuffle_caption"] is True
+    assert reading.config["train"] == {"batch_size": 6}
+    listed = {key.split("=")[0] for key, _ in reading.unmapped}
+    assert {"flip_aug", "secondary_separator", "enable_wildcard", "caption_prefix", "caption_suffix"} <= listed
+    # keys at sd-scripts' defaults change nothing, so nothing is said of them
+    assert "color_aug" not in listed and "enable_bucket" not in listed
+
+
+def test_one_folder_in_two_datasets_is_two_subsets(tmp_path):
+    _images(tmp_path / "hoge", 1)
+    path = _write(tmp_path, SD_TWO_RESOLUTIONS, **{"C:\\hoge": str(tmp_path / "hoge")})
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=[f"data.dataset_config={path}", "data.max_side=1024"]).config
+    subs = resolve_subsets(cfg.data)
+    assert [(s.name, s.data.resolution, s.key_prefix) for s in subs] == [
+        ("hoge", 512, "hoge/"),
+        ("hoge#1", 768, "hoge#1/"),
+    ]
+
+
+def test_diffusion_pipe_example_maps_buckets_and_frames(tmp_path):
+    folder = str(tmp_path / "grayscale")
+    reading = read_dataset_toml(_write(tmp_path, DP_EXAMPLE, **{"/home/anon/data/images/grayscale": folder}))
+    assert reading.kind == "diffusion-pipe"
+    assert reading.config["data"]["subsets"] == [
+        {"dir": folder, "caption_ext": ".txt", "num_repeats": 1, "frames": 33, "resolution": 512}
+    ]
+    notes = {key.split("=")[0]: why for key, why in reading.unmapped}
+    assert {"min_ar", "max_ar", "num_ar_buckets", "frame_buckets"} <= set(notes)
+    assert "data.frames 33" in notes["frame_buckets"]
+
+
+def test_diffusion_pipe_several_resolutions_and_shuffles(tmp_path):
+    text = (
+        "resolutions = [512, [640, 384]]\nframe_buckets = [1, 30]\ncache_shuffle_num = 10\n"
+        "[[directory]]\npath = 'clips'\nnum_repeats = 5\n"
+    )
+    reading = read_dataset_toml(_write(tmp_path, text), base=tmp_path)
+    subs = reading.config["data"]["subsets"]
+    # [640, 384] is 495 pixels a side by area, on the 16-pixel grid: 480; 30 frames -> the 4k+1 below, 29
+    assert [(s["name"], s["resolution"], s["frames"], s["num_repeats"]) for s in subs] == [
+        ("clips@480", 480, 29, 5),
+        ("clips@512", 512, 29, 5),
+    ]
+    assert all(s["dir"] == str(tmp_path / "clips") and s["shuffle_caption"] for s in subs)
+    assert reading.config["data"]["caption_variants"] == 10
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "what"),
+    [
+        ("[[datasets]]\n[[datasets.subsets]]\nimage_dri = 'x'\n", "datasets[0].subsets[0].image_dri", "unknown key"),
+        (
+            "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'x'\nresolution = 512\n",
+            "subsets[0].resolution",
+            "dataset's",
+        ),
+        (
+            "[general]\nimage_dir = 'x'\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'y'\n",
+            "[general].image_dir",
+            "subsets",
+        ),
+        ("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'x'\nnum_repeats = '10'\n", "num_repeats", "whole number"),
+        ("[[datasets]]\n[[datasets.subsets]]\nnum_repeats = 2\n", "datasets[0].subsets[0]", "no image_dir"),
+        ("resolutions = [512]\nmax_frames = 3\n[[directory]]\npath = 'x'\n", "max_frames", "unknown key"),
+        ("[[directory]]\nnum_repeats = 0\npath = 'x'\n", "num_repeats", "whole number"),
+        ("[[directory]]\nnum_repeats = 2\n", "directory[0]", "no path"),
+        ("[[somethingelse]]\nx = 1\n", "neither", "[[datasets]]"),
+        ("[[datasets]\n", "not valid TOML", ""),
+    ],
+)
+def test_bad_dataset_configs_name_where(tmp_path, text, where, what):
+    with pytest.raises(ConfigError) as e:
+        read_dataset_toml(_write(tmp_path, text))
+    assert where in str(e.value) and what in str(e.value) and e.value.hint
+
+
+def test_kohya_layout_gives_a_subset_per_folder_and_data_dir_alone_stays_as_it_was(tmp_path):
+    img = tmp_path / "img"
+    _images(img / "10_sks dog", 3)
+    _images(img / "1_dog", 2)
+    (img / ".difftrain-cache").mkdir()  # hidden: not a folder of the layout
+    reg = tmp_path / "reg"
+    _images(reg / "2_dog", 1)
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=[f"data.dir={img}", f"data.reg_dir={reg}"]).config
+    subs = resolve_subsets(cfg.data)
+    assert [(s.name, s.repeats, s.class_tokens, s.is_reg, s.key_prefix) for s in subs] == [
+        ("10_sks dog", 10, "sks dog", False, "10_sks dog/"),
+        ("1_dog", 1, "dog", False, "1_dog/"),
+        ("reg:2_dog", 2, "dog", True, "reg:2_dog/"),
+    ]
+    # data.layout: folder reads the same folder as one, the plain way
+    plain = resolve(recipe="tiny-sdxl-lora", sets=[f"data.dir={img}", "data.layout=folder"]).config
+    assert [(s.name, s.repeats, s.key_prefix) for s in resolve_subsets(plain.data)] == [("", 1, "")]
+    # a folder of images without sub-folders is data.dir read whole
+    flat = _images(tmp_path / "flat", 2)
+    assert [s.name for s in resolve_subsets(resolve(sets=[f"data.dir={flat}"]).config.data)] == [""]
+
+
+@pytest.mark.parametrize(
+    ("folders", "top", "message"),
+    [
+        (["10_"], False, "gives repeats (10) but no name"),
+        (["0_x"], False, "asks for 0 repeats"),
+        (["10_dog", "cats"], False, "its folder 'cats' is not named so"),
+        (["10_dog"], True, "images at its top"),
+    ],
+)
+def test_near_kohya_layouts_are_refused_with_what_to_rename(tmp_path, folders, top, message):
+    img = tmp_path / "img"
+    for f in folders:
+        _images(img / f, 1)
+    if top:
+        _images(img, 1)
+    cfg = resolve(sets=[f"data.dir={img}"]).config
+    with pytest.raises(DataError) as e:
+        resolve_subsets(cfg.data)
+    assert message in str(e.value) and "data.layout: folder" in str(e.value.hint) + str(e.value)
+    assert resolve_subsets(resolve(sets=[f"data.dir={img}", "data.layout=folder"]).config.data)[0].name == ""
+
+
+def test_a_subset_whose_folder_is_missing_names_it(tmp_path):
+    cfg = resolve(sets=[f"data.subsets=[{{dir: {tmp_path / 'nothing'}, num_repeats: 2}}]"]).config
+    with pytest.raises(DataError, match=r"data.subsets\[0\] \(nothing\): the folder .*nothing does not exist"):
+        resolve_subsets(cfg.data)
+
+
+def test_subset_values_are_checked_with_the_data_section(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        resolve(recipe="tiny-sdxl-lora", sets=["data.subsets=[{dir: a, resolution: 512}]"])
+    assert "data.subsets[0] (a): resolution (512) must lie between" in str(e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        resolve(sets=["data.subsets=[{dir: a/x}, {dir: b/x, name: x}]"])
+    assert "another subset is named 'x'" in str(e.value.problems)
