@@ -180,3 +180,23 @@ def cli(capsys):
         return CliResult(code, out, err)
 
     return run
+
+
+def grey_video(path, rows, size=(64, 48)):
+    """A grey mask video: frame i's columns from ``rows[i]`` (0 or 255 each)."""
+    import av
+    import numpy as np
+
+    codec = next((c for c in ("libx264", "mpeg4") if c in av.codecs_available), None)
+    if codec is None:
+        pytest.skip("this PyAV build has neither libx264 nor mpeg4")
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=8)
+        s.width, s.height = size
+        s.pix_fmt = "yuv420p"
+        for row in rows:
+            px = np.repeat(np.tile(row.astype(np.uint8), (size[1], 1))[..., None], 3, axis=2)
+            for pkt in s.encode(av.VideoFrame.from_ndarray(px, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)

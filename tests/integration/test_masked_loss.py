@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from conftest import tiny_sets
+from conftest import grey_video, tiny_sets
 from difftrain.config.load import resolve
 from difftrain.data.buckets import fit_to_bucket
 from difftrain.data.cache import DataCache
@@ -112,9 +112,10 @@ def test_training_with_masks_on_a_cache_made_without_them_is_refused(tiny_model,
 
 
 @pytest.mark.slow
-def test_video_masks_one_for_all_frames_and_one_per_frame(tmp_path):
+def test_video_masks_one_for_all_frames_one_per_frame_and_a_mask_video(tmp_path):
     """A clip with one mask image: [1, 1, h, w], broadcast over its latent frames; a clip with a folder of a mask per
-    frame: each latent frame the mean of the frames it stands for (frame 0 alone, then 4 each); both train."""
+    frame, or a mask video: each latent frame the mean of the frames it stands for (frame 0 alone, then 4 each);
+    they train."""
     pytest.importorskip("av")
     from test_cogvideox_training import _clip
 
@@ -122,7 +123,7 @@ def test_video_masks_one_for_all_frames_and_one_per_frame(tmp_path):
 
     model = CogVideoX().build_tiny(tmp_path / "tiny-cog", seed=0)
     clips, masks = tmp_path / "clips", tmp_path / "masks"
-    for i in range(2):
+    for i in range(3):
         _clip(clips / f"clip{i}.mp4", 9, seed=i)
         (clips / f"clip{i}.txt").write_text(f"a square {i}")
     masks.mkdir()
@@ -134,10 +135,11 @@ def test_video_masks_one_for_all_frames_and_one_per_frame(tmp_path):
         a = np.zeros((48, 64), np.uint8)
         a[:, : 8 * f] = 255
         Image.fromarray(a).save(masks / "clip1" / f"{f:03d}.png")
+    grey_video(masks / "clip2.mp4", [np.where(np.arange(64) < 8 * f, 255, 0) for f in range(9)])
     sets = tiny_sets(model, clips, tmp_path, **{"data.caption_ext": ".txt", "data.mask_dir": masks})
     cfg = resolve(recipe="tiny-cogvideox-lora", sets=sets + ["train.max_steps=2"]).config
     report = precompute(cfg)
-    assert report.masks == {"mask file": 1, "mask per frame": 1}
+    assert report.masks == {"mask file": 1, "mask per frame": 1, "mask video": 1}
     cache = DataCache(tmp_path / "cache")
     items = {it["key"]: it for it in cache.read_json("index.json")["items"]}
     lat_shape = cache.get(items["clip0"]["latent"])["latents"].shape  # [C, 3, h, w]: 9 frames -> 3
@@ -148,6 +150,8 @@ def test_video_masks_one_for_all_frames_and_one_per_frame(tmp_path):
     learned = per.mean(dim=(2, 3))[0]  # the share learned of each latent frame: frame 0, then frames 1-4, 5-8
     want = torch.tensor([0.0, (1 + 2 + 3 + 4) / 4 / 8, (5 + 6 + 7 + 8) / 4 / 8])
     torch.testing.assert_close(learned, want, atol=2e-3, rtol=0)
+    from_video = cache.get(items["clip2"]["mask"])["mask"].float().mean(dim=(2, 3))[0]  # lossy: within 3%
+    torch.testing.assert_close(from_video, want, atol=0.03, rtol=0)
     assert len(train(cfg).losses) == 2
 
 

@@ -5,6 +5,7 @@ examples/dataset.toml) with the folders pointed at the test's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,75 @@ def test_subset_values_are_checked_with_the_data_section(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve(sets=["data.subsets=[{dir: a/x}, {dir: b/x, name: x}]"])
     assert "another subset is named 'x'" in str(e.value.problems)
+
+
+def test_a_diffusion_pipe_video_dataset_plans_each_folder_with_its_frames_and_repeats(tmp_path):
+    """diffusion-pipe's users bring clips: each [[directory]] is scanned as clips of the video family, captioned by
+    its .txt files, with its own longest frame bucket and its repeats on the planned items."""
+    av = pytest.importorskip("av")
+    import numpy as np
+    import torch
+
+    from difftrain.families.registry import get_family
+    from difftrain.precompute.plan import buckets_for, place_all, scan
+    from difftrain.runtime.distributed import World
+
+    codec = next((c for c in ("libx264", "mpeg4") if c in av.codecs_available), None)
+    if codec is None:
+        pytest.skip("this PyAV build has neither libx264 nor mpeg4")
+
+    def clip(path: Path, frames: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with av.open(str(path), "w") as out:
+            stream = out.add_stream(codec, rate=16)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            for i in range(frames):
+                frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 10 * i, np.uint8), format="rgb24")
+                out.mux(stream.encode(frame))
+            out.mux(stream.encode())
+
+    clip(tmp_path / "walks" / "a.mp4", 12)
+    (tmp_path / "walks" / "a.txt").write_text("a person walking", encoding="utf-8")
+    clip(tmp_path / "waves" / "b.mp4", 12)
+    walks, waves = tmp_path / "walks", tmp_path / "waves"
+    path = _write(
+        tmp_path,
+        "resolutions = [64]\nframe_buckets = [1, 5]\n"
+        f"[[directory]]\npath = '{walks}'\nnum_repeats = 3\nframe_buckets = [1, 9]\n"
+        f"[[directory]]\npath = '{waves}'\n",
+    )
+    cfg = resolve(recipe="tiny-wan-lora", sets=[f"data.dataset_config={path}", "data.fps=null"]).config
+    family = get_family("wan")
+    records, skipped = scan(cfg, family, World(), torch.device("cpu"), plan_only=True)
+    assert skipped == []
+    placed, dropped = place_all(records, cfg.data, buckets_for(cfg.data, True), resolve_subsets(cfg.data))
+    assert dropped == []
+    got = {(p.record.key, p.record.subset, p.record.caption, p.frames, p.repeats) for p in placed}
+    assert got == {("walks/a", "walks", "a person walking", 9, 3), ("waves/b", "waves", "", 5, 1)}
+
+
+def test_a_subsets_own_augmentation_is_checked_against_the_cache(tmp_path):
+    from difftrain.data.cache import DataCache
+    from difftrain.data.index import CacheIndex, IndexItem
+    from difftrain.families.sdxl import SDXL
+    from difftrain.trainers.cache_check import cache_differences
+
+    cfg = resolve(
+        recipe="tiny-sdxl-lora",
+        sets=["data.subsets=[{dir: a, shuffle_caption: true}, {dir: b, caption_dropout_rate: 0.1}]"],
+    ).config
+
+    def index(variants: bool, empty: bool) -> CacheIndex:
+        item = IndexItem(key="a/0", latent="l", texts={"clip": "t"}, bucket=(64, 64), subset="a")
+        if variants:
+            item = replace(item, text_variants=({"clip": "v1"}, {"clip": "v2"}))
+        other = IndexItem(key="b/0", latent="m", texts={"clip": "u"}, bucket=(64, 64), subset="b")
+        captions = {"variants": 0, "dropout": False}
+        return CacheIndex(
+            items=[item, other], family="sdxl", captions=captions, empty_text={"clip": "e"} if empty else None
+        )
+
+    diffs = cache_differences(cfg, SDXL(), DataCache(tmp_path), index(False, False), [])
+    assert any("data.subsets 'a': shuffle_caption" in d for d in diffs)
+    assert any("data.subsets 'b': caption_dropout_rate" in d for d in diffs)
+    assert cache_differences(cfg, SDXL(), DataCache(tmp_path), index(True, True), []) == []

@@ -146,3 +146,26 @@ def test_a_masks_key_is_its_latents_and_its_content():
     other = latent_key("sdxl", "vae", "fp32", (64, 64), "random", "img")
     assert mask_key(lat, "file", "m1") != mask_key(other, "file", "m1")  # another crop: another entry
     assert mask_key(lat, "alpha", "") != mask_key(lat, "file", "")
+
+
+def test_a_clips_mask_video_or_folder_must_have_its_frame_count(tmp_path):
+    pytest.importorskip("av")
+    from conftest import grey_video
+
+    masks = tmp_path / "masks"
+    (masks / "clip").mkdir(parents=True)
+    for f in range(3):
+        _grey(masks / "clip" / f"{f}.png", (64, 48))
+    folder = MaskSpec(folder=masks).find("clip", tmp_path / "clip.mp4", video=True)
+    assert folder == MaskSource("frames", masks / "clip")
+    check_mask_size(folder, tmp_path / "clip.mp4", (64, 48), frames=3)
+    with pytest.raises(DataError, match=r"holds 3 images, its clip .*clip\.mp4 has 9 frames"):
+        check_mask_size(folder, tmp_path / "clip.mp4", (64, 48), frames=9)
+    grey_video(masks / "other.mp4", [np.zeros(64)] * 5)
+    video = MaskSpec(folder=masks).find("other", tmp_path / "other.mp4", video=True)
+    assert video == MaskSource("video", masks / "other.mp4")
+    check_mask_size(video, tmp_path / "other.mp4", (128, 96), frames=5)  # twice the size, the same shape
+    with pytest.raises(DataError, match=r"mask video .*other\.mp4 has 5 frames, its clip .*other\.mp4 has 9"):
+        check_mask_size(video, tmp_path / "other.mp4", (64, 48), frames=9)
+    with pytest.raises(DataError, match=r"is 64x48, its clip .* is 48x64: another aspect ratio"):
+        check_mask_size(video, tmp_path / "other.mp4", (48, 64), frames=5)

@@ -15,7 +15,9 @@ learned, black (0) is not, grey in between. It comes from
 The mask is fitted to the image's bucket exactly as the image is (the same resize to cover, the same crop, from the
 latent entry's crop offsets) and area-averaged to the latent's size (sd-scripts' ``apply_masked_loss`` interpolates
 with ``mode="area"``), for a video also over the frames each latent frame stands for. A video takes one mask image
-for all its frames, or a mask folder ``<mask_dir>/<clip name>/`` of one image per frame of the clip (sorted by name).
+for all its frames, a mask folder ``<mask_dir>/<clip name>/`` of one image per frame of the clip (sorted by name), or
+a mask video ``<mask_dir>/<clip name>.mp4`` (any of the clips' video formats) of as many frames as the clip (its red
+channel read, as of a colour mask image).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..errors import DataError
 from .buckets import Bucket, resize_to_cover
 from .paths import IMAGE_EXTS, check_inside
 
-MaskKind = Literal["alpha", "file", "frames"]
+MaskKind = Literal["alpha", "file", "frames", "video"]
 
 _ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
 _MASK_HINT = "fix or replace the mask, or remove it (the image is then learned everywhere)"
@@ -44,7 +46,7 @@ class MaskSource:
     """Where one item's mask is read: its image's alpha channel, a mask file, or a folder of per-frame masks."""
 
     kind: MaskKind
-    path: Path  # the image (alpha), the mask file, or the folder of frame masks
+    path: Path  # the image (alpha), the mask file, the folder of frame masks, or the mask video
 
     def files(self) -> list[Path]:
         """The mask images, in frame order (one but for a folder of frame masks)."""
@@ -101,6 +103,13 @@ class MaskSpec:
         name = base.name + self.suffix
         if video and self.folder is not None and (base.parent / name).is_dir():
             return _checked(MaskSource("frames", base.parent / name), self.folder, root)
+        if video and self.folder is not None:
+            from .video import VIDEO_EXTS
+
+            for ext in VIDEO_EXTS:
+                for cand in (base.parent / (name + ext), base.parent / (name + ext.upper())):
+                    if cand.is_file():
+                        return _checked(MaskSource("video", cand), self.folder, root)
         for ext in IMAGE_EXTS:
             for cand in (base.parent / (name + ext), base.parent / (name + ext.upper())):
                 if cand.is_file():
@@ -188,14 +197,45 @@ def same_aspect(size: tuple[int, int], other: tuple[int, int]) -> bool:
     return abs(mw * h - mh * w) <= max(w, h, mw, mh)
 
 
-def check_mask_size(source: MaskSource, image: Path, size: tuple[int, int]) -> None:
+def mask_video_frames(path: Path) -> tuple[tuple[int, int], int]:
+    """A mask video's upright (width, height) and frame count (its header read, as the clips' are)."""
+    from .video import probe_video
+
+    try:
+        width, height, frames, _ = probe_video(path)
+    except Exception as exc:  # PyAV and the probe raise many types for bad files
+        raise DataError(f"cannot read the mask video {path}: {exc}", hint=_MASK_HINT) from exc
+    return (width, height), frames
+
+
+def check_mask_size(source: MaskSource, image: Path, size: tuple[int, int], frames: int = 1) -> None:
     """:class:`DataError` naming both files when a mask's aspect ratio is not its image's (``size``: the image's
-    upright width and height); a mask of the same ratio at another size is resized to the image."""
+    upright width and height), or a mask video's or mask folder's frame count is not its clip's (``frames``); a mask
+    of the same ratio at another size is resized to the image."""
     if source.kind == "alpha":
+        return
+    if source.kind == "video":
+        ms, n = mask_video_frames(source.path)
+        if not same_aspect(size, ms):
+            raise DataError(
+                f"the mask video {source.path} is {ms[0]}x{ms[1]}, its clip {image} is {size[0]}x{size[1]}: another "
+                "aspect ratio, so which pixels it means is unclear",
+                hint="make the mask video at the clip's size (or the same shape at another size), or remove it",
+            )
+        if n != frames:
+            raise DataError(
+                f"the mask video {source.path} has {n} frames, its clip {image} has {frames}",
+                hint="give the mask video one frame per frame of the clip, or use one mask image for all frames",
+            )
         return
     files = source.files()
     if not files:
         raise DataError(f"the mask folder {source.path} of {image} holds no images", hint=_MASK_HINT)
+    if source.kind == "frames" and len(files) != frames:
+        raise DataError(
+            f"the mask folder {source.path} holds {len(files)} images, its clip {image} has {frames} frames",
+            hint="give one mask image per frame of the clip (sorted by name), or one mask image for all frames",
+        )
     for f in files:
         ms = mask_size(f)
         if not same_aspect(size, ms):
@@ -247,3 +287,13 @@ def to_latent(pixels: torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tens
     k = (n - 1) // (f - 1)
     rest = spatial[1:].reshape(f - 1, k, h, w).mean(dim=1)
     return torch.cat([spatial[:1], rest])[None]
+
+
+def read_mask_video(path: Path, indices: list[int], frames: int) -> list[Image.Image]:
+    """The frames at ``indices`` of a mask video (of ``frames`` frames), each its red channel as an 8-bit image."""
+    from .video import VideoRecord, _decode_frames
+
+    record = VideoRecord(path.stem, path, "", 1, 1, frames, 0.0, False)
+    distinct = sorted(set(indices))
+    decoded = dict(zip(distinct, _decode_frames(record, distinct)))  # DataError naming the file
+    return [Image.fromarray(decoded[i][..., 0].copy(), "L") for i in indices]

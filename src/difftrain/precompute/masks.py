@@ -13,7 +13,7 @@ import torch
 
 from ..console import progress
 from ..data.cache import DataCache
-from ..data.masks import fit_mask, read_mask, to_latent
+from ..data.masks import fit_mask, read_mask, read_mask_video, to_latent
 from ..errors import DataError
 from .plan import PlanItem, Skipped
 
@@ -66,6 +66,11 @@ def mask_entry(cache: DataCache, p: PlanItem, colour: list[str] | None = None) -
         files = [files[i] for i in (p.indices or range(len(files)))]
     size = (p.record.width, p.record.height)
     frames = []
+    if source.kind == "video":
+        n = getattr(p.record, "frames", 1)
+        for mask in read_mask_video(source.path, list(p.indices or range(n)), n):
+            frames.append(fit_mask(mask, size, p.bucket, (top, left)))
+        return to_latent(torch.stack(frames), shape).to(MASK_DTYPE)
     for f in files:
         mask, in_colour = read_mask(f, source.kind)
         if mask is None:  # alpha gone since the plan read the header: learned everywhere

@@ -426,6 +426,10 @@ def mask_spec(cfg: Config, record: Record) -> tuple[MaskSpec, Path | None]:
     return MaskSpec.from_config(data), Path(root) if root is not None else None
 
 
+#: how the plan names each source of masks
+_MASK_KINDS = {"alpha": "alpha channel", "file": "mask file", "frames": "mask per frame", "video": "mask video"}
+
+
 @dataclass
 class MaskPlan:
     """Where each placed item's mask is read (None: learned everywhere), the items without one and why, and what
@@ -439,7 +443,7 @@ class MaskPlan:
         """Items per mask source (alpha channel, mask file, per-frame masks) and without a mask."""
         out: dict[str, int] = {}
         for s in self.sources:
-            name = {"alpha": "alpha channel", "file": "mask file", "frames": "mask per frame"}[s.kind] if s else "none"
+            name = _MASK_KINDS[s.kind] if s else "none"
             out[name] = out.get(name, 0) + 1
         return out
 
@@ -472,14 +476,7 @@ def find_masks(placed: Sequence[Placement], cfg: Config) -> MaskPlan:
         elif source is None:
             out.unmasked.append((str(r.path), "no mask file: learned everywhere"))
         else:
-            check_mask_size(source, r.path, (r.width, r.height))
-            frames = getattr(r, "frames", 1)
-            if source.kind == "frames" and len(source.files()) != frames:
-                raise DataError(
-                    f"the mask folder {source.path} holds {len(source.files())} images, its clip {r.path} has "
-                    f"{frames} frames",
-                    hint="give one mask image per frame of the clip (sorted by name), or one mask image for all frames",
-                )
+            check_mask_size(source, r.path, (r.width, r.height), getattr(r, "frames", 1))
         out.sources.append(source)
     if out.record is None:
         return MaskPlan()

@@ -80,7 +80,27 @@ def cache_differences(
             diffs.append("caption augmentation changed since the cache was made: " + ", ".join(changed))
         if want.dropout_rate > 0 and not index.empty_text:
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
+        diffs += _subset_captions(cfg, index)
     return diffs
+
+
+def _subset_captions(cfg: Config, index: CacheIndex) -> list[str]:
+    """data.subsets' own caption augmentation against what the cache holds for their items (the index records the
+    data section's; a subset's is seen in its items: augmented variants, the empty caption)."""
+    d, out = cfg.data, []
+    for i in range(len(d.subsets)):
+        name, aug = d.subset_name(i), CaptionAugment.from_config(d.subset_data(i))
+        items = [it for it in index.items if it.subset == name and not it.prior]
+        if aug.varies and items and not any(it.text_variants for it in items):
+            out.append(
+                f"data.subsets {name!r}: shuffle_caption / caption_tag_dropout_rate set, but the cache holds one "
+                "version of each of its captions"
+            )
+        if aug.dropout_rate > 0 and items and not index.empty_text:
+            out.append(
+                f"data.subsets {name!r}: caption_dropout_rate > 0, but the cache holds no embedding of the empty caption"
+            )
+    return out
 
 
 def _masks_said(record: dict) -> str:

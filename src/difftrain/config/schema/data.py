@@ -217,10 +217,6 @@ class DataConfig(Strict):
         merged = {**self.model_dump(exclude={"subsets"}), **self.subsets[i].overrides()}
         return DataConfig.model_validate(merged)
 
-    def view(self, overrides: dict) -> DataConfig:
-        """The data section with ``overrides`` over it, validated (a kohya folder's settings)."""
-        return DataConfig.model_validate({**self.model_dump(exclude={"subsets"}), **overrides})
-
     @model_validator(mode="after")
     def _masks(self):
         if self.alpha_mask and (self.mask_dir is not None or self.mask_suffix):
