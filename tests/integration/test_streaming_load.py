@@ -328,3 +328,39 @@ def test_the_sd3_single_file_streams_its_transformer_as_diffusers_converter_read
     fp8.convert(ref, torch.device("cpu"), skip=fam.high_precision_modules.get("transformer", ()))
     a, b = ref.state_dict(), got.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_streamed_bitsandbytes_layers_are_the_loaded_then_converted_ones(flux_files, kind, monkeypatch):
+    """nf4 / int8 base weights stream too (issue 50): each Linear becomes its bitsandbytes layer as its weight is
+    read, the layer convert() makes from the loaded model (bitsandbytes quantizes on the CPU as on the GPU; the
+    trainer still asks for a GPU, bnb_weights.require, stubbed here)."""
+    pytest.importorskip("bitsandbytes")
+    from difftrain.memory import bnb_weights
+
+    monkeypatch.setattr(bnb_weights, "require", lambda kind, device: None)
+    folder, file = flux_files
+    fam = get_family("flux")
+    mcfg = ModelConfig(path=file, config="flux-tiny")
+    keep = fam.high_precision_modules.get("transformer", ())
+    ref = fam.load(mcfg, ["transformer"], dtype=torch.bfloat16, device="cpu", tokenizers=False)["transformer"]
+    ref.requires_grad_(False)
+    n = bnb_weights.convert(ref, torch.device("cpu"), kind, torch.bfloat16, skip=keep)  # the load before
+    place = _placement(fam, [f"memory.weights={{kind: {kind}}}"])
+    assert place.takes("transformer")
+    with streaming.placing(place) as placed:
+        got = fam.load(mcfg, ["transformer"], dtype=torch.bfloat16, device="cpu", tokenizers=False)["transformer"]
+    assert placed == {"transformer"}
+    layer = (torch.nn.Linear,)
+    made = [m for m in got.modules() if isinstance(m, layer) and type(m) is not torch.nn.Linear]
+    assert n > 0 and len(made) == n
+    assert [type(m) for m in ref.modules()] == [type(m) for m in got.modules()]
+    a, b = ref.state_dict(), got.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].float(), b[k].float()), k
+    # the high-precision modules stayed plain Linears, and nothing is left on the meta device
+    assert not any(t.is_meta for t in [*got.parameters(), *got.buffers()])
+    # convert() after the streamed load (what the trainer's technique still runs) makes no second layer
+    got.requires_grad_(False)
+    assert bnb_weights.convert(got, torch.device("cpu"), kind, torch.bfloat16, skip=keep) == 0

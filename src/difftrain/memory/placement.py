@@ -11,8 +11,10 @@ block swap keeps there by design.
 The same rules as the techniques that run after the adapters (``memory.plan.apply_weights``, ``BlockSwap``):
 which layers become fp8 (``fp8.convertible``, the family's high-precision modules kept) and which blocks are
 swapped (``block_swap.choose_swapped`` over the sizes the blocks will have), so a streamed part ends as the
-techniques would have left it. bitsandbytes' nf4/int8 weights are not streamed (their layers are made before the
-adapters from the loaded model; no recipe stores the denoiser so).
+techniques would have left it. bitsandbytes' nf4 / int8 weights stream too: each Linear becomes its bitsandbytes
+layer, quantized on the device, as its weight is read (``bnb_weights.make_layer``, the layer ``bnb_weights.convert``
+would have made from the loaded model; it then leaves these as they are). Block swap is not allowed with them
+(config rule), so nothing of theirs goes to the host store.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from ..config.schema import MemoryConfig, OffloadBlockSwap
 from ..utils import set_tensor
-from . import fp8
+from . import bnb_weights, fp8
 from .block_swap import choose_swapped
 from .pinned import host_like
 
@@ -58,8 +60,11 @@ class WeightPlacement:
         self.keep = dict(keep or {})
         self.units = units
         self.fp8 = mem.weights.kind == "fp8"
+        self.bnb = mem.weights.kind if mem.weights.kind in ("nf4", "int8") else None
         self.swap = mem.offload.kind == "block_swap" and units is not None
-        self.parts = {p for p in parts if (self.fp8 and p not in self.full_trained) or (self.swap and p == denoiser)}
+        self.parts = {
+            p for p in parts if ((self.fp8 or self.bnb) and p not in self.full_trained) or (self.swap and p == denoiser)
+        }
         self.swapped: list[int] | None = None  # the denoiser's swapped units, once it is placed
         self.pinned = self.device.type == "cuda"
 
@@ -77,6 +82,14 @@ class WeightPlacement:
             f"{name}.weight" if name else "weight"
             for name, m in modules.items()
             if use_fp8 and fp8.convertible(m, name, keep) is not None
+        }
+        bnb_layers = {
+            name
+            for name, m in modules.items()
+            if name
+            and self.bnb
+            and part not in self.full_trained
+            and bnb_weights.quantizable(name, m, keep, frozen=False)
         }
         host: set[str] = set()
         if self.swap and part == self.denoiser:
@@ -100,8 +113,26 @@ class WeightPlacement:
                 host.update(f"{pre}.{n}" for n, _ in units[i].named_parameters())
         per_channel = getattr(self.mem.weights, "scale", "tensor") == "channel"
 
+        threshold = getattr(self.mem.weights, "outlier_threshold", 0.0)
+
         def put(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
             with torch.no_grad():
+                owner, _, leaf = name.rpartition(".")
+                if leaf == "weight" and owner in bnb_layers:  # the Linear becomes its bitsandbytes layer now
+                    old = root.get_submodule(owner)
+                    b = old._parameters.get("bias")
+                    new = bnb_weights.make_layer(
+                        self.bnb or "",
+                        t,
+                        None if b is None or b.is_meta else b,
+                        b is not None,
+                        self.device,
+                        self.dtype,
+                        threshold,
+                    )
+                    parent, _, child = owner.rpartition(".")
+                    setattr(root.get_submodule(parent), child, new)
+                    return
                 if name in fp8_names:
                     w8, scale = fp8.quantize(t.to(self.device), per_channel)
                     if name in host:

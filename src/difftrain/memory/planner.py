@@ -158,7 +158,6 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     e.host["libraries"] = CUDA_CONTEXT_HOST_GIB
     e.host["training (batches, buffers)"] = TRAINING_HOST_GIB
     parts = hints["parts"]
-    loaded = sum(p["total"] for p in parts.values() if p.get("loaded", True))
     if cfg.model.path is not None and Path(cfg.model.path).is_dir():
         # a diffusers folder's models are read by difftrain's SafetensorsReader like a single file (private reads,
         # families.common.read_diffusers_model); transformers' text encoders, and the denoiser of ZeRO-3's
@@ -184,12 +183,9 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     if swapped_bytes or m.optimizer.kind == "cpu_offload":
         # pinned copies are packed into slabs (memory/pinned.py): on average half a slab is left unused
         e.host["pinned slabs' free tail"] = SLAB / 2 / GIB
-    if wk in ("nf4", "int8"):
-        # loaded on the host first (bitsandbytes' layers are made from the loaded model before the adapters)
-        e.host["load (one high-precision copy, freed)"] = max(0.0, loaded * BYTES[compute] - swapped_bytes) / GIB
-    elif wk == "fp8" or m.offload.kind == "block_swap":
-        # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8 on the GPU, the
-        # pinned store) before the next is read: the one read and the copy being made of it (issue 50)
+    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
+        # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8, nf4 or int8 on the
+        # GPU, the pinned store) before the next is read: the one read and the copy being made of it (issue 50)
         e.host["load (one tensor at a time)"] = 2 * hints.get("largest_param", 0) * BYTES[compute] / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":
         e.host["EMA"] = trainable * 4 / GIB

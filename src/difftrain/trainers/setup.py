@@ -27,6 +27,7 @@ from ..families.base import ModelFamily, stage_precisions
 from ..families.common import mapped_reads
 from ..families.registry import row
 from ..lora.adapters import adapter_metadata, add_lora
+from ..memory import bnb_weights
 from ..memory import pinned as pinned_
 from ..memory.placement import WeightPlacement
 from ..memory.plan import (
@@ -381,6 +382,8 @@ def _placement(
     tensor is read, so the part is never whole in host memory (issue 50). Parts it does not take load as before.
     DIFFTRAIN_STREAMING_LOAD=0 takes none (the load before issue 50, for comparison in benchmarks and tests)."""
     full = [part for part in lrs if cfg.train.method == "full"]
+    if cfg.memory.weights.kind in ("nf4", "int8"):  # bitsandbytes and a GPU, said before anything loads
+        bnb_weights.require(cfg.memory.weights.kind, device)
     return WeightPlacement(
         cfg.memory,
         device,
