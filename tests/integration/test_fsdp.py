@@ -163,7 +163,7 @@ def test_two_fsdp_processes_train_as_one_and_their_checkpoint_resumes_on_one(tin
 @pytest.mark.parametrize("family,recipe", [("flux", "tiny-flux-lora"), ("sd3", "tiny-sd3-lora"),
                                            ("cogvideox", "tiny-cogvideox-lora"), ("wan", "tiny-wan-lora"),
                                            ("zimage", "tiny-zimage-lora"), ("krea2", "tiny-krea2-lora"),
-                                           ("qwen-image", "tiny-qwen-image-lora")])  # fmt: skip
+                                           ("qwen-image", "tiny-qwen-image-lora"), ("flux2", "tiny-flux2-lora")])  # fmt: skip
 def test_fsdp_trains_every_family_as_the_plain_engine(family, recipe, _dataset_master, tmp_path, recwarn):
     """Each family's denoiser built on the meta device, sharded block by block (its swap_blocks) and filled from the
     file (buffers too: rotary tables, position embeddings) trains as the plain engine does; no sharded unit hands out
