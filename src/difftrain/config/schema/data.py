@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .base import Strict
 
@@ -75,6 +75,15 @@ class SubsetConfig(Strict):
     def overrides(self) -> dict:
         """The data-section fields this subset sets for itself."""
         return {k: getattr(self, k) for k in SUBSET_OVERRIDES if getattr(self, k) is not None}
+
+
+def _subset_name(subsets: list[SubsetConfig], i: int) -> str:
+    s = subsets[i]
+    if s.name:
+        return s.name
+    base = Path(s.dir).name or str(s.dir)
+    earlier = [Path(t.dir).name or str(t.dir) for t in subsets[:i] if not t.name]
+    return base if base not in earlier else f"{base}#{i}"
 
 
 class DataConfig(Strict):
@@ -181,36 +190,35 @@ class DataConfig(Strict):
         "beside each training batch and weighted by dreambooth.prior_loss_weight",
     )
 
-    @model_validator(mode="after")
-    def _subsets(self):
+    @field_validator("subsets")
+    @classmethod
+    def _subsets(cls, subsets: list[SubsetConfig], info: ValidationInfo) -> list[SubsetConfig]:
+        # a field validator (not the model's), so that a problem is reported at data.subsets and attributed to the
+        # layer that set them (a dataset config); the fields declared above are validated by now
+        base = {k: v for k, v in info.data.items() if k in cls.model_fields}
         names: set[str] = set()
-        for i, s in enumerate(self.subsets):
-            unknown = sorted(k for k in s.overrides() if k not in type(self).model_fields)
+        for i, s in enumerate(subsets):
+            unknown = sorted(k for k in s.overrides() if k not in cls.model_fields)
             if unknown:
                 raise ValueError(
                     f"data.subsets[{i}] sets {', '.join(unknown)}, which this difftrain cannot apply yet: remove it"
                 )
-            name = self.subset_name(i)
+            name = _subset_name(subsets, i)
             if name in names:
                 raise ValueError(
                     f"data.subsets[{i}]: another subset is named {name!r} too: give each a distinct data.subsets[].name"
                 )
             names.add(name)
             try:
-                self.subset_data(i)
+                DataConfig.model_validate({**base, **s.overrides()})
             except ValidationError as e:
                 why = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
                 raise ValueError(f"data.subsets[{i}] ({name}): {why}") from None
-        return self
+        return subsets
 
     def subset_name(self, i: int) -> str:
         """A subset's name: its own, or its folder's name (made distinct by its position when two share one)."""
-        s = self.subsets[i]
-        if s.name:
-            return s.name
-        base = Path(s.dir).name or str(s.dir)
-        earlier = [Path(t.dir).name or str(t.dir) for t in self.subsets[:i] if not t.name]
-        return base if base not in earlier else f"{base}#{i}"
+        return _subset_name(self.subsets, i)
 
     def subset_data(self, i: int) -> DataConfig:
         """The data section as subset ``i`` sees it: its own values over the section's, validated."""
