@@ -68,8 +68,8 @@ def mask_entry(cache: DataCache, p: PlanItem, colour: list[str] | None = None) -
     frames = []
     if source.kind == "video":
         n = getattr(p.record, "frames", 1)
-        for mask in read_mask_video(source.path, list(p.indices or range(n)), n):
-            frames.append(fit_mask(mask, size, p.bucket, (top, left)))
+        for image in read_mask_video(source.path, list(p.indices or range(n)), n):
+            frames.append(fit_mask(image, size, p.bucket, (top, left)))
         return to_latent(torch.stack(frames), shape).to(MASK_DTYPE)
     for f in files:
         mask, in_colour = read_mask(f, source.kind)
