@@ -160,7 +160,8 @@ class DataConfig(Strict):
         description="masked loss from mask images with the images' names (and sub-folders) in this folder "
         "(sd-scripts' conditioning_data_dir): white is learned, black is not, grey by its value (a colour mask: its "
         "red channel); resized to its image if drawn at another size of the same shape; an image without a mask is "
-        "learned everywhere (precompute lists them); a video: one mask image, or a folder of one per frame",
+        "learned everywhere (precompute lists them); a video: one mask image, a folder of one per frame, or a mask "
+        "video of as many frames",
     )
     mask_suffix: str = Field(
         default="",
