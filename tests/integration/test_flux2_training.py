@@ -137,3 +137,29 @@ def test_a_full_fine_tune_saves_bfl_s_transformer_file(tiny_flux2, dataset, tmp_
     base = fam.load(ModelConfig(path=tiny_flux2), ["transformer"], tokenizers=False)["transformer"]
     name = "transformer_blocks.0.attn.to_q.weight"
     assert not torch.equal(tuned.state_dict()[name], base.state_dict()[name])
+
+
+@pytest.mark.slow
+def test_dev_trains_with_its_guidance_and_its_loras_load_into_flux2pipeline(dataset, tmp_path):
+    """[dev]'s layout (Mistral 3, the guidance embedding): precompute through Flux2Pipeline's text encoding, training
+    with flow.guidance_scale, and both LoRA files loading into Flux2Pipeline alike."""
+    from diffusers import Flux2Pipeline
+
+    from difftrain.families.flux2 import Flux2
+
+    model = Flux2().build_tiny(tmp_path / "tiny-dev", seed=1, config="flux2-tiny-dev")
+    sets = tiny_sets(model, dataset, tmp_path, **{"train.max_steps": 2, "model.config": "flux2-tiny-dev",
+                     "flow.guidance_scale": 3.5})  # fmt: skip
+    cfg = resolve(recipe="tiny-flux2-lora", sets=sets).config
+    precompute(cfg)
+    r = train(cfg)
+    assert len(r.losses) == 2 and all(torch.isfinite(torch.tensor(r.losses)))
+    outs = []
+    for f in (r.lora_path, r.lora_path.parent / "lora_kohya.safetensors"):
+        pipe = Flux2Pipeline.from_pretrained(model)
+        assert pipe.transformer.config.guidance_embeds
+        pipe.load_lora_weights(str(f))
+        outs.append(_transformer_out(pipe.transformer))
+    base = _transformer_out(Flux2Pipeline.from_pretrained(model).transformer)
+    assert not torch.allclose(outs[0], base, atol=1e-4)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
