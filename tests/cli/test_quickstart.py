@@ -45,6 +45,7 @@ def test_quickstart_twice(cli, tmp_path):
         ("cogvideox-i2v", "run/samples/final/00.mp4"),
         ("wan", "run/samples/final/00.mp4"),
         ("wan-i2v", "run/samples/final/00.mp4"),
+        ("qwen-image-edit", "sample.png"),  # two references per target in control/, the sample from two of them
     ],
 )
 def test_quickstart_of_every_family(cli, tmp_path, family, sample):

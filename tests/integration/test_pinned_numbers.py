@@ -43,7 +43,11 @@ FAMILIES = {
     "zimage": ("tiny-zimage-lora", "zimage:ZImage", {}),
     "krea2": ("tiny-krea2-lora", "krea2:Krea2", {}),
     "qwen-image": ("tiny-qwen-image-lora", "qwenimage:QwenImage", {}),
+    # data.control_dir: two references per target, made by the setup below (EDIT_CONTROLS)
+    "qwen-image-edit": ("tiny-qwen-image-edit-lora", "qwenimage:QwenImageEdit", {}),
 }
+#: families trained on edit pairs: the setup writes each target's references beside the dataset
+EDIT_CONTROLS = {"qwen-image-edit"}
 BF16 = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16"}
 PLANS = {
     "plain": {},
@@ -130,6 +134,15 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
         [1.5157417, 1.5164833, 1.5154023, 1.5287955],
         [21.85064456, 0.007325182457, 9.365310911, 0.001322666065],
     ),
+    # Qwen-Image-Edit (issue 53), pinned as added: Edit Plus's tiny layout, two references per target
+    ("qwen-image-edit", "plain"): (
+        [1.5140135, 1.5094016, 1.4955527, 1.4862365],
+        [1164.468019, 160.6281484, 7.275714918],
+    ),
+    ("qwen-image-edit", "full_ema"): (
+        [1.5140135, 1.5143714, 1.512163, 1.5263379],
+        [22.12470685, 0.007478396167, 9.467534125, 0.00134484278],
+    ),
 }
 
 
@@ -211,22 +224,36 @@ def _build(spec: str, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def setup(_dataset_master, tmp_path_factory):
     """Per family: the tiny model and one shared cache (precomputed once)."""
-    made: dict[str, tuple[Path, Path]] = {}
+    made: dict[str, tuple[Path, Path, dict]] = {}
 
     def get(family: str) -> tuple[Path, Path, str, dict]:
         recipe, spec, extra = FAMILIES[family]
         if family not in made:
             root = tmp_path_factory.mktemp(f"pin-{family}")
-            made[family] = (_build(spec, root / "model"), root / "cache")
+            if family in EDIT_CONTROLS:
+                extra = {**extra, "data.control_dir": _edit_controls(_dataset_master, root / "control")}
+            made[family] = (_build(spec, root / "model"), root / "cache", extra)
             cfg = resolve(
                 recipe=recipe,
                 sets=tiny_sets(made[family][0], _dataset_master, root, **extra, **{"data.cache_dir": made[family][1]}),
             ).config
             precompute(cfg)
-        model, cache = made[family]
+        model, cache, extra = made[family]
         return model, cache, recipe, extra
 
     return get
+
+
+def _edit_controls(data: Path, folder: Path) -> Path:
+    """Two references per target, named as musubi-tuner numbers them: the target mirrored and in grey."""
+    from PIL import Image, ImageOps
+
+    folder.mkdir()
+    for f in sorted(data.glob("*.png")):
+        im = Image.open(f).convert("RGB")
+        ImageOps.mirror(im).save(folder / f"{f.stem}_0.png")
+        ImageOps.grayscale(im).convert("RGB").save(folder / f"{f.stem}_1.png")
+    return folder
 
 
 def _config(setup, _dataset_master, family: str, plan: str, out: Path, **more):
@@ -273,7 +300,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
 
 #: the bf16 plans' numbers depend on the CPU's bf16 kernels (PINS_AVX2, PINS_AVX512_BF16); a family added after those
 #: machines were lent pins its float32 plans only
-FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image"}
+FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit"}
 CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in ("plain", "full_ema")]
 
 

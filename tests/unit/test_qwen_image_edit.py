@@ -5,14 +5,11 @@ pairs of edit training data (control folders, pairs files)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from PIL import Image
 
 from difftrain.config.schema import ModelConfig, TextEncodersConfig
-from difftrain.errors import DataError
 from difftrain.families.llm_image import pack_2x2, unpack_2x2
 from difftrain.families.qwenimage import QwenImageEdit
 from difftrain.families.qwenimage.edit import EDIT, EDIT_PLUS

@@ -12,6 +12,10 @@ and never a stale one:
 - a caption's embedding of one text stage (:func:`text_key`): the family, the stage, the stage's fingerprint
   (its encoders' weights, ``precompute.text_encoder_dtype`` and the stage's options) and the caption.
 
+Edit training (a family with reference images) adds the references' content (sha256, in order) to both: to the
+latent's image hash (the references' latents are cached in the target's entry) and to the caption (the instruction
+is encoded with the references).
+
 These formulas are the cache's on-disk format: tests/unit/test_cache_keys.py pins them against the cache in
 tests/fixtures/cache-v1. The family is taken as an argument (data/ does not import families/:
 :class:`KeyedFamily` is what of it is read).
@@ -19,7 +23,7 @@ tests/fixtures/cache-v1. The family is taken as an argument (data/ does not impo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,16 +95,16 @@ def latent_key(
     )
 
 
-def text_key(family: str, stage: str, stage_fingerprint: str, caption: str) -> str:
-    """The cache key of ``caption``'s embedding by one text stage."""
-    return sha256_text("text", family, stage, stage_fingerprint, caption)
-
 def mask_key(latent: str, kind: str, mask_sha256: str) -> str:
     """The cache key of a mask fitted to the latent ``latent`` (its key): ``kind`` alpha (the image's own channel,
     whose content the latent key holds; ``mask_sha256`` empty), file or frames (``mask_sha256`` of the mask
     file, or of its frame files' hashes)."""
     return sha256_text("mask", latent, kind, mask_sha256)
 
+
+def text_key(family: str, stage: str, stage_fingerprint: str, caption: str) -> str:
+    """The cache key of ``caption``'s embedding by one text stage."""
+    return sha256_text("text", family, stage, stage_fingerprint, caption)
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,17 @@ class CacheKeys:
             frame_sampling=(cfg.data.frame_sampling if not cfg.data.fps else f"{cfg.data.fps:g}fps") if video else None,
         )
 
-    def latent(self, bucket: tuple[int, int], image_sha256: str, frames: int | None = None) -> str:
+    def latent(
+        self, bucket: tuple[int, int], image_sha256: str, frames: int | None = None, references: Sequence[str] = ()
+    ) -> str:
+        """``references``: edit training's reference images' sha256, in order (their latents live in the target's
+        entry); none: the key as always."""
         clip = "" if self.frame_sampling is None else clip_tag(frames, self.frame_sampling)
-        return latent_key(self.family, self.vae, self.vae_dtype, bucket, self.crop, image_sha256, clip)
+        content = sha256_text(image_sha256, *references) if references else image_sha256
+        return latent_key(self.family, self.vae, self.vae_dtype, bucket, self.crop, content, clip)
 
-    def texts(self, caption: str) -> TextKeys:
-        """``caption``'s entry key per enabled text stage."""
-        return {s: text_key(self.family, s, fp, caption) for s, fp in self.stages.items()}
+    def texts(self, caption: str, references: Sequence[str] = ()) -> TextKeys:
+        """``caption``'s entry key per enabled text stage; ``references``: the sha256 of the reference images it is
+        encoded with (edit training), in order."""
+        text = "\x00".join((caption, *references)) if references else caption
+        return {s: text_key(self.family, s, fp, text) for s, fp in self.stages.items()}

@@ -57,6 +57,8 @@ class ImageRecord:
     (``filename`` or ``empty``); counted in the precompute report."""
     mode: str = "RGB"
     """Pillow's pixel mode from the header (``CMYK``, ``P``, ``RGBA``, ``I;16`` ... are converted to RGB)."""
+    references: tuple[Path, ...] = ()
+    """Edit training: the reference images the target is made from (data/pairs.py), in order; none otherwise."""
     subset: str = ""
     """The subset it was read from (:mod:`.subsets`; "" for data.dir read as one folder)."""
 

@@ -52,6 +52,22 @@ def _flow_sets(family: str) -> tuple[str, list[str]]:
 
 
 PROMPT = "a red circle on a white background"
+
+
+def make_controls(data: Path, folder: Path) -> Path:
+    """Edit training's references of each image of ``data`` in ``folder``, numbered as musubi-tuner numbers them:
+    ``<name>_0.png`` the image mirrored, ``<name>_1.png`` in grey."""
+    from PIL import Image, ImageOps
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in sorted(data.glob("*.png")):
+        if not (folder / f"{f.stem}_1.png").exists():
+            im = Image.open(f).convert("RGB")
+            ImageOps.mirror(im).save(folder / f"{f.stem}_0.png")
+            ImageOps.grayscale(im).convert("RGB").save(folder / f"{f.stem}_1.png")
+    return folder
+
+
 CLIP_PROMPT = "a white square moving over a red background"
 
 
@@ -153,7 +169,9 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: s
         info(f"merge-tags: {report.images} images, {report.with_tags} with tags -> {meta}")
         lap("merge-tags")
         sets += [f"data.metadata={meta}", "data.caption_source=caption_and_tags"]
-    if fam.image_conditioned:
+    if fam.references:  # edit training: two references per target (mirrored, grey) in a control folder beside
+        sets.append(f"data.control_dir={make_controls(data, out / 'control')}")
+    if fam.image_conditioned and not fam.references:  # image-to-video's start frame (edit: the sample's references)
         from PIL import Image
 
         start = out / "start.png"
@@ -182,14 +200,20 @@ def run_quickstart(out: Path, steps: int | None = None, seed: int = 0, family: s
         final = out / "run" / "samples" / "final" / "00.mp4"
         res.outputs["sample"] = final if final.exists() else None
     else:
-        res.outputs["sample"] = sample(cfg, out / "run" / LORA_FILE, out / "sample.png", prompt=PROMPT)
+        refs = sorted((out / "control").glob("*.png"))[:2] if fam.references else None
+        res.outputs["sample"] = sample(cfg, out / "run" / LORA_FILE, out / "sample.png", prompt=PROMPT, images=refs)
     lap("sample")
     return res
 
 
-def sample(cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int = 0) -> Path:
-    """One image from the family's stock diffusers pipeline with the exported LoRA loaded."""
+def sample(
+    cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int = 0, images: list[Path] | None = None
+) -> Path:
+    """One image from the family's stock diffusers pipeline with the exported LoRA loaded (``images``: an edit
+    family's references)."""
     import torch
+
+    from ..data.sources import load_rgb
 
     family = get_family(cfg.family)
     # on the CPU, every family's default (named: ModelFamily.load declares none)
@@ -198,8 +222,14 @@ def sample(cfg, lora: Path, dest: Path, prompt: str, steps: int = 10, seed: int 
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
     pipe.set_progress_bar_config(disable=True)
     size = cfg.data.resolution
+    extra = {"image": family.validation_image([load_rgb(p) for p in images], size, cfg.model)} if images else {}
     image = pipe(
-        prompt, num_inference_steps=steps, height=size, width=size, generator=torch.Generator().manual_seed(seed)
+        prompt=prompt,
+        num_inference_steps=steps,
+        height=size,
+        width=size,
+        generator=torch.Generator().manual_seed(seed),
+        **extra,
     ).images[0]
     image.save(dest)
     return dest

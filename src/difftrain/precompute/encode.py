@@ -17,6 +17,7 @@ import torch
 from ..config.schema import Config
 from ..console import info, progress
 from ..data.cache import DataCache, merge_manifests
+from ..data.sources import load_rgb
 from ..errors import DataError
 from ..families.base import ModelFamily
 from ..memory.planner import VAE_ENCODE_BYTES_PER_PIXEL, vae_chunk
@@ -154,7 +155,9 @@ def _encode_batch(
         # image-to-video: the family's image conditioning (the noise-augmented first frame), seeded by the clip's
         # content
         g = torch.Generator().manual_seed(int(b["keys"][0][:15], 16))
-        extra.update(family.image_condition_entries(comps, pix, generator=g))
+        refs = b.get("references")  # edit training: the reference images, fitted to the target's bucket
+        more = {} if refs is None else {"references": to_unit_range(refs.to(device, non_blocking=True))}
+        extra.update(family.image_condition_entries(comps, pix, generator=g, **more))
     if not torch.isfinite(lat).all():
         raise DataError(
             "The VAE produced NaN/inf latents.",
@@ -192,7 +195,12 @@ def encode_texts(
                 task = bar.add_task(f"encoding captions ({stage})", total=len(missing))
                 for i in range(0, len(missing), pc.batch_size):
                     chunk = missing[i : i + pc.batch_size]
-                    out = family.encode_prompts(comps, [plan.captions[k] for k in chunk], stage, opts)
+                    captions = [plan.captions[k] for k in chunk]
+                    if family.references:  # edit training: each caption encoded with its reference images
+                        images = [[load_rgb(p) for p in plan.references[k]] for k in chunk]
+                        out = family.encode_prompts_with_images(comps, captions, images, stage, opts, cfg.model)
+                    else:
+                        out = family.encode_prompts(comps, captions, stage, opts)
                     for j, k in enumerate(chunk):
                         cache.put(k, {name: t[j].float().cpu() for name, t in out.items()})
                     bar.advance(task, len(chunk))

@@ -51,7 +51,18 @@ class DecodeSet(Dataset):
                 pixels = torch.from_numpy(np.asarray(fitted, dtype=np.uint8).copy()).permute(2, 0, 1)
         except DataError as e:
             return {"key": key, "path": str(record.path), "error": e.message}
-        return {"key": key, "pixels": pixels, "crop": crop}
+        out = {"key": key, "pixels": pixels, "crop": crop}
+        refs = getattr(record, "references", ())
+        if refs:  # edit training: each reference fitted to the target's bucket, cropped as the target
+            fitted_refs = []
+            for ref in refs:
+                try:
+                    img, _ = fit_to_bucket(load_rgb(ref), bucket, rng=random.Random(sha) if self.random_crop else None)
+                except DataError as e:
+                    return {"key": key, "path": str(record.path), "error": f"its reference image {ref}: {e.message}"}
+                fitted_refs.append(torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1))
+            out["references"] = torch.stack(fitted_refs)
+        return out
 
 
 def collate(samples: list[dict]) -> dict:
@@ -63,6 +74,8 @@ def collate(samples: list[dict]) -> dict:
         "pixels": torch.stack([s["pixels"] for s in good]) if good else None,
         "crops": [s["crop"] for s in good],
         "errors": [(s["key"], s["path"], s["error"]) for s in samples if "error" in s],
+        # edit training: [B, N, 3, H, W] reference images
+        "references": torch.stack([s["references"] for s in good]) if good and "references" in good[0] else None,
     }
 
 

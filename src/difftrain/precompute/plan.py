@@ -115,6 +115,8 @@ class Plan:
     empty_text: TextKeys | None = None  # the empty caption's keys, for the caption dropout
     skipped: Skipped = field(default_factory=list)  # what the bucketing dropped
     masks: dict[str, Any] | None = None  # masked loss: MaskSpec.record() of the masks read
+    #: edit training: text entry key -> the reference images its caption is encoded with
+    references: dict[str, tuple[Path, ...]] = field(default_factory=dict)
     unmasked: list[tuple[str, str]] = field(default_factory=list)  # masked loss: (path, why) of items without a mask
 
     def text_sets(self) -> list[TextKeys]:
@@ -145,7 +147,7 @@ def scan(
 ) -> tuple[list[tuple[Record, bool]], Skipped]:
     """The records to cache, each with whether it is a DreamBooth class image or a regularisation image, and the
     files the scans left out. Missing class images are generated first (by the first process; never for a plan)."""
-    scanned, skipped = _scan_data(cfg, family.video)
+    scanned, skipped = _scan_pairs(cfg) if family.references else _scan_data(cfg, family.video)
     db = cfg.dreambooth
     if family.video and db.with_prior_preservation:
         raise UsageError(
@@ -180,6 +182,37 @@ def _scan_data(cfg: Config, video: bool) -> tuple[list[tuple[Record, bool]], Ski
         out += [(r, sub.is_reg) for r in records]
         skipped += left
     return out, skipped
+
+
+def _scan_pairs(cfg: Config) -> tuple[list[tuple[Record, bool]], Skipped]:
+    """Edit training: the targets with their references (:mod:`difftrain.data.pairs`), from data.pairs or from
+    data.dir with data.control_dir; a target without its references is skipped with the reason."""
+    from ..data.pairs import same_counts, scan_pairs, with_control_dirs
+
+    d = cfg.data
+    if d.pairs is not None:
+        assert d.dir is not None  # precompute refuses a config without one first
+        records, left = scan_pairs(Path(d.pairs), Path(d.dir), d.allow_outside_paths)
+    elif d.control_dir is not None:
+        scanned, left_scan = _scan_data(cfg, video=False)
+        dirs = d.control_dir if isinstance(d.control_dir, list) else [d.control_dir]
+        controls = [Path(c).resolve() for c in dirs]
+        # the control folder may lie inside data.dir: its images are references, not targets
+        mine = [
+            r
+            for r, _ in scanned
+            if isinstance(r, ImageRecord) and not any(Path(r.path).resolve().is_relative_to(c) for c in controls)
+        ]
+        records, left = with_control_dirs(mine, Path(d.dir or "."), dirs)
+        left = [(Path(p), why) for p, why in left_scan] + left
+    else:
+        raise UsageError(
+            "Edit training needs the reference image(s) of each target, and none were given.",
+            hint="Set data.control_dir (a folder beside data.dir with the targets' file names; several references: "
+            "name_0.png, name_1.png) or data.pairs (a JSONL file of image, control and caption).",
+        )
+    records, uneven = same_counts(records)
+    return [(r, False) for r in records], [(str(p), why) for p, why in left + uneven]
 
 
 def _scan_subset(sub: Subset, video: bool) -> tuple[list[Record], Skipped]:
@@ -336,6 +369,7 @@ def hash_images(records: list[tuple[Record, bool]]) -> dict[Path, str]:
     """The files' sha256 (their latents' keys), read by threads: hashing releases the GIL, and one thread at a
     time would leave a fast disk idle."""
     paths = [r.path for r, _ in records]
+    paths += list(dict.fromkeys(x for r, _ in records for x in getattr(r, "references", ())))  # edit training
     with ThreadPoolExecutor(max_workers=8) as pool:
         return dict(zip(paths, pool.map(sha256_file, paths)))
 
@@ -353,23 +387,43 @@ def make_plan(
     placed, skipped = place_all(records, cfg.data, buckets, subsets)
     plan = Plan(items=[], keys=keys, captions={}, skipped=skipped)
     if any(a.dropout_rate > 0 for a in (aug, *augs.values())):  # the empty caption, once, for the caption dropout
+        if family.references:
+            raise UsageError(
+                "Caption dropout is not available for edit training yet (the empty instruction would have to be "
+                "encoded with each target's references).",
+                hint="Set data.caption_dropout_rate: 0.",
+            )
         plan.empty_text = keys.texts("")
         plan.captions.update((k, "") for k in plan.empty_text.values())
     for p in placed:
-        plan.items.append(_keyed(p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions))
+        refs = tuple(getattr(p.record, "references", ()))  # edit training: keyed by the references' content too
+        item = _keyed(
+            p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions, [hashes[r] for r in refs]
+        )
+        plan.items.append(item)
+        if refs:
+            plan.references.update((k, refs) for t in (item.texts, *item.variants) for k in t.values())
     add_masks(plan, cfg)
     return plan
 
 
-def _keyed(p: Placement, keys: CacheKeys, sha: str, aug: CaptionAugment, captions: dict[str, str]) -> PlanItem:
-    """``p`` with its entries' keys; the captions they encode are added to ``captions``."""
+def _keyed(
+    p: Placement,
+    keys: CacheKeys,
+    sha: str,
+    aug: CaptionAugment,
+    captions: dict[str, str],
+    refs: Sequence[str] = (),
+) -> PlanItem:
+    """``p`` with its entries' keys; the captions they encode are added to ``captions``. ``refs``: the sha256 of
+    its reference images (edit training)."""
     caption = p.record.caption
-    texts = keys.texts(caption)
+    texts = keys.texts(caption, refs)
     captions.update((k, caption) for k in texts.values())
     variants: list[TextKeys] = []
     if aug.varies and not p.prior:  # augmented captions, each cached like any caption
         for v in caption_variants(caption, aug):
-            variants.append(keys.texts(v))
+            variants.append(keys.texts(v, refs))
             captions.update((k, v) for k in variants[-1].values())
     return PlanItem(
         record=p.record,
@@ -378,7 +432,7 @@ def _keyed(p: Placement, keys: CacheKeys, sha: str, aug: CaptionAugment, caption
         frames=p.frames,
         indices=p.indices,
         repeats=p.repeats,
-        latent=keys.latent(p.bucket, sha, p.frames),
+        latent=keys.latent(p.bucket, sha, p.frames, refs),
         image_sha256=sha,
         texts=texts,
         variants=tuple(variants),

@@ -126,10 +126,12 @@ def validate(run: ValidationInputs, tag: str) -> list[Path]:
                     "width": side,
                     "generator": g,
                 }
-                if i2v:
+                if i2v:  # the start image (image-to-video) or the references (edit) of the prompt
                     from ..data.sources import load_rgb
 
-                    kw["image"] = load_rgb(v.images[i]).resize((side, side))
+                    given = v.images[i]
+                    paths = given if isinstance(given, list) else [given]
+                    kw["image"] = fam.validation_image([load_rgb(p) for p in paths], side, cfg.model)
                 if fam.video:
                     frames = pipe(num_frames=cfg.data.frames, output_type="np", **kw).frames[0]
                     from ..data.video import write_mp4

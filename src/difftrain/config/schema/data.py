@@ -190,6 +190,16 @@ class DataConfig(Strict):
         description="sd-scripts' reg_data_dir: regularisation images in the same <repeats>_<name> layout, drawn "
         "beside each training batch and weighted by dreambooth.prior_loss_weight",
     )
+    control_dir: Path | list[Path] | None = Field(
+        default=None,
+        description="edit training (qwen-image-edit): the reference images, a folder beside data.dir with the "
+        "targets' file names (several references: name_0.png, name_1.png ..., or a list of folders, one from each)",
+    )
+    pairs: Path | None = Field(
+        default=None,
+        description="edit training: a JSONL file of targets, references and instructions ({image, control or "
+        "control_images or control_path_N, caption}; relative paths under data.dir), instead of scanning data.dir",
+    )
 
     @field_validator("subsets")
     @classmethod
