@@ -19,7 +19,11 @@ A key neither trainer knows is a :class:`~difftrain.errors.ConfigError` naming w
 be dropped silently; sd-scripts refuses it too), as are a missing folder key and a malformed repeat count. The
 folders are checked when the data is read (precompute), like any data.dir.
 
-This module reads TOML into plain dicts; the result is validated with the rest of the config (config.load).
+This module reads TOML into plain dicts; the result is validated with the rest of the config (config.load). Two
+ways in: ``data.dataset_config: FILE`` (``--dataset-config FILE``), which config.load reads as a layer of its own
+and whose unmapped keys the CLI prints; or a caller such as ``difftrain convert-args`` calling
+``read_dataset_toml(path)`` and merging ``reading.config`` into its own config (``reading.data_overrides()`` for the
+data section alone) and ``reading.unmapped`` into its list of (option, reason).
 """
 
 from __future__ import annotations
