@@ -401,6 +401,7 @@ MEASURED_HOST = {
     "wan-1.3b-lora-8gb": 5.31,
     "wan-1.3b-full-24gb": 5.90,
     "wan-14b-lora-24gb": 15.46,
+    "wan-5b-lora-16gb": 7.48,
 }
 
 #: measured host RAM over the plan by more than 10 %: the full fine-tune held 0.6 GiB more than the LoRA recipe of the
@@ -498,6 +499,7 @@ MEASURED_CARD = {
     "wan-1.3b-lora-8gb": (4.15, 5.32),
     "wan-1.3b-full-24gb": (5.20, 6.51),
     "wan-14b-lora-24gb": (19.61, 20.63),  # 3 steps (card_fit_wan.json's w14-24-so-x: the recipe's settings)
+    "wan-5b-lora-16gb": (9.08, 9.37),  # 3 steps (card_fit_wan.json's w5-16-so: the recipe's settings)
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -523,7 +525,7 @@ RESERVED_OVER = {"cogvideox-2b-lora-6gb": 0.15, "cogvideox-5b-lora-12gb": 0.15, 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 23 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 24 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
