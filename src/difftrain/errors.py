@@ -7,6 +7,8 @@ once, at the top (cli/app.py); library code only raises.
 
 from __future__ import annotations
 
+import errno
+
 
 class DifftrainError(Exception):
     """A failure the user can act on. exit_code 1 = failure, 2 = bad usage/config."""
@@ -112,4 +114,11 @@ def unexpected_words(e: BaseException) -> tuple[str, str]:
     unexpected error (the console's message and a restart's note say the same)."""
     if is_oom(e):
         return f"out of memory: {str(e).splitlines()[0] if str(e) else ''}", OOM_HINT
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = f" writing {e.filename}" if e.filename else ""
+        return (
+            f"the disk is full{where} (No space left on device).",
+            "Free space there, or put the cache, the run folder or bench's --work on another disk; what was "
+            "written before is intact (checkpoints and caches are written atomically), and a rerun continues.",
+        )
     return f"an unexpected {type(e).__name__}: {e}", DEBUG_HINT

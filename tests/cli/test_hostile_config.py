@@ -111,3 +111,20 @@ def test_a_host_allocation_that_fails_is_reported_as_out_of_memory(capsys):
     assert report_error(e) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "error: out of memory:" in err and "an unexpected" not in err and "lora.rank" in err
+
+
+def test_a_full_disk_is_said_as_such_with_what_to_do(capsys, tmp_path):
+    """A write that finds the disk full (a random model's files filled a benchmark machine's disk) is not "an
+    unexpected OSError": it names the file and says what to do."""
+    import errno
+
+    from difftrain.cli.app import report_error
+
+    where = tmp_path / "cache" / "shard-0001.safetensors"
+    assert report_error(OSError(errno.ENOSPC, "No space left on device", str(where))) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the disk is full writing" in err and str(where) in err and "an unexpected" not in err
+    assert "another disk" in err
+    # another OSError stays an unexpected one (with the debug hint)
+    assert report_error(OSError(errno.EACCES, "Permission denied", str(where))) == 1
+    assert "an unexpected PermissionError" in " ".join(capsys.readouterr().err.split())
