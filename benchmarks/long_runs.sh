@@ -4,7 +4,7 @@
 # Each RECIPE:HxW runs `difftrain bench speed --no-baseline --planned-steps 2000 --step-times` (uncapped, one shape)
 # in its own work folder under /tmp/long (a random model of the recipe's architecture), WARMUP then STEPS steps
 # (env, default 4 + 6), while the call's budget (seconds, 2nd argument) allows another; its bench_speed.json goes to
-# OUT/<recipe>.json and a line of the table printed last.
+# OUT/<recipe>.json and a line of the table printed last. Each work folder is removed after its run unless KEEP=1.
 set -u
 out=$1; budget=$2; shift 2
 start=$(date +%s)
@@ -20,6 +20,7 @@ for item in "$@"; do
         --planned-steps 2000 --step-times --steps "$steps" --warmup "$warm" --work "$work" > "$out/$recipe.log" 2>&1
     rc=$?
     [ -f "$work/bench_speed.json" ] && cp "$work/bench_speed.json" "$out/$recipe.json"
+    [ "${KEEP:-0}" = 1 ] || rm -rf "$work"  # a 5B model's random files and cache: four filled a 64 GiB disk
     python3 - "$recipe" "$size" "$rc" "$(( $(date +%s) - t0 ))" "$work/bench_speed.json" >> "$out/table.txt" <<'PY'
 import json, os, sys
 recipe, size, rc, secs, path = sys.argv[1:]
