@@ -152,3 +152,30 @@ def test_sd_scripts_example_dataset_config_trains_through_the_console_script(tin
     # shuffle_caption with keep_tokens: hoge's captioned image has augmented variants cached, its first two tags kept
     hoge0 = next(it for it in index["items"] if it["key"] == "hoge/0")
     assert len(hoge0["text_variants"]) >= 2
+
+
+def test_a_run_over_repeated_folders_resumes_exactly(tiny_model, tmp_path):
+    """Repeats lengthen the epoch's list of items; a run stopped mid-epoch and resumed (caption shuffling on, so each
+    repeat's caption draw counts too) gives the uninterrupted run's losses."""
+    from difftrain.config.load import resolve
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    img = tmp_path / "img"
+    _images(img / "5_red cube", 2)
+    _images(img / "1_blue ball", 2, shade=120)
+    for i in range(2):
+        (img / "1_blue ball" / f"{i}.caption").write_text(f"blue ball, shiny, floor, light {i}", encoding="utf-8")
+    more = {"data.shuffle_caption": True, "train.max_steps": 6, "train.log_every": 1, "train.checkpoint_every": 3}
+
+    def config(out: Path):
+        sets = tiny_sets(tiny_model, img, out, **{**more, "data.cache_dir": tmp_path / "cache"})
+        return resolve(recipe="tiny-sdxl-lora", sets=sets).config
+
+    whole = config(tmp_path / "whole")
+    precompute(whole)
+    full = train(whole)
+    parted = config(tmp_path / "parted")
+    a = train(parted, stop_at=3)
+    b = train(parted, resume="latest")
+    assert len(full.losses) == 6 and a.losses + b.losses == full.losses
