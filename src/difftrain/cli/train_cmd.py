@@ -229,16 +229,27 @@ def export(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="'latest' or a checkpoint folder")] = "latest",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="where to write the LoRA .safetensors")] = None,
 ) -> None:
-    """Export the LoRA of a checkpoint as pytorch_lora_weights.safetensors (diffusers layout)."""
+    """Export the LoRA of a checkpoint as pytorch_lora_weights.safetensors (diffusers layout; a LoHa or LoKr as
+    lora_kohya.safetensors, the kohya/LyCORIS layout, as diffusers loads neither)."""
+    from ..errors import CheckpointError
     from ..trainers.checkpoint import resolve_resume
     from ..trainers.export import LORA_FILE
     from ..utils import atomic_write_bytes
 
     folder = resolve_resume(run_dir, checkpoint)
-    dest = out or (run_dir / LORA_FILE)
+    src = folder / LORA_FILE
+    if not src.exists():  # LoHa / LoKr: the checkpoint's copy is the kohya/LyCORIS file
+        found = sorted(folder.glob("lora_kohya*.safetensors"))
+        if not found:
+            raise CheckpointError(
+                f"The checkpoint {folder} holds no LoRA file (a full fine-tune's checkpoint?).",
+                hint="Export a LoRA run's checkpoint; a full fine-tune's model is written by save.formats.",
+            )
+        src = found[0]
+    dest = out or (run_dir / src.name)
     if dest.is_dir():
-        dest = dest / LORA_FILE
-    atomic_write_bytes(dest, (folder / LORA_FILE).read_bytes())
+        dest = dest / src.name
+    atomic_write_bytes(dest, src.read_bytes())
     info(f"exported {folder.name} -> {dest}")
 
 

@@ -53,20 +53,34 @@ def formats(cfg, family) -> list[str]:
 
 
 def check_kohya_names(cfg, family, parts: list[str]) -> None:
-    """Before anything loads: a LoKr whose targets the kohya names fuse into one layer (Flux's and Z-Image's q/k/v)
-    cannot be written there (rows of several Kronecker products are no Kronecker product)."""
-    if cfg.lora.type != "lokr" or "kohya" not in formats(cfg, family):
+    """Before anything loads: an adapter the kohya names cannot hold where they fuse several modules into one layer
+    (Flux's and Z-Image's q/k/v): LoKr on any of them (rows of several Kronecker products are no Kronecker product),
+    DoRA on some but not all (the fused layer's magnitude would need the others' base weights)."""
+    kind = "lokr" if cfg.lora.type == "lokr" else "dora" if cfg.lora.use_dora else None
+    if kind is None or "kohya" not in formats(cfg, family):
         return
-    targets = set(cfg.lora.targets)
+    targets = cfg.lora.targets
+    hit = lambda module: any(module == t or module.endswith("." + t) for t in targets)  # peft's rule
     for part in parts:
+        if part != family.denoiser:
+            continue
         for path, (members, _) in family.kohya_fused(cfg.model, part).items():
-            hit = sorted({m.rpartition(".")[2] for m, _ in members} & {t.rpartition(".")[2] for t in targets})
-            if hit:
+            names = [m for m, _ in members]
+            on = [m.rpartition(".")[2] for m in names if hit(m)]
+            off = [m.rpartition(".")[2] for m in names if not hit(m)]
+            if kind == "lokr" and on:
                 raise ConfigError(
-                    f"lora.type lokr with lora.targets {', '.join(hit)}: {family.name}'s kohya layout has one fused "
-                    f"layer for them ({path.rsplit('.', 1)[-1]}...), and rows of several Kronecker products are no "
+                    f"lora.type lokr with lora.targets {', '.join(on)}: {family.name}'s kohya layout has one fused "
+                    f"layer for {', '.join(names)} ({path}), and rows of several Kronecker products are no "
                     "Kronecker product, so the LoKr file could not be written.",
-                    hint=f"Leave {', '.join(hit)} out of lora.targets, or use lora.type: loha (which fuses exactly).",
+                    hint=f"Leave {', '.join(on)} out of lora.targets, or use lora.type: loha (which fuses exactly).",
+                )
+            if kind == "dora" and on and off:
+                raise ConfigError(
+                    f"lora.use_dora with lora.targets {', '.join(on)} but not {', '.join(off)}: {family.name}'s kohya "
+                    f"layout has one fused layer for {', '.join(names)} ({path}), whose DoRA magnitude needs every "
+                    "one of them adapted.",
+                    hint=f"Add {', '.join(off)} to lora.targets, or leave {', '.join(on)} out.",
                 )
 
 

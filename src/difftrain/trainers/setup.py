@@ -129,6 +129,13 @@ def _adapters(b: Build, part: str, module: torch.nn.Module) -> None:
             raise DifftrainError(f"LoRA: {e}.", hint="Check lora.targets against the model's module names.") from None
         if b.init is not None:
             _init_lora(cfg, part, module, b.init)
+        if not cfg.lora.plain and part == b.family.denoiser:
+            kind = "DoRA" if cfg.lora.use_dora else {"loha": "LoHa", "lokr": "LoKr"}[cfg.lora.type]
+            kept = "" if cfg.lora.use_dora else ", and keeps it for the backward"
+            info(
+                f"lora: {kind} (peft) builds each adapted layer's whole weight change in the forward{kept}: more "
+                "memory than a LoRA of its rank, which is what the memory plan counts"
+            )
     else:
         module.requires_grad_(True)
         params = list(module.parameters())
