@@ -86,3 +86,22 @@ def test_two_mask_sources_at_once_are_a_config_error(tiny_model, dataset, tmp_pa
     assert r.code == 2, r
     assert "data.alpha_mask and data.mask_dir / mask_suffix both name where masks come from" in " ".join(r.err.split())
     assert "Traceback" not in r.err
+
+
+def test_a_kohya_layout_finds_masks_mirrored_or_in_one_flat_folder(tiny_model, dataset, tmp_path):
+    images = sorted(dataset.glob("*.png"))
+    data, masks = tmp_path / "img", tmp_path / "masks"
+    (data / "10_sks dog").mkdir(parents=True)
+    (data / "1_dog").mkdir()
+    (masks / "1_dog").mkdir(parents=True)
+    for p in images[:2]:
+        (data / "10_sks dog" / p.name).write_bytes(p.read_bytes())
+        _mask(masks / p.name, Image.open(p).size)  # flat: by the name alone
+    for p in images[2:4]:
+        (data / "1_dog" / p.name).write_bytes(p.read_bytes())
+    _mask(masks / "1_dog" / images[2].name, Image.open(images[2]).size)  # mirrored
+    r = _precompute(*set_args(tiny_sets(tiny_model, data, tmp_path, **{"data.mask_dir": masks})))
+    assert r.code == 0, r
+    text = " ".join(r.err.split())
+    assert "masks: mask file 3, none 1 (learned everywhere)" in text, r
+    assert f"no mask for {data / '1_dog' / images[3].name}" in text

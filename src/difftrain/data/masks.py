@@ -5,7 +5,9 @@ learned, black (0) is not, grey in between. It comes from
 
 - the image's own alpha channel (``data.alpha_mask``, sd-scripts' ``--alpha_mask``): transparent is not learned; an
   image without an alpha channel is learned everywhere, as sd-scripts does;
-- a mask file with the image's name in ``data.mask_dir`` (sd-scripts' ``conditioning_data_dir``), optionally with a
+- a mask file with the image's name in ``data.mask_dir`` (sd-scripts' ``conditioning_data_dir``; the image's
+  sub-folder mirrored there, or, for an image in a sub-folder, its name alone at the top when no other image of
+  the dataset has that name: a flat mask folder for kohya's ``10_name`` folders), optionally with a
   suffix after the stem (``data.mask_suffix``; OneTrainer's ``-masklabel``, whose masks lie beside the images when
   no folder is set). A greyscale mask is its value; of a colour mask the red channel is read, as sd-scripts reads it.
   A mask of another size than its image is resized to it (the same aspect ratio within a pixel; another is an error

@@ -7,6 +7,7 @@ captions (:mod:`difftrain.data.keys`). Every process of a distributed run makes 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -511,6 +512,7 @@ def find_masks(placed: Sequence[Placement], cfg: Config) -> MaskPlan:
     out = MaskPlan()
     specs: dict[str, tuple[MaskSpec, Path | None]] = {}
     file_spec: MaskSpec | None = None
+    stems = Counter(Path(p.record.path).stem for p in placed)
     for p in placed:
         r = p.record
         sub = getattr(r, "subset", "")
@@ -522,8 +524,12 @@ def find_masks(placed: Sequence[Placement], cfg: Config) -> MaskPlan:
             continue
         out.record = out.record or spec.record()
         file_spec = spec if spec.files else file_spec
-        rel = _relative_key(r, root)
-        source = spec.find(rel, r.path, video=p.frames is not None, root=None if cfg.data.allow_outside_paths else root)
+        rel, guard = _relative_key(r, root), None if cfg.data.allow_outside_paths else root
+        source = spec.find(rel, r.path, video=p.frames is not None, root=guard)
+        if source is None and "/" in rel and spec.folder is not None and stems[Path(r.path).stem] == 1:
+            # a flat mask folder for images in sub-folders (kohya's 10_name folders): by the name alone, when no
+            # other image has that name
+            source = spec.find(Path(rel).name, r.path, video=p.frames is not None, root=guard)
         if source is not None and source.kind == "alpha" and not alpha_present(r.path):
             out.unmasked.append((str(r.path), "no alpha channel: learned everywhere"))
             source = None
