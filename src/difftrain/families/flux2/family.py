@@ -305,6 +305,19 @@ class Flux2(LLMImageFamily):
         out.update({k: v for k, v in ldm.items() if k.startswith("bn.")})
         return out
 
+    def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
+        """As the base's, after checking that a file given as model.path is a FLUX.2 transformer: the cache's keys
+        are made before anything loads, and a FLUX.1 file (the same block names) would otherwise be asked for parts
+        it was never meant to have."""
+        kind, p = self._source(mcfg)
+        if kind != "diffusers" and not self.recognises_single_file(common.open_checkpoint(kind, p)[0]):
+            raise ModelLoadError(
+                f"{p.name} does not look like a FLUX.2 transformer (no {self.file_markers}).",
+                hint="Give the FLUX.2 transformer file (flux-2-klein-base-4b.safetensors, flux2-dev.safetensors, fp8 "
+                "copies too) or a diffusers FLUX.2 folder; a FLUX.1 file needs family: flux.",
+            )
+        return super().fingerprint(mcfg, part, memo)
+
     def transformer_tensors(self, keys: Sequence[str], read) -> Any:
         return single_file.transformer_tensors(keys, read)
 
