@@ -168,8 +168,11 @@ def test_sd_scripts_separators_example_maps_what_difftrain_has_and_lists_the_res
     assert sub["keep_tokens_separator"] == "|||" and sub["caption_tag_dropout_rate"] == 0.1
     assert sub["no_upscale"] is True and sub["resolution"] == 1024 and sub["shuffle_caption"] is True
     assert reading.config["train"] == {"batch_size": 6}
+    assert sub["caption_prefix"] == "1girl, hatsune miku, vocaloid |||"
+    assert sub["caption_suffix"] == ", anime screencap ||| masterpiece, rating: general"
     listed = {key.split("=")[0] for key, _ in reading.unmapped}
-    assert {"flip_aug", "secondary_separator", "enable_wildcard", "caption_prefix", "caption_suffix"} <= listed
+    assert {"flip_aug", "secondary_separator", "enable_wildcard"} <= listed
+    assert not {"caption_prefix", "caption_suffix", "keep_tokens_separator"} & listed
     # keys at sd-scripts' defaults change nothing, so nothing is said of them
     assert "color_aug" not in listed and "enable_bucket" not in listed
 
@@ -371,3 +374,32 @@ def test_a_subsets_own_augmentation_is_checked_against_the_cache(tmp_path):
     assert any("data.subsets 'a': shuffle_caption" in d for d in diffs)
     assert any("data.subsets 'b': caption_dropout_rate" in d for d in diffs)
     assert cache_differences(cfg, SDXL(), DataCache(tmp_path), index(True, True), []) == []
+
+
+def test_prefix_and_suffix_with_two_separators_keep_both_ends_in_place(tmp_path):
+    """The docs' example: caption_prefix ending in |||, a caption, caption_suffix with a second |||: what precedes
+    the first and follows the second stay in place, the middle is shuffled (sd-scripts' process_caption)."""
+    import torch
+
+    from difftrain.data.captions import CaptionAugment, caption_variants
+    from difftrain.families.registry import get_family
+    from difftrain.precompute.plan import scan
+    from difftrain.runtime.distributed import World
+
+    folder = _images(tmp_path / "miku", 1)
+    (folder / "0.txt").write_text("upper body, looking at viewer, microphone, stage", encoding="utf-8")
+    toml = SD_SEPARATORS.replace("/path/to/image_dir", str(folder)).replace("resolution = [1024, 1024]", "")
+    cfg = resolve(recipe="tiny-sdxl-lora", sets=[f"data.dataset_config={_write(tmp_path, toml)}"]).config
+    ((record, _),), _ = scan(cfg, get_family("sdxl"), World(), torch.device("cpu"), plan_only=True)
+    assert record.caption == (
+        "1girl, hatsune miku, vocaloid ||| upper body, looking at viewer, microphone, stage , anime screencap ||| "
+        "masterpiece, rating: general"
+    )
+    aug = CaptionAugment.from_config(cfg.data.subset_data(0))
+    variants = caption_variants(record.caption, aug)
+    assert len(variants) > 1
+    for v in variants:
+        tags = v.split(", ")
+        assert tags[:3] == ["1girl", "hatsune miku", "vocaloid"] and tags[-2:] == ["masterpiece", "rating: general"]
+        middle = {"upper body", "looking at viewer", "microphone", "stage", "anime screencap"}
+        assert set(tags[3:-2]) <= middle  # shuffled, some dropped (caption_tag_dropout_rate 0.1)

@@ -87,6 +87,8 @@ SD_SUBSET_KEYS = {
     "is_reg": "is_reg",
     "class_tokens": "class_tokens",
     "caption_extension": "caption_ext",
+    "caption_prefix": "caption_prefix",
+    "caption_suffix": "caption_suffix",
     "keep_tokens": "keep_tokens",
     "keep_tokens_separator": "keep_tokens_separator",
     "caption_separator": "caption_separator",
@@ -112,8 +114,6 @@ SD_UNMAPPED: dict[str, tuple[Any, str]] = {
     "enable_wildcard": (False, "not available: a caption file is read whole (no {a|b} wildcards or line choice)"),
     "token_warmup_min": (1, "not available: every tag is used from the first step"),
     "token_warmup_step": (0, "not available: every tag is used from the first step"),
-    "caption_prefix": (None, "not available: write the prefix into the caption files (or class_tokens)"),
-    "caption_suffix": (None, "not available: write the suffix into the caption files"),
     "custom_attributes": (None, "not read by difftrain"),
     "resize_interpolation": (None, "difftrain resizes with Lanczos when shrinking and bicubic when enlarging"),
     "caption_dropout_every_n_epochs": (0, "not available: use caption_dropout_rate"),
@@ -156,7 +156,6 @@ DP_UNMAPPED: dict[str, str] = {
     "ar_buckets": "difftrain's buckets come from data.resolution, bucket_step, min_side and max_side",
     "size_buckets": "difftrain's buckets come from data.resolution, bucket_step, min_side and max_side",
     "skip_empty_caption": "difftrain trains an image without a caption on data.caption_fallback (the empty caption)",
-    "caption_prefix": "not available: write the prefix into the caption files",
     "shuffle_metadata": "not needed: precompute reads the images in a fixed order",
     "online_captions": "not available: captions are the .txt files beside the media",
     "subsample_ratio": "not available: every item of a folder is trained (num_repeats weights folders)",
@@ -454,6 +453,8 @@ def _diffusion_pipe(raw: dict[str, Any], path: Path, base: Path) -> DatasetConfi
             shuffles.add(int(shuffle) if shuffle else 0)
             delimiter = str(merged.get("cache_shuffle_delimiter", ", ")).strip() or ","
             sub["caption_separator"] = delimiter
+        if isinstance(merged.get("caption_prefix"), str) and merged["caption_prefix"].strip():
+            sub["caption_prefix"] = merged["caption_prefix"].rstrip()  # difftrain puts the space between
         if merged.get("enable_ar_bucket") is False and "enable_ar_bucket" not in said:
             said.add("enable_ar_bucket")
             out.unmapped.append(("enable_ar_bucket=false", "difftrain always buckets by aspect ratio"))

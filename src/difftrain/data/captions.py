@@ -10,7 +10,8 @@ What an augmentation does (sd-scripts' ``process_caption``, without token warm-u
 
 * the caption is split at ``caption_separator`` (default ``,``) into tags, each stripped;
 * the first ``keep_tokens`` tags stay first, in order; with ``keep_tokens_separator`` present in the
-  caption, everything before it is kept instead (the separator itself is removed);
+  caption, everything before it is kept instead (the separator itself is removed), and with a second one,
+  everything after that stays last (``fixed ||| shuffled ||| fixed``);
 * each remaining tag is dropped with probability ``caption_tag_dropout_rate``;
 * with ``shuffle_caption`` the remaining tags are shuffled;
 * the tags are joined with ``", "``.
@@ -80,8 +81,12 @@ def augment_caption(caption: str, aug: CaptionAugment, rng: random.Random) -> st
     dropout is not applied here: see :func:`pick_text`."""
     if not aug.varies:
         return caption
+    suffix: list[str] = []
     if aug.keep_tokens_separator and aug.keep_tokens_separator in caption:
         fixed_part, flex_part = caption.split(aug.keep_tokens_separator, 1)
+        if aug.keep_tokens_separator in flex_part:  # a second one: what follows it stays last (sd-scripts)
+            flex_part, suffix_part = flex_part.split(aug.keep_tokens_separator, 1)
+            suffix = [t.strip() for t in suffix_part.split(aug.separator) if t.strip()]
         fixed = [t.strip() for t in fixed_part.split(aug.separator) if t.strip()]
         flex = [t.strip() for t in flex_part.split(aug.separator) if t.strip()]
     else:
@@ -91,7 +96,7 @@ def augment_caption(caption: str, aug: CaptionAugment, rng: random.Random) -> st
         flex = [t for t in flex if rng.random() >= aug.tag_dropout_rate]
     if aug.shuffle:
         rng.shuffle(flex)
-    return ", ".join(fixed + flex)
+    return ", ".join(fixed + flex + suffix)
 
 
 def caption_variants(caption: str, aug: CaptionAugment) -> list[str]:

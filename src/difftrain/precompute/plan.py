@@ -242,6 +242,10 @@ def _scan_subset(sub: Subset, video: bool) -> tuple[list[Record], Skipped]:
             allow_outside=d.allow_outside_paths,
         )
         records = [_in_subset(r, sub) for r in images]
+    if d.caption_prefix or d.caption_suffix:  # sd-scripts' caption_prefix / caption_suffix, a space between
+        records = [
+            replace(r, caption=" ".join(filter(None, (d.caption_prefix, r.caption, d.caption_suffix)))) for r in records
+        ]
     return records, [(str(p), why) for p, why in left]
 
 

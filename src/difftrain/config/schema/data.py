@@ -13,6 +13,8 @@ from .base import Strict
 SUBSET_OVERRIDES: tuple[str, ...] = (
     "caption_ext",
     "tag_ext",
+    "caption_prefix",
+    "caption_suffix",
     "shuffle_caption",
     "keep_tokens",
     "keep_tokens_separator",
@@ -54,6 +56,8 @@ class SubsetConfig(Strict):
     )
     caption_ext: str | None = None
     tag_ext: str | None = None
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
     shuffle_caption: bool | None = None
     keep_tokens: int | None = Field(default=None, ge=0)
     keep_tokens_separator: str | None = None
@@ -127,6 +131,14 @@ class DataConfig(Strict):
         default="empty",
         description="an image with neither caption nor tags: the empty caption, or its file name "
         "(underscores as spaces); the tags as a caption's fallback are caption_source: caption_then_tags",
+    )
+    caption_prefix: str = Field(
+        default="",
+        description="put before every caption, a space between (sd-scripts' caption_prefix); shuffled with it, so "
+        "end it with keep_tokens_separator (or count it in keep_tokens) to hold it in place",
+    )
+    caption_suffix: str = Field(
+        default="", description="put after every caption, a space between (sd-scripts' caption_suffix)"
     )
     # caption augmentation (sd-scripts' names); works with cached text embeddings (see data/captions.py)
     shuffle_caption: bool = Field(default=False, description="shuffle the comma-separated tags of each caption")
