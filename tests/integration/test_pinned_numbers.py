@@ -45,6 +45,7 @@ FAMILIES = {
     "qwen-image": ("tiny-qwen-image-lora", "qwenimage:QwenImage", {}),
     # data.control_dir: two references per target, made by the setup below (EDIT_CONTROLS)
     "qwen-image-edit": ("tiny-qwen-image-edit-lora", "qwenimage:QwenImageEdit", {}),
+    "flux2": ("tiny-flux2-lora", "flux2:Flux2", {}),
 }
 #: families trained on edit pairs: the setup writes each target's references beside the dataset
 EDIT_CONTROLS = {"qwen-image-edit"}
@@ -142,6 +143,11 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
     ("qwen-image-edit", "full_ema"): (
         [1.5140135, 1.5143714, 1.512163, 1.5263379],
         [22.12470685, 0.007478396167, 9.467534125, 0.00134484278],
+    ),
+    ("flux2", "plain"): ([1.5026056, 1.5175629, 1.5535932, 1.5915047], [1426.567631, 184.0936209, 9.238396056]),
+    ("flux2", "full_ema"): (
+        [1.5026056, 1.515745, 1.5566412, 1.6106108],
+        [21.39956757, 0.005948100881, 9.605262221, 0.001166693667],
     ),
 }
 
@@ -300,7 +306,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
 
 #: the bf16 plans' numbers depend on the CPU's bf16 kernels (PINS_AVX2, PINS_AVX512_BF16); a family added after those
 #: machines were lent pins its float32 plans only
-FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit"}
+FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit", "flux2"}
 CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in ("plain", "full_ema")]
 
 
