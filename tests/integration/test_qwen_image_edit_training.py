@@ -184,6 +184,15 @@ def test_the_lora_loads_into_the_edit_pipeline_and_validation_edits_the_referenc
         outs.append(_transformer_out(pipe))
     assert not torch.allclose(outs[0], base, atol=1e-4)  # the LoRA changes the output
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    # lora merge into the Edit folder's transformer: the Edit transformer file with the LoRA in it
+    from safetensors.torch import load_file
+
+    from difftrain.lora.tools import merge
+
+    merge(tiny_plus, r.lora_path, tmp_path / "merged.safetensors")
+    merged = load_file(tmp_path / "merged.safetensors")
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(merged[name], pipe.transformer.state_dict()[name.replace(".weight", ".base_layer.weight")])
 
 
 @pytest.mark.slow

@@ -57,6 +57,21 @@ def test_the_bundled_variants():
     assert fam.architecture(ModelConfig(path="/x/qwen_image_edit_bf16.safetensors")) == "qwen-image-edit"
 
 
+def test_comfyuis_edit_transformer_file_loads_as_the_named_version(tiny_plus, tmp_path):
+    """ComfyUI's Edit transformer file (Qwen-Image's names) loads with the architecture model.config names: 2511's
+    zero_cond_t is the config's, not the file's."""
+    from safetensors.torch import save_file
+
+    fam = QwenImageEdit()
+    ref = fam.load(ModelConfig(path=tiny_plus), ["transformer"], tokenizers=False)["transformer"]
+    f = tmp_path / "qwen_image_edit_2511_bf16.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in ref.state_dict().items()}, f)
+    got = fam.load(ModelConfig(path=f, config="qwen-image-edit-plus-tiny"), ["transformer"])["transformer"]
+    assert got.zero_cond_t and all(torch.equal(got.state_dict()[k], v) for k, v in ref.state_dict().items())
+    flat = fam.load(ModelConfig(path=f, config="qwen-image-edit-tiny"), ["transformer"])["transformer"]
+    assert not flat.zero_cond_t
+
+
 def _capture(pipe):
     """The transformer's keyword arguments and output of its first call in the pipeline."""
     seen: dict = {}

@@ -117,10 +117,8 @@ class QwenImageEdit(QwenImage):
     def recognises_folder(self, folder: Path, class_name: str) -> bool:
         return class_name in (EDIT, EDIT_PLUS)
 
-    def recognises_single_file(self, keys: Sequence[str]) -> bool:
-        return False  # Qwen-Image's layout: that family reads the file (a merged transformer is the same file)
-
     def single_file_architecture(self, keys: Sequence[str]) -> str | None:
+        """Not from the keys (Qwen-Image's layout, whichever Edit): model.config or the file's name says it."""
         return None
 
     # ------------------------------------------------------------ loading: the processor with the text encoder
