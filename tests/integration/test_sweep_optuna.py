@@ -89,6 +89,8 @@ def test_the_axes_map_onto_optuna_distributions():
         build_space({}, dists, None, 0, "grid")
     with pytest.raises(UsageError, match="needs a number of trials"):
         build_space({"lora.rank": [4]}, {}, None, 0, "tpe")
+    with pytest.raises(UsageError, match="runs every point"):
+        build_space({"lora.rank": [4]}, {}, 3, 0, "grid")
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
@@ -144,18 +146,42 @@ def test_concurrent_claims_give_each_trial_to_one_process_and_draws_follow_the_s
     assert draws("other", 8) != [v for _, v in got]
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_a_trial_whose_heartbeat_stops_is_failed_once_and_queued_again(tmp_path, kind):
+    """A claimed trial whose process stops beating: after the grace period, any process of the study marks it
+    failed (lost) and enqueues it again with its values and folder; a second check finds nothing more to do."""
+    from difftrain.flows.study import FOLDER, build_space, claim, fail_stale, open_storage, open_study, optuna_quiet
+
+    optuna = optuna_quiet()
+    url = f"sqlite:///{tmp_path / 'study.db'}" if kind == "sqlite" else str(tmp_path / "study.journal")
+    space = build_space({"lora.rank": [4, 8]}, {}, None, 0, None)
+    study, _ = open_study(open_storage(url, 1, 1), "s", url, space, {}, {}, optuna.pruners.NopPruner(), ())
+    trial = claim(study)
+    trial.set_user_attr(FOLDER, "t-x")
+    other = optuna.load_study(study_name="s", storage=open_storage(url, 1, 1))
+    assert fail_stale(other, 1, tmp_path) == []  # beating (claimed just now)
+    time.sleep(2.2)
+    assert fail_stale(other, 1, tmp_path) == [trial.number]
+    assert fail_stale(other, 1, tmp_path) == []
+    trials = _study(url, "s").trials
+    lost = trials[trial.number]
+    retry = [t for t in trials if t.system_attrs.get("failed_trial") == trial.number]
+    assert lost.state.name == "FAIL" and len(retry) == 1 and retry[0].state.name == "WAITING"
+    assert retry[0].params == lost.params and retry[0].user_attrs[FOLDER] == "t-x"
+
+
 @pytest.mark.parametrize(
     "storage, needles",
     [
-        ("sqlite:////nonexistent-folder/sub/study.db", ["cannot be reached", "nonexistent-folder"]),
+        ("sqlite:///@TMP@/missing/study.db", ["cannot be reached: its folder @TMP@/missing does not exist"]),
         pytest.param(
             "postgresql://sweeper:hunter2@127.0.0.1:9/difftrain",
             ["postgresql://sweeper:***@127.0.0.1:9/difftrain"],
             marks=pytest.mark.slow,
         ),
         pytest.param(
-            "/nonexistent-folder/sweep.journal",
-            ["The journal file /nonexistent-folder/sweep.journal cannot be made"],
+            "@TMP@/missing/sweep.journal",
+            ["The journal file @TMP@/missing/sweep.journal cannot be made"],
             marks=pytest.mark.slow,
         ),
     ],
@@ -163,10 +189,11 @@ def test_concurrent_claims_give_each_trial_to_one_process_and_draws_follow_the_s
 )
 def test_an_unreachable_storage_is_said_before_anything_runs(tmp_path, storage, needles):
     out = tmp_path / "sw"
+    storage = storage.replace("@TMP@", str(tmp_path))
     r = _script("sweep", "--recipe", "tiny-sdxl-lora", "-g", "lora.rank=4,8", "--storage", storage, "-o", out)
-    clean_failure(r, 1, *needles)
+    clean_failure(r, 1, *[n.replace("@TMP@", str(tmp_path)) for n in needles])
     assert "hunter2" not in r.err + r.out  # the password is not printed
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "missing").exists()
 
 
 def test_sweep_report_reads_a_folder_made_by_the_scheduler_before_optuna(cli, tmp_path):
@@ -184,27 +211,15 @@ def test_sweep_report_reads_a_folder_made_by_the_scheduler_before_optuna(cli, tm
 
 # ----------------------------------------------------------------- refusals (a study made, nothing trained)
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "change, needles",
-    [
-        (
-            ["--set", "train.max_steps=3"],
-            ["was made by another recipe or settings", "train.max_steps: 2 in the study, 3 now"],
-        ),
-        (["--set", "data.caption_dropout_rate=0.1"], ["was made over another cache", "data.caption_dropout_rate"]),
-        (["-g", "lora.rank=4,16"], ["sweeps another search space", "grid over lora.rank"]),
-    ],
-    ids=["recipe", "cache", "space"],
-)
-def test_a_study_of_another_recipe_cache_or_space_is_refused_and_kept(
-    tiny_model, _dataset_master, cache, tmp_path, change, needles
-):
+def test_a_study_of_another_recipe_cache_or_space_is_refused_and_kept(tiny_model, _dataset_master, cache, tmp_path):
+    """A study made by `difftrain sweep ARGS -g lora.rank=4,8` (here made without running it), then the command
+    with other settings, another cache's settings or other axes: refused (exit 2) with what differs, before
+    anything runs; the study's trials unchanged."""
     from difftrain.flows import sweep as sw
     from difftrain.flows.study import base_of, build_space, open_storage, open_study, optuna_quiet, storage_url
 
     out = tmp_path / "sw"
     args = _sweep_args(tiny_model, _dataset_master, cache)
-    # the study as `difftrain sweep ARGS -g lora.rank=4,8 -o OUT` makes it (here without running it)
     spec = sw.SweepSpec(
         recipe="tiny-sdxl-lora",
         sets=[a for a in args[7:] if a != "--set"],
@@ -226,11 +241,21 @@ def test_a_study_of_another_recipe_cache_or_space_is_refused_and_kept(
         sw.PRECOMPUTE_SECTIONS,
     )
     before = [(t.number, t.state.name, t.params) for t in _study(url, "sw").trials]
-    grid = ["-g", "lora.rank=4,8"] if change[0] != "-g" else []
-    r = _script(*args, *grid, *change, "-o", out)
-    clean_failure(r, 2, *needles)
-    assert "The study and its trials are unchanged" in " ".join(r.err.split())
-    assert [(t.number, t.state.name, t.params) for t in _study(url, "sw").trials] == before
+    grid = ["-g", "lora.rank=4,8"]
+    for change, needles in (
+        (
+            [*grid, "--set", "train.max_steps=3"],
+            ["was made by another recipe or settings", "train.max_steps: 2 in the study, 3 now"],
+        ),
+        (
+            [*grid, "--set", "data.caption_dropout_rate=0.1"],
+            ["was made over another cache", "data.caption_dropout_rate"],
+        ),
+        (["-g", "lora.rank=4,16"], ["sweeps another search space", "grid over lora.rank"]),
+    ):
+        r = _script(*args, *change, "-o", out)
+        clean_failure(r, 2, *needles, "The study and its trials are unchanged")
+        assert [(t.number, t.state.name, t.params) for t in _study(url, "sw").trials] == before
     assert not (out / "trials").exists()
 
 
@@ -282,12 +307,12 @@ def test_a_killed_sweep_process_s_trial_is_failed_and_run_again_from_its_checkpo
 ):
     """A journal-file study: the first process is killed (SIGKILL, its trial's child with it) after its trial's
     first checkpoint; a second process of the study finds the trial's heartbeat stopped, marks it failed and runs
-    it again in the same folder from that checkpoint, and runs the other point."""
+    it again in the same folder from that checkpoint."""
     out, journal = tmp_path / "sw", tmp_path / "study.journal"
     args = [
-        *_sweep_args(tiny_model, _dataset_master, cache, "train.checkpoint_every=1", steps=4),
+        *_sweep_args(tiny_model, _dataset_master, cache, "train.checkpoint_every=1", steps=3),
         "-g",
-        "lr=1e-3,2e-3",
+        "lr=1e-3",
         "--storage",
         str(journal),
         "--heartbeat-interval",
@@ -306,7 +331,7 @@ def test_a_killed_sweep_process_s_trial_is_failed_and_run_again_from_its_checkpo
             started = [line for line in text.splitlines() if line.startswith("sweep: trial #")]
             if started:
                 folder = out / "trials" / started[0].split()[3]
-                if list(folder.glob("checkpoints/step-*/state.json")) or list(folder.glob("checkpoints/step-*")):
+                if list(folder.glob("checkpoints/step-*/trainer_state.json")):
                     break
             time.sleep(0.2)
         assert folder is not None and first.poll() is None, (tmp_path / "first.log").read_text()
@@ -322,11 +347,14 @@ def test_a_killed_sweep_process_s_trial_is_failed_and_run_again_from_its_checkpo
     study = _study(str(journal), "sw")
     ends = sorted((t.user_attrs["difftrain.folder"], t.state.name, t.user_attrs.get("status")) for t in study.trials)
     lost = [e for e in ends if e[1] == "FAIL"]
-    assert len(lost) == 1 and lost[0][2] == "lost" and (lost[0][0], "COMPLETE", "ok") in ends
-    assert sum(e[1] == "COMPLETE" for e in ends) == 2 and len(ends) == 3
+    assert len(lost) == 1 and lost[0][2] == "lost" and set(ends) == {lost[0], (lost[0][0], "COMPLETE", "ok")}
     assert "resumed from" in (out / "trials" / lost[0][0] / "train.log").read_text()
+    steps = [
+        json.loads(x).get("step") for x in (out / "trials" / lost[0][0] / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps[-1] == 3
     rows = json.loads((out / "results.json").read_text())
-    assert sorted(r["status"] for r in rows) == ["ok", "ok"]  # the lost attempt is folded into its retry
+    assert [r["status"] for r in rows] == ["ok"]  # the lost attempt is folded into its retry
 
 
 @pytest.mark.slow

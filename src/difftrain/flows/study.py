@@ -120,8 +120,11 @@ def build_space(grid: dict[str, list], dists: dict[str, dict], trials: int | Non
                 "A grid sweep cannot draw from distributions.",
                 hint="Give --sampler random or tpe with --random N (or leave out --dist).",
             )
-        if trials is not None and trials > 0 and sampler == "grid" and not grid:
-            raise UsageError("The sweep has no axes.", hint="Add --grid path=v1,v2.")
+        if trials is not None:
+            raise UsageError(
+                "A grid sweep runs every point: --random N (random: {trials: N}) has no place in it.",
+                hint="Leave out --random, or give --sampler random or tpe.",
+            )
     elif trials is None:
         if dists:
             raise UsageError(
@@ -298,6 +301,13 @@ def open_storage(url: str, heartbeat_interval: int | None = 60, grace_period: in
                 f"The journal file {path} cannot be opened: {e}.", hint="Check the path and its permissions."
             ) from None
     kwargs: dict[str, Any] = {}
+    database = _sqlite_path(url)
+    if database is not None and not database.parent.is_dir():
+        raise SweepStorageError(
+            f"The study storage {shown(url)} cannot be reached: its folder {database.parent} does not exist.",
+            hint="Create the folder, or give --storage another URL (or leave it out for an SQLite file in the "
+            "sweep folder). Nothing was written.",
+        )
     if url.startswith("sqlite"):
         # several processes write one SQLite file: wait for its lock rather than fail at once
         kwargs = {"connect_args": {"timeout": 120}}
@@ -503,14 +513,26 @@ def _sqlite_file_lock(url: str | None) -> Iterator[None]:
         yield
         return
     from filelock import FileLock
-    from sqlalchemy.engine import make_url
 
-    database = make_url(url).database
-    if not database or database == ":memory:":
+    database = _sqlite_path(url)
+    if database is None:
         yield
         return
     with FileLock(f"{database}.claim.lock", timeout=600):
         yield
+
+
+def _sqlite_path(url: str) -> Path | None:
+    """An SQLite URL's database file (None for another storage, or SQLite in memory)."""
+    if not url.startswith("sqlite"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    try:
+        database = make_url(url).database
+    except Exception:  # noqa: BLE001 - a URL SQLAlchemy cannot read: said where it is opened
+        return None
+    return Path(database) if database and database != ":memory:" else None
 
 
 def _claim(study: Any) -> Any | None:
@@ -570,10 +592,7 @@ def fail_stale(study: Any, grace_period: float, lock_dir: Path | None) -> list[i
         before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))}
         optuna.storages.fail_stale_trials(study)
         after = study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-        lost = [t.number for t in after if t.number not in before]
-        for n in lost:
-            study._storage.set_trial_user_attr(_tid(study, n), "status", "lost")
-        return lost
+        return [t.number for t in after if t.number not in before]  # their rows say "lost" (_study_rows)
     # the journal: our own stale check, one process at a time (the lock), so one retry per lost trial
     from optuna.storages.journal import JournalFileOpenLock
 

@@ -442,7 +442,7 @@ def run_sweep(
         f"{'pruner ' + type(pruner).__name__ if every and (spec.prune or 'none') != 'none' else 'no pruning'}): "
         + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     )
-    worker = _Worker(spec, space, study, out, list(gpus or []), opts, url)
+    worker = _Worker(spec, space, study, out, list(gpus or []), opts, url, cfg)
     worker.precompute_known(base)
     worker.run()
     return write_results(out, sort=sort, storage=opts.storage)
@@ -533,7 +533,15 @@ class _Worker:
     and saves a checkpoint. The child may run a step or two past the step that decided before it stops."""
 
     def __init__(
-        self, spec: SweepSpec, space: Any, study: Any, out: Path, gpus: list[str], opts: StudyOptions, url: str
+        self,
+        spec: SweepSpec,
+        space: Any,
+        study: Any,
+        out: Path,
+        gpus: list[str],
+        opts: StudyOptions,
+        url: str,
+        base_cfg: Any,
     ) -> None:
         self.spec, self.space, self.study, self.out, self.opts = spec, space, study, out, opts
         self.slots: list[str | None] = list(gpus) or [None]
@@ -544,7 +552,6 @@ class _Worker:
         self.stop_beats = threading.Event()
         self.grace = opts.grace_period or 2 * opts.heartbeat_interval
         self.lock_dir = Path(url).parent if "://" not in url else None
-        base_cfg = _resolve_trial(spec, {}, out / "trials" / "base").config
         self.every = base_cfg.validation.every_n_steps
         self.held_out = base_cfg.validation.loss_items > 0
         self.n_started = 0
@@ -997,6 +1004,8 @@ def _study_rows(out: Path, sweep: dict, storage: str | None) -> list[dict]:
         values = ua.get("values") or {}
         row = {"trial": ua.get(st.FOLDER) or f"#{t.number}", "number": t.number, **{a: values.get(a) for a in axes}}
         status = ua.get("status") if t.state.name not in ("WAITING", "RUNNING") else None
+        if t.state.name == "FAIL" and status in (None, "running"):
+            status = "lost"  # failed by a heartbeat check: its process stopped without a word
         row["status"] = status or _STATE_STATUS[t.state.name]
         for k in RESULT_KEYS[1:]:
             row[k] = ua.get(k)
