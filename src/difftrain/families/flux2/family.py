@@ -347,7 +347,10 @@ class Flux2(LLMImageFamily):
             raise ConfigError(f"FLUX.2 LoRAs adapt the transformer only, not {part}.")
         with torch.device("meta"):
             module = self.empty_part(mcfg, part)
-        return common.adaptable_paths(module, single_file.module_to_original)
+        # the final modulation's output halves are in the other order in BFL's layout: a LoRA on it has no kohya name
+        return common.adaptable_paths(
+            module, lambda path: None if path == "norm_out.linear" else single_file.module_to_original(path)
+        )
 
     def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
         """BFL's ``double_blocks.N.{img,txt}_attn.qkv`` -> its q, k, v modules with their output widths."""
