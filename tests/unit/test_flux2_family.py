@@ -236,3 +236,17 @@ def test_a_distilled_klein_is_warned_about_naming_the_base_model(tiny, tmp_path,
     assert fam.distilled(ModelConfig(path=tmp_path / "flux-2-klein-4b.safetensors", config="flux2-klein-4b"))
     assert not fam.distilled(ModelConfig(path=tmp_path / "flux-2-klein-base-4b.safetensors", config="flux2-klein-4b"))
     llm_image._WARNED.clear()
+
+
+def test_a_caption_past_512_tokens_is_cut_as_the_pipeline_cuts_it_and_said(tiny, capsys):
+    from diffusers import Flux2KleinPipeline
+
+    fam = Flux2()
+    comps = fam.load(ModelConfig(path=tiny), ["text_encoder"])
+    long = "a very long caption " * 40  # 800 bytes: the tiny byte-level tokenizer's 800 tokens
+    got = fam.encode_prompts(comps, [long, "short"], "llm", _opts(tiny))["prompt_embeds"]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "1 caption(s) longer than FLUX.2's 512 text tokens are cut to it" in err
+    with torch.no_grad():
+        want, _ = Flux2KleinPipeline.from_pretrained(tiny).encode_prompt([long], device=torch.device("cpu"))
+    torch.testing.assert_close(got[:1], want.float())
