@@ -13,7 +13,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 
 from difftrain.config.schema import LoraConfig
 from difftrain.lora import files, kohya, lycoris
-from difftrain.lora.adapters import adapter_metadata, add_lora, export_layers
+from difftrain.lora.adapters import adapter_metadata, add_lora, export_layers, peft_config
 
 
 # ------------------------------------------------------------ ComfyUI's formulas (comfy/weight_adapter, 2025-2026)
@@ -243,4 +243,8 @@ def test_the_settings_that_contradict_or_peft_lacks_are_refused_with_the_reason(
         LoraConfig(type="lokr", full_matrix=True, decompose_both=True)
     with pytest.raises(ValueError, match="no input dropout"):
         LoraConfig(type="lokr", dropout=0.1)
+    with pytest.raises(ValueError, match="peft's LoRA has no rank or module dropout"):
+        LoraConfig(rank_dropout=0.1)
     assert LoraConfig(use_dora=True).plain is False and LoraConfig().plain is True
+    cfg = peft_config(Toy(), LoraConfig(type="lokr", rank_dropout=0.2, module_dropout=0.1, factor=4), TARGETS)
+    assert (cfg.rank_dropout, cfg.module_dropout, cfg.decompose_factor) == (0.2, 0.1, 4)

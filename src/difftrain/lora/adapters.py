@@ -20,7 +20,13 @@ def peft_config(module: torch.nn.Module, settings: LoraSettings, targets: Sequen
     # peft annotates an int alpha, but a float works: it is only divided by the rank
     alpha = settings.alpha if settings.alpha is not None else settings.rank
     if settings.type == "loha":
-        return LoHaConfig(r=settings.rank, alpha=alpha, target_modules=list(targets))  # type: ignore[arg-type]
+        return LoHaConfig(
+            r=settings.rank,
+            alpha=alpha,  # type: ignore[arg-type]
+            rank_dropout=settings.rank_dropout,
+            module_dropout=settings.module_dropout,
+            target_modules=list(targets),
+        )
     if settings.type == "lokr":
         rank = settings.rank
         if settings.full_matrix:
@@ -32,6 +38,8 @@ def peft_config(module: torch.nn.Module, settings: LoraSettings, targets: Sequen
             alpha=alpha,  # type: ignore[arg-type]
             decompose_both=settings.decompose_both,
             decompose_factor=settings.factor,
+            rank_dropout=settings.rank_dropout,
+            module_dropout=settings.module_dropout,
             target_modules=list(targets),
         )
     return LoraConfig(

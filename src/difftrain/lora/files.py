@@ -152,6 +152,8 @@ def metadata(cfg, family, peft_meta: dict[str, dict]) -> dict[str, str]:
         args = {"algo": "lora" if kind == "dora" else kind}
         if kind == "dora":
             args.update(dora_wd="True", wd_on_output="True")
+        if kind in ("loha", "lokr"):
+            args.update(rank_dropout=f"{cfg.lora.rank_dropout:g}", module_dropout=f"{cfg.lora.module_dropout:g}")
         if kind == "lokr":
             args.update(
                 factor=str(cfg.lora.factor),

@@ -11,7 +11,10 @@ low-rank products) or ``lokr`` (``algo=lokr``: LoKr, a Kronecker product). ``use
     --network_args factor=N                               -> lora.factor: N (lokr)
     --network_args decompose_both=True                    -> lora.decompose_both: true (lokr)
     --network_args full_matrix=True                       -> lora.full_matrix: true (lokr)
+    --network_args rank_dropout=P module_dropout=P        -> lora.rank_dropout / lora.module_dropout (loha, lokr)
     --network_dim / --network_alpha                       -> lora.rank / lora.alpha
+
+lora.init applies to LoRA and DoRA; LoHa and LoKr start as peft starts them (one factor zero, so ΔW = 0).
 
 All of it is peft's (LoHaConfig, LoKrConfig, LoraConfig(use_dora=True)); lycoris-lora itself is not on the package
 index difftrain installs from, and peft computes the same weights (the files are written in LyCORIS' names).
@@ -61,12 +64,28 @@ class LoraConfig(Strict):
         description="lokr: both Kronecker factors full matrices, lora.rank unused (LyCORIS full_matrix=True)",
     )
 
+    rank_dropout: float = Field(
+        default=0.0, ge=0, lt=1, description="loha / lokr: dropout of ΔW's output rows (LyCORIS rank_dropout=)"
+    )
+    module_dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="loha / lokr: the chance a layer's adapter is skipped in a step (LyCORIS module_dropout=)",
+    )
+
     @model_validator(mode="after")
     def _adapter(self):
         if self.use_dora and self.type != "lora":
             raise ValueError(
                 f"lora.use_dora with lora.type {self.type}: peft's LoHa and LoKr have no weight decomposition "
                 "(LyCORIS' dora_wd on loha/lokr); use lora.type: lora with use_dora, or drop use_dora"
+            )
+        lycoris_only = [k for k in ("rank_dropout", "module_dropout") if getattr(self, k)]
+        if lycoris_only and self.type == "lora":
+            raise ValueError(
+                f"lora.{', lora.'.join(lycoris_only)} with lora.type lora: peft's LoRA has no rank or module dropout "
+                "(lora.dropout is its input dropout); they apply to loha and lokr"
             )
         lokr_only = [k for k in ("decompose_both", "full_matrix") if getattr(self, k)]
         if self.factor != -1:
