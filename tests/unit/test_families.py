@@ -169,6 +169,7 @@ _OWNED_ELSEWHERE = {
     "stage3_param_persistence_threshold": "DeepSpeed's own ZeRO-3 setting (memory/deepspeed_engine.py's default)",
     "high_noise": "config/schema/model.py: model.expert's values, for any two-expert model (Wan2.2 A14B today)",
     "low_noise": "config/schema/model.py: model.expert's values, for any two-expert model (Wan2.2 A14B today)",
+    "clip_g": "config/sdscripts.py: sd-scripts' --clip_g option (SD3's CLIP-G file), which convert-args reads",
 }
 
 

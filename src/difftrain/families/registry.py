@@ -29,9 +29,18 @@ class Registered:
     default_architecture: str
     #: speed.channels_last has convolutions to act on (a UNet denoiser)
     channels_last: bool = False
-    #: sd-scripts' scripts of this family start with this (``sdxl_train_network.py``): `difftrain convert-args`
-    #: maps their options to this family
+    #: sd-scripts' scripts of this family start with this (``sdxl_train_network.py``, ``flux_train.py``; musubi-tuner's
+    #: ``wan_train_network.py``): `difftrain convert-args` maps their options to this family
     sd_scripts_prefix: str | None = None
+    #: the model.* options naming a part's own file that this family's loading reads (model.ae, model.clip_l, ...):
+    #: what `difftrain convert-args` maps sd-scripts' --vae / --ae / --clip_l / --t5xxl to
+    part_files: tuple[str, ...] = ()
+    #: its sd-scripts script trains a flow model: the option that shifts its noise levels there and its default
+    #: (FLUX.1's --discrete_flow_shift 3.0, SD3's --training_shift 1.0, musubi-tuner's --discrete_flow_shift 1.0);
+    #: None: a DDPM script (SDXL's)
+    sd_scripts_shift: tuple[str, float] | None = None
+    #: its sd-scripts script trains with --guidance_scale (FLUX.1 [dev], guidance-distilled)
+    sd_scripts_guidance: bool = False
 
     def facts(self) -> FamilyFacts:
         return FamilyFacts(default_architecture=self.default_architecture, channels_last=self.channels_last)
@@ -39,17 +48,34 @@ class Registered:
 
 REGISTRY: tuple[Registered, ...] = (
     Registered("sdxl", "sdxl", "SDXL", "sdxl-base-1.0", channels_last=True, sd_scripts_prefix="sdxl_"),
-    Registered("sd3", "sd3", "SD3", "sd3-medium"),
+    Registered("sd3", "sd3", "SD3", "sd3-medium", sd_scripts_prefix="sd3_", sd_scripts_shift=("training_shift", 1.0)),
     Registered("cogvideox", "cogvideox", "CogVideoX", "cogvideox-5b"),
     Registered("cogvideox-i2v", "cogvideox", "CogVideoXI2V", "cogvideox-5b-i2v"),
-    Registered("flux", "flux", "Flux", "flux-dev"),
-    Registered("wan", "wan", "Wan", "wan2.1-t2v-1.3b"),
-    Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b"),
-    Registered("zimage", "zimage", "ZImage", "z-image"),
-    Registered("krea2", "krea2", "Krea2", "krea2"),
-    Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image"),
-    Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit"),
-    Registered("flux2", "flux2", "Flux2", "flux2-klein-4b"),
+    Registered(
+        "flux",
+        "flux",
+        "Flux",
+        "flux-dev",
+        sd_scripts_prefix="flux_",
+        part_files=("ae", "clip_l", "t5xxl"),
+        sd_scripts_shift=("discrete_flow_shift", 3.0),
+        sd_scripts_guidance=True,
+    ),
+    Registered(
+        "wan",
+        "wan",
+        "Wan",
+        "wan2.1-t2v-1.3b",
+        sd_scripts_prefix="wan_",
+        part_files=("ae", "t5xxl"),
+        sd_scripts_shift=("discrete_flow_shift", 1.0),
+    ),
+    Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b", part_files=("ae", "t5xxl")),
+    Registered("zimage", "zimage", "ZImage", "z-image", part_files=("ae", "text_encoder")),
+    Registered("krea2", "krea2", "Krea2", "krea2", part_files=("ae", "text_encoder")),
+    Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image", part_files=("ae",)),
+    Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit", part_files=("ae",)),
+    Registered("flux2", "flux2", "Flux2", "flux2-klein-4b", part_files=("ae", "text_encoder")),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name
@@ -80,6 +106,10 @@ def all_families() -> list[ModelFamily]:
     return [get_family(r.name) for r in REGISTRY]
 
 
-def sd_scripts_family() -> Registered:
-    """The family sd-scripts' training scripts map to (the one with a script prefix)."""
-    return next(r for r in REGISTRY if r.sd_scripts_prefix is not None)
+def sd_scripts_family(script: str | None = None) -> Registered | None:
+    """The family an sd-scripts (or musubi-tuner) training script maps to, by its name's prefix; without a script,
+    the first family with a prefix (SDXL's: sd-scripts' options alone are read as an SDXL run). None: no family's."""
+    rows = [r for r in REGISTRY if r.sd_scripts_prefix is not None]
+    if script is None:
+        return rows[0]
+    return next((r for r in rows if script.startswith(r.sd_scripts_prefix or "")), None)

@@ -1,0 +1,114 @@
+"""convert-args' table of sd-scripts options cannot go stale: every option sd-scripts defines is placed (mapped,
+implied, unsupported with the nearest difftrain config, or without any equivalent), and every "unsupported" entry's
+nearest config is shown not to validate. When difftrain grows one of them, its config validates and the test
+below fails until the option is mapped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from difftrain.config import sdscripts as sds
+from difftrain.config.load import resolve
+from difftrain.errors import ConfigError
+from difftrain.families import registry
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "sd_scripts_options.txt"
+SD_OPTIONS = [line.strip() for line in FIXTURE.read_text().splitlines() if line.strip() and not line.startswith("#")]
+#: one script of each family sd-scripts' scripts map to
+SCRIPTS = [f"{r.sd_scripts_prefix}train_network.py" for r in registry.REGISTRY if r.sd_scripts_prefix]
+
+
+def _dotted(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        node = out
+        *head, last = key.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
+
+
+def _validates(would_be: dict[str, Any]) -> bool:
+    try:
+        resolve(extra=_dotted({"train.method": "lora", **would_be}))
+    except ConfigError:
+        return False
+    return True
+
+
+def _stale(table: dict[str, tuple[str, dict[str, Any]]]) -> list[str]:
+    """The unsupported options whose nearest difftrain config validates: difftrain has it now."""
+    return [name for name, (_why, would_be) in table.items() if _validates(would_be)]
+
+
+def test_every_unsupported_options_nearest_config_is_refused():
+    assert _stale(sds.UNSUPPORTED) == []
+
+
+def test_the_staleness_check_sees_an_option_difftrain_has():
+    table = {"noise_offset": ("not available", {"train.noise_offset": 0.1}), **sds.UNSUPPORTED}
+    assert _stale(table) == ["noise_offset"]
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [
+        (sds.OPTIMIZERS_MISSING, "memory.optimizer.kind"),
+        (dict.fromkeys(sds.SCHEDULERS_MISSING, None), "train.lr_scheduler"),
+        (sds.LYCORIS_MISSING, "lora.type"),
+        (sds.NETWORK_ARGS_MISSING, "lora"),
+    ],
+    ids=["optimizer_type", "lr_scheduler", "network_args algo", "network_args keys"],
+)
+def test_every_missing_value_is_refused_and_every_mapped_one_validates(table, key):
+    for name, would in table.items():
+        would_be = {f"lora.{would}": 1} if key == "lora" else {key: would if would is not None else name}
+        assert not _validates(would_be), f"{name}: {would_be} validates now: map it in config/sdscripts.py"
+    if key == "memory.optimizer.kind":
+        for name, opt in sds.OPTIMIZERS.items():
+            assert _validates({f"memory.optimizer.{k}": v for k, v in opt.items()}), name
+    if key == "train.lr_scheduler":
+        for name in sds.SCHEDULERS:
+            assert _validates({key: name}), name
+
+
+def test_the_tables_do_not_overlap():
+    tables = [set(sds.SIMPLE), set(sds.IMPLIED), set(sds.UNSUPPORTED), set(sds.NO_EQUIVALENT)]
+    for i, a in enumerate(tables):
+        for b in tables[i + 1 :]:
+            assert a & b == set()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_sd_scripts_option_is_placed(script):
+    """Each option of sd-scripts (the fixture lists them at the commit it names) is mapped or listed with a reason
+    of its own: none falls through to 'no difftrain equivalent known'."""
+    assert len(SD_OPTIONS) > 200
+    unknown = []
+    for name in SD_OPTIONS:
+        if name in ("config_file", "dataset_config", "sample_prompts", "network_weights", "vae"):
+            continue  # read files: each has its own test
+        c = sds.convert([script, f"--{name}"])
+        unknown += [opt for opt, why in c.unmapped if why == sds.UNKNOWN]
+    assert unknown == []
+
+
+def test_an_option_sd_scripts_lacks_is_said_unknown():
+    c = sds.convert(["sdxl_train_network.py", "--made_up_flag=3"])
+    assert c.unmapped == [("--made_up_flag=3", sds.UNKNOWN)]
+
+
+FAMILIES = Path(registry.__file__).parent
+
+
+@pytest.mark.parametrize("row", registry.REGISTRY, ids=lambda r: r.name)
+def test_part_files_name_what_the_family_reads(row):
+    """A registry row's part_files (what convert-args maps --vae / --ae / --clip_l / --t5xxl to) are the model.*
+    file options its family's package reads, and only those."""
+    source = "\n".join(p.read_text(encoding="utf-8") for p in (FAMILIES / row.module).rglob("*.py"))
+    for option in ("ae", "clip_l", "t5xxl", "text_encoder"):
+        assert (option in row.part_files) == (f"model.{option}" in source), option
