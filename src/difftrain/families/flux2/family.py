@@ -30,7 +30,7 @@ The text: the caption in the pipeline's chat template (klein: one user turn, the
 [dev]: BFL's system message and the user turn), padded to 512 tokens, the tapped layers' states stacked per token
 (the pipelines' ``_get_qwen3_prompt_embeds`` / ``_get_mistral_3_small_prompt_embeds``, called as they are). The
 transformer sees all 512 rows unmasked, padding included, so they are cached whole: [512, 3 x width] a caption (15.7
-MB for klein 4B in float32, 25 MB for 9B, 31 MB for [dev]).
+MB for klein 4B in float32, as precompute stores every text entry; 25 MB for 9B, 31 MB for [dev]).
 
 FLUX.2 [klein] 4B / 9B without ``-base`` are step-distilled (4 steps, no CFG; their model_index.json says
 ``is_distilled``): training on them is warned about, naming the base checkpoints BFL says to train on.
