@@ -98,6 +98,30 @@ def test_a_pairs_file_gives_the_same_cache_as_the_control_folder(tiny_plus, pair
     assert (by_file.latents_encoded, by_file.texts_encoded) == (0, 0)  # the same entries: nothing new to encode
 
 
+def test_caption_dropout_drops_the_instruction_and_keeps_each_pairs_references(tiny_plus, pairs, tmp_path):
+    """data.caption_dropout_rate: each item's empty instruction is encoded with its own references (its own entry,
+    kept by cache prune), and the dropout draws it."""
+    from difftrain.data.cache import DataCache, prune_cache
+    from difftrain.data.captions import CaptionAugment, pick_text
+    from difftrain.data.index import CacheIndex
+
+    data, control = pairs
+    cfg = _cfg(tiny_plus, data, tmp_path, **{"data.control_dir": control, "data.caption_dropout_rate": 0.5})
+    precompute(cfg)
+    cache = DataCache(tmp_path / "cache")
+    index = CacheIndex.from_json(cache.read_json("index.json"), tmp_path / "cache" / "index.json")
+    assert index.empty_text is None and all(it.empty_texts for it in index.items)
+    empties = [cache.get(it.empty_texts["qwen25vl"])["prompt_embeds"] for it in index.items]
+    assert not torch.equal(empties[0], empties[1])  # the empty instruction, each with its own pictures
+    prune_cache(tmp_path / "cache")
+    assert all(DataCache(tmp_path / "cache").get(it.empty_texts["qwen25vl"]) is not None for it in index.items)
+    aug = CaptionAugment.from_config(cfg.data)
+    drawn = [pick_text(it, aug, 0, e, None) for it in index.items for e in range(4)]
+    assert any(t == it.empty_texts for t in drawn for it in index.items)
+    assert any(t == it.texts for t in drawn for it in index.items)
+    assert len(train(cfg, stop_at=2).losses) == 2
+
+
 @pytest.mark.slow
 def test_the_first_edit_pairs_one_reference_by_name_and_refuses_several(dataset, pairs, tmp_path):
     """Qwen-Image-Edit (one reference): control/a.png for a.png, trained; two numbered references are refused."""

@@ -270,7 +270,7 @@ def _referenced(cache: DataCache) -> set[str]:
     keys = set((index.get("empty_text") or {}).values())
     for it in index.get("items", []):
         keys.add(it.get("latent"))
-        for texts in (it.get("texts") or {}, *(it.get("text_variants") or ())):
+        for texts in (it.get("texts") or {}, *(it.get("text_variants") or ()), it.get("empty_texts") or {}):
             keys.update(texts.values())
     keys.discard(None)
     return keys

@@ -122,6 +122,7 @@ def pick_text(item: IndexItem, aug: CaptionAugment, seed: int, epoch: int, empty
     depends on the seed, the epoch and the item only, so a resumed run, or one on another number of GPUs,
     draws the same."""
     rng = random.Random(f"difftrain-caption:{seed}:{epoch}:{item.draw_key}")
+    empty = item.empty_texts or empty  # edit training: the empty instruction with the item's own references
     if aug.dropout_rate > 0 and empty is not None and rng.random() < aug.dropout_rate:
         return empty
     variants = item.text_variants

@@ -35,6 +35,8 @@ class IndexItem:
     mask: str | None = None  # masked loss: cache key of its mask at latent resolution (none: learned everywhere)
     subset: str = ""  # the subset it was read from (data.subsets or a kohya folder; "" for data.dir read whole)
     repeats: int = 1  # times it is seen per epoch (its subset's num_repeats)
+    #: edit training's caption dropout: the keys of the empty instruction encoded with this item's references
+    empty_texts: TextKeys | None = None
     draw: int = field(default=0, compare=False)
     """Which of its repeats in an epoch this is (the trainer's copies; never written): each draws its own caption."""
 
@@ -65,6 +67,7 @@ class IndexItem:
             mask=d.get("mask"),
             subset=str(d.get("subset", "")),
             repeats=int(d.get("repeats", 1)),
+            empty_texts=dict(d["empty_texts"]) if d.get("empty_texts") else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -91,12 +94,14 @@ class IndexItem:
             out["subset"] = self.subset
         if self.repeats != 1:
             out["repeats"] = self.repeats
+        if self.empty_texts:
+            out["empty_texts"] = dict(self.empty_texts)
         return out
 
     def entry_keys(self) -> set[str]:
         """Every cache entry this item uses: its latent, and its captions' embeddings (variants included)."""
         keys = {self.latent} | ({self.mask} if self.mask else set())
-        for texts in (self.texts, *self.text_variants):
+        for texts in (self.texts, *self.text_variants, self.empty_texts or {}):
             keys.update(texts.values())
         return keys
 

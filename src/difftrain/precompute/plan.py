@@ -80,6 +80,7 @@ class PlanItem(Placement):
     variants: tuple[TextKeys, ...] = ()  # caption augmentation: each cached variant's keys
     mask: str | None = None  # masked loss: its mask entry's key (None: learned everywhere)
     mask_source: MaskSource | None = None  # where that mask is read
+    empty_texts: TextKeys | None = None  # edit training's caption dropout: the empty instruction with its references
 
     @property
     def shape(self) -> tuple[Bucket, int]:
@@ -103,6 +104,7 @@ class PlanItem(Placement):
             mask=self.mask,
             subset=r.subset,
             repeats=self.repeats,
+            empty_texts=self.empty_texts,
         )
 
 
@@ -123,7 +125,7 @@ class Plan:
     def text_sets(self) -> list[TextKeys]:
         """Every caption entry the items use ({stage: key} each): their captions, augmented variants, the empty
         caption."""
-        sets = [t for p in self.items for t in (p.texts, *p.variants)]
+        sets = [t for p in self.items for t in (p.texts, *p.variants, *([p.empty_texts] if p.empty_texts else []))]
         return sets + ([self.empty_text] if self.empty_text else [])
 
     def index(self, cfg: Config, aug: CaptionAugment) -> CacheIndex:
@@ -391,13 +393,8 @@ def make_plan(
     hashes = hash_images(records)
     placed, skipped = place_all(records, cfg.data, buckets, subsets)
     plan = Plan(items=[], keys=keys, captions={}, skipped=skipped)
-    if any(a.dropout_rate > 0 for a in (aug, *augs.values())):  # the empty caption, once, for the caption dropout
-        if family.references:
-            raise UsageError(
-                "Caption dropout is not available for edit training yet (the empty instruction would have to be "
-                "encoded with each target's references).",
-                hint="Set data.caption_dropout_rate: 0.",
-            )
+    dropout = any(a.dropout_rate > 0 for a in (aug, *augs.values()))
+    if dropout and not family.references:  # the empty caption, once, for the caption dropout
         plan.empty_text = keys.texts("")
         plan.captions.update((k, "") for k in plan.empty_text.values())
     for p in placed:
@@ -405,9 +402,14 @@ def make_plan(
         item = _keyed(
             p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions, [hashes[r] for r in refs]
         )
+        if refs and dropout:  # edit training: the empty instruction with this item's references, its own entry
+            empty = keys.texts("", [hashes[r] for r in refs])
+            item = replace(item, empty_texts=empty)
+            plan.captions.update((k, "") for k in empty.values())
         plan.items.append(item)
         if refs:
-            plan.references.update((k, refs) for t in (item.texts, *item.variants) for k in t.values())
+            own = (item.texts, *item.variants, item.empty_texts or {})
+            plan.references.update((k, refs) for t in own for k in t.values())
     add_masks(plan, cfg)
     return plan
 

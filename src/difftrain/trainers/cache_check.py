@@ -78,10 +78,15 @@ def cache_differences(
             )
         elif want.varies and changed:
             diffs.append("caption augmentation changed since the cache was made: " + ", ".join(changed))
-        if want.dropout_rate > 0 and not index.empty_text:
+        if want.dropout_rate > 0 and not (index.empty_text or _own_empty(index)):
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
         diffs += _subset_captions(cfg, index)
     return diffs
+
+
+def _own_empty(index: CacheIndex) -> bool:
+    """Edit training's items each hold the empty instruction with their references (IndexItem.empty_texts)."""
+    return bool(index.items) and all(it.empty_texts for it in index.items if not it.prior)
 
 
 def _subset_captions(cfg: Config, index: CacheIndex) -> list[str]:
@@ -96,7 +101,7 @@ def _subset_captions(cfg: Config, index: CacheIndex) -> list[str]:
                 f"data.subsets {name!r}: shuffle_caption / caption_tag_dropout_rate set, but the cache holds one "
                 "version of each of its captions"
             )
-        if aug.dropout_rate > 0 and items and not index.empty_text:
+        if aug.dropout_rate > 0 and items and not (index.empty_text or _own_empty(index)):
             out.append(
                 f"data.subsets {name!r}: caption_dropout_rate > 0, but the cache holds no embedding of the empty caption"
             )
