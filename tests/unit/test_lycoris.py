@@ -54,22 +54,29 @@ def comfy_lora(weight, up, down, alpha, dora_scale, strength=1.0):
     return weight + (strength * alpha) * lora_diff
 
 
-def comfy_loha(weight, w1a, w1b, alpha, w2a, w2b, strength=1.0):
-    """loha.py LoHaAdapter.calculate_weight (no Tucker cores)."""
+def comfy_loha(weight, w1a, w1b, alpha, w2a, w2b, t1=None, t2=None, strength=1.0):
+    """loha.py LoHaAdapter.calculate_weight."""
     alpha = alpha / w1b.shape[0] if alpha is not None else 1.0
-    m1, m2 = torch.mm(w1a, w1b), torch.mm(w2a, w2b)
+    if t1 is not None:  # cp decomposition
+        m1 = torch.einsum("i j k l, j r, i p -> p r k l", t1, w1b, w1a)
+        m2 = torch.einsum("i j k l, j r, i p -> p r k l", t2, w2b, w2a)
+    else:
+        m1, m2 = torch.mm(w1a, w1b), torch.mm(w2a, w2b)
     return weight + (strength * alpha) * (m1 * m2).reshape(weight.shape)
 
 
-def comfy_lokr(weight, w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, strength=1.0):
-    """lokr.py LoKrAdapter.calculate_weight (no Tucker core)."""
+def comfy_lokr(weight, w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2=None, strength=1.0):
+    """lokr.py LoKrAdapter.calculate_weight."""
     dim = None
     if w1 is None:
         dim = w1_b.shape[0]
         w1 = torch.mm(w1_a, w1_b)
     if w2 is None:
         dim = w2_b.shape[0]
-        w2 = torch.mm(w2_a, w2_b)
+        if t2 is None:
+            w2 = torch.mm(w2_a, w2_b)
+        else:
+            w2 = torch.einsum("i j k l, j r, i p -> p r k l", t2, w2_b, w2_a)
     if len(w2.shape) == 4:
         w1 = w1.unsqueeze(2).unsqueeze(2)
     alpha = alpha / dim if (alpha is not None and dim is not None) else 1.0
@@ -85,10 +92,11 @@ def comfy_apply(sd: dict[str, torch.Tensor], x: str, weight: torch.Tensor, stren
     if x + ".hada_w1_a" in sd:
         assert dora_scale is None
         return comfy_loha(weight, *(sd[x + k] for k in (".hada_w1_a", ".hada_w1_b")), alpha,
-                          *(sd[x + k] for k in (".hada_w2_a", ".hada_w2_b")), strength=strength)  # fmt: skip
+                          *(sd[x + k] for k in (".hada_w2_a", ".hada_w2_b")), sd.get(x + ".hada_t1"),
+                          sd.get(x + ".hada_t2"), strength=strength)  # fmt: skip
     get = lambda k: sd.get(x + k)
     return comfy_lokr(weight, get(".lokr_w1"), get(".lokr_w2"), alpha, get(".lokr_w1_a"), get(".lokr_w1_b"),
-                      get(".lokr_w2_a"), get(".lokr_w2_b"), strength=strength)  # fmt: skip
+                      get(".lokr_w2_a"), get(".lokr_w2_b"), get(".lokr_t2"), strength=strength)  # fmt: skip
 
 
 # ------------------------------------------------------------ a toy model with peft's adapters
@@ -101,8 +109,8 @@ class Toy(torch.nn.Module, PeftAdapterMixin):
         self.to_q = torch.nn.Linear(24, 36)
         self.to_k = torch.nn.Linear(24, 36)
         self.to_v = torch.nn.Linear(24, 36)
-        self.conv = torch.nn.Conv2d(8, 16, 3)
-        self.proj = torch.nn.Conv2d(16, 12, 1)
+        self.conv = torch.nn.Conv2d(8, 24, 3)
+        self.proj = torch.nn.Conv2d(24, 12, 1)
         for p in self.parameters():
             p.data = torch.randn(p.shape, generator=g)
 
@@ -115,6 +123,7 @@ SETTINGS = {
     "lokr": {"type": "lokr"},
     "lokr-factor-both": {"type": "lokr", "factor": 4, "decompose_both": True},
     "lokr-full": {"type": "lokr", "full_matrix": True},
+    "loha-tucker": {"type": "loha", "use_tucker": True},
 }
 
 
@@ -157,13 +166,15 @@ def test_comfyuis_formulas_on_the_written_tensors_give_peft_weights(which):
     m = _adapted(SETTINGS[which])
     want = _merged(m)
     sd = _kohya(m)
-    kind = {"dora": "dora", "loha": "loha"}.get(which, "lokr" if which.startswith("lokr") else "lora")
+    kind = "dora" if which == "dora" else which.partition("-")[0]
     leaves = {k.rpartition(".")[2] for k in sd if not k.endswith((".alpha", ".weight"))}
     assert leaves <= {"dora_scale", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a",
-                      "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b"}  # fmt: skip
-    assert {"lora": set(), "dora": {"dora_scale"}, "loha": {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"}}.get(
-        kind, leaves
-    ) == leaves
+                      "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "hada_t1", "hada_t2", "lokr_t2"}  # fmt: skip
+    hada = {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"}
+    own = {"lora": set(), "dora": {"dora_scale"}, "loha": hada, "loha-tucker": hada | {"hada_t1", "hada_t2"}}
+    assert own.get(which, leaves) == leaves
+    if which == "loha-tucker":
+        assert "lora_transformer_conv.hada_t1" in sd and "lora_transformer_proj.hada_t1" not in sd  # 3x3 only
     if which == "lokr-full":
         assert "lora_transformer_to_q.lokr_w1" in sd and "lora_transformer_to_q.lokr_w2_a" not in sd
     if which == "lokr-factor-both":
@@ -243,6 +254,8 @@ def test_the_settings_that_contradict_or_peft_lacks_are_refused_with_the_reason(
         LoraConfig(type="lokr", full_matrix=True, decompose_both=True)
     with pytest.raises(ValueError, match="no input dropout"):
         LoraConfig(type="lokr", dropout=0.1)
+    with pytest.raises(ValueError, match=r"strided tensor that torch\.kron refuses"):
+        LoraConfig(type="lokr", use_tucker=True)
     with pytest.raises(ValueError, match="peft's LoRA has no rank or module dropout"):
         LoraConfig(rank_dropout=0.1)
     assert LoraConfig(use_dora=True).plain is False and LoraConfig().plain is True

@@ -25,6 +25,7 @@ def peft_config(module: torch.nn.Module, settings: LoraSettings, targets: Sequen
             alpha=alpha,  # type: ignore[arg-type]
             rank_dropout=settings.rank_dropout,
             module_dropout=settings.module_dropout,
+            use_effective_conv2d=settings.use_tucker,
             target_modules=list(targets),
         )
     if settings.type == "lokr":
@@ -40,6 +41,7 @@ def peft_config(module: torch.nn.Module, settings: LoraSettings, targets: Sequen
             decompose_factor=settings.factor,
             rank_dropout=settings.rank_dropout,
             module_dropout=settings.module_dropout,
+            use_effective_conv2d=settings.use_tucker,
             target_modules=list(targets),
         )
     return LoraConfig(

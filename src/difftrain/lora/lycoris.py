@@ -27,11 +27,13 @@ LEAVES = {
     ".lora_A.weight": ".lora_down.weight",
     ".lora_B.weight": ".lora_up.weight",
     ".lora_magnitude_vector": ".dora_scale",
-    **{f".{n}": f".{n}" for n in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")},
-    **{f".{n}": f".{n}" for n in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")},
+    **{f".{n}": f".{n}" for n in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")},
+    **{f".{n}": f".{n}" for n in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")},
 }
 BACK = {v: k for k, v in LEAVES.items()}
 ALPHA = ".alpha"
+#: LyCORIS' (and ComfyUI's, and peft's) Tucker rebuild: core [r, r, kh, kw], w_b [r, in], w_a [r, out]
+_TUCKER = "i j k l, j r, i p -> p r k l"
 A, B, MAG = ".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector"
 
 
@@ -108,14 +110,21 @@ def product(leaves: Mapping[str, torch.Tensor], alpha: float | None, shape: torc
     r = rank(leaves)
     scale = alpha / r if (alpha is not None and r is not None) else 1.0
     k = kind(leaves)
-    if k == "loha":
+    if k == "loha" and ".hada_t1" in f:  # Tucker: a core [r, r, kh, kw] between the factors [r, out] and [r, in]
+        diff = torch.einsum(_TUCKER, f[".hada_t1"], f[".hada_w1_b"], f[".hada_w1_a"]) * torch.einsum(
+            _TUCKER, f[".hada_t2"], f[".hada_w2_b"], f[".hada_w2_a"]
+        )
+    elif k == "loha":
         diff = (f[".hada_w1_a"] @ f[".hada_w1_b"]) * (f[".hada_w2_a"] @ f[".hada_w2_b"])
     elif k == "lokr":
         w1 = f[".lokr_w1"] if ".lokr_w1" in f else f[".lokr_w1_a"] @ f[".lokr_w1_b"]
-        w2 = f[".lokr_w2"] if ".lokr_w2" in f else f[".lokr_w2_a"] @ f[".lokr_w2_b"]
+        if ".lokr_t2" in f:
+            w2 = torch.einsum(_TUCKER, f[".lokr_t2"], f[".lokr_w2_b"], f[".lokr_w2_a"])
+        else:
+            w2 = f[".lokr_w2"] if ".lokr_w2" in f else f[".lokr_w2_a"] @ f[".lokr_w2_b"]
         if w2.dim() == 4:
             w1 = w1[:, :, None, None]
-        diff = torch.kron(w1, w2)
+        diff = torch.kron(w1, w2.contiguous())  # torch.kron fails on a strided 4-D factor (a Tucker rebuild's)
     else:
         diff = f[B].flatten(1) @ f[A].flatten(1)
     return (diff * scale).reshape(shape)
@@ -138,11 +147,17 @@ def out_and_size(leaves: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(output rows, elements) of the ΔW a module's tensors make, to check them against a weight before it is read."""
     f = dict(leaves)
     k = kind(f)
+    if k == "loha" and ".hada_t1" in f:
+        out = int(f[".hada_w1_a"].shape[1])
+        return out, out * int(f[".hada_w1_b"].shape[1]) * int(f[".hada_t1"][0, 0].numel())
     if k == "loha":
         return int(f[".hada_w1_a"].shape[0]), int(f[".hada_w1_a"].shape[0] * f[".hada_w1_b"].shape[1])
     if k == "lokr":
         w1 = f[".lokr_w1"].shape if ".lokr_w1" in f else (f[".lokr_w1_a"].shape[0], f[".lokr_w1_b"].shape[1])
-        w2 = f[".lokr_w2"].shape if ".lokr_w2" in f else (f[".lokr_w2_a"].shape[0], f[".lokr_w2_b"].shape[1])
+        if ".lokr_t2" in f:
+            w2 = (f[".lokr_w2_a"].shape[1], f[".lokr_w2_b"].shape[1], *f[".lokr_t2"].shape[2:])
+        else:
+            w2 = f[".lokr_w2"].shape if ".lokr_w2" in f else (f[".lokr_w2_a"].shape[0], f[".lokr_w2_b"].shape[1])
         rest = 1
         for s in w2[2:]:
             rest *= int(s)

@@ -12,6 +12,7 @@ low-rank products) or ``lokr`` (``algo=lokr``: LoKr, a Kronecker product). ``use
     --network_args decompose_both=True                    -> lora.decompose_both: true (lokr)
     --network_args full_matrix=True                       -> lora.full_matrix: true (lokr)
     --network_args rank_dropout=P module_dropout=P        -> lora.rank_dropout / lora.module_dropout (loha, lokr)
+    --network_args use_tucker=True (or use_cp=True)       -> lora.use_tucker: true (loha; lokr's is refused)
     --network_dim / --network_alpha                       -> lora.rank / lora.alpha
 
 lora.init applies to LoRA and DoRA; LoHa and LoKr start as peft starts them (one factor zero, so ΔW = 0).
@@ -64,6 +65,11 @@ class LoraConfig(Strict):
         description="lokr: both Kronecker factors full matrices, lora.rank unused (LyCORIS full_matrix=True)",
     )
 
+    use_tucker: bool = Field(
+        default=False,
+        description="loha: a convolution with a kernel larger than 1x1 as Tucker cores and factors "
+        "(LyCORIS use_tucker=True, hada_t1 / hada_t2; peft's use_effective_conv2d)",
+    )
     rank_dropout: float = Field(
         default=0.0, ge=0, lt=1, description="loha / lokr: dropout of ΔW's output rows (LyCORIS rank_dropout=)"
     )
@@ -81,11 +87,11 @@ class LoraConfig(Strict):
                 f"lora.use_dora with lora.type {self.type}: peft's LoHa and LoKr have no weight decomposition "
                 "(LyCORIS' dora_wd on loha/lokr); use lora.type: lora with use_dora, or drop use_dora"
             )
-        lycoris_only = [k for k in ("rank_dropout", "module_dropout") if getattr(self, k)]
+        lycoris_only = [k for k in ("rank_dropout", "module_dropout", "use_tucker") if getattr(self, k)]
         if lycoris_only and self.type == "lora":
             raise ValueError(
                 f"lora.{', lora.'.join(lycoris_only)} with lora.type lora: peft's LoRA has no rank or module dropout "
-                "(lora.dropout is its input dropout); they apply to loha and lokr"
+                "(lora.dropout is its input dropout) nor Tucker form; they apply to loha and lokr"
             )
         lokr_only = [k for k in ("decompose_both", "full_matrix") if getattr(self, k)]
         if self.factor != -1:
@@ -94,6 +100,12 @@ class LoraConfig(Strict):
             raise ValueError(f"lora.{', lora.'.join(lokr_only)} only apply to lora.type: lokr (this is {self.type})")
         if self.factor == 0 or self.factor < -1:
             raise ValueError(f"lora.factor {self.factor}: a Kronecker factor is a positive size, or -1 (automatic)")
+        if self.use_tucker and self.type == "lokr":
+            raise ValueError(
+                "lora.use_tucker with lora.type lokr: ComfyUI and Forge rebuild a LoKr's Tucker factor (lokr_t2) "
+                "into a strided tensor that torch.kron refuses, so those layers would not load; use_tucker with "
+                "lora.type loha, or lokr without it"
+            )
         if self.full_matrix and self.decompose_both:
             raise ValueError("lora.full_matrix and lora.decompose_both contradict each other: keep one")
         if self.dropout and self.type != "lora":
