@@ -224,7 +224,7 @@ def test_sdxl_lora_with_dataset_config_samples_fp8_and_lokr(tmp_path):
         "flip_aug=True",
         "no flipped copies",
         "--network_args conv_dim=4",
-        "lora.conv_rank does not exist",
+        "no such lora setting",
         "--sample_sampler=euler_a",
         "negative prompt",
         "--cache_latents_to_disk",
@@ -381,12 +381,12 @@ def test_network_args_take_several_values(cli):
     'factor=4' before)."""
     r = cli(
         "convert-args", "--", "sdxl_train_network.py", "--network_module", "lycoris.kohya",
-        "--network_args", "algo=lokr", "factor=4", "decompose_both=True", "rank_dropout=0.1", "--network_dim", "8",
+        "--network_args", "algo=lokr", "factor=4", "decompose_both=True", "conv_dim=4", "--network_dim", "8",
     )  # fmt: skip
     assert r.code == 0, r
     lora = resolve(extra=yaml.safe_load(r.out)).config.lora
     assert (lora.type, lora.factor, lora.decompose_both, lora.rank) == ("lokr", 4, True, 8)
-    assert "--network_args rank_dropout=0.1" in r.err
+    assert "--network_args conv_dim=4" in r.err and "no such lora setting" in r.err
     c = convert(["sdxl_train_network.py", "--network_args", "algo=locon", "dora_wd=True", "--network_dim=4"])
     lora = resolve(extra=c.config).config.lora
     assert lora.type == "lora" and lora.use_dora is True

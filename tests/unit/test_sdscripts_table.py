@@ -60,13 +60,12 @@ def test_the_staleness_check_sees_an_option_difftrain_has():
         (sds.OPTIMIZERS_MISSING, "memory.optimizer.kind"),
         (dict.fromkeys(sds.SCHEDULERS_MISSING, None), "train.lr_scheduler"),
         (sds.LYCORIS_MISSING, "lora.type"),
-        (sds.NETWORK_ARGS_MISSING, "lora"),
     ],
-    ids=["optimizer_type", "lr_scheduler", "network_args algo", "network_args keys"],
+    ids=["optimizer_type", "lr_scheduler", "network_args algo"],
 )
 def test_every_missing_value_is_refused_and_every_mapped_one_validates(table, key):
     for name, would in table.items():
-        would_be = {f"lora.{would}": 1} if key == "lora" else {key: would if would is not None else name}
+        would_be = {key: would if would is not None else name}
         assert not _validates(would_be), f"{name}: {would_be} validates now: map it in config/sdscripts.py"
     if key == "memory.optimizer.kind":
         for name, opt in sds.OPTIMIZERS.items():
@@ -74,6 +73,17 @@ def test_every_missing_value_is_refused_and_every_mapped_one_validates(table, ke
     if key == "train.lr_scheduler":
         for name in sds.SCHEDULERS:
             assert _validates({key: name}), name
+
+
+def test_every_missing_network_arg_is_refused_and_the_mapped_ones_validate():
+    stale = [k for k, would_be in sds.NETWORK_ARGS_MISSING.items() if _validates(would_be)]
+    assert stale == []
+    args = ["algo=lokr", "factor=4", "decompose_both=True", "rank_dropout=0.1", "module_dropout=0.05", "use_cp=True"]
+    c = sds.convert(["sdxl_train_network.py", "--network_args", *args, "--network_dim=4"])
+    lora = resolve(extra=c.config).config.lora
+    assert (lora.type, lora.factor, lora.decompose_both) == ("lokr", 4, True)
+    assert (lora.rank_dropout, lora.module_dropout, lora.use_tucker) == (0.1, 0.05, True)
+    assert c.unmapped == []
 
 
 def test_the_tables_do_not_overlap():

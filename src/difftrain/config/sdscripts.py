@@ -310,33 +310,30 @@ LYCORIS_MISSING = {
     "diag-oft": "oft",
     "boft": "boft",
 }
-#: LyCORIS / sd-scripts network_args keys lora.* has, and those it lacks (the lora field each would be)
-NETWORK_ARGS_MISSING = {
-    "conv_dim": "conv_rank",
-    "conv_alpha": "conv_alpha",
-    "preset": "preset",
-    "rank_dropout": "rank_dropout",
-    "module_dropout": "module_dropout",
-    "use_tucker": "use_tucker",
-    "use_scalar": "use_scalar",
-    "rank_dropout_scale": "rank_dropout_scale",
-    "train_norm": "train_norm",
-    "bypass_mode": "bypass_mode",
-    "down_lr_weight": "block_lr",
-    "mid_lr_weight": "block_lr",
-    "up_lr_weight": "block_lr",
-    "block_dims": "block_ranks",
-    "block_alphas": "block_alphas",
-    "conv_block_dims": "conv_block_ranks",
-    "conv_block_alphas": "conv_block_alphas",
-    "train_blocks": "train_blocks",
-    "train_double_block_indices": "train_blocks",
-    "train_single_block_indices": "train_blocks",
-    "split_qkv": "split_qkv",
-    "train_t5xxl": "train_t5xxl",
-    "loraplus_lr_ratio": "loraplus_lr_ratio",
-    "loraplus_unet_lr_ratio": "loraplus_lr_ratio",
-    "loraplus_text_encoder_lr_ratio": "loraplus_lr_ratio",
+#: LyCORIS / sd-scripts --network_args keys lora.* lacks, each with the nearest lora config (checked not to validate)
+NETWORK_ARGS_MISSING: dict[str, dict[str, Any]] = {
+    "conv_dim": {"lora.conv_rank": 4},
+    "conv_alpha": {"lora.conv_alpha": 1.0},
+    "preset": {"lora.preset": "attn-mlp"},
+    "use_scalar": {"lora.type": "lokr", "lora.use_scalar": True},
+    "rank_dropout_scale": {"lora.type": "lokr", "lora.rank_dropout_scale": True},
+    "train_norm": {"lora.train_norm": True},
+    "bypass_mode": {"lora.bypass_mode": True},
+    "down_lr_weight": {"lora.block_lr": [1.0]},
+    "mid_lr_weight": {"lora.block_lr": [1.0]},
+    "up_lr_weight": {"lora.block_lr": [1.0]},
+    "block_dims": {"lora.block_ranks": [4]},
+    "block_alphas": {"lora.block_alphas": [4.0]},
+    "conv_block_dims": {"lora.conv_block_ranks": [4]},
+    "conv_block_alphas": {"lora.conv_block_alphas": [4.0]},
+    "train_blocks": {"lora.train_blocks": "single"},
+    "train_double_block_indices": {"lora.train_blocks": "0-5"},
+    "train_single_block_indices": {"lora.train_blocks": "0-5"},
+    "split_qkv": {"lora.split_qkv": True},
+    "train_t5xxl": {"lora.train_t5xxl": True},
+    "loraplus_lr_ratio": {"lora.loraplus_lr_ratio": 16.0},
+    "loraplus_unet_lr_ratio": {"lora.loraplus_lr_ratio": 16.0},
+    "loraplus_text_encoder_lr_ratio": {"lora.loraplus_lr_ratio": 16.0},
 }
 
 
@@ -845,10 +842,15 @@ def _network_arg(c: Conversion, item: str) -> None:
             c.set("lora.factor", int(val))
         except ValueError:
             c.unmapped.append((f"--network_args {item}", "value not understood"))
-    elif k in ("decompose_both", "full_matrix"):
-        c.set(f"lora.{k}", _bool(val))
+    elif k in ("decompose_both", "full_matrix", "use_tucker", "use_cp"):  # use_cp: LyCORIS' old name of use_tucker
+        c.set(f"lora.{'use_tucker' if k == 'use_cp' else k}", _bool(val))
+    elif k in ("rank_dropout", "module_dropout"):
+        try:
+            c.set(f"lora.{k}", float(val))
+        except ValueError:
+            c.unmapped.append((f"--network_args {item}", "value not understood"))
     elif k in NETWORK_ARGS_MISSING:
-        c.unmapped.append((f"--network_args {item}", f"lora.{NETWORK_ARGS_MISSING[k]} does not exist in difftrain"))
+        c.unmapped.append((f"--network_args {item}", "no such lora setting in difftrain (LyCORIS / sd-scripts only)"))
     else:
         c.unmapped.append((f"--network_args {item}", UNKNOWN))
 
@@ -963,9 +965,18 @@ def _convert_flow(c: Conversion, target: Registered, args: dict[str, Any]) -> No
         c.set("flow.mode_scale", _num(args["mode_scale"]))
     if scheme in ("sigma_sqrt", "cosmap"):
         c.set("flow.loss_weighting", scheme)
+    if sd3:  # sd3_train_network.py always preconditions: the loss of the denoised latents
+        c.unmapped.append(
+            (
+                "(the SD3 scripts' loss)",
+                "sd-scripts' SD3 compares denoised latents (x - sigma * pred with the latents): the velocity loss "
+                "weighted by sigma^2; difftrain's SD3 takes the velocity loss itself (flow.loss_weighting to weight it)",
+            )
+        )
     if target.sd_scripts_guidance:
         c.set("flow.guidance_scale", _num(args.get("guidance_scale", 3.5)))
-    # FLUX.1's scripts default to sigma_scaled (the denoised latents' loss: the velocity's weighted by sigma^2)
+    # FLUX.1's scripts default to sigma_scaled (the prediction turned into denoised latents, x - sigma * pred, then
+    # compared with the velocity target: an objective of its own); raw is difftrain's
     mpt = _str(args.get("model_prediction_type", "sigma_scaled" if target.sd_scripts_guidance else "raw"))
     if mpt != "raw":
         c.unmapped.append((f"--model_prediction_type={mpt}", UNSUPPORTED["model_prediction_type"][0]))
