@@ -78,11 +78,13 @@ def test_every_missing_value_is_refused_and_every_mapped_one_validates(table, ke
 def test_every_missing_network_arg_is_refused_and_the_mapped_ones_validate():
     stale = [k for k, would_be in sds.NETWORK_ARGS_MISSING.items() if _validates(would_be)]
     assert stale == []
-    args = ["algo=lokr", "factor=4", "decompose_both=True", "rank_dropout=0.1", "module_dropout=0.05", "use_cp=True"]
+    c = sds.convert(["sdxl_train_network.py", "--network_args", "algo=lokr", "factor=4", "decompose_both=True"])
+    lora = resolve(extra=c.config).config.lora
+    assert (lora.type, lora.factor, lora.decompose_both) == ("lokr", 4, True) and c.unmapped == []
+    args = ["algo=loha", "rank_dropout=0.1", "module_dropout=0.05", "use_cp=True"]
     c = sds.convert(["sdxl_train_network.py", "--network_args", *args, "--network_dim=4"])
     lora = resolve(extra=c.config).config.lora
-    assert (lora.type, lora.factor, lora.decompose_both) == ("lokr", 4, True)
-    assert (lora.rank_dropout, lora.module_dropout, lora.use_tucker) == (0.1, 0.05, True)
+    assert (lora.type, lora.rank_dropout, lora.module_dropout, lora.use_tucker) == ("loha", 0.1, 0.05, True)
     assert c.unmapped == []
 
 
@@ -122,3 +124,17 @@ def test_part_files_name_what_the_family_reads(row):
     source = "\n".join(p.read_text(encoding="utf-8") for p in (FAMILIES / row.module).rglob("*.py"))
     for option in ("ae", "clip_l", "t5xxl", "text_encoder"):
         assert (option in row.part_files) == (f"model.{option}" in source), option
+
+
+def test_options_that_mean_something_together():
+    """sd-scripts' fused backward pass clips no global norm and is for full fine-tunes; its constant schedule has
+    no warmup; a DDP option alone picks DDP: each converted so that the config validates, the difference listed."""
+    c = sds.convert(["sdxl_train.py", "--optimizer_type=Adafactor", "--fused_backward_pass", "--lr_warmup_steps=10"])
+    cfg = resolve(extra=c.config).config
+    assert cfg.memory.fused_backward is True and cfg.train.max_grad_norm is None and cfg.train.warmup_steps == 0
+    unmapped = dict(c.unmapped)
+    assert "clips each tensor" in unmapped["--max_grad_norm"] and "no warmup" in unmapped["--lr_warmup_steps=10"]
+    c = sds.convert(["sdxl_train_network.py", "--fused_backward_pass", "--ddp_static_graph", "--lr_scheduler=cosine"])
+    cfg = resolve(extra=c.config).config
+    assert cfg.memory.fused_backward is False and "--fused_backward_pass" in dict(c.unmapped)
+    assert cfg.memory.engine.kind == "ddp" and cfg.memory.engine.static_graph is True

@@ -557,6 +557,7 @@ def convert(tokens: list[str]) -> Conversion:
         except (TypeError, ValueError, OverflowError):
             c.unmapped.append((_shown(name, v), "value not understood"))
 
+    _settle(c, args, lora)
     if "optimizer_args" in args:
         v = args["optimizer_args"]
         _optimizer_args(c, v if isinstance(v, list) else [v])
@@ -565,6 +566,25 @@ def convert(tokens: list[str]) -> Conversion:
     if not lora and mixed == "fp16" and "full_bf16" not in args:
         c.set("memory.weights.kind", "fp32")  # fp32 master weights with fp16 autocast and a grad scaler
     return c
+
+
+def _settle(c: Conversion, args: dict[str, Any], lora: bool) -> None:
+    """What sd-scripts does with options that only mean something together."""
+    if c.get("train.warmup_steps") and c.get("train.lr_scheduler") in (None, "constant"):
+        c.config["train"].pop("warmup_steps")  # sd-scripts' default constant schedule ignores warmup, as difftrain's
+        c.unmapped.append((_shown("lr_warmup_steps", args["lr_warmup_steps"]), "the constant schedule has no warmup"))
+    if c.get("memory.fused_backward"):
+        if lora:
+            c.config["memory"].pop("fused_backward")
+            c.unmapped.append(("--fused_backward_pass", "for full fine-tunes (a LoRA's gradients are small)"))
+        else:  # sd-scripts' default --max_grad_norm 1.0 included
+            c.set("train.max_grad_norm", None)
+            c.unmapped.append(
+                ("--max_grad_norm", "not under fused backward: sd-scripts clips each tensor alone, difftrain does not")
+            )
+    engine = c.get("memory.engine")
+    if isinstance(engine, dict) and "kind" not in engine:
+        engine["kind"] = "ddp"
 
 
 def _shown(name: str, v: Any) -> str:
@@ -631,6 +651,8 @@ def _convert_training(c: Conversion, name: str, v: Any, lora: bool) -> bool:
             )
     elif name == "optimizer_args":
         pass  # read after every other option (convert): its keys depend on the optimizer
+    elif name == "train_text_encoder" and lora:
+        c.set("train.train_text_encoders", True)
     elif name == "train_text_encoder":
         c.set("full.train_text_encoder_1", True)
         c.set("full.train_text_encoder_2", True)
