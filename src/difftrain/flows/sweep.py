@@ -823,6 +823,10 @@ class _Worker:
                     continue
                 self._tell(r.trial, {**res, "status": "interrupted", "error": "the sweep was interrupted"}, None)
                 st.retry(self.study, r.trial.number)
+                warn(
+                    f"sweep: trial #{r.trial.number} {r.t.name} stopped with its checkpoint and is queued again: the "
+                    "same command continues it"
+                )
             except Exception as e:  # noqa: BLE001 - the storage may be what failed; the heartbeat covers it
                 warn(f"sweep: trial #{r.trial.number} not recorded as interrupted ({e}); its heartbeat will be")
 
