@@ -138,3 +138,36 @@ def test_options_that_mean_something_together():
     cfg = resolve(extra=c.config).config
     assert cfg.memory.fused_backward is False and "--fused_backward_pass" in dict(c.unmapped)
     assert cfg.memory.engine.kind == "ddp" and cfg.memory.engine.static_graph is True
+
+
+@pytest.mark.parametrize("kind", ["txt", "json", "toml"])
+def test_sample_prompt_files(tmp_path, kind):
+    """sd-scripts' three prompt-file forms (train_util.load_prompts) become validation's prompts and settings."""
+    text = {
+        "txt": "# a comment\na dog --w 768 --h 768 --d 7 --l 6.5 --s 20\na cat --W 768 --H 768 --d 7 --n blurry\n",
+        "json": '[{"prompt": "a dog", "width": 768, "height": 768, "seed": 7, "scale": 6.5, "sample_steps": 20},'
+        ' "a cat --w 768 --h 768 --d 7 --n blurry"]',
+        "toml": "[prompt]\nwidth = 768\nheight = 768\nseed = 7\nsample_steps = 20\n"
+        '[[prompt.subset]]\nprompt = "a dog"\nscale = 6.5\n[[prompt.subset]]\nprompt = "a cat"\n'
+        'negative_prompt = "blurry"\n',
+    }[kind]
+    f = tmp_path / f"prompts.{kind}"
+    f.write_text(text)
+    c = sds.convert(["sdxl_train_network.py", f"--sample_prompts={f}", "--sample_every_n_steps=50"])
+    v = resolve(extra=c.config).config.validation
+    assert v.prompts == ["a dog", "a cat"] and (v.resolution, v.seed, v.guidance_scale) == (768, 7, 6.5)
+    assert v.every_n_steps == 50 and v.num_inference_steps == 20
+    assert dict(c.unmapped)["--sample_prompts negative prompts"]
+
+
+def test_flux_prompt_guidance_and_an_unreadable_prompt_file(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a dog --g 3.5 --l 1.0 --s 20\n")
+    c = sds.convert(["flux_train_network.py", f"--sample_prompts={f}"])
+    assert resolve(extra=c.config).config.validation.guidance_scale == 3.5  # --g: FLUX.1 [dev]'s own guidance
+    (tmp_path / "bad.toml").write_text("[prompt]\nwidth = 1\n")
+    c = sds.convert(["sdxl_train_network.py", f"--sample_prompts={tmp_path / 'bad.toml'}"])
+    assert (
+        "validation" not in c.config
+        and "could not be read" in dict(c.unmapped)[f"--sample_prompts={tmp_path / 'bad.toml'}"]
+    )

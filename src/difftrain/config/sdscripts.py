@@ -577,11 +577,12 @@ def _settle(c: Conversion, args: dict[str, Any], lora: bool) -> None:
         if lora:
             c.config["memory"].pop("fused_backward")
             c.unmapped.append(("--fused_backward_pass", "for full fine-tunes (a LoRA's gradients are small)"))
-        else:  # sd-scripts' default --max_grad_norm 1.0 included
+        else:
+            if "max_grad_norm" not in args or c.get("train.max_grad_norm"):  # sd-scripts' default: 1.0
+                c.unmapped.append(
+                    ("--max_grad_norm", "not under fused backward: sd-scripts clips each tensor alone, difftrain not")
+                )
             c.set("train.max_grad_norm", None)
-            c.unmapped.append(
-                ("--max_grad_norm", "not under fused backward: sd-scripts clips each tensor alone, difftrain does not")
-            )
     engine = c.get("memory.engine")
     if isinstance(engine, dict) and "kind" not in engine:
         engine["kind"] = "ddp"
@@ -617,7 +618,7 @@ def _convert_option(c: Conversion, name: str, v: Any, lora: bool, family: Regist
         c.set(dotted, conv(v))
     elif (
         _convert_training(c, name, v, lora)
-        or _convert_data_and_saving(c, name, v, lora)
+        or _convert_data_and_saving(c, name, v, lora, family)
         or _convert_model(c, name, v, lora, family)
         or _convert_network(c, name, v)
     ):
@@ -748,7 +749,7 @@ def _deepspeed(c: Conversion, name: str, v: Any) -> None:
     c.set("memory.engine.kind", "deepspeed")
 
 
-def _convert_data_and_saving(c: Conversion, name: str, v: Any, lora: bool) -> bool:
+def _convert_data_and_saving(c: Conversion, name: str, v: Any, lora: bool, family: Registered) -> bool:
     """The options of the data (captions, buckets, latents, samples) and of what is saved when. False: not one."""
     if name in ("caption_extension", "caption_extention"):  # the second: sd-scripts' old spelling, still read
         c.set("data.caption_ext", v if str(v).startswith(".") else f".{v}")
@@ -763,7 +764,7 @@ def _convert_data_and_saving(c: Conversion, name: str, v: Any, lora: bool) -> bo
         _merge(c.config, reading.config)
         c.unmapped.extend((f"--dataset_config {v}: {key}", why) for key, why in reading.unmapped)
     elif name == "sample_prompts":
-        _sample_prompts(c, Path(_str(v)))
+        _sample_prompts(c, Path(_str(v)), family.sd_scripts_guidance)
     elif name == "log_with":
         sinks = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}.get(_str(v))
         if sinks is None:
@@ -877,39 +878,50 @@ def _network_arg(c: Conversion, item: str) -> None:
         c.unmapped.append((f"--network_args {item}", UNKNOWN))
 
 
-def _sample_prompts(c: Conversion, path: Path) -> None:
-    """sd-scripts' --sample_prompts file: a .txt of one prompt a line with ``--w --h --d --l --s --n`` options, or a
-    .json list of {prompt, width, height, seed, scale, sample_steps, negative_prompt} -> validation.*."""
+def _sample_prompts(c: Conversion, path: Path, guidance: bool) -> None:
+    """sd-scripts' --sample_prompts file (library/train_util.py load_prompts): a .txt of one prompt a line with
+    ``--w --h --d --l --g --s --n`` options, a .json list of such lines or of {prompt, width, height, seed, scale,
+    guidance_scale, sample_steps, negative_prompt}, or a .toml ``[prompt]`` table with ``[[prompt.subset]]`` entries
+    -> validation.*. ``guidance``: a guidance-distilled family, whose --g is the validation's guidance (else --l)."""
     try:
         text = path.read_text(encoding="utf-8")
         if path.suffix.lower() == ".json":
             entries = json.loads(text)
             entries = entries if isinstance(entries, list) else [entries]
-            prompts = [{str(k): v for k, v in e.items()} for e in entries if isinstance(e, dict)]
         elif path.suffix.lower() == ".toml":
-            raise ValueError("toml")
+            import tomllib
+
+            table = tomllib.loads(text)["prompt"]
+            entries = [{**{k: v for k, v in table.items() if k != "subset"}, **sub} for sub in table["subset"]]
         else:
-            prompts = [_prompt_line(line) for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            entries = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        prompts = [_prompt_line(e) if isinstance(e, str) else {str(k): v for k, v in e.items()} for e in entries]
+    except (
+        OSError,
+        UnicodeDecodeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+        TypeError,
+    ):  # tomllib's error: a ValueError
         c.unmapped.append(
             (
                 f"--sample_prompts={path}",
-                "its prompts could not be read (a .txt or .json file): give validation.prompts",
+                "its prompts could not be read (sd-scripts' .txt, .json or .toml prompt file): give validation.prompts",
             )
         )
         return
     c.set("validation.prompts", [str(p.get("prompt", "")) for p in prompts if p.get("prompt")])
     names = {
-        "sample_steps": "validation.num_inference_steps",
-        "scale": "validation.guidance_scale",
-        "seed": "validation.seed",
+        "sample_steps": ("validation.num_inference_steps", int),
+        "guidance_scale" if guidance else "scale": ("validation.guidance_scale", float),
+        "seed": ("validation.seed", int),
     }
-    for key, dotted in names.items():
-        seen = {str(p[key]) for p in prompts if key in p}
+    for key, (dotted, conv) in names.items():
+        seen = [conv(p[key]) for p in prompts if key in p]
         if seen:
-            first = next(p[key] for p in prompts if key in p)
-            c.set(dotted, float(first) if key == "scale" else int(first))
-            if len(seen) > 1:
+            c.set(dotted, seen[0])
+            if len(set(seen)) > 1:
                 c.unmapped.append((f"--sample_prompts {key}", f"one {dotted} for every prompt: the first's is used"))
     sides = {int(p[k]) for p in prompts for k in ("width", "height") if k in p}
     if sides:
@@ -921,17 +933,29 @@ def _sample_prompts(c: Conversion, path: Path) -> None:
             )
     if any(p.get("negative_prompt") for p in prompts):
         c.unmapped.append(("--sample_prompts negative prompts", "validation samples have no negative prompt"))
+    if any(p.get("sample_sampler") for p in prompts):
+        c.unmapped.append(("--sample_prompts --ss", UNSUPPORTED["sample_sampler"][0]))
 
 
 def _prompt_line(line: str) -> dict[str, Any]:
-    """One line of sd-scripts' prompt .txt: ``a dog --w 1024 --h 1024 --d 1 --l 7.5 --s 28 --n blurry``."""
+    """One line of sd-scripts' prompt .txt (train_util.line_to_prompt_dict):
+    ``a dog --w 1024 --h 1024 --d 1 --l 7.5 --g 3.5 --s 28 --n blurry --ss euler_a``."""
     parts = line.split(" --")
     out: dict[str, Any] = {"prompt": parts[0].strip()}
-    keys = {"w": "width", "h": "height", "d": "seed", "l": "scale", "s": "sample_steps", "n": "negative_prompt"}
+    keys = {
+        "w": "width",
+        "h": "height",
+        "d": "seed",
+        "l": "scale",
+        "g": "guidance_scale",
+        "s": "sample_steps",
+        "n": "negative_prompt",
+        "ss": "sample_sampler",
+    }
     for p in parts[1:]:
         k, _, val = p.strip().partition(" ")
-        if k in keys:
-            out[keys[k]] = val.strip()
+        if k.lower() in keys:
+            out[keys[k.lower()]] = val.strip()
     return out
 
 
