@@ -261,3 +261,17 @@ def test_the_settings_that_contradict_or_peft_lacks_are_refused_with_the_reason(
     assert LoraConfig(use_dora=True).plain is False and LoraConfig().plain is True
     cfg = peft_config(Toy(), LoraConfig(type="lokr", rank_dropout=0.2, module_dropout=0.1, factor=4), TARGETS)
     assert (cfg.rank_dropout, cfg.module_dropout, cfg.decompose_factor) == (0.2, 0.1, 4)
+
+
+def test_adapters_over_weights_peft_cannot_read_are_refused_with_the_reason():
+    from difftrain.config.load import resolve
+    from difftrain.errors import ConfigError
+
+    def cfg(*sets):
+        return resolve(recipe="tiny-sdxl-lora", sets=["model.path=/nowhere", *sets]).config
+
+    with pytest.raises(ConfigError, match="DoRA divides by the norm of each row"):
+        cfg("lora.use_dora=true", "memory.weights.kind=fp8")
+    with pytest.raises(ConfigError, match="bitsandbytes stores packed"):
+        cfg("lora.type=loha", "memory.weights.kind=nf4")
+    assert cfg("lora.type=lokr", "memory.weights.kind=fp8").lora.type == "lokr"  # peft's LoKr runs over fp8 layers

@@ -258,7 +258,15 @@ def _check_start(cfg) -> None:
     from ..families.registry import get_family
     from ..trainers.validation import check_inputs
 
-    check_inputs(cfg, get_family(cfg.family))
+    family = get_family(cfg.family)
+    check_inputs(cfg, family)
+    if (
+        cfg.train.method == "lora"
+    ):  # a LoRA file the family cannot write (LoHa without kohya names, LoKr on a fused qkv)
+        from ..lora import files as lora_files
+
+        lora_files.formats(cfg, family)
+        lora_files.check_kohya_names(cfg, family, [family.denoiser])
 
 
 def precompute_missing(cfg) -> None:

@@ -282,6 +282,18 @@ class Config(Strict):
             raise ValueError(
                 "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
             )
+        kind = self.memory.weights.kind
+        if self.train.method == "lora" and self.lora.use_dora and kind == "fp8":
+            raise ValueError(
+                "lora.use_dora with memory.weights fp8: DoRA divides by the norm of each row of the base weight, which "
+                "peft computes from the stored fp8 tensor (without its scale, in a type torch cannot multiply); use "
+                "memory.weights bf16 (or nf4 / int8, which peft dequantizes) for DoRA"
+            )
+        if self.train.method == "lora" and self.lora.type != "lora" and kind in ("nf4", "int8"):
+            raise ValueError(
+                f"lora.type {self.lora.type} with memory.weights {kind}: peft's LoHa and LoKr take a layer's size from "
+                "its weight, which bitsandbytes stores packed; use memory.weights fp8 or bf16 (or lora.type lora)"
+            )
 
     def _speed(self, facts: FamilyFacts | None) -> None:
         # only what is set explicitly is refused here; "auto" decides at start (difftrain.speed.auto.decide) and says why
