@@ -52,8 +52,9 @@ FOLDER, SLOT = "difftrain.folder", "difftrain.slot"
 #: the journal storage's heartbeat (a trial system attribute: the time of the last beat)
 BEAT = "difftrain:heartbeat"
 DEFAULT_DB = "study.db"
-#: config paths that say where things go, not what is trained: outside the base fingerprint
-LOCATION_PATHS = ("train.output_dir",)
+#: config paths that say where things go, not what is trained: outside the base fingerprint (each machine of a
+#: shared study has its own sweep folder and its own copy of the cache, addressed by content)
+LOCATION_PATHS = ("train.output_dir", "data.cache_dir")
 
 
 def optuna_quiet() -> Any:
