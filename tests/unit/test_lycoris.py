@@ -272,6 +272,6 @@ def test_adapters_over_weights_peft_cannot_read_are_refused_with_the_reason():
 
     with pytest.raises(ConfigError, match="DoRA divides by the norm of each row"):
         cfg("lora.use_dora=true", "memory.weights.kind=fp8")
-    with pytest.raises(ConfigError, match="bitsandbytes stores packed"):
+    with pytest.raises(ConfigError, match="have no bitsandbytes layers"):
         cfg("lora.type=loha", "memory.weights.kind=nf4")
     assert cfg("lora.type=lokr", "memory.weights.kind=fp8").lora.type == "lokr"  # peft's LoKr runs over fp8 layers

@@ -291,8 +291,9 @@ class Config(Strict):
             )
         if self.train.method == "lora" and self.lora.type != "lora" and kind in ("nf4", "int8"):
             raise ValueError(
-                f"lora.type {self.lora.type} with memory.weights {kind}: peft's LoHa and LoKr take a layer's size from "
-                "its weight, which bitsandbytes stores packed; use memory.weights fp8 or bf16 (or lora.type lora)"
+                f"lora.type {self.lora.type} with memory.weights {kind}: peft's LoHa and LoKr have no bitsandbytes "
+                "layers (its LoRA has) and take a layer's size from its weight, which nf4 stores packed; use "
+                "memory.weights fp8 or bf16 (or lora.type lora)"
             )
 
     def _speed(self, facts: FamilyFacts | None) -> None:
