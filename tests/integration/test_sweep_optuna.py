@@ -57,7 +57,7 @@ def test_the_axes_map_onto_optuna_distributions():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     from difftrain.errors import UsageError
-    from difftrain.flows.study import build_space
+    from difftrain.flows.study import base_of, build_space
 
     dists = {
         "train.learning_rate": {"log_uniform": [1e-5, 1e-3]},
@@ -85,6 +85,9 @@ def test_the_axes_map_onto_optuna_distributions():
         {"lora.rank": 8, "train.learning_rate": 1e-4},
         {"lora.rank": 8, "train.learning_rate": 3e-4},
     ]
+    # a study's base config: every setting but the swept ones and where files go (each machine its own folders)
+    cfg = {"data": {"cache_dir": "/a", "dir": "/d"}, "train": {"output_dir": "/o", "learning_rate": 1, "seed": 0}}
+    assert base_of(cfg, ["train.learning_rate"]) == {"data.dir": "/d", "train.seed": 0}
     with pytest.raises(UsageError, match="cannot draw from distributions"):
         build_space({}, dists, None, 0, "grid")
     with pytest.raises(UsageError, match="needs a number of trials"):
