@@ -331,7 +331,7 @@ def test_sd3_lora_command(tmp_path):
     text = _unmapped(r)
     for opt in ("--clip_l=clip_l.safetensors", "--clip_g=clip_g.safetensors", "--t5xxl=t5xxl_fp16.safetensors"):
         assert opt in text
-    assert "reads this part from model.path" in text and "--apply_lg_attn_mask" in text
+    assert "does not read this part from a file of its own" in text and "--apply_lg_attn_mask" in text
 
 
 @pytest.mark.slow

@@ -171,3 +171,12 @@ def test_flux_prompt_guidance_and_an_unreadable_prompt_file(tmp_path):
         "validation" not in c.config
         and "could not be read" in dict(c.unmapped)[f"--sample_prompts={tmp_path / 'bad.toml'}"]
     )
+
+
+def test_a_part_file_the_family_does_not_read_is_listed():
+    """SDXL reads its VAE from model.path: sd-scripts' --vae is listed (model.ae would be ignored there), FLUX.1's
+    --ae maps."""
+    c = sds.convert(["sdxl_train_network.py", "--vae=sdxl_vae.safetensors"])
+    assert "model" not in c.config and "file of its own" in dict(c.unmapped)["--vae=sdxl_vae.safetensors"]
+    c = sds.convert(["flux_train_network.py", "--ae=ae.safetensors"])
+    assert c.config["model"] == {"ae": "ae.safetensors"}

@@ -17,7 +17,8 @@ from ..console import console, info
 def convert_args(
     tokens: Annotated[list[str], typer.Argument(help="the sd-scripts command line (after --), or a TOML config path")],
 ) -> None:
-    """Print the difftrain config equivalent to an sd-scripts command line, and what could not be mapped."""
+    """Print the difftrain config equivalent to an sd-scripts command line (SDXL's, SD3's and FLUX.1's scripts;
+    musubi-tuner's Wan), and what could not be mapped."""
     c = convert(tokens)
     res = resolve(extra=c.config)  # validates: a conversion that does not validate is an error
     typer.echo(f"# difftrain config converted from {c.script or 'sd-scripts options'}")

@@ -824,8 +824,8 @@ def _convert_model(c: Conversion, name: str, v: Any, lora: bool, family: Registe
         c.unmapped.append(
             (
                 _shown(name, v),
-                f"difftrain's {family.name} reads this part from model.path (a single file holding every part, or a "
-                "diffusers folder): give such a file",
+                f"difftrain's {family.name} does not read this part from a file of its own: it comes from "
+                "model.path (a single file holding every part, or a diffusers folder)",
             )
         )
     return True
