@@ -308,6 +308,7 @@ def test_flux_defaults_are_sd_scripts_own(tmp_path):
     r = run("convert-args", "--", "flux_train_network.py", "--network_dim", "4", "--timestep_sampling", "flux_shift")
     _, c = _converted(r)
     assert (c.flow.timestep_sampling, c.flow.shift, c.flow.guidance_scale) == ("logit_normal", None, 3.5)
+    assert c.text_encoders.t5.max_length == 512  # sd-scripts' for [dev] (256 for a schnell file)
     assert "--model_prediction_type=sigma_scaled" in _unmapped(r)
     r = run("convert-args", "--", "flux_train_network.py", "--network_dim", "4", "--weighting_scheme", "mode")
     _, c = _converted(r)

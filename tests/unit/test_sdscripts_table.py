@@ -180,3 +180,11 @@ def test_a_part_file_the_family_does_not_read_is_listed():
     assert "model" not in c.config and "file of its own" in dict(c.unmapped)["--vae=sdxl_vae.safetensors"]
     c = sds.convert(["flux_train_network.py", "--ae=ae.safetensors"])
     assert c.config["model"] == {"ae": "ae.safetensors"}
+
+
+def test_flux_t5_length_follows_sd_scripts_default():
+    dev = sds.convert(["flux_train_network.py", "--pretrained_model_name_or_path=flux1-dev.safetensors"])
+    schnell = sds.convert(["flux_train_network.py", "--pretrained_model_name_or_path=flux1-schnell.safetensors"])
+    given = sds.convert(["flux_train_network.py", "--t5xxl_max_token_length=128"])
+    lengths = [resolve(extra=c.config).config.text_encoders.t5.max_length for c in (dev, schnell, given)]
+    assert lengths == [512, 256, 128]

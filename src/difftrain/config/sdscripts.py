@@ -1021,6 +1021,9 @@ def _convert_flow(c: Conversion, target: Registered, args: dict[str, Any]) -> No
         )
     if target.sd_scripts_guidance:
         c.set("flow.guidance_scale", _num(args.get("guidance_scale", 3.5)))
+        if "t5xxl_max_token_length" not in args:  # FLUX.1's scripts: 512 for [dev], 256 for [schnell]
+            schnell = "schnell" in str(args.get("pretrained_model_name_or_path", "")).lower()
+            c.set("text_encoders.t5.max_length", 256 if schnell else 512)
     # FLUX.1's scripts default to sigma_scaled (the prediction turned into denoised latents, x - sigma * pred, then
     # compared with the velocity target: an objective of its own); raw is difftrain's
     mpt = _str(args.get("model_prediction_type", "sigma_scaled" if target.sd_scripts_guidance else "raw"))
