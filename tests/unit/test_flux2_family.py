@@ -250,3 +250,45 @@ def test_a_caption_past_512_tokens_is_cut_as_the_pipeline_cuts_it_and_said(tiny,
     with torch.no_grad():
         want, _ = Flux2KleinPipeline.from_pretrained(tiny).encode_prompt([long], device=torch.device("cpu"))
     torch.testing.assert_close(got[:1], want.float())
+
+
+def test_edit_training_gives_the_transformer_the_pipelines_reference_inputs(tiny):
+    """flux2-edit: the target's packed patches then each reference's, with the pipeline's ids (the references' time
+    axis 10, 20), the target's tokens of the output; the references' latents as prepare_image_latents makes them."""
+    from diffusers import Flux2KleinPipeline
+
+    from difftrain.families.flux2 import Flux2Edit
+
+    fam = Flux2Edit()
+    comps = fam.load(ModelConfig(path=tiny), ["transformer", "vae"])
+    tr = comps["transformer"]
+    g = torch.Generator().manual_seed(0)
+    refs = torch.rand(1, 2, 3, 64, 96, generator=g) * 2 - 1
+    cached = fam.image_condition_entries(comps, refs[:, 0], references=refs)["reference_latents"]
+    assert cached.shape == (1, 2, 4, 8, 12)
+    pipe = Flux2KleinPipeline.from_pretrained(tiny)
+    with torch.no_grad():
+        ref_tokens, ref_ids = pipe.prepare_image_latents(
+            [refs[0, i : i + 1] for i in range(2)], 1, None, torch.device("cpu"), torch.float32
+        )
+    assert ref_ids[0, :, 0].unique().tolist() == [10, 20]
+    noisy = torch.randn(1, 4, 8, 8, generator=g)
+    text = torch.randn(1, 11, 96, generator=g)
+    t = torch.tensor([600.0])
+    with torch.no_grad():
+        got = fam.denoise(tr, noisy, t, {"prompt_embeds": text, "reference_latents": cached})
+        x = pipe._patchify_latents(noisy)
+        latents, ids = pipe._pack_latents(x), pipe._prepare_latent_ids(x)
+        out = tr(
+            hidden_states=torch.cat([latents, ref_tokens], dim=1),
+            timestep=t / 1000,
+            guidance=None,
+            encoder_hidden_states=text,
+            txt_ids=pipe._prepare_text_ids(text),
+            img_ids=torch.cat([ids, ref_ids], dim=1),
+            return_dict=False,
+        )[0][:, : latents.shape[1]]
+        want = pipe._unpatchify_latents(pipe._unpack_latents_with_ids(out, ids, 4, 4))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    without = fam.denoise(tr, noisy, t, {"prompt_embeds": text, "reference_latents": cached[:, :1]})
+    assert not torch.allclose(without, got, atol=1e-4)  # the second reference is seen

@@ -76,6 +76,7 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image", part_files=("ae",)),
     Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit", part_files=("ae",)),
     Registered("flux2", "flux2", "Flux2", "flux2-klein-4b", part_files=("ae", "text_encoder")),
+    Registered("flux2-edit", "flux2", "Flux2Edit", "flux2-klein-4b", part_files=("ae", "text_encoder")),
 )
 #: the family of a config that names none
 DEFAULT_FAMILY = REGISTRY[0].name
