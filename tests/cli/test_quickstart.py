@@ -42,6 +42,7 @@ def test_quickstart_twice(cli, tmp_path):
         ("sd3", "sample.png"),
         ("flux", "sample.png"),
         ("flux2", "sample.png"),
+        ("flux2-edit", "sample.png"),
         ("cogvideox", "run/samples/final/00.mp4"),
         ("cogvideox-i2v", "run/samples/final/00.mp4"),
         ("wan", "run/samples/final/00.mp4"),

@@ -46,9 +46,10 @@ FAMILIES = {
     # data.control_dir: two references per target, made by the setup below (EDIT_CONTROLS)
     "qwen-image-edit": ("tiny-qwen-image-edit-lora", "qwenimage:QwenImageEdit", {}),
     "flux2": ("tiny-flux2-lora", "flux2:Flux2", {}),
+    "flux2-edit": ("tiny-flux2-edit-lora", "flux2:Flux2Edit", {}),
 }
 #: families trained on edit pairs: the setup writes each target's references beside the dataset
-EDIT_CONTROLS = {"qwen-image-edit"}
+EDIT_CONTROLS = {"qwen-image-edit", "flux2-edit"}
 BF16 = {"memory.weights.kind": "bf16", "train.mixed_precision": "bf16"}
 PLANS = {
     "plain": {},
@@ -148,6 +149,11 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
     ("flux2", "full_ema"): (
         [1.5026056, 1.515745, 1.5566412, 1.6106108],
         [21.39956757, 0.005948100881, 9.605262221, 0.001166693667],
+    ),
+    ("flux2-edit", "plain"): ([1.5018694, 1.5186429, 1.5531092, 1.5927932], [1432.652572, 185.0481131, 9.437670332]),
+    ("flux2-edit", "full_ema"): (
+        [1.5018694, 1.5168973, 1.5563574, 1.6114671],
+        [21.50734787, 0.006011887755, 9.635264064, 0.001175402794],
     ),
 }
 
@@ -306,7 +312,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
 
 #: the bf16 plans' numbers depend on the CPU's bf16 kernels (PINS_AVX2, PINS_AVX512_BF16); a family added after those
 #: machines were lent pins its float32 plans only
-FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit", "flux2"}
+FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit", "flux2", "flux2-edit"}
 CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in ("plain", "full_ema")]
 
 
