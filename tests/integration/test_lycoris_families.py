@@ -5,6 +5,8 @@ diffusers pipeline as DoRA. CogVideoX (no kohya layout) refuses LoHa and LoKr be
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -30,6 +32,8 @@ def built(tmp_path_factory):
             fam = get_family(name)
             root = tmp_path_factory.mktemp(name)
             data = make_clips(root / "data") if fam.video else make_dataset(root / "data", n=4)
+            if fam.references:  # Edit: each target's reference, a copy of it by the same name
+                shutil.copytree(data, root / "control")
             made[name] = (fam.build_tiny(root / "model", seed=0), data, root)
         return made[name]
 
@@ -58,6 +62,7 @@ def test_each_adapter_trains_on_the_familys_tiny_model(built, name, kind, tmp_pa
         "train.max_steps=2",
         "lora.rank=4",
         *(f"{k}={v}" for k, v in KINDS[kind].items()),
+        *([f"data.control_dir={root / 'control'}"] if fam.references else []),
     ]
     cfg = resolve(recipe=recipe, sets=sets).config
     precompute(cfg)
@@ -78,10 +83,17 @@ def test_each_adapter_trains_on_the_familys_tiny_model(built, name, kind, tmp_pa
         leaves = {k.rpartition(".")[2] for k in sd}
         want = {"loha": "hada_w1_a", "lokr": "lokr_w1", "dora": "dora_scale"}[kind]
         assert want in leaves, sorted(leaves)
+    if fam.mergeable and fam.kohya_layout:
+        # peft's side from the diffusers file where there is one (Krea 2's own-names file folds its alpha in)
+        trained = folder / "pytorch_lora_weights.safetensors"
+        trained = trained if trained.exists() else folder / "lora_kohya.safetensors"
+        _merge_matches_peft(fam, cfg, model, folder / "lora_kohya.safetensors", trained, tmp_path)
     if kind == "dora":
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(str(model), local_files_only=True)
+        # an Edit pipeline's image processor needs torchvision, which the LoRA loader does not: left out
+        skip = {"processor": None} if fam.references else {}
+        pipe = DiffusionPipeline.from_pretrained(str(model), local_files_only=True, **skip)
         pipe.load_lora_weights(str(folder), weight_name="pytorch_lora_weights.safetensors")
         denoiser = getattr(pipe, fam.denoiser)
         assert any("lora_magnitude_vector" in n for n, _ in denoiser.named_parameters())
@@ -107,3 +119,36 @@ def test_the_console_script_refuses_an_unwritable_adapter_before_precompute(buil
     r = script_train("--recipe", recipe, *set_args([*base, f"train.output_dir={tmp_path / 'run'}", *sets]))
     clean_failure(r, 2, needle)
     assert not (tmp_path / "cache").exists()  # nothing encoded, nothing written
+
+
+def _merge_matches_peft(fam, cfg, model, lora, trained, tmp_path) -> None:
+    """lora merge of the kohya/LyCORIS file ``lora`` gives the denoiser weights peft merges from the trained adapter
+    (``trained``: a file of it peft loads)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from difftrain.config.schema import ModelConfig
+    from difftrain.lora import files as lora_files
+    from difftrain.lora.adapters import adapter_metadata, add_lora
+    from difftrain.lora.tools import merge
+
+    den = fam.denoiser
+    layers, alphas = lora_files.read_lora_file(trained, cfg.model, fam, [den])
+    m = fam.load(cfg.model, [den], dtype=torch.float32, tokenizers=False)[den]
+    base = {k: v.clone() for k, v in m.state_dict().items()}
+    add_lora(m, cfg.lora, cfg.lora.targets)
+    lora_files.load_into(m, den, layers[den], alphas[den], adapter_metadata(m), trained)
+    for layer in m.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.merge()
+    want = {k.replace(".base_layer", ""): v for k, v in m.state_dict().items() if "lora_" not in k and "hada_" not in k}
+    out = tmp_path / "merged.safetensors"
+    merge(model, lora, out, family=fam.name, precision="fp32")
+    got = fam.load(ModelConfig(path=out, config=cfg.model.config), [den], dtype=torch.float32, tokenizers=False)[den]
+    got_sd = got.state_dict()
+    changed = 0
+    for k, w in want.items():
+        if "lokr_" in k:
+            continue
+        torch.testing.assert_close(got_sd[k], w, rtol=1e-4, atol=1e-5, msg=k)
+        changed += not torch.equal(got_sd[k], base[k])
+    assert changed > 0

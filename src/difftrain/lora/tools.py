@@ -32,7 +32,7 @@ _SUFFIXES = {"diffusers": (_A, _B), "kohya": (".lora_down.weight", ".lora_up.wei
 _HADA = (".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b")
 #: what each layout may hold besides: DoRA's magnitude, LyCORIS' LoHa and LoKr tensors (lycoris.py)
 _MORE = {
-    "diffusers": (lycoris.MAG,),
+    "diffusers": (lycoris.MAG, ".dora_scale"),  # dora_scale: a DoRA in the model's own names (Krea 2's file)
     "kohya": tuple(k for k in lycoris.BACK if k not in _SUFFIXES["kohya"]),
 }
 #: the denoiser part name -> the families that have it, to name the family a stray LoRA was made for
