@@ -128,7 +128,10 @@ def huber_threshold(train: TrainConfig, timesteps: torch.Tensor, scheduler: Any,
     if train.huber_schedule == "constant":
         return torch.full_like(t, c * scale)
     if train.huber_schedule == "exponential":
-        n = scheduler.config.get("num_train_timesteps", 1000)
+        try:  # DDPM's and the flow schedulers' step count (1000 where a scheduler has none)
+            n = int(scheduler.config.num_train_timesteps)
+        except AttributeError:
+            n = 1000
         return torch.exp(math.log(c) / n * t) * scale  # exp(-alpha t), alpha = -ln(c) / T
     if objective == "flow":
         s = (t / 1000).clamp(max=1 - 1e-6)
