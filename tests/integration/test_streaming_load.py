@@ -339,7 +339,7 @@ def test_streamed_bitsandbytes_layers_are_the_loaded_then_converted_ones(flux_fi
     from difftrain.memory import bnb_weights
 
     monkeypatch.setattr(bnb_weights, "require", lambda kind, device: None)
-    folder, file = flux_files
+    _, file = flux_files
     fam = get_family("flux")
     mcfg = ModelConfig(path=file, config="flux-tiny")
     keep = fam.high_precision_modules.get("transformer", ())
