@@ -37,6 +37,7 @@ FULL = [
     "--enable_bucket",
     "--cache_latents",
     "--save_every_n_epochs=5",
+    "--flip_aug",
 ]
 
 LORA = [
@@ -79,7 +80,7 @@ def test_sdxl_train_command_maps_and_validates(cli):
     assert (c.train.batch_size, c.train.learning_rate, c.train.epochs) == (1, 1e-5, 10)
     assert c.full.train_text_encoder_1 and c.full.train_text_encoder_2
     assert c.train.mixed_precision == "fp16" and c.memory.weights.kind == "fp32"  # fp32 master weights
-    assert c.save.every_n_epochs == 5
+    assert c.save.every_n_epochs == 5 and c.data.flip_aug is True
     for flag in ("--xformers", "--enable_bucket", "--cache_latents"):  # listed with the reason, not dropped
         assert flag in r.err
     assert "3 option(s) not mapped" in r.err
@@ -216,13 +217,12 @@ def test_sdxl_lora_with_dataset_config_samples_fp8_and_lokr(tmp_path):
     subsets = {Path(s.dir).name: s for s in c.data.subsets}
     assert subsets["10_sks dog"].num_repeats == 10 and subsets["10_sks dog"].class_tokens == "sks dog"
     assert subsets["1_dog"].is_reg and subsets["10_sks dog"].keep_tokens == 1
+    assert subsets["10_sks dog"].flip_aug is True and subsets["1_dog"].flip_aug is None  # the subset's own flip_aug
     assert c.validation.prompts == ["a photo of sks dog on a beach", "sks dog in the snow"]
     v = c.validation
     assert (v.every_n_steps, v.num_inference_steps, v.guidance_scale, v.seed, v.resolution) == (100, 28, 7.5, 1, 1024)
     text = _unmapped(r)
     for needle in (
-        "flip_aug=True",
-        "no flipped copies",
         "--network_args conv_dim=4",
         "no such lora setting",
         "--sample_sampler=euler_a",
@@ -231,7 +231,7 @@ def test_sdxl_lora_with_dataset_config_samples_fp8_and_lokr(tmp_path):
         "(implied)",
     ):
         assert needle in text, needle
-    for gone in ("fp8 base weights are not available", "not available yet", "Unexpected argument"):
+    for gone in ("fp8 base weights are not available", "not available yet", "Unexpected argument", "flip_aug"):
         assert gone not in text
     (tmp_path / "out.yaml").write_text(r.out)
     p = run("plan", "--config", tmp_path / "out.yaml", cwd=tmp_path)

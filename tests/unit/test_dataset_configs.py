@@ -171,8 +171,9 @@ def test_sd_scripts_separators_example_maps_what_difftrain_has_and_lists_the_res
     assert sub["caption_prefix"] == "1girl, hatsune miku, vocaloid |||"
     assert sub["caption_suffix"] == ", anime screencap ||| masterpiece, rating: general"
     listed = {key.split("=")[0] for key, _ in reading.unmapped}
-    assert {"flip_aug", "secondary_separator", "enable_wildcard"} <= listed
-    assert not {"caption_prefix", "caption_suffix", "keep_tokens_separator"} & listed
+    assert {"secondary_separator", "enable_wildcard"} <= listed
+    assert not {"caption_prefix", "caption_suffix", "keep_tokens_separator", "flip_aug"} & listed
+    assert sub["flip_aug"] is True  # [general]'s flip_aug reaches the subset
     # keys at sd-scripts' defaults change nothing, so nothing is said of them
     assert "color_aug" not in listed and "enable_bucket" not in listed
 

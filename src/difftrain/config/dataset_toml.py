@@ -96,6 +96,7 @@ SD_SUBSET_KEYS = {
     "caption_dropout_rate": "caption_dropout_rate",
     "caption_tag_dropout_rate": "caption_tag_dropout_rate",
     "alpha_mask": "alpha_mask",
+    "flip_aug": "flip_aug",
 }
 #: sd-scripts dataset key -> difftrain subset field (resolution is converted on its own)
 SD_DATASET_KEYS = {
@@ -107,7 +108,6 @@ SD_DATASET_KEYS = {
 
 #: keys read but not mapped, and why; said only when set to something other than sd-scripts' default
 SD_UNMAPPED: dict[str, tuple[Any, str]] = {
-    "flip_aug": (False, "difftrain caches one latent per image: no flipped copies (flip the images on disk)"),
     "color_aug": (False, "difftrain caches latents once: no colour augmentation"),
     "face_crop_aug_range": (None, "difftrain caches latents once: no face-crop augmentation"),
     "secondary_separator": (None, "not available: tags are split at caption_separator only"),

@@ -498,6 +498,7 @@ SIMPLE: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "random_crop": ("data.random_crop", _bool),
     "bucket_no_upscale": ("data.no_upscale", _bool),
     "alpha_mask": ("data.alpha_mask", _bool),
+    "flip_aug": ("data.flip_aug", _bool),
     "shuffle_caption": ("data.shuffle_caption", _bool),
     "fused_backward_pass": ("memory.fused_backward", _bool),
     "blockwise_fused_optimizers": ("memory.fused_backward", _bool),

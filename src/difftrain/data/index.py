@@ -37,6 +37,8 @@ class IndexItem:
     repeats: int = 1  # times it is seen per epoch (its subset's num_repeats)
     #: edit training's caption dropout: the keys of the empty instruction encoded with this item's references
     empty_texts: TextKeys | None = None
+    flipped: str | None = None  # flip_aug: cache key of its latent mirrored left-right (none: no flip_aug)
+    flipped_mask: str | None = None  # flip_aug with masked loss: its mask mirrored, fitted to the flipped latent
     draw: int = field(default=0, compare=False)
     """Which of its repeats in an epoch this is (the trainer's copies; never written): each draws its own caption."""
 
@@ -68,6 +70,8 @@ class IndexItem:
             subset=str(d.get("subset", "")),
             repeats=int(d.get("repeats", 1)),
             empty_texts=dict(d["empty_texts"]) if d.get("empty_texts") else None,
+            flipped=d.get("flipped"),
+            flipped_mask=d.get("flipped_mask"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -96,11 +100,16 @@ class IndexItem:
             out["repeats"] = self.repeats
         if self.empty_texts:
             out["empty_texts"] = dict(self.empty_texts)
+        if self.flipped is not None:
+            out["flipped"] = self.flipped
+        if self.flipped_mask is not None:
+            out["flipped_mask"] = self.flipped_mask
         return out
 
     def entry_keys(self) -> set[str]:
         """Every cache entry this item uses: its latent, and its captions' embeddings (variants included)."""
         keys = {self.latent} | ({self.mask} if self.mask else set())
+        keys |= {k for k in (self.flipped, self.flipped_mask) if k}  # flip_aug
         for texts in (self.texts, *self.text_variants, self.empty_texts or {}):
             keys.update(texts.values())
         return keys

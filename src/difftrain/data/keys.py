@@ -12,6 +12,10 @@ and never a stale one:
 - a caption's embedding of one text stage (:func:`text_key`): the family, the stage, the stage's fingerprint
   (its encoders' weights, ``precompute.text_encoder_dtype`` and the stage's options) and the caption.
 
+sd-scripts' flip_aug (``data.flip_aug``) adds a second latent entry per item, of the image mirrored left-right
+after its crop: its key has ``:flip`` after the crop mode (an entry without the flip keeps the key it always had),
+and its mask's key is made from that key as any mask's.
+
 Edit training (a family with reference images) adds the references' content (sha256, in order) to both: to the
 latent's image hash (the references' latents are cached in the target's entry) and to the caption (the instruction
 is encoded with the references).
@@ -134,13 +138,21 @@ class CacheKeys:
         )
 
     def latent(
-        self, bucket: tuple[int, int], image_sha256: str, frames: int | None = None, references: Sequence[str] = ()
+        self,
+        bucket: tuple[int, int],
+        image_sha256: str,
+        frames: int | None = None,
+        references: Sequence[str] = (),
+        *,
+        flip: bool = False,
     ) -> str:
         """``references``: edit training's reference images' sha256, in order (their latents live in the target's
-        entry); none: the key as always."""
+        entry); none: the key as always. ``flip``: the key of the image mirrored left-right after its crop
+        (flip_aug's second entry)."""
         clip = "" if self.frame_sampling is None else clip_tag(frames, self.frame_sampling)
         content = sha256_text(image_sha256, *references) if references else image_sha256
-        return latent_key(self.family, self.vae, self.vae_dtype, bucket, self.crop, content, clip)
+        crop = f"{self.crop}:flip" if flip else self.crop
+        return latent_key(self.family, self.vae, self.vae_dtype, bucket, crop, content, clip)
 
     def texts(self, caption: str, references: Sequence[str] = ()) -> TextKeys:
         """``caption``'s entry key per enabled text stage; ``references``: the sha256 of the reference images it is

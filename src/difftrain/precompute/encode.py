@@ -61,26 +61,26 @@ class LatentsDone:
 def encode_latents(
     cfg: Config, family: ModelFamily, cache: DataCache, items: list[PlanItem], mine: set[str], device: torch.device
 ) -> LatentsDone:
-    """Encode the latents of ``mine`` (keys of ``items``' latents), an entry per distinct key, in batches of one
-    bucket; the cache is flushed after."""
+    """Encode the latents of ``mine`` (keys of ``items``' latents, flip_aug's mirrored ones included), an entry per
+    distinct key, in batches of one bucket; the cache is flushed after."""
     done = LatentsDone()
     if not mine:
         return done
     pc = cfg.precompute
     comps = family.load(cfg.model, [family.image_encoder], dtype=to_dtype(pc.vae_dtype), device=device)
-    todo = sorted((p for p in items if p.latent in mine), key=lambda p: p.shape)
+    todo = sorted(((p, k, m) for p in items for k, m in p.latent_jobs() if k in mine), key=lambda t: t[0].shape)
     with progress() as bar, torch.no_grad():
         seen: set[str] = set()
-        unique: list[PlanItem] = []
-        for p in todo:  # equal pixels: once
-            if p.latent not in seen:
-                seen.add(p.latent)
-                unique.append(p)
-        jobs = [(p.latent, p.record, p.bucket, p.indices, p.image_sha256) for p in unique]
+        unique: list[tuple[PlanItem, str, bool]] = []
+        for p, k, m in todo:  # equal pixels: once
+            if k not in seen:
+                seen.add(k)
+                unique.append((p, k, m))
+        jobs = [(k, p.record, p.bucket, p.indices, p.image_sha256, m) for p, k, m in unique]
         task = bar.add_task("encoding latents", total=len(jobs))
         batches = decoded_batches(
             jobs,
-            [p.shape for p in unique],
+            [p.shape for p, _, _ in unique],
             pc.batch_size,
             video=family.video,
             random_crop=cfg.data.random_crop,

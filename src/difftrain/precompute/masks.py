@@ -32,19 +32,23 @@ class MasksDone:
 
 
 def encode_masks(cache: DataCache, items: list[PlanItem], mine: set[str]) -> MasksDone:
-    """Make the mask entries of ``mine`` (keys of ``items``' masks), each once; the cache is flushed after."""
+    """Make the mask entries of ``mine`` (keys of ``items``' masks, flip_aug's mirrored ones included), each once;
+    the cache is flushed after."""
     done = MasksDone()
-    todo: dict[str, PlanItem] = {}
+    todo: dict[str, tuple[PlanItem, bool]] = {}
     for p in items:
-        if p.mask is not None and p.mask in mine:
-            todo.setdefault(p.mask, p)
+        for key, mirrored in ((p.mask, False), (p.flipped_mask, True)):
+            if key is not None and key in mine:
+                todo.setdefault(key, (p, mirrored))
     if not todo:
         return done
     with progress() as bar:
         task = bar.add_task("fitting masks", total=len(todo))
-        for key, p in todo.items():
+        for key, (p, mirrored) in todo.items():
             try:
-                cache.put(key, {"mask": mask_entry(cache, p, done.colour)})
+                mask = mask_entry(cache, p, done.colour)
+                # flip_aug: the mirrored latent's mask is the mask mirrored (its crop is the unflipped one's)
+                cache.put(key, {"mask": mask.flip(-1) if mirrored else mask})
             except DataError as e:
                 done.unreadable.add(key)
                 done.skipped.append((str(p.record.path), e.message))

@@ -30,7 +30,9 @@ def default_workers() -> int:
 
 class DecodeSet(Dataset):
     """Item ``i`` of ``jobs`` decoded and fitted to its bucket: ``{"key", "pixels", "crop"}`` or
-    ``{"key", "path", "error"}``. A job is ``(latent key, record, bucket, frame indices, image sha256)``."""
+    ``{"key", "path", "error"}``. A job is ``(latent key, record, bucket, frame indices, image sha256)``, and
+    ``mirrored`` after them for flip_aug's second entry: the fitted image (every frame of a clip) flipped left-right
+    after its crop, which stays the unflipped one's (sd-scripts keeps SDXL's crop conditioning as it was too)."""
 
     def __init__(self, jobs: list[tuple], video: bool, random_crop: bool):
         self.jobs, self.video, self.random_crop = jobs, video, random_crop
@@ -39,7 +41,8 @@ class DecodeSet(Dataset):
         return len(self.jobs)
 
     def __getitem__(self, i: int) -> dict:
-        key, record, bucket, indices, sha = self.jobs[i]
+        key, record, bucket, indices, sha, *rest = self.jobs[i]
+        mirrored = bool(rest and rest[0])
         rng = random.Random(sha) if self.random_crop else None  # the crop depends on the content only
         try:
             if self.video:
@@ -51,6 +54,8 @@ class DecodeSet(Dataset):
                 pixels = torch.from_numpy(np.asarray(fitted, dtype=np.uint8).copy()).permute(2, 0, 1)
         except DataError as e:
             return {"key": key, "path": str(record.path), "error": e.message}
+        if mirrored:  # [C, H, W] or a clip's [C, F, H, W]: the width is the last axis
+            pixels = pixels.flip(-1)
         out = {"key": key, "pixels": pixels, "crop": crop}
         refs = getattr(record, "references", ())
         if refs:  # edit training: each reference fitted to the target's bucket, cropped as the target

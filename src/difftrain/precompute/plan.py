@@ -25,7 +25,7 @@ from ..data.keys import CacheKeys, mask_key
 from ..data.masks import MaskSource, MaskSpec, check_mask_size
 from ..data.sources import ImageRecord, scan_dataset
 from ..data.subsets import Subset, resolve_subsets
-from ..errors import DataError, UsageError
+from ..errors import ConfigError, DataError, UsageError
 from ..families.base import ModelFamily
 from ..runtime.distributed import World
 from ..runtime.distributed import barrier as dist_barrier
@@ -59,6 +59,7 @@ class Placement:
     frames: int | None = None  # video: the frame bucket
     indices: list[int] | None = None  # video: the frames taken
     repeats: int = 1  # times it is seen per epoch (its subset's num_repeats)
+    flip: bool = False  # flip_aug (its subset's): also cached mirrored left-right
 
     @property
     def size_name(self) -> str:
@@ -81,6 +82,12 @@ class PlanItem(Placement):
     mask: str | None = None  # masked loss: its mask entry's key (None: learned everywhere)
     mask_source: MaskSource | None = None  # where that mask is read
     empty_texts: TextKeys | None = None  # edit training's caption dropout: the empty instruction with its references
+    flipped: str | None = None  # flip_aug: its mirrored latent entry's key
+    flipped_mask: str | None = None  # flip_aug with masked loss: its mirrored mask entry's key
+
+    def latent_jobs(self) -> list[tuple[str, bool]]:
+        """(key, mirrored) of each latent entry it has: its own, and with flip_aug the mirrored one."""
+        return [(self.latent, False)] + ([(self.flipped, True)] if self.flipped else [])
 
     @property
     def shape(self) -> tuple[Bucket, int]:
@@ -105,6 +112,8 @@ class PlanItem(Placement):
             subset=r.subset,
             repeats=self.repeats,
             empty_texts=self.empty_texts,
+            flipped=self.flipped,
+            flipped_mask=self.flipped_mask,
         )
 
 
@@ -337,7 +346,7 @@ def place(record: Record, prior: bool, d: DataConfig, buckets: Buckets) -> Place
             f"too small: {record.width}x{record.height} would be enlarged {enlarge:.1f}x to fill "
             f"its bucket {bucket[0]}x{bucket[1]} (data.max_upscale is {d.max_upscale:g})"
         )
-    return Placement(record, bucket, prior, frames, indices)
+    return Placement(record, bucket, prior, frames, indices, flip=d.flip_aug)
 
 
 def place_all(
@@ -392,6 +401,14 @@ def make_plan(
     augs = {sub.name: CaptionAugment.from_config(sub.data) for sub in subsets}  # each subset's own augmentation
     hashes = hash_images(records)
     placed, skipped = place_all(records, cfg.data, buckets, subsets)
+    if family.references and any(p.flip for p in placed):
+        # the instruction is encoded with the reference images (encode_prompts_with_images): a mirrored target would
+        # need mirrored references and its own instruction embedding; refused rather than trained inconsistently
+        raise ConfigError(
+            f"data.flip_aug is not available for {family.name}: its instructions are encoded with the reference "
+            "images, which a mirrored target would not match.",
+            hint="Set data.flip_aug: false (and in data.subsets), or flip the pairs on disk.",
+        )
     plan = Plan(items=[], keys=keys, captions={}, skipped=skipped)
     dropout = any(a.dropout_rate > 0 for a in (aug, *augs.values()))
     if dropout and not family.references:  # the empty caption, once, for the caption dropout
@@ -440,6 +457,7 @@ def _keyed(
         indices=p.indices,
         repeats=p.repeats,
         latent=keys.latent(p.bucket, sha, p.frames, refs),
+        flipped=keys.latent(p.bucket, sha, p.frames, refs, flip=True) if p.flip else None,
         image_sha256=sha,
         texts=texts,
         variants=tuple(variants),
@@ -568,7 +586,10 @@ def add_masks(plan: Plan, cfg: Config) -> None:
     for i, (p, source) in enumerate(zip(plan.items, found.sources)):
         if source is not None:
             sha = "" if source.kind == "alpha" else sha256_text(*(sha256_file(f) for f in source.files()))
-            plan.items[i] = replace(p, mask=mask_key(p.latent, source.kind, sha), mask_source=source)
+            flipped = mask_key(p.flipped, source.kind, sha) if p.flipped else None  # flip_aug: the mirrored mask
+            plan.items[i] = replace(
+                p, mask=mask_key(p.latent, source.kind, sha), mask_source=source, flipped_mask=flipped
+            )
 
 
 def _relative_key(record: Record, root: Path | None) -> str:

@@ -130,7 +130,7 @@ def _precompute(
     report.skipped += plan.skipped
     report.seconds["plan"] = time.perf_counter() - t_start
 
-    missing_lat = set(cache.missing(p.latent for p in plan.items))
+    missing_lat = set(cache.missing(k for p in plan.items for k, _ in p.latent_jobs()))  # flip_aug's mirrored too
     mine_lat = set(sorted(missing_lat)[world.rank :: world.size])  # this process's share
     done = encode_latents(cfg, family, cache, plan.items, mine_lat, device)
     if done.seconds is not None:
@@ -141,9 +141,10 @@ def _precompute(
         newly_skipped = [(path, why) for path, why in gather(newly_skipped, world)]
         merge_shards(cache, world)
     report.skipped += newly_skipped
-    plan.items = [p for p in plan.items if p.latent not in bad]
-    report.latents_encoded = len({p.latent for p in plan.items if p.latent in missing_lat})
-    report.latents_reused = len(plan.items) - sum(p.latent in missing_lat for p in plan.items)
+    plan.items = [p for p in plan.items if not any(k in bad for k, _ in p.latent_jobs())]
+    entries = [k for p in plan.items for k, _ in p.latent_jobs()]
+    report.latents_encoded = len({k for k in entries if k in missing_lat})
+    report.latents_reused = len(entries) - sum(k in missing_lat for k in entries)
     _masks_phase(report, plan, cache, world)
 
     n_text_keys = len({k for t in plan.text_sets() for k in t.values()})
@@ -201,7 +202,7 @@ def _masks_phase(report: PrecomputeReport, plan: Plan, cache: DataCache, world: 
 
     if plan.masks is None:
         return
-    missing = set(cache.missing(sorted({p.mask for p in plan.items if p.mask})))
+    missing = set(cache.missing(sorted({k for p in plan.items for k in (p.mask, p.flipped_mask) if k})))
     done = encode_masks(cache, plan.items, set(sorted(missing)[world.rank :: world.size]))
     bad, skipped, colour = done.unreadable, done.skipped, done.colour
     if world.distributed:
@@ -210,7 +211,7 @@ def _masks_phase(report: PrecomputeReport, plan: Plan, cache: DataCache, world: 
         colour = gather(colour, world)
         merge_shards(cache, world)
     report.skipped += skipped
-    plan.items = [p for p in plan.items if p.mask not in bad]
+    plan.items = [p for p in plan.items if p.mask not in bad and p.flipped_mask not in bad]
     report.masks_encoded = len(missing - bad)
     report.masks = MaskPlan([p.mask_source for p in plan.items if not p.prior or p.mask]).counts()
     report.unmasked = plan.unmasked

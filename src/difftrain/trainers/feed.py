@@ -56,6 +56,13 @@ def recut(batches: list[list[int]], keys: list, size: int) -> list[list[int]]:
     return [items[j : j + size] for items in order.values() for j in range(0, len(items), size)]
 
 
+def flip_drawn(item: IndexItem, seed: int, epoch: int) -> bool:
+    """flip_aug: whether ``item`` is fed mirrored in ``epoch`` (half the time, as sd-scripts flips each image it
+    loads with probability 0.5). A function of the seed, the epoch and the item (each repeat its own draw) only,
+    as the caption draws are, so a resumed run, or one on another number of processes, draws the same."""
+    return item.flipped is not None and random.Random(f"difftrain-flip:{seed}:{epoch}:{item.draw_key}").random() < 0.5
+
+
 @dataclass
 class Position:
     """Where training is: the optimizer step, and the sampler's epoch and batch (what a checkpoint stores)."""
@@ -165,6 +172,11 @@ class Feed:
         (the training batches), else as written (validation, prior images)."""
         fam, seed = self.family, self.cfg.train.seed
         augs = [self.subset_augs.get(it.subset, self.caption_aug) for it in items]
+        if augment:  # flip_aug: the mirrored latent (and mask) in place of the item's own, drawn per epoch
+            items = [
+                replace(it, latent=it.flipped or it.latent, mask=it.flipped_mask) if flip_drawn(it, seed, epoch) else it
+                for it in items
+            ]
         lat_entries = [self.cache.get(it.latent) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
         to = self.to_device

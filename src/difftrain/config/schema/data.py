@@ -28,6 +28,7 @@ SUBSET_OVERRIDES: tuple[str, ...] = (
     "no_upscale",
     "frames",
     "alpha_mask",
+    "flip_aug",
 )
 
 
@@ -75,6 +76,7 @@ class SubsetConfig(Strict):
         description="sd-scripts' alpha_mask: the image's alpha channel weights the loss (white/opaque = trained); "
         "read by the masked loss, which data.alpha_mask switches on for every subset",
     )
+    flip_aug: bool | None = Field(default=None, description="sd-scripts' flip_aug for this subset (data.flip_aug)")
 
     def overrides(self) -> dict:
         """The data-section fields this subset sets for itself."""
@@ -114,6 +116,11 @@ class DataConfig(Strict):
         "enlarged more than this to fill its bucket; null: any",
     )
     random_crop: bool = False
+    flip_aug: bool = Field(
+        default=False,
+        description="sd-scripts' flip_aug: each image is also cached mirrored left-right, and each time it is drawn "
+        "one of the two is taken (half the time each, seeded: a resumed run draws the same)",
+    )
     cache_dir: Path | None = Field(default=None, description="precompute cache (default: <data.dir>/.difftrain-cache)")
     frames: int = Field(
         default=49, ge=1, description="video families: the longest frame bucket (4k+1; CogVideoX was trained with 49)"
