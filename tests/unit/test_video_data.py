@@ -486,3 +486,32 @@ def test_a_variable_frame_rate_clip_is_skipped_by_name_when_data_fps_resamples(t
     assert not isinstance(
         place(records["phone.mp4"], False, d.model_copy(update={"fps": None}), buckets_for(d, True)), str
     )
+
+
+def test_flip_aug_mirrors_every_frame_of_a_clip_after_its_crop(tmp_path):
+    """precompute's decoder with flip_aug's mirrored job: each frame of the fitted clip flipped left-right, its crop
+    the unflipped one's."""
+    from difftrain.precompute.pipeline import DecodeSet
+
+    if _CODEC is None:
+        pytest.skip("this PyAV build has neither libx264 nor mpeg4")
+    with av.open(str(tmp_path / "v.mp4"), "w") as container:  # a white band at the left of every frame
+        stream = container.add_stream(_CODEC, rate=8)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        for i in range(5):
+            pixels = np.full((H, W, 3), _level(i), np.uint8)
+            pixels[:, :16] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    (record,), _ = scan_videos(tmp_path)
+    jobs = [("own", record, (32, 32), [0, 2, 4], "sha"), ("mirrored", record, (32, 32), [0, 2, 4], "sha", True)]
+    decoder = DecodeSet(jobs, video=True, random_crop=False)
+    own, mirrored = decoder[0], decoder[1]
+    assert own["pixels"].shape == (3, 3, 32, 32) and own["crop"] == mirrored["crop"]
+    assert torch.equal(mirrored["pixels"], own["pixels"].flip(-1))
+    for f in range(3):  # the band on the left of each frame, on the right once mirrored
+        left, right = own["pixels"][:, f, :, :4].mean(), own["pixels"][:, f, :, -4:].mean()
+        assert left > right
+        assert mirrored["pixels"][:, f, :, -4:].mean() == left
