@@ -98,3 +98,35 @@ def test_a_clip_gets_a_frame_bucket_and_its_frames_or_the_reason(tmp_path):
     assert isinstance(p, Placement) and p.frames == 9 and p.indices == [0, 1, 3, 4, 6, 7, 8, 10, 11]
     assert p.shape_name == f"{p.size_name}x9f"
     assert place(clip(3), False, cfg.data, buckets) == "3 frames: shorter than the smallest frame bucket (5)"
+
+
+def test_flip_aug_adds_a_mirrored_entry_and_keeps_every_other_key(fixture_setup):
+    family, cfg, cache, index_text = fixture_setup
+    world = World()
+    flip = cfg.model_copy(update={"data": cfg.data.model_copy(update={"flip_aug": True})})
+    records, _ = scan(flip, family, world, torch.device("cpu"))
+    plan = make_plan(records, flip, family, cache, world)
+    expected = json.loads(index_text)["items"]
+    for p, it in zip(plan.items, expected, strict=True):
+        assert (p.latent, p.texts) == (it["latent"], it["texts"])  # keys without the flip: the fixture's
+        assert p.flipped == plan.keys.latent(p.bucket, p.image_sha256, flip=True) and p.flipped != p.latent
+        assert p.latent_jobs() == [(p.latent, False), (p.flipped, True)]
+        assert IndexItem.from_json(p.index_item().to_json()).flipped == p.flipped
+    assert len({p.flipped for p in plan.items}) == len(plan.items)
+
+
+def test_a_subsets_flip_aug_is_its_own(tmp_path):
+    from difftrain.data.buckets import make_buckets
+    from difftrain.data.subsets import resolve_subsets
+    from difftrain.precompute.plan import place_all
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    cfg = resolve(
+        recipe="tiny-sdxl-lora",
+        extra={"data": {"dir": str(tmp_path), "subsets": [{"dir": "a", "flip_aug": True}, {"dir": "b"}]}},
+    ).config
+    records = [(ImageRecord(key=n, path=tmp_path / n / "x.png", caption="", width=128, height=128, subset=n), False)
+               for n in ("a", "b")]  # fmt: skip
+    placed, _ = place_all(records, cfg.data, Buckets(make_buckets(128, 32, 64, 256)), resolve_subsets(cfg.data))
+    assert [p.flip for p in placed] == [True, False]
