@@ -21,7 +21,8 @@ from difftrain.data.sources import load_rgb
 from difftrain.families.registry import get_family
 from difftrain.precompute.pipeline import to_unit_range
 from difftrain.precompute.run import precompute
-from difftrain.trainers.feed import Feed, flip_drawn
+from difftrain.trainers.cache_check import cache_differences
+from difftrain.trainers.feed import Feed, flip_drawn, open_index
 from difftrain.utils import sha256_file
 
 
@@ -67,11 +68,16 @@ def test_flipped_entries_are_the_mirrored_crop_encoded_and_keys_without_flip_unc
     assert not any("flipped" in it for it in before.values())
 
     cfg = _cfg(tiny_model, data, tmp_path, **sets, **{"data.flip_aug": "true"})
+    family = get_family(cfg.family)
+    # training with flip_aug on this cache (--no-precompute) is refused, naming it
+    assert cache_differences(cfg, family, *open_index(cfg, family), []) == [
+        "data.flip_aug: set, but the cache holds no mirrored latents of its items"
+    ]
     report = precompute(cfg)
     assert (plain.latents_encoded, report.latents_encoded, report.latents_reused) == (2, 2, 2)  # only the mirrored
     cache = DataCache(tmp_path / "cache")
     items = cache.read_json("index.json")["items"]
-    family = get_family(cfg.family)
+    assert cache_differences(cfg, family, *open_index(cfg, family), []) == []
     vae = family.load(cfg.model, [family.image_encoder], dtype=torch.float32, device=torch.device("cpu"))
     for it in items:
         was = before[it["key"]]
@@ -113,6 +119,11 @@ def test_flipped_entries_are_the_mirrored_crop_encoded_and_keys_without_flip_unc
         assert torch.equal(batch["loss_mask"][0], cache.get(mask)["mask"].float())
     assert seen == {True, False}
     assert torch.equal(feed.batch([item], 0)["latents"][0], cache.get(item.latent)["latents"])  # validation: own
+    # a config without flip_aug on this cache: never mirrored
+    off = Feed(_cfg(tiny_model, data, tmp_path, **sets), family, torch.device("cpu"))
+    (item,) = [it for it in off.items if it.key == "0"]
+    for epoch in range(8):
+        assert torch.equal(off.batch([item], epoch, augment=True)["latents"][0], cache.get(item.latent)["latents"])
 
 
 @pytest.mark.slow

@@ -81,7 +81,19 @@ def cache_differences(
         if want.dropout_rate > 0 and not (index.empty_text or _own_empty(index)):
             diffs.append("data.caption_dropout_rate > 0, but the cache holds no embedding of the empty caption")
         diffs += _subset_captions(cfg, index)
+    diffs += _flips(cfg, index)
     return diffs
+
+
+def _flips(cfg: Config, index: CacheIndex) -> list[str]:
+    """flip_aug (the data section's or a subset's) set, but the cache holds no mirrored latents for those items."""
+    d = cfg.data
+    own = {d.subset_name(i): d.subset_data(i).flip_aug for i in range(len(d.subsets))}
+    items = [it for it in index.items if own.get(it.subset, d.flip_aug)]
+    if items and not any(it.flipped for it in items):
+        where = "data.flip_aug" if d.flip_aug else "a subset's flip_aug"
+        return [f"{where}: set, but the cache holds no mirrored latents of its items"]
+    return []
 
 
 def _own_empty(index: CacheIndex) -> bool:

@@ -101,6 +101,8 @@ class Feed:
         self.subset_augs = {
             d.subset_name(i): CaptionAugment.from_config(d.subset_data(i)) for i in range(len(d.subsets))
         }
+        # flip_aug per subset (as the caption options): only where this config asks for it, whatever the cache holds
+        self.flips = {d.subset_name(i): d.subset_data(i).flip_aug for i in range(len(d.subsets))}
         self.masked = masks_wanted(cfg.data) is not None  # masked loss: the cache's masks are read
         self.live_stages: list[str] = []
         self.encode_live: LiveEncoder | None = None  # set by the trainer once the trained encoders are built
@@ -174,7 +176,9 @@ class Feed:
         augs = [self.subset_augs.get(it.subset, self.caption_aug) for it in items]
         if augment:  # flip_aug: the mirrored latent (and mask) in place of the item's own, drawn per epoch
             items = [
-                replace(it, latent=it.flipped or it.latent, mask=it.flipped_mask) if flip_drawn(it, seed, epoch) else it
+                replace(it, latent=it.flipped or it.latent, mask=it.flipped_mask)
+                if self.flips.get(it.subset, self.cfg.data.flip_aug) and flip_drawn(it, seed, epoch)
+                else it
                 for it in items
             ]
         lat_entries = [self.cache.get(it.latent) for it in items]
