@@ -1,7 +1,7 @@
 """LoHa, LoKr and DoRA on every family's denoiser (issue 54), fast: each adapter goes on the same modules as the
 family's LoRA (its tiny recipe's targets on the tiny architecture), one optimizer step moves every adapted layer's
 weight, and the layers are written in the family's kohya names (LoKr refused before training where those names fuse
-q/k/v, with the reason). tests/integration/test_lycoris_families.py trains each through the trainer."""
+q/k/v, with the reason). tests/integration/test_lycoris_families.py trains each (the two files need different basenames: pytest imports test files by their basename) through the trainer."""
 
 from __future__ import annotations
 
