@@ -68,46 +68,11 @@ def test_a_kohya_layout_trains_each_folder_its_repeats_with_its_name_as_caption(
     assert (tmp_path / "run" / "pytorch_lora_weights.safetensors").is_file()
 
 
-# sd-scripts' docs/config_README-en.md, its first example: verbatim but for the folders and the sizes (512 and 768
-# would take minutes on the tiny model's CPU; 128 and 192 keep a dataset of each size)
-SD_EXAMPLE = r"""
-[general]
-shuffle_caption = true
-caption_extension = '.txt'
-keep_tokens = 1
-
-# This is a DreamBooth-style dataset
-[[datasets]]
-resolution = 128
-batch_size = 4
-keep_tokens = 2
-
-  [[datasets.subsets]]
-  image_dir = 'C:\hoge'
-  class_tokens = 'hoge girl'
-  # This subset uses keep_tokens = 2 (the value of the parent datasets)
-
-  [[datasets.subsets]]
-  image_dir = 'C:\fuga'
-  class_tokens = 'fuga boy'
-  keep_tokens = 3
-
-  [[datasets.subsets]]
-  is_reg = true
-  image_dir = 'C:\reg'
-  class_tokens = 'human'
-  keep_tokens = 1
-
-# This is a fine-tuning dataset
-[[datasets]]
-resolution = [192, 192]
-batch_size = 2
-
-  [[datasets.subsets]]
-  image_dir = 'C:\piyo'
-  metadata_file = 'C:\piyo\piyo_md.json'
-  # This subset uses keep_tokens = 1 (the value of [general])
-"""
+# sd-scripts' docs/config_README-en.md, its first example (tests/fixtures): verbatim but for the folders and the sizes
+# (512 and 768 would take minutes on the tiny model's CPU; 128 and 192 keep a dataset of each size)
+_EXAMPLE = (Path(__file__).parents[1] / "fixtures" / "sd_scripts_dataset_example.toml").read_text(encoding="utf-8")
+SD_EXAMPLE = _EXAMPLE.replace("resolution = 512", "resolution = 128").replace("[768, 768]", "[192, 192]")
+assert SD_EXAMPLE.count("128") == 1 and SD_EXAMPLE.count("[192, 192]") == 1
 
 
 def test_sd_scripts_example_dataset_config_trains_through_the_console_script(tiny_model, tmp_path):

@@ -16,45 +16,9 @@ from difftrain.config.load import resolve
 from difftrain.data.subsets import resolve_subsets
 from difftrain.errors import ConfigError, DataError
 
-# sd-scripts' docs/config_README-en.md, its first example, verbatim but for the folders
-SD_EXAMPLE = r"""
-[general]
-shuffle_caption = true
-caption_extension = '.txt'
-keep_tokens = 1
-
-# This is a DreamBooth-style dataset
-[[datasets]]
-resolution = 512
-batch_size = 4
-keep_tokens = 2
-
-  [[datasets.subsets]]
-  image_dir = 'C:\hoge'
-  class_tokens = 'hoge girl'
-  # This subset uses keep_tokens = 2 (the value of the parent datasets)
-
-  [[datasets.subsets]]
-  image_dir = 'C:\fuga'
-  class_tokens = 'fuga boy'
-  keep_tokens = 3
-
-  [[datasets.subsets]]
-  is_reg = true
-  image_dir = 'C:\reg'
-  class_tokens = 'human'
-  keep_tokens = 1
-
-# This is a fine-tuning dataset
-[[datasets]]
-resolution = [768, 768]
-batch_size = 2
-
-  [[datasets.subsets]]
-  image_dir = 'C:\piyo'
-  metadata_file = 'C:\piyo\piyo_md.json'
-  # This subset uses keep_tokens = 1 (the value of [general])
-"""
+# sd-scripts' docs/config_README-en.md, its first example, verbatim but for the folders (a fixture: the training test
+# reads it too)
+SD_EXAMPLE = (Path(__file__).parents[1] / "fixtures" / "sd_scripts_dataset_example.toml").read_text(encoding="utf-8")
 
 # the same page's example of secondary_separator, wildcards and keep_tokens_separator
 SD_SEPARATORS = r"""
