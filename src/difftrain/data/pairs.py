@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import DataError
 from .paths import IMAGE_EXTS, is_inside
-from .sources import ImageRecord, MultiFrame, _unreadable_reason, read_image_header, record_key
+from .sources import ImageRecord, image_header_or_reason, record_key
 
 Skipped = list[tuple[Path, str]]
 
@@ -179,14 +179,11 @@ def scan_pairs(pairs: Path, data_dir: Path, allow_outside: bool = False) -> tupl
         if missing:
             skipped.append((path, f"{where}: the reference image {missing[0]} does not exist"))
             continue
-        try:
-            width, height, mode = read_image_header(path)
-        except MultiFrame as exc:
-            skipped.append((path, str(exc)))
+        header = image_header_or_reason(path)
+        if isinstance(header, str):
+            skipped.append((path, header))
             continue
-        except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
-            skipped.append((path, _unreadable_reason(path, exc)))
-            continue
+        width, height, mode = header
         key = record_key(path, data_dir) if is_inside(path, data_dir) else path.with_suffix("").as_posix()
         if key in seen:
             key = f"{key}#{n}"  # one target edited several ways: an item per line

@@ -233,6 +233,16 @@ def read_image_header(path: Path) -> tuple[int, int, str]:
     return ((height, width) if orientation in _SWAPS_SIDES else (width, height)) + (mode,)
 
 
+def image_header_or_reason(path: Path) -> tuple[int, int, str] | str:
+    """:func:`read_image_header`'s ``(width, height, mode)``, or why the file is skipped (several frames, unreadable)."""
+    try:
+        return read_image_header(path)
+    except MultiFrame as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
+        return _unreadable_reason(path, exc)
+
+
 def _unreadable_reason(path: Path, exc: BaseException | None = None) -> str:
     try:
         if path.stat().st_size == 0:
@@ -302,14 +312,11 @@ def scan_dataset(
         if key in seen:
             skipped.append((path, f"same name as {seen[key].name} (key {key!r}); rename one of them"))
             continue
-        try:
-            width, height, mode = read_image_header(path)
-        except MultiFrame as exc:
-            skipped.append((path, str(exc)))
+        header = image_header_or_reason(path)
+        if isinstance(header, str):
+            skipped.append((path, header))
             continue
-        except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
-            skipped.append((path, _unreadable_reason(path, exc)))
-            continue
+        width, height, mode = header
         seen[key] = path
         texts = index.texts(path) if index is not None else None
         caption, tags = texts if texts is not None else sidecar_texts(path, caption_ext, tag_ext, root)

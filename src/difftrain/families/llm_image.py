@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ..errors import CacheMismatch, CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
 from . import common, streaming
 from .base import CachedItem, ModelFamily
 from .common import read_json
@@ -42,6 +42,15 @@ def unpack_2x2(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
     c = d // 4
     x = packed.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c, h, w)
+
+
+def cached_references(latent_entry: dict[str, torch.Tensor], needs: str, hint: str) -> dict[str, torch.Tensor]:
+    """The edit families' ``conditioning``: the reference latents precompute cached beside a target's, or
+    CacheMismatch saying which training ``needs`` them and the ``hint`` (how to make them)."""
+    refs = latent_entry.get("reference_latents")
+    if refs is None:
+        raise CacheMismatch(f"The cached latents have no reference latents, which {needs} needs.", hint=hint)
+    return {"reference_latents": refs}
 
 
 def check_2x2(label: str, h: int, w: int) -> None:

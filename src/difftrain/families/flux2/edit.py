@@ -20,7 +20,7 @@ import torch
 from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CacheMismatch, DataError
 from ..base import CachedItem
-from ..llm_image import check_2x2
+from ..llm_image import cached_references, check_2x2
 from .family import Flux2, patchify, unpatchify
 
 
@@ -58,13 +58,11 @@ class Flux2Edit(Flux2):
         return {"reference_latents": lat.view(b, n, *lat.shape[1:])}
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        refs = latent_entry.get("reference_latents")
-        if refs is None:
-            raise CacheMismatch(
-                "The cached latents have no reference latents, which FLUX.2 edit training needs.",
-                hint="Run `difftrain precompute` with family: flux2-edit and data.control_dir (the cache is per family).",
-            )
-        return {"reference_latents": refs}
+        return cached_references(
+            latent_entry,
+            "FLUX.2 edit training",
+            "Run `difftrain precompute` with family: flux2-edit and data.control_dir (the cache is per family).",
+        )
 
     def denoise(
         self, transformer, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, torch.Tensor]

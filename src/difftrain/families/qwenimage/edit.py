@@ -35,7 +35,7 @@ from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CacheMismatch, ConfigError, DataError
 from ..base import CachedItem
 from ..common import read_json as _read_json
-from ..llm_image import PARTS, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
+from ..llm_image import PARTS, cached_references, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
 from .family import QwenImage
 
 EDIT = "QwenImageEditPipeline"
@@ -244,13 +244,11 @@ class QwenImageEdit(QwenImage):
         return {"reference_latents": lat.view(b, n, *lat.shape[1:])}
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        refs = latent_entry.get("reference_latents")
-        if refs is None:
-            raise CacheMismatch(
-                "The cached latents have no reference latents, which Qwen-Image-Edit needs.",
-                hint="Run `difftrain precompute` with family: qwen-image-edit (the cache is per family).",
-            )
-        return {"reference_latents": refs}
+        return cached_references(
+            latent_entry,
+            "Qwen-Image-Edit",
+            "Run `difftrain precompute` with family: qwen-image-edit (the cache is per family).",
+        )
 
     # ------------------------------------------------------------ training
     def denoise(
