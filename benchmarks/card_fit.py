@@ -52,6 +52,17 @@ ORDER = [
     "wan-1.3b-lora-8gb",
     "wan-1.3b-full-24gb",
     "wan-14b-lora-24gb",
+    "wan-5b-lora-16gb",
+    "zimage-lora-6gb",
+    "zimage-lora-12gb",
+    "krea2-lora-8gb",
+    "krea2-lora-12gb",
+    "krea2-lora-24gb",
+    "krea2-full-24gb",
+    "flux2-klein-4b-lora-6gb",
+    "flux2-klein-4b-lora-8gb",
+    "flux2-klein-9b-lora-8gb",
+    "flux2-klein-9b-lora-16gb",
 ]
 
 OVERHEAD = """
