@@ -10,7 +10,9 @@ shape's first call to warm up and record on its second, so one epoch of warm-up 
 timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pass); the timed steps are the next
 two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
 plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-8gb (six buckets),
-cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
+plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
+recipes' targets, a 128-token caption as bench speed's cache has). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
 through `bench speed --profile`), the same summary for both (bench._profile_summary: kernel launches, GPU-busy
@@ -71,6 +73,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     "sdxl-full-te-24gb": (["--recipe", "sdxl-full-te-24gb"], "SDXL full with the text encoders, as shipped"),
     "sd3-lora-4gb": (["--recipe", "sd3-lora-4gb"], "SD3-medium LoRA r16, block swap of the 24 blocks, as shipped"),
     "sd3-lora-16gb": (["--recipe", "sd3-lora-16gb"], "SD3-medium LoRA r16, no checkpointing, as shipped"),
+    # issue 52: the fast recipe of each new single-stream family against its plain loop, 1024x1024
+    "zimage-lora-12gb": (["--recipe", "zimage-lora-12gb", "--size", "1024x1024"], "Z-Image LoRA r32 as shipped"),
+    "krea2-lora-24gb": (["--recipe", "krea2-lora-24gb", "--size", "1024x1024"], "Krea 2 LoRA r32 as shipped"),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
@@ -78,11 +83,19 @@ WITH_BASELINE = {
     "sd3-lora-8gb": (BUCKETS, None, None),
     "cogvideox-2b-lora-24gb": (None, 6, 4),
     "flux-lora-24gb": (None, 8, 6),
+    "zimage-lora-12gb": (None, 10, 6),
+    "krea2-lora-24gb": (None, 8, 6),
 }
 #: --profile: the folder the profiled step's operator tables go to (None: no profiling)
 PROFILE: Path | None = None
 #: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
-PLAIN_DIT = {"plain-sd3": (None, None), "plain-cogvideox": (6, 4), "plain-flux": (8, 3)}
+PLAIN_DIT = {
+    "plain-sd3": (None, None),
+    "plain-cogvideox": (6, 4),
+    "plain-flux": (8, 3),
+    "plain-zimage": (10, 3),
+    "plain-krea2": (8, 3),
+}
 
 
 def _plain_loop(name, model, targets, rank, shapes, loss_of, steps: int, warmup: int, seed: int = 0) -> dict:
@@ -222,6 +235,55 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
                          ).sample  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), FluxPipeline._pack_latents((noise - x0), 1, c, h, w).float())
 
+    def zimage_loss(model, c: int, h: int, w: int):
+        # ZImagePipeline's call: lists of [16, 1, h, w] latents and of caption states, the reversed timestep 1 - sigma;
+        # the model predicts x0 - noise (the pipeline negates it)
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        cap = torch.randn(128, 2560, **bf)  # a caption of 128 Qwen3 tokens (bench speed's cache shape)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(list(xt.unsqueeze(2).unbind(0)), 1 - sig, [cap], return_dict=False)[0]
+        return torch.nn.functional.mse_loss(-torch.stack(out).squeeze(2).float(), (noise - x0).float())
+
+    def krea2_loss(model, c: int, h: int, w: int):
+        from diffusers import Krea2Pipeline
+
+        def pack(x):  # Krea2Pipeline._pack_latents (2x2 patches)
+            return x.view(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), c * 4)
+
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(1, 128, 12, 2560, **bf)  # 12 Qwen3-VL layers of a 128-token caption, no padding
+        ids = Krea2Pipeline.prepare_position_ids(128, h // 2, w // 2, "cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=pack(xt), encoder_hidden_states=text, timestep=sig.to(torch.bfloat16),
+                         position_ids=ids, return_dict=False)[0]  # fmt: skip
+        return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
+
+    if name == "plain-zimage":
+        from diffusers import ZImageTransformer2DModel
+
+        model = _bundled("z-image/transformer", ZImageTransformer2DModel)
+        targets = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                   "feed_forward.w2", "feed_forward.w3"]  # fmt: skip
+        return _plain_loop(name, model, targets, 32, [(16, 128, 128)], zimage_loss, steps, warmup)
+    if name == "plain-krea2":
+        from diffusers import Krea2Transformer2DModel
+
+        model = _bundled("krea2/transformer", Krea2Transformer2DModel)
+        targets = [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_gate",
+            "attn.to_out.0",
+            "ff.gate",
+            "ff.up",
+            "ff.down",
+        ]
+        return _plain_loop(name, model, targets, 32, [(16, 128, 128)], krea2_loss, steps, warmup)
     if name == "plain-flux":
         from diffusers import FluxTransformer2DModel
 
