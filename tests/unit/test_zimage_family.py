@@ -136,3 +136,67 @@ def test_a_turbo_checkpoint_is_warned_about_naming_the_base_model(tiny, tmp_path
     llm_image._WARNED.clear()
     ZImage().load(ModelConfig(path=tiny), ["transformer"])
     assert "distilled" not in capsys.readouterr().err
+
+
+def test_the_loaded_transformer_rotates_in_real_arithmetic_with_the_same_numbers(tiny):
+    """The load gives every attention the real-arithmetic rotary processor (zimage/attention.py); a batch of two
+    captions of different lengths (the attention mask in use) gives the same output and the same LoRA-free input
+    gradients, bit for bit, as diffusers' complex-multiply processor."""
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    fam = ZImage()
+    tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"]
+    procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
+    assert procs and all(type(p).__name__ == "RealRopeZImageAttnProcessor" for p in procs)
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randn(5, 32, generator=g), torch.randn(11, 32, generator=g)]
+
+    def run():
+        x = [torch.randn(16, 1, 8, 12, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in (2, 3)]
+        out = torch.stack(tr(x, torch.tensor([0.3, 0.8]), texts, return_dict=False)[0])
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [xi.grad for xi in x]
+
+    ours, our_grads = run()
+    for m in tr.modules():
+        if hasattr(m, "processor"):
+            m.set_processor(ZSingleStreamAttnProcessor())
+    theirs, their_grads = run()
+    assert torch.equal(ours, theirs) and ours.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads))
+
+
+def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
+    """What the processor is for: the forward and backward graphs torch.compile makes of a block hold no operator
+    with a complex result (the rotary table is viewed as real pairs as it comes in), where diffusers' processor
+    makes complex tensors and multiplies them, which inductor leaves to eager kernels."""
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    tr = ZImage().load(ModelConfig(path=tiny), ["transformer"])["transformer"]
+    hooked = {}
+    h = tr.layers[0].register_forward_pre_hook(lambda m, a, k: hooked.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        tr([torch.randn(16, 1, 8, 8)], torch.tensor([0.5]), [torch.randn(6, 32)], return_dict=False)
+    h.remove()
+
+    def complex_ops() -> set[str]:
+        seen: set[str] = set()
+
+        def record(gm, _inputs):
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                if n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_complex():
+                    seen.add(str(n.target))
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        x, *rest = hooked["a"]
+        block = torch.compile(tr.layers[0], backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        block(x.detach().requires_grad_(), *rest, **hooked["k"]).sum().backward()
+        return seen
+
+    assert not complex_ops()
+    tr.layers[0].attention.set_processor(ZSingleStreamAttnProcessor())
+    assert {"aten.view_as_complex.default", "aten.mul.Tensor"} <= complex_ops()

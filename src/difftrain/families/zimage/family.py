@@ -32,7 +32,7 @@ from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..llm_image import LLMImageFamily, check_2x2, vae_state_dict
-from . import single_file
+from . import attention, single_file
 
 DEFAULT_CONFIG = "z-image"
 #: Qwen3 tokens a caption is encoded with, chat template included (ZImagePipeline's max_sequence_length)
@@ -208,6 +208,12 @@ class ZImage(LLMImageFamily):
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"qwen3:{options.llm.precision}:{TEXT_TOKENS}:chat:hidden-2" if stage == "qwen3" else ""
+
+    def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
+        """The transformer's attentions rotate q and k in real arithmetic (the same numbers as diffusers' complex
+        multiply, which torch.compile leaves to eager kernels: zimage/attention.py)."""
+        if "transformer" in comps:
+            attention.use_real_rope(comps["transformer"])
 
     # ------------------------------------------------------------ training
     def denoise(
