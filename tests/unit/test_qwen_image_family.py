@@ -99,3 +99,75 @@ def test_comfyui_files_load_the_transformer_and_vae(tiny, tmp_path):
     assert "read from a diffusers folder" in e.value.hint
     with pytest.raises(ModelLoadError, match="does not look like a Qwen-Image transformer"):
         fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="qwen-image-tiny"), ["transformer"])
+
+
+def _capture_block_inputs(fam, tr):
+    """The first block's inputs in a two-sample batch of different caption lengths (the text mask in use)."""
+    hooked = {}
+    h = tr.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: hooked.update(a=a, k=k), with_kwargs=True)
+    g = torch.Generator().manual_seed(2)
+    batch = fam.collate_text("qwen25vl", [{"prompt_embeds": torch.randn(n, 32, generator=g)} for n in (5, 9)])
+    with torch.no_grad():
+        fam.denoise(tr, torch.randn(2, 16, 8, 12, generator=g), torch.tensor([300.0, 700.0]), batch)
+    h.remove()
+    return hooked
+
+
+def test_the_loaded_transformer_rotates_in_real_arithmetic_with_the_same_numbers(tiny):
+    """The load gives every attention the real-arithmetic rotary processor (qwenimage/attention.py): a block's
+    outputs and its inputs' gradients are diffusers' processor's, bit for bit."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    fam = QwenImage()
+    tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"]
+    procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
+    assert procs and all(type(p).__name__ == "RealRopeQwenDoubleStreamAttnProcessor2_0" for p in procs)
+    hooked = _capture_block_inputs(fam, tr)
+    block = tr.transformer_blocks[0]
+
+    def run():
+        kw = dict(hooked["k"])
+        img = kw["hidden_states"] = kw["hidden_states"].detach().requires_grad_()
+        txt = kw["encoder_hidden_states"] = kw["encoder_hidden_states"].detach().requires_grad_()
+        outs = block(*hooked["a"], **kw)
+        sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs).backward()
+        return [o.detach() for o in outs], [img.grad, txt.grad]
+
+    ours, our_grads = run()
+    block.attn.set_processor(QwenDoubleStreamAttnProcessor2_0())
+    theirs, their_grads = run()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)) and ours[0].abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(our_grads, their_grads))
+
+
+def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
+    """The forward and backward graphs torch.compile makes of a block hold no operator with a complex result, where
+    diffusers' processor makes complex tensors and multiplies them (left to eager kernels by inductor)."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    fam = QwenImage()
+    tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"]
+    hooked = _capture_block_inputs(fam, tr)
+
+    def complex_ops() -> set[str]:
+        seen: set[str] = set()
+
+        def record(gm, _inputs):
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                if n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_complex():
+                    seen.add(str(n.target))
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        kw = {**hooked["k"], "hidden_states": hooked["k"]["hidden_states"].detach().requires_grad_()}
+        block = torch.compile(tr.transformer_blocks[0], backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        outs = block(*hooked["a"], **kw)
+        sum(o.sum() for o in outs).backward()
+        return seen
+
+    assert not complex_ops()
+    tr.transformer_blocks[0].attn.set_processor(QwenDoubleStreamAttnProcessor2_0())
+    assert {"aten.view_as_complex.default", "aten.mul.Tensor"} <= complex_ops()

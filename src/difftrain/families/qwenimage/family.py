@@ -29,6 +29,7 @@ from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..llm_image import LLMImageFamily, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
+from . import attention
 
 DEFAULT_CONFIG = "qwen-image"
 #: QwenImagePipeline's prompt template, the system prefix's token count it drops, and the most caption tokens it keeps
@@ -200,6 +201,12 @@ class QwenImage(LLMImageFamily):
 
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"qwen25vl:{options.llm.precision}:{TEXT_TOKENS}:qwen-image-template" if stage == "qwen25vl" else ""
+
+    def after_load(self, comps: dict[str, Any], mcfg: ModelConfig) -> None:
+        """The transformer's attentions rotate q and k in real arithmetic (the same numbers as diffusers' complex
+        multiply, which torch.compile leaves to eager kernels: qwenimage/attention.py)."""
+        if "transformer" in comps:
+            attention.use_real_rope(comps["transformer"])
 
     # ------------------------------------------------------------ training
     def denoise(
