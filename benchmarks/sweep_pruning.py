@@ -16,6 +16,7 @@ the wall time; ``--out`` writes them as JSON. Random weights train nothing usefu
 costs, and which trials the pruner stops depends on how these random models' losses move.
 
     python benchmarks/sweep_pruning.py --work /tmp/swp --out $OUT/sweep_pruning.json [--cases none,median,shared]
+        [--gpus 4]   # none and median run their trials four at a time (one per GPU); shared stays one GPU a process
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/sweep_pruning.py --work /tmp/swp    # the tiny SDXL on CPU, 4 steps
 """
 
@@ -124,7 +125,7 @@ def _summary(folders: list[Path], wall: float) -> dict:
     }
 
 
-def run_case(case: str, work: Path, sets: list[str], model: Path) -> dict:
+def run_case(case: str, work: Path, sets: list[str], model: Path, gpus: str | None = None) -> dict:
     root = work / case
     if root.exists():
         shutil.rmtree(root)
@@ -136,6 +137,8 @@ def run_case(case: str, work: Path, sets: list[str], model: Path) -> dict:
             spec = root / "sweep.yaml"
             spec.write_text("prune: {pruner: median, n_startup_trials: 4}\n")
             extra = ["--spec", str(spec)]
+        if gpus and not TINY:
+            extra += ["--gpus", gpus]
         subprocess.run(_cmd(sets, model, root / "sw", work / "cache", *extra), check=True)
         return _summary([root / "sw"], time.time() - t0)
     # shared: two processes of one GPU each, one study in a journal file; each its own folder and cache
@@ -156,12 +159,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--cases", default="none,median,shared")
+    ap.add_argument("--gpus", default=None, help="none and median: trials in parallel, one per GPU (a count or ids)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     sets, model = _sets(args.work)
     results = {}
     for case in args.cases.split(","):
-        results[case] = run_case(case, args.work, sets, model)
+        results[case] = run_case(case, args.work, sets, model, args.gpus)
         print(f"{case}: {json.dumps(results[case])}", flush=True)
     if "none" in results and "median" in results:
         a, b = results["none"]["gpu_seconds"], results["median"]["gpu_seconds"]

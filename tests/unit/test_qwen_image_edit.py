@@ -72,6 +72,32 @@ def test_comfyuis_edit_transformer_file_loads_as_the_named_version(tiny_plus, tm
     assert not flat.zero_cond_t
 
 
+def test_the_comfyui_set_loads_the_processor_from_the_bundled_config(tiny_plus, tmp_path):
+    """Edit from ComfyUI's files: the transformer file, Qwen2.5-VL's own file (the Hub's names) and its tokenizer
+    folder; the image processor comes from the named architecture's bundled config, as the folder's would."""
+    from safetensors.torch import save_file
+
+    fam = QwenImageEdit()
+    ref = fam.load(ModelConfig(path=tiny_plus), ["transformer", "text_encoder"])
+    save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, tmp_path / "qie.safetensors")
+    te = {
+        k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v.contiguous()
+        for k, v in ref["text_encoder"].state_dict().items()
+    }
+    save_file(te, tmp_path / "qwen_2.5_vl.safetensors")
+    mcfg = ModelConfig(
+        path=tmp_path / "qie.safetensors",
+        config="qwen-image-edit-plus-tiny",
+        text_encoder=tmp_path / "qwen_2.5_vl.safetensors",
+        tokenizer_path=tiny_plus / "tokenizer",
+    )
+    got = fam.load(mcfg, ["text_encoder"])
+    want = ref["text_encoder"].state_dict()
+    assert all(torch.equal(got["text_encoder"].state_dict()[k], v) for k, v in want.items())
+    assert type(got["processor"]).__name__ == type(ref["processor"]).__name__
+    assert got["processor"].image_processor.to_dict() == ref["processor"].image_processor.to_dict()
+
+
 def _capture(pipe):
     """The transformer's keyword arguments and output of its first call in the pipeline."""
     seen: dict = {}

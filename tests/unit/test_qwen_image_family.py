@@ -96,7 +96,7 @@ def test_comfyui_files_load_the_transformer_and_vae(tiny, tmp_path):
         assert set(have) == set(want) and all(torch.equal(have[k], want[k]) for k in want), part
     with pytest.raises(ModelLoadError, match=r"transformer only; it has no Qwen2\.5-VL text encoder") as e:
         fam.load(mcfg, ["text_encoder"])
-    assert "read from a diffusers folder" in e.value.hint
+    assert "model.text_encoder=qwen_2.5_vl_7b.safetensors" in e.value.hint
     with pytest.raises(ModelLoadError, match="does not look like a Qwen-Image transformer"):
         fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="qwen-image-tiny"), ["transformer"])
 
@@ -171,3 +171,74 @@ def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
     assert not complex_ops()
     tr.transformer_blocks[0].attn.set_processor(QwenDoubleStreamAttnProcessor2_0())
     assert {"aten.view_as_complex.default", "aten.mul.Tensor"} <= complex_ops()
+
+
+def _hub_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen2.5-VL in the Hub checkpoint's names, as ComfyUI's qwen_2.5_vl_7b.safetensors has them."""
+    out = {}
+    for k, v in sd.items():
+        k = k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+        out[k] = v.contiguous()
+    return out
+
+
+def test_comfyui_text_encoder_files_load_qwen25vl(tiny, tmp_path):
+    """model.text_encoder: Qwen2.5-VL from its own file in the Hub checkpoint's names (ComfyUI's), with or without
+    lm_head, and an fp8_scaled one (each Linear weight times its scale_weight); it encodes as the folder's."""
+    from safetensors.torch import save_file
+
+    fam = QwenImage()
+    ref = fam.load(ModelConfig(path=tiny), ["text_encoder"])
+    want = ref["text_encoder"].state_dict()
+    hub = _hub_names(want)
+    assert any(k.startswith("visual.") for k in hub) and any(k.startswith("model.layers.") for k in hub)
+    save_file(hub, tmp_path / "qwen_2.5_vl.safetensors")
+    save_file({k: v for k, v in hub.items() if k != "lm_head.weight"}, tmp_path / "headless.safetensors")
+    scaled = {}
+    for k, v in hub.items():
+        if k.startswith("model.layers.") and k.endswith("proj.weight"):
+            s = v.abs().max() / 448
+            scaled[k], scaled[k.removesuffix("weight") + "scale_weight"] = (v / s).to(torch.float8_e4m3fn), s
+        else:
+            scaled[k] = v
+    scaled["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    save_file(scaled, tmp_path / "qwen_2.5_vl_fp8_scaled.safetensors")
+    opts = resolve(recipe="tiny-qwen-image-lora", sets=[f"model.path={tiny}", "data.dir=."]).config.text_encoders
+    captions = ["a fox", "a cat on a red sofa in the evening light"]
+    encoded = fam.encode_prompts(ref, captions, "qwen25vl", opts)["prompt_embeds"]
+    for name, exact in (("qwen_2.5_vl", True), ("headless", True), ("qwen_2.5_vl_fp8_scaled", False)):
+        comps = fam.load(ModelConfig(path=tiny, text_encoder=tmp_path / f"{name}.safetensors"), ["text_encoder"])
+        have = comps["text_encoder"].state_dict()
+        assert set(have) == set(want), name
+        for k in want:
+            if exact or "proj.weight" not in k or "language_model.layers" not in k:
+                assert torch.equal(have[k], want[k]) or (name == "headless" and k == "lm_head.weight"), (name, k)
+            else:  # fp8: within its 3-bit mantissa of the weight
+                torch.testing.assert_close(have[k], want[k], rtol=0.07, atol=want[k].abs().max().item() / 40)
+        if exact:
+            got = fam.encode_prompts(comps, captions, "qwen25vl", opts)["prompt_embeds"]
+            assert all(torch.equal(a, b) for a, b in zip(got, encoded)), name
+    tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"]
+    save_file({k: v.contiguous() for k, v in tr.state_dict().items()}, tmp_path / "not_qwen25vl.safetensors")
+    with pytest.raises(ModelLoadError, match=r"not_qwen25vl\.safetensors does not fit .* Qwen2\.5-VL text encoder"):
+        fam.load(ModelConfig(path=tiny, text_encoder=tmp_path / "not_qwen25vl.safetensors"), ["text_encoder"])
+
+
+def test_a_transformer_file_with_the_text_encoders_own_file_needs_no_folder(tiny, tmp_path):
+    """The ComfyUI set: the transformer file, the VAE file and Qwen2.5-VL's file, the tokenizer from its folder."""
+    from safetensors.torch import save_file
+
+    fam = QwenImage()
+    ref = fam.load(ModelConfig(path=tiny), ["transformer", "text_encoder"], tokenizers=False)
+    save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, tmp_path / "qi.safetensors")
+    save_file(_hub_names(ref["text_encoder"].state_dict()), tmp_path / "te.safetensors")
+    mcfg = ModelConfig(
+        path=tmp_path / "qi.safetensors",
+        config="qwen-image-tiny",
+        text_encoder=tmp_path / "te.safetensors",
+        tokenizer_path=tiny / "tokenizer",
+    )
+    got = fam.load(mcfg, ["text_encoder"])
+    assert "tokenizer" in got
+    want = ref["text_encoder"].state_dict()
+    assert all(torch.equal(got["text_encoder"].state_dict()[k], v) for k, v in want.items())

@@ -498,6 +498,20 @@ def single_file_reader(get: Callable[[str], torch.Tensor], dtype: torch.dtype, d
     return read
 
 
+def scaled_fp8(keys: Sequence[str], get):
+    """ComfyUI's "fp8_scaled" files keep a ``scale_weight`` per Linear, which multiplies its fp8 weight (and a
+    ``scaled_fp8`` marker): the keys that are weights, and a reader giving each one as its real value (float32 where
+    scaled, as stored otherwise)."""
+    scales = {k.removesuffix(".scale_weight") + ".weight": k for k in keys if k.endswith(".scale_weight")}
+    skipped = set(scales.values()) | {k for k in keys if k.rsplit(".", 1)[-1] == "scaled_fp8" or k == "scaled_fp8"}
+
+    def read(k: str) -> torch.Tensor:
+        t = get(k)
+        return t.to(torch.float32) * get(scales[k]).to(torch.float32) if k in scales else t
+
+    return [k for k in keys if k not in skipped], read
+
+
 # ------------------------------------------------------------------ saving
 def write_part(
     folder: Path,

@@ -25,9 +25,9 @@ The pairs (a target, its references, the instruction) come from data.control_dir
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -85,11 +85,11 @@ class QwenImageEdit(QwenImage):
     tiny_config = "qwen-image-edit-plus-tiny"
     modelspec_lora_architecture = "qwen-image-edit/lora"
     single_file_hint = (
-        "Give the VAE's own file as model.ae (qwen_image_vae.safetensors) and model.config (qwen-image-edit, "
-        "qwen-image-edit-2509 or qwen-image-edit-2511); Qwen2.5-VL and its processor are read from a diffusers folder: "
-        "precompute with model.path set to a diffusers Qwen-Image-Edit folder, then train with this file."
+        "Give the parts' own files as ComfyUI users have them (model.ae=qwen_image_vae.safetensors, "
+        "model.text_encoder=qwen_2.5_vl_7b.safetensors, model.tokenizer_path=a folder with Qwen2.5-VL's tokenizer) "
+        "and model.config (qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511: its image processor is "
+        "bundled), or set model.path to a diffusers Qwen-Image-Edit folder."
     )
-    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae"}
 
     # ------------------------------------------------------------ which Edit
     def architecture(self, mcfg: ModelConfig) -> str:

@@ -3,8 +3,9 @@ conditioned by Qwen2.5-VL-7B's last hidden state.
 
 Loads offline from a diffusers folder (or a Hub id: Qwen/Qwen-Image), or from the transformer file ComfyUI users have
 (diffusers' module names, ``model.diffusion_model.`` or none, fp8-stored ones too) as model.path with the VAE as
-model.ae (diffusers' names, or Wan's: the Qwen-Image VAE is Wan 2.1's layout); the text encoder from a diffusers
-folder (precompute reads it once). Architectures are bundled in ``configs/`` (qwen-image; qwen-image-tiny for tests).
+model.ae (diffusers' names, or Wan's: the Qwen-Image VAE is Wan 2.1's layout) and Qwen2.5-VL's own file as
+model.text_encoder (the Hub checkpoint's names, ComfyUI's qwen_2.5_vl_7b.safetensors, fp8_scaled too) with
+model.tokenizer_path. Architectures are bundled in ``configs/`` (qwen-image; qwen-image-tiny for tests).
 
 Trained with rectified flow as QwenImagePipeline runs the model: the latents packed into 2x2 patches as Flux's, the
 image's patch grid given as ``img_shapes``, the noise level sigma as the timestep, a prediction of noise - x0; the
@@ -62,6 +63,17 @@ def _new_module(part: str, cfg: dict):
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**_hf_config(cfg)))
 
 
+def vl_name(key: str) -> str:
+    """A Qwen2.5-VL checkpoint key in transformers' names for Qwen2_5_VLForConditionalGeneration (what its
+    conversion mapping does on load): ``visual.*`` -> ``model.visual.*``, ``model.*`` -> ``model.language_model.*``;
+    keys already in those names and ``lm_head`` as they are."""
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + key.removeprefix("model.")
+    return key
+
+
 class QwenImage(LLMImageFamily):
     name = "qwen-image"
     label = "Qwen-Image"
@@ -76,18 +88,22 @@ class QwenImage(LLMImageFamily):
         "vae": "AutoencoderKLQwenImage",
         "text_encoder": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"),
     }
-    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae"}
+    file_option: ClassVar[Mapping[str, str]] = {"vae": "ae", "text_encoder": "text_encoder"}
     part_labels: ClassVar[Mapping[str, str]] = {
         "transformer": "transformer",
         "vae": "VAE",
         "text_encoder": "Qwen2.5-VL text encoder",
     }
-    file_examples: ClassVar[Mapping[str, str]] = {"vae": "qwen_image_vae.safetensors"}
+    file_examples: ClassVar[Mapping[str, str]] = {
+        "vae": "qwen_image_vae.safetensors",
+        "text_encoder": "qwen_2.5_vl_7b.safetensors (or its fp8_scaled file)",
+    }
     encoder_name = "Qwen2.5-VL"
     file_markers = "txt_norm / transformer_blocks.0.img_mod"
     single_file_hint = (
-        "Give the VAE's own file as model.ae (qwen_image_vae.safetensors); Qwen2.5-VL is read from a diffusers folder: "
-        "precompute with model.path set to a diffusers Qwen-Image folder (Qwen/Qwen-Image), then train with this file."
+        "Give the parts' own files as ComfyUI users have them (model.ae=qwen_image_vae.safetensors, "
+        "model.text_encoder=qwen_2.5_vl_7b.safetensors, model.tokenizer_path=a folder with Qwen2.5-VL's tokenizer), "
+        "or set model.path to a diffusers Qwen-Image folder (Qwen/Qwen-Image)."
     )
     repeated_blocks = ("QwenImageTransformerBlock",)
     tiny_recipe = "tiny-qwen-image-lora"
@@ -137,6 +153,26 @@ class QwenImage(LLMImageFamily):
             "vae": AutoencoderKLQwenImage,
             "text_encoder": Qwen2_5_VLForConditionalGeneration,
         }
+
+    def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
+        """Qwen2.5-VL from a file of its own (ComfyUI's qwen_2.5_vl_7b.safetensors: the Hub checkpoint's names,
+        ``model.layers.*``, ``visual.*``, ``lm_head``; fp8_scaled files too, each weight times its scale_weight), in
+        transformers' names for Qwen2_5_VLForConditionalGeneration; the VAE as the other families read theirs."""
+        if part != "text_encoder":
+            return super().load_part_file(part, f, mcfg, dtype, device, quant)
+        keys, get, _, _ = common.open_checkpoint("single", f)
+        weights, real = common.scaled_fp8(keys, get)
+        read = common.single_file_reader(real, dtype, device, quant is not None, False)
+        sd = {vl_name(k): read(k) for k in weights}
+        embed = "model.language_model.embed_tokens.weight"
+        if "lm_head.weight" not in sd and embed in sd:  # a file without the head: never used to encode, tied
+            sd["lm_head.weight"] = sd[embed]
+        if quant is not None:
+            config_cls, model_cls = self.text_encoder_classes()
+            return common.quantized_t5_from_state_dict(
+                sd, self.part_config(mcfg, part), quant, dtype, device, config_cls=config_cls, model_cls=model_cls
+            )
+        return self.load_module(part, sd, f, mcfg)
 
     def text_encoder_classes(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

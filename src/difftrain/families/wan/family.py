@@ -108,20 +108,6 @@ FILE_OPTION = {"vae": "ae", "text_encoder": "t5xxl"}
 FILE_EXAMPLE = {"vae": "wan_2.1_vae.safetensors", "text_encoder": "umt5_xxl_fp16.safetensors"}
 
 
-def scaled_fp8(keys: Sequence[str], get):
-    """ComfyUI's "fp8_scaled" files keep a ``scale_weight`` per Linear, which multiplies its fp8 weight (and a
-    ``scaled_fp8`` marker): the keys that are weights, and a reader giving each one as its real value (float32 where
-    scaled, as stored otherwise)."""
-    scales = {k.removesuffix(".scale_weight") + ".weight": k for k in keys if k.endswith(".scale_weight")}
-    skipped = set(scales.values()) | {k for k in keys if k.rsplit(".", 1)[-1] == "scaled_fp8" or k == "scaled_fp8"}
-
-    def read(k: str) -> torch.Tensor:
-        t = get(k)
-        return t.to(torch.float32) * get(scales[k]).to(torch.float32) if k in scales else t
-
-    return [k for k in keys if k not in skipped], read
-
-
 def latent_frames(frames: int) -> int:
     return (frames - 1) // 4 + 1
 
@@ -404,7 +390,7 @@ class Wan(ModelFamily):
 
         keys, get, _, _ = common.open_checkpoint("single", f)
         option = f"model.{FILE_OPTION[part]}"
-        weights, read = scaled_fp8(keys, get)
+        weights, read = common.scaled_fp8(keys, get)
         cfg = self.part_config(mcfg, part)
 
         def mismatch(what: str) -> ModelLoadError:
@@ -476,7 +462,7 @@ class Wan(ModelFamily):
             elif any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
                 hint = "It looks like a Flux checkpoint: set family: flux."
             raise ModelLoadError(f"{p.name} does not look like a Wan transformer.", hint=hint)
-        weights, read = scaled_fp8(keys, get)
+        weights, read = common.scaled_fp8(keys, get)
         names: dict[str, str] = {}  # diffusers name -> file key
         unknown = []
         for k in weights:
