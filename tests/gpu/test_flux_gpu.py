@@ -72,7 +72,9 @@ def test_full_size_flux_trains_in_its_memory(recipe, sets, reserved_below, rss_b
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     got = json.loads(js.read_text())
     if os.environ.get("DIFFTRAIN_GPU_TEST_OUT"):  # the figures, for docs/benchmarks.md
-        Path(os.environ["DIFFTRAIN_GPU_TEST_OUT"], f"{recipe}-{'nf4' if sets else 'shipped'}.json").write_text(js.read_text())
+        Path(os.environ["DIFFTRAIN_GPU_TEST_OUT"], f"{recipe}-{'nf4' if sets else 'shipped'}.json").write_text(
+            js.read_text()
+        )
     assert got["peak_train_reserved_gib"] < reserved_below, got
     assert got["stats"]["peak_rss_gib_train"] < rss_below, got["stats"]
     rows = [json.loads(x) for x in (WORK / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
