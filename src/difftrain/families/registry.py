@@ -73,8 +73,8 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("wan-i2v", "wan", "WanI2V", "wan2.1-i2v-14b", part_files=("ae", "t5xxl")),
     Registered("zimage", "zimage", "ZImage", "z-image", part_files=("ae", "text_encoder")),
     Registered("krea2", "krea2", "Krea2", "krea2", part_files=("ae", "text_encoder")),
-    Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image", part_files=("ae",)),
-    Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit", part_files=("ae",)),
+    Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image", part_files=("ae", "text_encoder")),
+    Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit", part_files=("ae", "text_encoder")),
     Registered("flux2", "flux2", "Flux2", "flux2-klein-4b", part_files=("ae", "text_encoder")),
     Registered("flux2-edit", "flux2", "Flux2Edit", "flux2-klein-4b", part_files=("ae", "text_encoder")),
 )
