@@ -266,24 +266,20 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         from diffusers import ZImageTransformer2DModel
 
         model = _bundled("z-image/transformer", ZImageTransformer2DModel)
-        targets = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
-                   "feed_forward.w2", "feed_forward.w3"]  # fmt: skip
-        return _plain_loop(name, model, targets, 32, [(16, 128, 128)], zimage_loss, steps, warmup)
+        from difftrain.families.zimage import ZImage  # the recipe's targets (a list of names, not step code)
+
+        return _plain_loop(
+            name, model, list(ZImage.default_lora_targets), 32, [(16, 128, 128)], zimage_loss, steps, warmup
+        )
     if name == "plain-krea2":
         from diffusers import Krea2Transformer2DModel
 
         model = _bundled("krea2/transformer", Krea2Transformer2DModel)
-        targets = [
-            "attn.to_q",
-            "attn.to_k",
-            "attn.to_v",
-            "attn.to_gate",
-            "attn.to_out.0",
-            "ff.gate",
-            "ff.up",
-            "ff.down",
-        ]
-        return _plain_loop(name, model, targets, 32, [(16, 128, 128)], krea2_loss, steps, warmup)
+        from difftrain.families.krea2 import Krea2  # the recipe's targets (a list of names, not step code)
+
+        return _plain_loop(
+            name, model, list(Krea2.default_lora_targets), 32, [(16, 128, 128)], krea2_loss, steps, warmup
+        )
     if name == "plain-flux":
         from diffusers import FluxTransformer2DModel
 

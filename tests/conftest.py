@@ -200,3 +200,25 @@ def grey_video(path, rows, size=(64, 48)):
                 c.mux(pkt)
         for pkt in s.encode():
             c.mux(pkt)
+
+
+def complex_ops_when_compiled(block: torch.nn.Module, args: tuple, kwargs: dict) -> set[str]:
+    """The operators with a complex result in the forward and backward graphs torch.compile makes of ``block``
+    called with ``args`` / ``kwargs`` (a floating tensor argument that requires grad makes the backward), what
+    inductor would leave to eager kernels ("does not support code generation for complex operators")."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: set[str] = set()
+
+    def record(gm, _inputs):
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            if n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_complex():
+                seen.add(str(n.target))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    out = torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record))(*args, **kwargs)
+    sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    return seen

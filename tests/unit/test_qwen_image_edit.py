@@ -76,15 +76,12 @@ def test_the_comfyui_set_loads_the_processor_from_the_bundled_config(tiny_plus, 
     """Edit from ComfyUI's files: the transformer file, Qwen2.5-VL's own file (the Hub's names) and its tokenizer
     folder; the image processor comes from the named architecture's bundled config, as the folder's would."""
     from safetensors.torch import save_file
+    from test_qwen_image_family import _hub_names  # Qwen2.5-VL in the Hub checkpoint's names (ComfyUI's file)
 
     fam = QwenImageEdit()
     ref = fam.load(ModelConfig(path=tiny_plus), ["transformer", "text_encoder"])
     save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, tmp_path / "qie.safetensors")
-    te = {
-        k.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1): v.contiguous()
-        for k, v in ref["text_encoder"].state_dict().items()
-    }
-    save_file(te, tmp_path / "qwen_2.5_vl.safetensors")
+    save_file(_hub_names(ref["text_encoder"].state_dict()), tmp_path / "qwen_2.5_vl.safetensors")
     mcfg = ModelConfig(
         path=tmp_path / "qie.safetensors",
         config="qwen-image-edit-plus-tiny",

@@ -144,29 +144,16 @@ def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
     """The forward and backward graphs torch.compile makes of a block hold no operator with a complex result, where
     diffusers' processor makes complex tensors and multiplies them (left to eager kernels by inductor)."""
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+
+    from conftest import complex_ops_when_compiled
 
     fam = QwenImage()
     tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"]
     hooked = _capture_block_inputs(fam, tr)
 
     def complex_ops() -> set[str]:
-        seen: set[str] = set()
-
-        def record(gm, _inputs):
-            for n in gm.graph.nodes:
-                val = n.meta.get("val")
-                if n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_complex():
-                    seen.add(str(n.target))
-            return make_boxed_func(gm.forward)
-
-        torch._dynamo.reset()
         kw = {**hooked["k"], "hidden_states": hooked["k"]["hidden_states"].detach().requires_grad_()}
-        block = torch.compile(tr.transformer_blocks[0], backend=aot_autograd(fw_compiler=record, bw_compiler=record))
-        outs = block(*hooked["a"], **kw)
-        sum(o.sum() for o in outs).backward()
-        return seen
+        return complex_ops_when_compiled(tr.transformer_blocks[0], hooked["a"], kw)
 
     assert not complex_ops()
     tr.transformer_blocks[0].attn.set_processor(QwenDoubleStreamAttnProcessor2_0())

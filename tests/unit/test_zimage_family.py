@@ -171,8 +171,8 @@ def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
     with a complex result (the rotary table is viewed as real pairs as it comes in), where diffusers' processor
     makes complex tensors and multiplies them, which inductor leaves to eager kernels."""
     from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+
+    from conftest import complex_ops_when_compiled
 
     tr = ZImage().load(ModelConfig(path=tiny), ["transformer"])["transformer"]
     hooked = {}
@@ -180,22 +180,10 @@ def test_compiled_blocks_hold_no_complex_arithmetic(tiny):
     with torch.no_grad():
         tr([torch.randn(16, 1, 8, 8)], torch.tensor([0.5]), [torch.randn(6, 32)], return_dict=False)
     h.remove()
+    x, *rest = hooked["a"]
 
     def complex_ops() -> set[str]:
-        seen: set[str] = set()
-
-        def record(gm, _inputs):
-            for n in gm.graph.nodes:
-                val = n.meta.get("val")
-                if n.op == "call_function" and isinstance(val, torch.Tensor) and val.is_complex():
-                    seen.add(str(n.target))
-            return make_boxed_func(gm.forward)
-
-        torch._dynamo.reset()
-        x, *rest = hooked["a"]
-        block = torch.compile(tr.layers[0], backend=aot_autograd(fw_compiler=record, bw_compiler=record))
-        block(x.detach().requires_grad_(), *rest, **hooked["k"]).sum().backward()
-        return seen
+        return complex_ops_when_compiled(tr.layers[0], (x.detach().requires_grad_(), *rest), hooked["k"])
 
     assert not complex_ops()
     tr.layers[0].attention.set_processor(ZSingleStreamAttnProcessor())
