@@ -12,7 +12,8 @@ two epochs. Every step's seconds are kept (bench speed --step-times: a sync per 
 plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-8gb (six buckets),
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
 plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
-recipes' targets, a 128-token caption as bench speed's cache has). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen the same for Qwen-Image (its 20 B in bf16,
+41 GB: an 80 GB card). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
 through `bench speed --profile`), the same summary for both (bench._profile_summary: kernel launches, GPU-busy
@@ -95,6 +96,7 @@ PLAIN_DIT = {
     "plain-flux": (8, 3),
     "plain-zimage": (10, 3),
     "plain-krea2": (8, 3),
+    "plain-qwen": (8, 3),
 }
 
 
@@ -262,6 +264,31 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
                          position_ids=ids, return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
 
+    def qwen_loss(model, c: int, h: int, w: int):
+        # QwenImagePipeline's call: packed 2x2 patches, the grid as img_shapes, sigma as the timestep, the text mask
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(1, 128, 3584, **bf)  # Qwen2.5-VL's last hidden state of a 128-token caption
+        mask = torch.ones(1, 128, dtype=torch.long, device="cuda")
+
+        def pack(x):  # QwenImagePipeline._pack_latents
+            return x.view(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), c * 4)
+
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=pack(xt), timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,
+                         encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]  # fmt: skip
+        return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
+
+    if name == "plain-qwen":
+        from diffusers import QwenImageTransformer2DModel
+
+        from difftrain.families.qwenimage import QwenImage  # the recipe's targets (a list of names, not step code)
+
+        model = _bundled("qwen-image/transformer", QwenImageTransformer2DModel)
+        return _plain_loop(
+            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_loss, steps, warmup
+        )
     if name == "plain-zimage":
         from diffusers import ZImageTransformer2DModel
 
