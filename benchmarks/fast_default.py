@@ -249,10 +249,10 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         return torch.nn.functional.mse_loss(-torch.stack(out).squeeze(2).float(), (noise - x0).float())
 
     def krea2_loss(model, c: int, h: int, w: int):
-        from diffusers import Krea2Pipeline
+        from diffusers import FluxPipeline, Krea2Pipeline
 
-        def pack(x):  # Krea2Pipeline._pack_latents (2x2 patches)
-            return x.view(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), c * 4)
+        def pack(x):  # the 2x2 patches Krea2Pipeline._pack_latents makes (Flux's static one, the same packing)
+            return FluxPipeline._pack_latents(x, 1, c, h, w)
 
         x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
         sig = torch.rand(1, device="cuda")
@@ -272,8 +272,10 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         text = torch.randn(1, 128, 3584, **bf)  # Qwen2.5-VL's last hidden state of a 128-token caption
         mask = torch.ones(1, 128, dtype=torch.long, device="cuda")
 
-        def pack(x):  # QwenImagePipeline._pack_latents
-            return x.view(1, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, (h // 2) * (w // 2), c * 4)
+        from diffusers import QwenImagePipeline
+
+        def pack(x):
+            return QwenImagePipeline._pack_latents(x, 1, c, h, w)
 
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pred = model(hidden_states=pack(xt), timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,

@@ -12,14 +12,14 @@ A family sets the class facts below (its label, bundled config prefix, diffusers
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from ..config.schema import ModelConfig, TextEncodersConfig
-from ..errors import CacheMismatch, CheckpointError, ConfigError, ModelLoadError, UnsafeCheckpoint
+from ..errors import CacheMismatch, CheckpointError, ConfigError, DataError, ModelLoadError, UnsafeCheckpoint
 from . import common, streaming
 from .base import CachedItem, ModelFamily
 from .common import read_json
@@ -51,6 +51,19 @@ def cached_references(latent_entry: dict[str, torch.Tensor], needs: str, hint: s
     if refs is None:
         raise CacheMismatch(f"The cached latents have no reference latents, which {needs} needs.", hint=hint)
     return {"reference_latents": refs}
+
+
+def encoded_references(
+    references: torch.Tensor | None, encode: Callable[[torch.Tensor], torch.Tensor], needs: str
+) -> dict[str, torch.Tensor]:
+    """The edit families' ``image_condition_entries``: references [B, N, 3, H, W] in [-1, 1] (each fitted to its
+    target's bucket) encoded as the target's latents by ``encode`` -> "reference_latents" [B, N, C, H/8, W/8]; a
+    DataError saying who ``needs`` them when there are none."""
+    if references is None:
+        raise DataError(f"{needs} the reference images of each target, and none were given.")
+    b, n = references.shape[:2]
+    lat = encode(references.flatten(0, 1))
+    return {"reference_latents": lat.view(b, n, *lat.shape[1:])}
 
 
 def check_2x2(label: str, h: int, w: int) -> None:
@@ -346,16 +359,23 @@ class LLMImageFamily(ModelFamily):
         """A VAE file's tensors in diffusers' names (diffusers' or Wan's names; Z-Image's LDM names too)."""
         return vae_state_dict(sd)
 
+    def text_encoder_tensors(
+        self, keys: Sequence[str], get: Callable[[str], torch.Tensor], dtype: torch.dtype, device, quantized: bool
+    ) -> dict[str, torch.Tensor]:
+        """A language-model file's tensors in the module's names: the model's, or a generation model's with
+        ``model.`` and a head, which is left out."""
+        read = common.single_file_reader(get, dtype, device, quantized, False)
+        return {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+
     def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
-        """The VAE or the language model (transformers' names: the model's, or a generation model's with ``model.``
-        and a head, which is left out) from a file of its own."""
+        """The VAE or the language model (``text_encoder_tensors``) from a file of its own."""
         keys, get, _, _ = common.open_checkpoint("single", f)
-        read = common.single_file_reader(get, dtype, device, quant is not None, False)
         if part == "vae":
+            read = common.single_file_reader(get, dtype, device, quant is not None, False)
             return self.load_module(
                 part, self.vae_tensors({k: read(k) for k in keys}, self.part_config(mcfg, part)), f, mcfg
             )
-        sd = {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
+        sd = self.text_encoder_tensors(keys, get, dtype, device, quant is not None)
         if quant is not None:
             config_cls, model_cls = self.text_encoder_classes()
             return common.quantized_t5_from_state_dict(

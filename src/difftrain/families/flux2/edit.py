@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from ...config.schema import ModelConfig, TextEncodersConfig
-from ...errors import CacheMismatch, DataError
+from ...errors import CacheMismatch
 from ..base import CachedItem
-from ..llm_image import cached_references, check_2x2
+from ..llm_image import cached_references, check_2x2, encoded_references
 from .family import Flux2, patchify, unpatchify
 
 
@@ -51,11 +51,7 @@ class Flux2Edit(Flux2):
     ) -> dict[str, torch.Tensor]:
         """references [B, N, 3, H, W] in [-1, 1] (each fitted to its target's bucket) -> "reference_latents" [B, N,
         32, H/8, W/8], normalised as the target's latents (the pipelines' _encode_vae_image)."""
-        if references is None:
-            raise DataError("FLUX.2 edit training needs the reference images of each target, and none were given.")
-        b, n = references.shape[:2]
-        lat = self.encode_images(comps, references.flatten(0, 1))
-        return {"reference_latents": lat.view(b, n, *lat.shape[1:])}
+        return encoded_references(references, lambda x: self.encode_images(comps, x), "FLUX.2 edit training needs")
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return cached_references(

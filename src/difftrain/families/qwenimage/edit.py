@@ -35,7 +35,15 @@ from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CacheMismatch, ConfigError, DataError
 from ..base import CachedItem
 from ..common import read_json as _read_json
-from ..llm_image import PARTS, cached_references, check_2x2, pack_2x2, qwen_vae_latents, unpack_2x2
+from ..llm_image import (
+    PARTS,
+    cached_references,
+    check_2x2,
+    encoded_references,
+    pack_2x2,
+    qwen_vae_latents,
+    unpack_2x2,
+)
 from .family import QwenImage
 
 EDIT = "QwenImageEditPipeline"
@@ -237,11 +245,7 @@ class QwenImageEdit(QwenImage):
     ) -> dict[str, torch.Tensor]:
         """references [B, N, 3, H, W] in [-1, 1] (each fitted to its target's bucket) -> "reference_latents" [B, N,
         16, H/8, W/8]: the VAE's posterior mean, normalised (the pipeline's _encode_vae_image, argmax)."""
-        if references is None:
-            raise DataError("Qwen-Image-Edit needs the reference images of each target, and none were given.")
-        b, n = references.shape[:2]
-        lat = qwen_vae_latents(comps["vae"], references.flatten(0, 1))
-        return {"reference_latents": lat.view(b, n, *lat.shape[1:])}
+        return encoded_references(references, lambda x: qwen_vae_latents(comps["vae"], x), "Qwen-Image-Edit needs")
 
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return cached_references(

@@ -18,7 +18,7 @@ marks the real rows, as the pipeline's mask does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -154,25 +154,19 @@ class QwenImage(LLMImageFamily):
             "text_encoder": Qwen2_5_VLForConditionalGeneration,
         }
 
-    def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
+    def text_encoder_tensors(
+        self, keys: Sequence[str], get: Callable[[str], torch.Tensor], dtype: torch.dtype, device, quantized: bool
+    ) -> dict[str, torch.Tensor]:
         """Qwen2.5-VL from a file of its own (ComfyUI's qwen_2.5_vl_7b.safetensors: the Hub checkpoint's names,
         ``model.layers.*``, ``visual.*``, ``lm_head``; fp8_scaled files too, each weight times its scale_weight), in
-        transformers' names for Qwen2_5_VLForConditionalGeneration; the VAE as the other families read theirs."""
-        if part != "text_encoder":
-            return super().load_part_file(part, f, mcfg, dtype, device, quant)
-        keys, get, _, _ = common.open_checkpoint("single", f)
+        transformers' names for Qwen2_5_VLForConditionalGeneration."""
         weights, real = common.scaled_fp8(keys, get)
-        read = common.single_file_reader(real, dtype, device, quant is not None, False)
+        read = common.single_file_reader(real, dtype, device, quantized, False)
         sd = {vl_name(k): read(k) for k in weights}
         embed = "model.language_model.embed_tokens.weight"
         if "lm_head.weight" not in sd and embed in sd:  # a file without the head: never used to encode, tied
             sd["lm_head.weight"] = sd[embed]
-        if quant is not None:
-            config_cls, model_cls = self.text_encoder_classes()
-            return common.quantized_t5_from_state_dict(
-                sd, self.part_config(mcfg, part), quant, dtype, device, config_cls=config_cls, model_cls=model_cls
-            )
-        return self.load_module(part, sd, f, mcfg)
+        return sd
 
     def text_encoder_classes(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
