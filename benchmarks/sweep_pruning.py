@@ -7,8 +7,9 @@ learning rate 1e-5 .. 1e-2 (4 log-spaced points) x LoRA rank 4, 16, 32, 64, 200 
 
 - ``none``: the grid, no pruning.
 - ``median``: the same grid with ``--prune median`` (Optuna's MedianPruner, 4 startup trials).
-- ``shared``: the grid without pruning run by two sweep processes of one GPU each sharing one study (a journal
-  file: the stand-in for two machines), each with its own sweep folder and cache.
+- ``shared``: the grid without pruning run by sweep processes of one GPU each sharing one study (a journal
+  file: the stand-in for as many machines), each with its own sweep folder and cache: two processes, or one per
+  GPU that ``--gpus`` names.
 
 Each prints the GPU-seconds its trials took (the sum of every trial's wall time on its GPU, from the trial
 folders' result.json), the trials finished / pruned / failed, the best trial (its values and held-out loss) and
@@ -16,7 +17,8 @@ the wall time; ``--out`` writes them as JSON. Random weights train nothing usefu
 costs, and which trials the pruner stops depends on how these random models' losses move.
 
     python benchmarks/sweep_pruning.py --work /tmp/swp --out $OUT/sweep_pruning.json [--cases none,median,shared]
-        [--gpus 4]   # none and median run their trials four at a time (one per GPU); shared stays one GPU a process
+        [--gpus 4]   # none and median run their trials four at a time (one per GPU); shared runs four processes of
+                     # one GPU each
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/sweep_pruning.py --work /tmp/swp    # the tiny SDXL on CPU, 4 steps
 """
 
@@ -141,17 +143,24 @@ def run_case(case: str, work: Path, sets: list[str], model: Path, gpus: str | No
             extra += ["--gpus", gpus]
         subprocess.run(_cmd(sets, model, root / "sw", work / "cache", *extra), check=True)
         return _summary([root / "sw"], time.time() - t0)
-    # shared: two processes of one GPU each, one study in a journal file; each its own folder and cache
+    # shared: processes of one GPU each (two, or one per GPU of --gpus), one study in a journal file; each its own
+    # folder and cache
     journal = root / "study.journal"
+    ids = _gpu_ids(gpus) if gpus and not TINY else ["0", "1"]
     procs = []
-    for i in range(2):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)} if not TINY else dict(os.environ)
+    for i, gpu in enumerate(ids):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu} if not TINY else dict(os.environ)
         cmd = _cmd(sets, model, root / f"sw{i}", root / f"cache{i}", "--storage", str(journal), "--study", "shared")
         procs.append(subprocess.Popen(cmd, env=env))
     for p in procs:
         if p.wait():
             raise SystemExit(f"a sweep process ended with exit code {p.returncode}")
-    return _summary([root / "sw0", root / "sw1"], time.time() - t0)
+    return {"processes": len(ids), **_summary([root / f"sw{i}" for i in range(len(ids))], time.time() - t0)}
+
+
+def _gpu_ids(gpus: str) -> list[str]:
+    """--gpus as GPU ids: a count (4 -> 0..3) or a comma list (as ``difftrain sweep --gpus`` reads it)."""
+    return [str(i) for i in range(int(gpus))] if gpus.isdigit() else gpus.split(",")
 
 
 def main() -> None:
@@ -167,12 +176,12 @@ def main() -> None:
     for case in args.cases.split(","):
         results[case] = run_case(case, args.work, sets, model, args.gpus)
         print(f"{case}: {json.dumps(results[case])}", flush=True)
+        if args.out:  # each case as it ends: a later case that runs out of time leaves the earlier ones on record
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
     if "none" in results and "median" in results:
         a, b = results["none"]["gpu_seconds"], results["median"]["gpu_seconds"]
         print(f"pruning saved {a - b:.0f} GPU-seconds of {a:.0f} ({(a - b) / a:.0%})" if a else "")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
