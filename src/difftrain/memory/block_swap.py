@@ -43,6 +43,12 @@ import torch
 from .pinned import budget, host_like
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (so a forward now is a checkpoint's
+    recompute). torch's own checkpoint asks the same (torch.utils.checkpoint); no public API says it."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def choose_swapped(sizes: list[int], blocks_to_swap: int) -> list[int]:
     """The units that live in host RAM: the ``blocks_to_swap`` largest (of equal ones, the later in forward order),
     in forward order. The streaming load (memory/placement.py) and the planner choose with it too."""
@@ -232,6 +238,11 @@ class BlockSwap:
     # ------------------------------------------------------------ hooks
     def _pre_hook(self, i: int):
         def hook(module, args):
+            if not self.backward and _in_backward():  # an offloaded checkpoint's first recompute: see _post_hook
+                self.backward = True
+            if self.backward:  # a recompute starts once the unit's output gradient is whole: later units are done
+                for j in [j for j in self.resident if j > i]:
+                    self._evict(j, stepped=True)
             self._ensure(i)
             self._prefetch_after(i, forward=not self.backward)
 
@@ -239,13 +250,17 @@ class BlockSwap:
 
     def _post_hook(self, i: int):
         def hook(module, args, output):
-            if self.backward:  # a checkpoint recompute: this unit's backward runs next
-                return
+            # The hook on the output fires as this unit's backward begins and sends later units home. Registered in
+            # a recompute too: an offloaded checkpoint (memory.activations.offload) runs the forward without
+            # autograd, so the recompute's output is the first one backward passes through; without it every unit
+            # recomputed stayed on the GPU until the step's end (Wan 14B: 30 swapped blocks, 9.8 GiB).
             if torch.is_grad_enabled():
                 outs = output if isinstance(output, (tuple, list)) else (output,)
                 for t in outs:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._grad_hook(i))
+            if self.backward:  # a checkpoint recompute: this unit's backward runs next
+                return
             self._evict(i)
 
         return hook
