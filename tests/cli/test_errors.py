@@ -55,6 +55,15 @@ def test_impossible_combination_names_both_options(cli):
     _no_traceback(r)
 
 
+def test_keep_on_gpu_without_offload_is_refused_through_the_console_script():
+    from conftest import script_train
+
+    r = script_train("--recipe", "tiny-wan-lora", "--set", "memory.activations={kind: checkpoint, keep_on_gpu: 4}")
+    assert r.code == 2, (r.out, r.err)
+    assert "memory.activations" in r.err and "keep_on_gpu" in r.err and "offload: true" in r.err, r.err
+    _no_traceback(r)
+
+
 def test_missing_model_path(cli, dataset, tmp_path):
     r = cli("precompute", "--recipe", "tiny-sdxl-lora", *_sets(tiny_sets(tmp_path / "nope", dataset, tmp_path)))
     assert r.code == 1

@@ -73,6 +73,45 @@ def test_a_wan_transformer_with_offloaded_checkpoints_gets_the_lora_gradients_of
         assert all(torch.equal(g1[k], g2[k]) for k in g1)
 
 
+def test_keep_on_gpu_leaves_the_last_blocks_inputs_in_place_with_the_same_gradients(tmp_path, monkeypatch):
+    """memory.activations.keep_on_gpu: the last n blocks' inputs are not copied to host RAM; the gradients are those
+    of offloading every block (and of none offloaded)."""
+    from peft import LoraConfig
+
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.wan import Wan
+    from difftrain.memory import activation_offload as ao
+
+    fam = Wan()
+    base = fam.load(ModelConfig(path=fam.build_tiny(tmp_path / "m")), ["transformer"])["transformer"]
+    monkeypatch.setattr(ao, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's inputs are all small
+    stored: list[int] = []
+    to_host = ao._to_host
+    monkeypatch.setattr(ao, "_to_host", lambda t: stored.append(t.numel()) or to_host(t))
+    results = []
+    for keep in (0, 1, 2):
+        m = copy.deepcopy(base)
+        torch.manual_seed(0)
+        m.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "ffn.net.2"], init_lora_weights="gaussian"))
+        ao.keep_on_gpu(list(m.blocks), keep)
+        m.enable_gradient_checkpointing(offloaded_checkpoint)
+        m.train()
+        g = torch.Generator().manual_seed(1)
+        x, text = torch.randn(2, 16, 2, 4, 6, generator=g), torch.randn(2, 512, 32, generator=g)
+        stored.clear()
+        out = m(hidden_states=x, timestep=torch.tensor([300.0, 700.0]), encoder_hidden_states=text, return_dict=False)[
+            0
+        ]
+        out.square().mean().backward()
+        results.append((len(stored), out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    ao.keep_on_gpu([], 0)
+    per_block = results[0][0] // 2
+    assert per_block > 0 and [r[0] for r in results] == [2 * per_block, per_block, 0]  # 2 blocks, the last kept first
+    for _, o, grads in results[1:]:
+        assert torch.equal(o, results[0][1]) and grads.keys() == results[0][2].keys()
+        assert all(torch.equal(grads[k], results[0][2][k]) for k in grads)
+
+
 def test_segments_leave_a_recomputed_wan_block_only_their_inputs_saved():
     """What a block saves for backward outside its checkpoints (beyond its weights), counted by torch's saved-tensor
     hooks: whole (the 1.3B's widths, LoRA r32 on every Linear), some 32 block inputs' worth; as memory.activations.split
@@ -136,6 +175,12 @@ def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):
     hints["activations"] = {}  # no activation data for the architecture: the host still holds the checkpoints
     bare = estimate(cfg, hints)
     assert bare.gpu["activations"] == 0 and bare.host["checkpoints (offloaded, pinned)"] == pytest.approx(moved)
+    # keep_on_gpu: 10 of the 30 blocks' inputs stay on the GPU, the other 20 go to host RAM
+    hints["activations"] = {"checkpoint": 40000.0}
+    acts = cfg.memory.activations.model_copy(update={"keep_on_gpu": 10})
+    kept = estimate(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"activations": acts})}), hints)
+    assert kept.host["checkpoints (offloaded, pinned)"] == pytest.approx(moved * 20 / 30)
+    assert off.gpu["activations"] - kept.gpu["activations"] == pytest.approx(moved * 20 / 30)
 
 
 @pytest.mark.slow
@@ -145,13 +190,19 @@ def test_tiny_wan_trains_alike_with_offloaded_and_split_checkpoints(_dataset_mas
     from difftrain.trainers.loop import train
 
     model = Wan().build_tiny(tmp_path / "m")
+    from difftrain.memory import activation_offload as ao
+
     losses = []
-    for i, act in enumerate(("{kind: none}", "{kind: checkpoint, offload: true, split: true}")):
+    acts = ("{kind: none}", "{kind: checkpoint, offload: true, split: true}",
+            "{kind: checkpoint, offload: true, split: true, keep_on_gpu: 1}")  # fmt: skip
+    for i, act in enumerate(acts):
         sets = tiny_sets(model, _dataset_master, tmp_path / str(i), **{"train.max_steps": 3, "memory.activations": act})
         cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
         precompute(cfg)
         losses.append(train(cfg).losses)
+        assert len(ao._KEPT) == (1 if "keep_on_gpu" in act else 0)  # the trainer named the family's last block
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
+    assert losses[2] == losses[1]
 
 
 class _Pins:

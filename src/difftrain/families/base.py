@@ -275,7 +275,8 @@ class ModelFamily(ABC):
     ) -> dict:
         """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data.
         Optional: "checkpoint_input_bytes", the bytes per latent pixel that checkpointing keeps (the blocks'
-        inputs), which memory.activations.offload moves to host RAM (none stated: the planner moves nothing)."""
+        inputs), which memory.activations.offload moves to host RAM (none stated: the planner moves nothing), and
+        "checkpoint_blocks", how many blocks hold them (memory.activations.keep_on_gpu keeps that many of them)."""
 
     # saving
     @abstractmethod

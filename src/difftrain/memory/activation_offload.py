@@ -244,8 +244,11 @@ class _Offloaded(torch.autograd.Function):
         ctx.block, ctx.spec = block, spec
         ctx.devices = [t.device for t in tensors]
         ctx.grads = [t.requires_grad for t in tensors]
+        keep = id(block) in _KEPT
         ctx.stored = [
-            _to_host(t) if t.is_floating_point() and t.numel() * t.element_size() >= MIN_OFFLOAD_BYTES else t
+            _to_host(t)
+            if not keep and t.is_floating_point() and t.numel() * t.element_size() >= MIN_OFFLOAD_BYTES
+            else t
             for t in tensors
         ]
         with torch.no_grad():
@@ -303,8 +306,21 @@ def _rebuild(spec: list[Any], tensors) -> list[Any]:
     return out
 
 
+#: ids of the blocks whose inputs stay on the GPU (memory.activations.keep_on_gpu), set by :func:`keep_on_gpu`. By id:
+#: diffusers calls the checkpoint function with the block itself, and the blocks live as long as the model.
+_KEPT: set[int] = set()
+
+
+def keep_on_gpu(blocks: list[torch.nn.Module], n: int) -> None:
+    """The last ``n`` of ``blocks`` (forward order) keep their checkpointed inputs on the GPU: backward reaches them
+    first, so their memory is the first given back, and their copies would wait at backward's start."""
+    _KEPT.clear()
+    _KEPT.update(id(b) for b in blocks[len(blocks) - n :] if n)
+
+
 def offloaded_checkpoint(block: torch.nn.Module, *args) -> Any:
-    """Run ``block(*args)`` checkpointed, its large tensor inputs kept in host RAM until backward."""
+    """Run ``block(*args)`` checkpointed, its large tensor inputs kept in host RAM until backward (on the GPU for
+    the blocks :func:`keep_on_gpu` named)."""
     if not torch.is_grad_enabled():
         return block(*args)
     tensors, spec = _flatten(args)

@@ -109,9 +109,10 @@ def apply_offload(
     )
 
 
-def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
+def apply_activations(mem: MemoryConfig, module: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> None:
     """Gradient checkpointing through the module's own switch (diffusers or transformers); with ``offload``, a
-    diffusers model's checkpoints wait in host RAM (transformers' text encoders checkpoint as usual).
+    diffusers model's checkpoints wait in host RAM (transformers' text encoders checkpoint as usual), but for the
+    last ``keep_on_gpu`` of ``blocks`` (the family's blocks in forward order).
 
     With ``every: k`` only every k-th of the blocks that checkpoint (diffusers
     sets a ``gradient_checkpointing`` flag on each) keeps it: less recompute,
@@ -122,8 +123,9 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module) -> None:
     # torch types the attributes nn.Module does not declare as Tensor | Module (its __getattr__): hence the ignores
     if hasattr(module, "enable_gradient_checkpointing"):
         if mem.activations.offload:  # the block inputs wait in host RAM (memory/activation_offload.py)
-            from .activation_offload import offloaded_checkpoint
+            from .activation_offload import keep_on_gpu, offloaded_checkpoint
 
+            keep_on_gpu(blocks or [], mem.activations.keep_on_gpu)
             module.enable_gradient_checkpointing(offloaded_checkpoint)  # type: ignore[operator]  # a diffusers method
         else:
             module.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method

@@ -396,6 +396,9 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
         # the checkpointed blocks' inputs wait in host RAM (the family states their bytes per latent pixel; none
         # stated: nothing is counted as moved, the safe side on the GPU)
         moved = hints.get("checkpoint_input_bytes", 0) * pixels / m.activations.every / GIB
+        if m.activations.keep_on_gpu:  # the last blocks' inputs stay on the GPU (the family states its block count)
+            blocks = hints.get("checkpoint_blocks", 0)
+            moved *= max(0, blocks - m.activations.keep_on_gpu) / blocks if blocks else 0.0
         e.gpu["activations"] -= min(moved, e.gpu["activations"])  # without activation data: nothing to take from
         e.host["checkpoints (offloaded, pinned)"] = moved
     if hints.get("encode_captions"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Strict
 
@@ -113,6 +113,22 @@ class ActCheckpoint(Strict):
         "recomputed in backward holds one segment's tensors at a time: less memory at long token counts (video), "
         "the segments computed once more",
     )
+    keep_on_gpu: int = Field(
+        default=0,
+        ge=0,
+        description="with offload: the last this many blocks keep their inputs on the GPU (backward needs them "
+        "first), the rest in host RAM: for a card with room for some of them when host RAM cannot hold them all "
+        "(Wan 14B at 720x1280x81: 0.72 GiB a block, 28.8 GiB for its 40)",
+    )
+
+    @model_validator(mode="after")
+    def _keep_needs_offload(self) -> ActCheckpoint:
+        if self.keep_on_gpu and not self.offload:
+            raise ValueError(
+                "keep_on_gpu says how many blocks' inputs stay on the GPU when the others go to host RAM: it needs "
+                "offload: true (without offload every input stays on the GPU)"
+            )
+        return self
 
 
 class OffloadNone(Strict):

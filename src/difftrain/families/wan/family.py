@@ -763,6 +763,7 @@ class Wan(ModelFamily):
             # what checkpointing keeps per latent pixel: each block's input, one bf16 token of the width per 2x2
             # latent pixels (memory.activations.offload moves it to host RAM)
             "checkpoint_input_bytes": int(tcfg["num_layers"]) * width * 2 / 4,
+            "checkpoint_blocks": int(tcfg["num_layers"]),
             **common.parameter_hints(
                 self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank
             ),
