@@ -148,12 +148,12 @@ def _activations(b: Build, part: str, module: torch.nn.Module) -> None:
     """Checkpointing pays on every module that backward runs through."""
     act = b.cfg.memory.activations
     if part in b.lrs or part == b.family.denoiser:
-        keep = act.kind == "checkpoint" and act.keep_on_gpu and part == b.family.denoiser
+        keep = act.keep_on_gpu if act.kind == "checkpoint" and part == b.family.denoiser else 0
         blocks = b.family.swap_blocks(module) if keep else None
-        if keep and blocks is not None and act.keep_on_gpu > len(blocks):
+        if blocks is not None and keep > len(blocks):
             warn(
-                f"memory.activations.keep_on_gpu: {act.keep_on_gpu} asked, {part} has {len(blocks)} blocks: all of "
-                "their inputs stay on the GPU"
+                f"memory.activations.keep_on_gpu: {keep} asked, {part} has {len(blocks)} blocks: all of their inputs "
+                "stay on the GPU"
             )
         apply_activations(b.cfg.memory, module, blocks)
     if part == b.family.denoiser and act.kind == "checkpoint" and act.split:
