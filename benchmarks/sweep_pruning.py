@@ -2,10 +2,12 @@
 
 A 16-trial SDXL LoRA sweep at 512 px on random weights of the real architecture (the model file as
 benchmarks/multi_gpu.py makes it, a synthetic dataset of 16 images that the sweep's precompute encodes once):
-learning rate 1e-5 .. 1e-2 (4 log-spaced points) x LoRA rank 4, 16, 32, 64, 100 steps each, eager, the held-out
-loss on 2 items every 10 steps. Why not 1024 px with speed auto, as sdxl-lora-8gb ships: the first GPU call
-(2026-11-27, 4 H200s) took 285-290 s a trial there, 126 s of it compiling and capturing graphs, so the three
-cases would need about an hour of four GPUs; this size puts them inside one 10-minute call. Cases:
+learning rate 1e-5 .. 1e-2 (4 log-spaced points) x LoRA rank 4, 16, 32, 64, 48 steps each, eager, the held-out
+loss on 2 items every 8 steps. Why so small: at 1024 px with speed auto, as sdxl-lora-8gb ships, a trial took
+285-290 s on 4 H200s at once (2026-11-27; 126 s of it compiling and capturing graphs), and at 512 px eager with 100
+steps 124-158 s (about 1.0 s a step: eager SDXL with LoRA and checkpointing is launch-bound), so the three cases
+took an hour of four GPUs, then half of one; this size puts none and median inside one 10-minute call, shared in
+another. Cases:
 
 - ``none``: the grid, no pruning.
 - ``median``: the same grid with ``--prune median`` (Optuna's MedianPruner, 4 startup trials).
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
-STEPS, EVERY = (4, 2) if TINY else (100, 10)
+STEPS, EVERY = (4, 2) if TINY else (48, 8)
 LRS = "1e-5,1e-4,1e-3,1e-2"
 RANKS = "4,16,32,64"
 
