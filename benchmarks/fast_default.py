@@ -13,7 +13,9 @@ plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
 plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
 recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen the same for Qwen-Image (its 20 B in bf16,
-41 GB: an 80 GB card). Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
+41 GB: an 80 GB card); plain-wan and plain-wan14 for wan-1.3b-lora-8gb and wan-14b-lora-24gb (81 frames of 480x832,
+bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block, UMT5's 512 text tokens; issue 51).
+Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
 through `bench speed --profile`), the same summary for both (bench._profile_summary: kernel launches, GPU-busy
@@ -77,7 +79,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     # issue 52: the fast recipe of each new single-stream family against its plain loop, 1024x1024
     "zimage-lora-12gb": (["--recipe", "zimage-lora-12gb", "--size", "1024x1024"], "Z-Image LoRA r32 as shipped"),
     "krea2-lora-24gb": (["--recipe", "krea2-lora-24gb", "--size", "1024x1024"], "Krea 2 LoRA r32 as shipped"),
+    # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
+    "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
+    "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
 }
+#: the plain loop each case is read against where its name does not say (the part before the first "-")
+PLAIN_OF = {"wan-14b-lora-24gb": "plain-wan14"}
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
 WITH_BASELINE = {
@@ -86,6 +93,8 @@ WITH_BASELINE = {
     "flux-lora-24gb": (None, 8, 6),
     "zimage-lora-12gb": (None, 10, 6),
     "krea2-lora-24gb": (None, 8, 6),
+    "wan-1.3b-lora-8gb": (None, 4, 3),
+    "wan-14b-lora-24gb": (None, 3, 2),
 }
 #: --profile: the folder the profiled step's operator tables go to (None: no profiling)
 PROFILE: Path | None = None
@@ -97,6 +106,8 @@ PLAIN_DIT = {
     "plain-zimage": (10, 3),
     "plain-krea2": (8, 3),
     "plain-qwen": (8, 3),
+    "plain-wan": (4, 3),
+    "plain-wan14": (3, 2),
 }
 
 
@@ -282,6 +293,26 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
                          encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
 
+    def wan_loss(model, c: int, f: int, h: int, w: int):
+        # WanPipeline's call: the latent video [B, 16, F, H, W], sigma * 1000 as the timestep, UMT5's 512 tokens;
+        # the model predicts noise - x0
+        x0, noise = torch.randn(1, c, f, h, w, **bf), torch.randn(1, c, f, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(1, 512, 4096, **bf)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=xt, timestep=sig * 1000, encoder_hidden_states=text, return_dict=False)[0]
+        return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+
+    if name in ("plain-wan", "plain-wan14"):
+        from diffusers import WanTransformer3DModel
+
+        from difftrain.families.wan import Wan  # the recipe's targets (a list of names, not step code)
+
+        arch = "wan2.1-t2v-14b" if name == "plain-wan14" else "wan2.1-t2v-1.3b"
+        model = _bundled(f"{arch}/transformer", WanTransformer3DModel)
+        shape = (16, 21, 60, 104)  # 81 frames of 480x832 through Wan2.1's VAE (4x temporal, 8x spatial)
+        return _plain_loop(name, model, list(Wan.default_lora_targets), 32, [shape], wan_loss, steps, warmup)
     if name == "plain-qwen":
         from diffusers import QwenImageTransformer2DModel
 
@@ -334,7 +365,7 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
 
 
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
-    folder = work / name.split("-")[0]  # one random model and cache per family
+    folder = work / (name if name in PLAIN_OF or name.startswith("wan") else name.split("-")[0])  # one per family
     buckets: str | None = BUCKETS
     cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000", "--step-times"]
     if name in WITH_BASELINE:
@@ -430,7 +461,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r.get("s_per_step")
-        plain = plains.get(r["case"].split("-")[0])
+        key = PLAIN_OF.get(r["case"], r["case"]).removeprefix("plain-").split("-")[0]
+        plain = None if r["case"].startswith("plain-") else plains.get(key)
         vs = f"{plain / s:.2f}x the plain loop" if s and plain else ""
         if s and r.get("eager_s_per_step"):
             vs += f"; {r['eager_s_per_step'] / s:.2f}x its eager run ({r['eager_s_per_step']})"
