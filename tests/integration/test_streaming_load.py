@@ -24,7 +24,7 @@ from difftrain.families.common import LazyTensors
 from difftrain.families.flux import family as flux
 from difftrain.families.flux import single_file as sf
 from difftrain.families.registry import get_family
-from difftrain.memory import fp8, pinned
+from difftrain.memory import fp8, int4, pinned
 from difftrain.memory.block_swap import BlockSwap
 from difftrain.memory.placement import WeightPlacement
 from difftrain.utils import stream_save_safetensors
@@ -93,6 +93,26 @@ def test_the_streamed_flux_is_the_loaded_then_converted_one(flux_files, layout):
     assert pinned.budget().used_bytes == used  # no second copy
     assert all(h is not None and _slab_of(h) is not None for i in swap.swapped for h in swap.home[i])
     pinned.configure(None)
+
+
+def test_the_streamed_int4_flux_is_the_loaded_then_converted_one(flux_files):
+    """memory.weights int4 streams as fp8 does: each Linear packed as it is read, the swapped blocks' codes in the
+    pinned store; the part equals the one loaded whole and converted, tensor for tensor."""
+    _, file = flux_files
+    fam = get_family("flux")
+    mcfg = ModelConfig(path=file, config="flux-tiny")
+    keep = fam.high_precision_modules.get("transformer", ())
+    ref = fam.load(mcfg, ["transformer"], dtype=torch.bfloat16, device="cpu", tokenizers=False)["transformer"]
+    int4.convert(ref, torch.device("cpu"), 16, skip=keep)
+    sets = ["memory.weights={kind: int4, group_size: 16}", *FP8_SWAP[1:]]
+    with streaming.placing(_placement(fam, sets)) as placed:
+        got = fam.load(mcfg, ["transformer"], dtype=torch.bfloat16, device="cpu", tokenizers=False)["transformer"]
+    assert placed == {"transformer"}
+    a, b = ref.state_dict(), got.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith("int4_scale") for k in a)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    layers = [m for m in got.modules() if isinstance(m, int4.Int4Linear)]
+    assert len(layers) > 20 and all(m.compute_dtype == torch.bfloat16 for m in layers)
 
 
 def test_a_capped_pinned_store_falls_back_to_pageable_memory_and_says_so(flux_files, capsys):
@@ -189,8 +209,9 @@ def test_the_sdxl_single_file_streams_its_unet_as_the_folder_loads(tiny_model, t
             "memory.activations={kind: checkpoint}",
             "memory.offload={kind: block_swap, blocks_to_swap: 2}",
         ],
+        ["memory.weights={kind: int4, group_size: 16}", *FP8_SWAP[1:]],
     ],
-    ids=["fp8-lora-swap", "bf16-full-swap-fused"],
+    ids=["fp8-lora-swap", "bf16-full-swap-fused", "int4-lora-swap"],
 )
 def test_training_after_the_streamed_load_is_the_training_after_the_load_before(
     flux_files, _dataset_master, tmp_path, monkeypatch, sets

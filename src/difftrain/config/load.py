@@ -113,6 +113,7 @@ _KINDS = {
     "fp8",
     "nf4",
     "int8",
+    "int4",
     "adamw",
     "adamw8bit",
     "adamw4bit",

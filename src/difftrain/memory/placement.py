@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..config.schema import MemoryConfig, OffloadBlockSwap
+from ..config.schema import MemoryConfig, OffloadBlockSwap, WeightsInt4
 from ..utils import set_tensor
-from . import bnb_weights, fp8
+from . import bnb_weights, fp8, int4
 from .block_swap import choose_swapped
 from .pinned import host_like
 
@@ -60,10 +60,13 @@ class WeightPlacement:
         self.keep = dict(keep or {})
         self.units = units
         self.fp8 = mem.weights.kind == "fp8"
+        self.int4 = mem.weights.group_size if isinstance(mem.weights, WeightsInt4) else 0  # its group size
         self.bnb = mem.weights.kind if mem.weights.kind in ("nf4", "int8") else None
         self.swap = mem.offload.kind == "block_swap" and units is not None
         self.parts = {
-            p for p in parts if ((self.fp8 or self.bnb) and p not in self.full_trained) or (self.swap and p == denoiser)
+            p
+            for p in parts
+            if ((self.fp8 or self.int4 or self.bnb) and p not in self.full_trained) or (self.swap and p == denoiser)
         }
         self.swapped: list[int] | None = None  # the denoiser's swapped units, once it is placed
         self.pinned = self.device.type == "cuda"
@@ -83,6 +86,12 @@ class WeightPlacement:
             for name, m in modules.items()
             if use_fp8 and fp8.convertible(m, name, keep) is not None
         }
+        use_int4 = self.int4 and part not in self.full_trained
+        int4_names = {
+            f"{name}.weight" if name else "weight"
+            for name, m in modules.items()
+            if use_int4 and int4.convertible(m, name, self.int4, keep)
+        }
         bnb_layers = {
             name
             for name, m in modules.items()
@@ -100,10 +109,15 @@ class WeightPlacement:
 
             def size(u: torch.nn.Module) -> int:  # the bytes the unit will have in host RAM (block_swap's sizes)
                 pre = names[id(u)]
-                return sum(
-                    p.numel() * (1 if f"{pre}.{n}" in fp8_names else itemsize if p.is_floating_point() else 8)
-                    for n, p in u.named_parameters()
-                )
+
+                def nbytes(n: str, p: torch.Tensor) -> float:
+                    if f"{pre}.{n}" in fp8_names:
+                        return p.numel()
+                    if f"{pre}.{n}" in int4_names:
+                        return p.numel() / 2  # the packed weight (its scales stay on the GPU as buffers)
+                    return p.numel() * (itemsize if p.is_floating_point() else 8)
+
+                return int(sum(nbytes(n, p) for n, p in u.named_parameters()))
 
             offload = self.mem.offload
             assert isinstance(offload, OffloadBlockSwap)  # self.swap says so
@@ -138,6 +152,12 @@ class WeightPlacement:
                     if name in host:
                         w8 = host_like(w8, pinned=self.pinned)
                     fp8.store(modules[name.rpartition(".")[0]], w8, scale, compute_dtype=t.dtype)
+                    return
+                if name in int4_names:
+                    packed, scale, zero = int4.quantize(t.to(self.device), self.int4, t.dtype)
+                    if name in host:
+                        packed = host_like(packed, pinned=self.pinned)
+                    int4.store(modules[name.rpartition(".")[0]], packed, scale, zero, compute_dtype=t.dtype)
                     return
                 set_tensor(root, name, host_like(t, pinned=self.pinned) if name in host else t.to(self.device))
 

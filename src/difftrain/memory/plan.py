@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.schema import MemoryConfig, WeightsFP8, WeightsInt8, WeightsNF4
+from ..config.schema import MemoryConfig, WeightsFP8, WeightsInt4, WeightsInt8, WeightsNF4
 from .optimizers import make_optimizer  # noqa: F401  (the plan's optimizer step)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -20,10 +20,10 @@ def weights_dtype(mem: MemoryConfig) -> torch.dtype:
     """The dtype weights are loaded in (for fp8: the compute dtype, before conversion)."""
     w = mem.weights
     # the classes of the QUANTIZED kinds: isinstance tells mypy they have `compute`
-    return WEIGHT_DTYPES[w.compute if isinstance(w, (WeightsFP8, WeightsNF4, WeightsInt8)) else w.kind]
+    return WEIGHT_DTYPES[w.compute if isinstance(w, (WeightsFP8, WeightsNF4, WeightsInt8, WeightsInt4)) else w.kind]
 
 
-QUANTIZED = ("fp8", "nf4", "int8")
+QUANTIZED = ("fp8", "nf4", "int8", "int4")
 
 
 def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
@@ -75,6 +75,10 @@ def apply_weights(
         from .fp8 import convert
 
         convert(module, target, per_channel=mem.weights.scale == "channel", skip=keep)
+    elif isinstance(mem.weights, WeightsInt4):
+        from .int4 import convert as int4_convert
+
+        int4_convert(module, target, mem.weights.group_size, skip=keep)
     else:
         module.to(target)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import Config, EngineFSDP, WeightsFP8, WeightsInt8, WeightsNF4
+from ..config.schema import Config, EngineFSDP, WeightsFP8, WeightsInt4, WeightsInt8, WeightsNF4
 from .card import LIBRARIES, card_terms
 from .pinned import SLAB
 
@@ -30,6 +30,7 @@ SPEED = {
     "checkpoint": 1.6,
     "checkpoint_every_2": 1.35,
     "fp8": 1.2,
+    "int4": 1.3,  # not measured: fp8's dequantization and the unpacking of two codes a byte
     "cpu_offload": 1.6,
     "fused_backward": 1.0,
     "adamw8bit": 1.01,
@@ -123,7 +124,7 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     hints = {**hints, "graphs": hints.get("graphs", cfg.speed.cuda_graphs is True)}
     e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
     wk = m.weights.kind
-    compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8)) else wk
+    compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8, WeightsInt4)) else wk
     part_bytes, weights, trainable = _part_bytes(cfg, hints, compute)
     weights, swapped_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
     if t.method == "lora":
@@ -183,8 +184,8 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     if swapped_bytes or m.optimizer.kind == "cpu_offload":
         # pinned copies are packed into slabs (memory/pinned.py): on average half a slab is left unused
         e.host["pinned slabs' free tail"] = SLAB / 2 / GIB
-    if wk in ("fp8", "nf4", "int8") or m.offload.kind == "block_swap":
-        # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8, nf4 or int8 on the
+    if wk in ("fp8", "nf4", "int8", "int4") or m.offload.kind == "block_swap":
+        # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8, nf4, int8 or int4 on the
         # GPU, the pinned store) before the next is read: the one read and the copy being made of it (issue 50)
         e.host["load (one tensor at a time)"] = 2 * hints.get("largest_param", 0) * BYTES[compute] / GIB
     if cfg.ema.enabled and cfg.ema.device == "cpu":
@@ -205,10 +206,13 @@ def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float
         if not p.get("loaded", True):
             continue
         full_trained = t.method == "full" and name in trained_parts
-        if wk in ("fp8", "nf4", "int8") and not full_trained:
-            # fp8: Linear and Conv2d; bitsandbytes: Linear only (nf4 ~0.53 bytes with double-quantized scales)
+        if wk in ("fp8", "nf4", "int8", "int4") and not full_trained:
+            # fp8: Linear and Conv2d; bitsandbytes and int4: Linear only (nf4 ~0.53 bytes with double-quantized
+            # scales; int4 half a byte and a scale and zero point in the compute dtype per group)
             q = p["fp8_eligible"] if wk == "fp8" else p.get("linear", p["fp8_eligible"])
-            part_bytes[name] = q * {"fp8": 1, "nf4": 0.53, "int8": 1}[wk] + (p["total"] - q) * BYTES[compute]
+            group = cfg.memory.weights.group_size if isinstance(cfg.memory.weights, WeightsInt4) else 1
+            per = {"fp8": 1, "nf4": 0.53, "int8": 1, "int4": 0.5 + 2 * BYTES[compute] / group}[wk]
+            part_bytes[name] = q * per + (p["total"] - q) * BYTES[compute]
         else:
             part_bytes[name] = p["total"] * BYTES[compute]
         weights += part_bytes[name]
@@ -412,8 +416,8 @@ def speed_cost(cfg: Config, processes: int = 1, zero3_tuned: bool = False) -> fl
     c = 1.0
     if m.activations.kind == "checkpoint":
         c *= SPEED["checkpoint"] if m.activations.every == 1 else SPEED["checkpoint_every_2"]
-    if m.weights.kind == "fp8":
-        c *= SPEED["fp8"]
+    if m.weights.kind in ("fp8", "int4"):
+        c *= SPEED[m.weights.kind]
     c *= SPEED.get(m.optimizer.kind, 1.0)
     if m.offload.kind == "block_swap":
         c *= SPEED["block_swap"]

@@ -113,7 +113,7 @@ class RunFacts:
     block_swap_trained: bool = False  # block swap of trained weights (a full fine-tune's), not only frozen ones
     deepspeed_stage: int | None = None  # None: not DeepSpeed
     quantized: str | None = None  # bitsandbytes weights (nf4, int8): nothing compiles
-    fp8_weights: bool = False  # memory.weights fp8 (our fp8 storage, dequantized in each layer)
+    fp8_weights: bool = False  # memory.weights fp8 or int4 (our storage, dequantized in each layer)
     fsdp: bool = False  # memory.engine fsdp: the denoiser's blocks are FSDP2 units
 
 
@@ -128,7 +128,7 @@ def run_facts(cfg: Config, steps: int, shapes: int = 1, processes: int = 1, warm
         block_swap_trained=m.offload.kind == "block_swap" and cfg.train.method == "full",
         deepspeed_stage=m.engine.stage if m.engine.kind == "deepspeed" else None,
         quantized=m.weights.kind if m.weights.kind in ("nf4", "int8") else None,
-        fp8_weights=m.weights.kind == "fp8",
+        fp8_weights=m.weights.kind in ("fp8", "int4"),
         fsdp=m.engine.kind == "fsdp",
     )
 
@@ -192,7 +192,11 @@ def _graphs_off(speed: SpeedConfig, platform: Platform, run: RunFacts) -> str | 
     if run.fp8_weights:
         # measured: FLUX.1 [dev] LoRA, fp8 weights, 1024 px, one shape, H100 (2026-11-25): 10.2 s/step compiled with
         # CUDA graphs against 1.43 eager; compiled without them (block swap) 0.80
-        return "no CUDA graphs: with fp8-stored weights they made the step several times slower (measured on Flux)"
+        # int4 storage dequantizes per layer as fp8 does: treated alike (not measured with graphs)
+        return (
+            "no CUDA graphs: with fp8-stored weights they made the step several times slower (measured on Flux; "
+            "int4 storage dequantizes the same way)"
+        )
     if run.deepspeed_stage is not None:
         return "no CUDA graphs: not measured under DeepSpeed's hooks"
     if run.fsdp:

@@ -62,6 +62,7 @@ from .memory import (
     WeightsFP8,
     WeightsFP16,
     WeightsFP32,
+    WeightsInt4,
     WeightsInt8,
     WeightsNF4,
 )
@@ -127,6 +128,7 @@ __all__ = [
     "WeightsFP8",
     "WeightsFP16",
     "WeightsFP32",
+    "WeightsInt4",
     "WeightsInt8",
     "WeightsNF4",
 ]

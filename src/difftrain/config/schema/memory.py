@@ -240,8 +240,23 @@ class WeightsInt8(Strict):
     )
 
 
+class WeightsInt4(Strict):
+    """Frozen Linear weights as 4-bit integers in groups with a scale and a zero point (0.56 bytes a weight at group
+    64; memory/int4.py); LoRA only. Unlike nf4 they are plain tensors: block swap moves them and speed.compile
+    compiles them, on any device."""
+
+    kind: Literal["int4"] = "int4"
+    group_size: Literal[16, 32, 64, 128] = Field(
+        default=64, description="input columns that share a scale and zero point (smaller: closer, larger)"
+    )
+    compute: Literal["bf16", "fp16", "fp32"] = Field(
+        default="bf16", description="dtype of the dequantized weight, the scales and the other weights"
+    )
+
+
 Weights = Annotated[
-    WeightsBF16 | WeightsFP16 | WeightsFP32 | WeightsFP8 | WeightsNF4 | WeightsInt8, Field(discriminator="kind")
+    WeightsBF16 | WeightsFP16 | WeightsFP32 | WeightsFP8 | WeightsNF4 | WeightsInt8 | WeightsInt4,
+    Field(discriminator="kind"),
 ]
 Optimizer = Annotated[
     OptAdamW | OptAdamW8bit | OptAdamW4bit | OptAdafactor | OptCPUOffload, Field(discriminator="kind")

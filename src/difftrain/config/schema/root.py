@@ -85,7 +85,7 @@ class Config(Strict):
                 "set memory.weights.kind: fp16 or mixed_precision: bf16"
             )
         m, t = self.memory, self.train
-        if m.weights.kind in ("fp8", "nf4", "int8") and t.method == "full":
+        if m.weights.kind in ("fp8", "nf4", "int8", "int4") and t.method == "full":
             raise ValueError(
                 f"memory.weights {m.weights.kind} with train.method full: {m.weights.kind} rounds a weight once, which suits "
                 "frozen weights (LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
@@ -193,7 +193,7 @@ class Config(Strict):
                     "memory.engine deepspeed with memory.offload block_swap: ZeRO-3's offload_param_device "
                     "is DeepSpeed's own way to keep weights in host RAM; pick one"
                 )
-            if m.weights.kind in ("fp8", "nf4", "int8", "fp16"):
+            if m.weights.kind in ("fp8", "nf4", "int8", "int4", "fp16"):
                 raise ValueError(
                     f"memory.engine deepspeed with memory.weights {m.weights.kind}: DeepSpeed casts every "
                     "parameter to its bf16 compute type; use memory.weights bf16"
@@ -283,11 +283,17 @@ class Config(Strict):
                 "full.train_text_encoder_* apply to train.method full; for LoRA set train.train_text_encoders: true"
             )
         kind = self.memory.weights.kind
-        if self.train.method == "lora" and self.lora.use_dora and kind == "fp8":
+        if self.train.method == "lora" and self.lora.use_dora and kind in ("fp8", "int4"):
             raise ValueError(
-                "lora.use_dora with memory.weights fp8: DoRA divides by the norm of each row of the base weight, which "
-                "peft computes from the stored fp8 tensor (without its scale, in a type torch cannot multiply); use "
-                "memory.weights bf16 (or nf4 / int8, which peft dequantizes) for DoRA"
+                f"lora.use_dora with memory.weights {kind}: DoRA divides by the norm of each row of the base weight, "
+                f"which peft computes from the stored {kind} tensor (without its scales, in a type torch cannot "
+                "multiply); use memory.weights bf16 (or nf4 / int8, which peft dequantizes) for DoRA"
+            )
+        if self.train.method == "lora" and self.lora.type != "lora" and kind == "int4":
+            raise ValueError(
+                f"lora.type {self.lora.type} with memory.weights int4: peft's LoHa and LoKr take a layer's size from "
+                "its weight, which int4 stores packed (two to a byte); use memory.weights fp8 or bf16 (or lora.type "
+                "lora)"
             )
         if self.train.method == "lora" and self.lora.type != "lora" and kind in ("nf4", "int8"):
             raise ValueError(
