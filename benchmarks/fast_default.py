@@ -79,6 +79,15 @@ CASES: dict[str, tuple[list[str], str]] = {
     # issue 52: the fast recipe of each new single-stream family against its plain loop, 1024x1024
     "zimage-lora-12gb": (["--recipe", "zimage-lora-12gb", "--size", "1024x1024"], "Z-Image LoRA r32 as shipped"),
     "krea2-lora-24gb": (["--recipe", "krea2-lora-24gb", "--size", "1024x1024"], "Krea 2 LoRA r32 as shipped"),
+    # speed.fp8_matmul (opt-in): the fast single-stream recipes with their fp8 base's matmuls in fp8 (issue 52's 1.5x)
+    "krea2-lora-24gb-fp8mm": (
+        ["--recipe", "krea2-lora-24gb", "--size", "1024x1024", "--set", "speed.fp8_matmul=true"],
+        "krea2-lora-24gb with speed.fp8_matmul",
+    ),
+    "zimage-lora-12gb-fp8mm": (
+        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "speed.fp8_matmul=true"],
+        "zimage-lora-12gb with speed.fp8_matmul",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),

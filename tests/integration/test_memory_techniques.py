@@ -245,3 +245,24 @@ def test_bitsandbytes_weights_need_cuda(tiny_model, dataset, tmp_path):
     with pytest.raises(BackendUnavailable) as e:
         train(cfg)
     assert "fp8" in e.value.hint  # names what works here
+
+
+@pytest.mark.slow
+def test_fp8_matmul_trains_the_tiny_flux_close_to_the_dequantized_fp8_base(_dataset_master, tmp_path):
+    """speed.fp8_matmul through the trainer: every fp8 Linear of the denoiser whose sizes allow it computes as fp8
+    matmuls (the trainer sets them after storing the weights), and the LoRA run tracks the one without it."""
+    from difftrain.families.registry import get_family
+    from difftrain.memory.fp8 import Fp8Linear
+
+    model = get_family("flux").build_tiny(tmp_path / "model", seed=0)
+    losses, fast = {}, []
+    for name, extra in (("fp8", {}), ("fp8-mm", {"speed.fp8_matmul": "true"})):
+        sets = {"memory.weights": "{kind: fp8}", "train.max_steps": 3, "report.to": "[]", "save.formats": "[]",
+                "data.cache_dir": tmp_path / "cache", "train.mixed_precision": "bf16", **extra}  # fmt: skip
+        cfg = resolve(recipe="tiny-flux-lora", sets=tiny_sets(model, _dataset_master, tmp_path / name, **sets)).config
+        precompute(cfg)
+        t = Trainer(cfg)
+        losses[name] = t.run().losses
+        fast = [m.fp8_matmul for m in t.parts.comps["transformer"].modules() if isinstance(m, Fp8Linear)]
+    assert sum(fast) > 20
+    assert losses["fp8-mm"] == pytest.approx(losses["fp8"], rel=0.02) and losses["fp8-mm"] != losses["fp8"]

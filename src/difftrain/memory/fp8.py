@@ -186,6 +186,69 @@ def _conv_backward(ctx, gy):
 fp8_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)
 
 
+# speed.fp8_matmul: the forward and the input gradient of an fp8-stored Linear as fp8 matmuls (torch._scaled_mm),
+# what musubi-tuner's --fp8_fast does in its forward. The weight is the stored e4m3 tensor with its one scale; the
+# input (and in backward the output gradient) is cast to e4m3 with a scale per row (token), the rowwise scaling
+# Hopper's fp8 matmuls take. The input gradient multiplies by the weight's transpose, which _scaled_mm takes in
+# column-major order: a transposed copy of the fp8 weight per backward (its bytes, against the matmul's
+# 2 x tokens x in x out FLOPs). Opt-in: activations rounded to 3 mantissa bits change what is learned a little.
+def _rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as e4m3 with one float32 scale per row ([M, 1])."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).to(FP8), scale
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=dtype)
+
+
+@torch.library.custom_op("difftrain::fp8_mm_linear", mutates_args=())
+def fp8_mm_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    x8, sx = _rows_fp8(x2)
+    sw = scale.float().reshape(1, 1).expand(1, w8.shape[0]).contiguous()
+    y = _mm(x8, w8.t(), sx, sw, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], w8.shape[0])
+
+
+@fp8_mm_linear.register_fake
+def _(x, w8, scale, bias):
+    return x.new_empty((*x.shape[:-1], w8.shape[0]))
+
+
+@torch.library.custom_op("difftrain::fp8_mm_linear_grad_input", mutates_args=())
+def fp8_mm_linear_grad_input(gy: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    g2 = gy.reshape(-1, gy.shape[-1])
+    g8, sg = _rows_fp8(g2)
+    sw = scale.float().reshape(1, 1).expand(1, w8.shape[1]).contiguous()
+    gx = _mm(g8, w8.t().contiguous().t(), sg, sw, gy.dtype)  # the weight as [out, in] in column-major order
+    return gx.reshape(*gy.shape[:-1], w8.shape[1])
+
+
+@fp8_mm_linear_grad_input.register_fake
+def _(gy, w8, scale):
+    return gy.new_empty((*gy.shape[:-1], w8.shape[1]))
+
+
+def _mm_backward(ctx, gy):
+    w8, scale = ctx.saved_tensors
+    return fp8_mm_linear_grad_input(gy, w8, scale), None, None, None
+
+
+fp8_mm_linear.register_autograd(_mm_backward, setup_context=_linear_setup)
+
+
+def fp8_matmul_ok(m: torch.nn.Module) -> bool:
+    """Whether an fp8 Linear can compute as fp8 matmuls: one scale for the tensor (a per-channel scale lies along
+    the input gradient's inner dimension, which rowwise scaling cannot take) and sizes in multiples of 16."""
+    if not isinstance(m, Fp8Linear):
+        return False
+    scale = m.get_buffer("fp8_scale")
+    return scale.numel() == 1 and m.in_features % 16 == 0 and m.out_features % 16 == 0
+
+
 class _MadeByStore:
     """fp8 layers are made by :func:`store` (a class change of a loaded layer), never constructed. peft constructs
     a conv LoRA's two layers as ``type(base_layer)(...)``: over an fp8 base (the streaming load stores fp8 before
@@ -199,7 +262,14 @@ class _MadeByStore:
 
 
 class Fp8Linear(_MadeByStore, torch.nn.Linear):
+    #: speed.fp8_matmul set on this layer (fp8_matmul_ok): its forward and input gradient are fp8 matmuls
+    fp8_matmul = False
+
     def forward(self, x):
+        if self.fp8_matmul:
+            dtype = _compute_dtype(x)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return fp8_mm_linear(x.to(dtype), self.weight, self.fp8_scale, bias)
         if torch.compiler.is_compiling():
             dtype = _compute_dtype(x)
             return fp8_linear(

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..config.schema import Config, EngineFSDP
 from ..console import info, warn
-from ..errors import ConfigError, DifftrainError, ModelLoadError
+from ..errors import BackendUnavailable, ConfigError, DifftrainError, ModelLoadError
 from ..families import streaming
 from ..families.base import ModelFamily, stage_precisions
 from ..families.common import mapped_reads
@@ -114,6 +114,23 @@ def _float8(b: Build, part: str, module: torch.nn.Module) -> None:
     if b.cfg.speed.float8 and part == b.family.denoiser and part in b.lrs:
         n = speed_float8.float8_training(module, b.device)
         info(f"speed.float8: {n} Linear layers of {part} compute in fp8 (torchao float8 training)")
+
+
+def _fp8_matmul(b: Build, part: str, module: torch.nn.Module) -> None:
+    """speed.fp8_matmul: the denoiser's fp8-stored Linear layers compute as fp8 matmuls (after _weights stored them)."""
+    if not (b.cfg.speed.fp8_matmul and part == b.family.denoiser):
+        return
+    if b.device.type == "cuda" and torch.cuda.get_device_capability(b.device) < (8, 9):
+        raise BackendUnavailable(
+            "speed.fp8_matmul needs fp8 matmuls: a CUDA GPU with compute capability 8.9 or newer (Ada, Hopper).",
+            hint="Set speed.fp8_matmul: false on this GPU.",
+        )
+    from ..memory.fp8 import fp8_matmul_ok
+
+    layers = [m for m in module.modules() if fp8_matmul_ok(m)]
+    for m in layers:
+        m.fp8_matmul = True  # type: ignore[assignment]  # Fp8Linear's class attribute, set per layer
+    info(f"speed.fp8_matmul: {len(layers)} fp8 Linear layers of {part} compute as fp8 matmuls")
 
 
 def _adapters(b: Build, part: str, module: torch.nn.Module) -> None:
@@ -292,6 +309,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     _adapters,
     _activations,
     _weights,
+    _fp8_matmul,
     _offload,
     _speed,
 )

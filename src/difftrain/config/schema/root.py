@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from .base import Strict
 from .data import DataConfig, DreamBoothConfig, PrecomputeConfig, TextEncodersConfig
 from .lora import LoraConfig
-from .memory import MemoryConfig
+from .memory import MemoryConfig, WeightsFP8
 from .model import ModelConfig
 from .speed import SpeedConfig
 from .training import EMAConfig, FlowConfig, FullConfig, ReportConfig, SaveConfig, TrainConfig, ValidationConfig
@@ -330,6 +330,14 @@ class Config(Strict):
                 raise ValueError(
                     f"speed.compile_regions with {what}: its hooks wrap the family's own blocks, which are the "
                     "compiled regions there; leave speed.compile_regions null"
+                )
+        if sp.fp8_matmul:
+            w = m.weights
+            if not isinstance(w, WeightsFP8) or w.scale != "tensor":
+                raise ValueError(
+                    "speed.fp8_matmul multiplies by the stored fp8 weights: it needs memory.weights "
+                    "{kind: fp8, scale: tensor} (a per-channel scale lies along the input gradient's inner "
+                    "dimension, which rowwise fp8 matmuls cannot scale)"
                 )
         if sp.float8:
             if t.method != "full":

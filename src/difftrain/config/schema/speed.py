@@ -93,6 +93,14 @@ class SpeedConfig(Strict):
         "(and before every checkpoint, validation and export), so it never waits on the GPU "
         "inside a step; 0: every step",
     )
+    fp8_matmul: bool = Field(
+        default=False,
+        description="LoRA over memory.weights fp8 (one scale a tensor): the frozen Linear layers' forward and "
+        "input gradient run as fp8 matmuls (torch._scaled_mm; the activations and gradients cast to e4m3 per "
+        "row), as musubi-tuner's --fp8_fast does in its forward; CUDA compute capability 8.9+ (Ada, Hopper). "
+        "Activations lose precision (3 % relative error in a layer's output, CPU test): opt-in, speed not "
+        "measured yet",
+    )
     float8: bool = Field(
         default=False,
         description="full fine-tuning: the denoiser's Linear layers compute in fp8 through "
