@@ -222,3 +222,26 @@ def complex_ops_when_compiled(block: torch.nn.Module, args: tuple, kwargs: dict)
     out = torch.compile(block, backend=aot_autograd(fw_compiler=record, bw_compiler=record))(*args, **kwargs)
     sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
     return seen
+
+
+def fp8_matmul_run(in_features: int, out_features: int, x: torch.Tensor, seed: int = 0):
+    """speed.fp8_matmul against the dequantized layer: two equal bf16 Linears stored in fp8 on ``x``'s device, the
+    first with fp8 matmuls on (where fp8_matmul_ok allows). Runs both on ``x`` (forward, then backward of the mean
+    square) and returns (the fp8-matmul layer, its output, its input gradient, the relative errors of the output and
+    of the input gradient against the dequantized layer's). ``x.grad`` is left as the dequantized layer's."""
+    from difftrain.memory import fp8
+
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(in_features, out_features, device=x.device, dtype=torch.bfloat16) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for m in layers:
+        fp8.convert(m.requires_grad_(False), x.device)
+    fast, ref = layers
+    fast.fp8_matmul = fp8.fp8_matmul_ok(fast)
+    y = fast(x)
+    y.float().square().mean().backward()
+    g, x.grad = x.grad, None
+    y_ref = ref(x)
+    y_ref.float().square().mean().backward()
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return fast, y, g, rel(y, y_ref), rel(g, x.grad)

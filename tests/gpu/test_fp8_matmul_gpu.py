@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftrain.memory import fp8
+from conftest import fp8_matmul_run
 
 pytestmark = pytest.mark.gpu
 
@@ -15,22 +15,9 @@ pytestmark = pytest.mark.gpu
 def test_fp8_matmul_on_the_gpu_tracks_the_dequantized_layer_and_compiles():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 matmuls need compute capability 8.9+")
-    torch.manual_seed(0)
-    fast = torch.nn.Linear(3072, 3072, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    ref = torch.nn.Linear(3072, 3072, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    ref.load_state_dict(fast.state_dict())
-    fp8.convert(fast, "cuda")
-    fp8.convert(ref, "cuda")
-    assert fp8.fp8_matmul_ok(fast)
-    fast.fp8_matmul = True
     x = torch.randn(1, 4608, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = fast(x)
-    y.float().square().mean().backward()
-    g, x.grad = x.grad, None
-    y_ref = ref(x)
-    y_ref.float().square().mean().backward()
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
-    assert rel(y, y_ref) < 0.05 and rel(g, x.grad) < 0.05
+    fast, y, g, rel_y, rel_g = fp8_matmul_run(3072, 3072, x)
+    assert fast.fp8_matmul and rel_y < 0.05 and rel_g < 0.05
     x.grad = None
     y2 = torch.compile(fast, fullgraph=True)(x)
     y2.float().square().mean().backward()

@@ -102,32 +102,17 @@ def test_conv_op_keeps_its_fake_kernels_strides_in_channels_last():
     assert fp8_conv2d(x, w8, scale, None, *conf).is_contiguous()
 
 
-def _fp8_pair(per_channel: bool = False):
-    torch.manual_seed(3)
-    a = torch.nn.Linear(256, 128).to(torch.bfloat16).requires_grad_(False)
-    b = torch.nn.Linear(256, 128).to(torch.bfloat16).requires_grad_(False)
-    b.load_state_dict(a.state_dict())
-    fp8.convert(a, "cpu", per_channel=per_channel)
-    fp8.convert(b, "cpu", per_channel=per_channel)
-    return a, b
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fp8_matmul_forward_and_input_gradient_track_the_dequantized_layer(compiled):
     """speed.fp8_matmul: the activations (and the output gradient) cast to e4m3 per row and multiplied by the stored
     weight through torch._scaled_mm: within a few percent of the dequantized bf16 layer, not equal to it (the fp8
     path runs), the same compiled as eager."""
-    fast, ref = _fp8_pair()
-    assert fp8.fp8_matmul_ok(fast)
-    fast.fp8_matmul = True
+    from conftest import fp8_matmul_run
+
     x = torch.randn(4, 33, 256, dtype=torch.bfloat16, requires_grad=True)  # 132 rows: not a multiple of 16
-    y = fast(x)
-    y.float().square().mean().backward()
-    g, x.grad = x.grad, None
-    y_ref = ref(x)
-    y_ref.float().square().mean().backward()
-    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
-    assert 0 < rel(y, y_ref) < 0.05 and 0 < rel(g, x.grad) < 0.05
+    fast, y, g, rel_y, rel_g = fp8_matmul_run(256, 128, x, seed=3)
+    assert fast.fp8_matmul  # fp8_matmul_ok: one scale, sizes of 16
+    assert 0 < rel_y < 0.05 and 0 < rel_g < 0.05
     if compiled:
         x.grad = None
         y2 = torch.compile(fast, backend="aot_eager", fullgraph=True)(x)
@@ -136,8 +121,9 @@ def test_fp8_matmul_forward_and_input_gradient_track_the_dequantized_layer(compi
 
 
 def test_fp8_matmul_takes_one_scale_a_tensor_and_sizes_of_sixteen():
-    fast, _ = _fp8_pair(per_channel=True)
-    assert not fp8.fp8_matmul_ok(fast)  # a per-channel scale lies along the input gradient's inner dimension
+    per_channel = torch.nn.Linear(256, 128).requires_grad_(False)
+    fp8.convert(per_channel, "cpu", per_channel=True)
+    assert not fp8.fp8_matmul_ok(per_channel)  # a per-channel scale lies along the input gradient's inner dimension
     odd = torch.nn.Linear(40, 24).requires_grad_(False)
     fp8.convert(odd, "cpu")
     assert not fp8.fp8_matmul_ok(odd) and not fp8.fp8_matmul_ok(torch.nn.Linear(32, 32))

@@ -75,19 +75,10 @@ def test_comfyuis_edit_transformer_file_loads_as_the_named_version(tiny_plus, tm
 def test_the_comfyui_set_loads_the_processor_from_the_bundled_config(tiny_plus, tmp_path):
     """Edit from ComfyUI's files: the transformer file, Qwen2.5-VL's own file (the Hub's names) and its tokenizer
     folder; the image processor comes from the named architecture's bundled config, as the folder's would."""
-    from safetensors.torch import save_file
-    from test_qwen_image_family import _hub_names  # Qwen2.5-VL in the Hub checkpoint's names (ComfyUI's file)
+    from test_qwen_image_family import comfyui_set
 
     fam = QwenImageEdit()
-    ref = fam.load(ModelConfig(path=tiny_plus), ["transformer", "text_encoder"])
-    save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, tmp_path / "qie.safetensors")
-    save_file(_hub_names(ref["text_encoder"].state_dict()), tmp_path / "qwen_2.5_vl.safetensors")
-    mcfg = ModelConfig(
-        path=tmp_path / "qie.safetensors",
-        config="qwen-image-edit-plus-tiny",
-        text_encoder=tmp_path / "qwen_2.5_vl.safetensors",
-        tokenizer_path=tiny_plus / "tokenizer",
-    )
+    ref, mcfg = comfyui_set(fam, tiny_plus, "qwen-image-edit-plus-tiny", tmp_path)
     got = fam.load(mcfg, ["text_encoder"])
     want = ref["text_encoder"].state_dict()
     assert all(torch.equal(got["text_encoder"].state_dict()[k], v) for k, v in want.items())

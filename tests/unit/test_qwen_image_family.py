@@ -211,20 +211,28 @@ def test_comfyui_text_encoder_files_load_qwen25vl(tiny, tmp_path):
         fam.load(ModelConfig(path=tiny, text_encoder=tmp_path / "not_qwen25vl.safetensors"), ["text_encoder"])
 
 
-def test_a_transformer_file_with_the_text_encoders_own_file_needs_no_folder(tiny, tmp_path):
-    """The ComfyUI set: the transformer file, the VAE file and Qwen2.5-VL's file, the tokenizer from its folder."""
+def comfyui_set(fam, folder, config: str, out, **load) -> tuple[dict, ModelConfig]:
+    """The folder's model loaded (``load``: the family's load options) and ComfyUI's files written from it: the
+    transformer alone, Qwen2.5-VL in the Hub's names (its own file), the tokenizer from the folder; the model config
+    that names them. Shared by the Qwen-Image and Edit tests."""
     from safetensors.torch import save_file
 
-    fam = QwenImage()
-    ref = fam.load(ModelConfig(path=tiny), ["transformer", "text_encoder"], tokenizers=False)
-    save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, tmp_path / "qi.safetensors")
-    save_file(_hub_names(ref["text_encoder"].state_dict()), tmp_path / "te.safetensors")
+    ref = fam.load(ModelConfig(path=folder), ["transformer", "text_encoder"], **load)
+    save_file({k: v.contiguous() for k, v in ref["transformer"].state_dict().items()}, out / "transformer.safetensors")
+    save_file(_hub_names(ref["text_encoder"].state_dict()), out / "qwen_2.5_vl.safetensors")
     mcfg = ModelConfig(
-        path=tmp_path / "qi.safetensors",
-        config="qwen-image-tiny",
-        text_encoder=tmp_path / "te.safetensors",
-        tokenizer_path=tiny / "tokenizer",
+        path=out / "transformer.safetensors",
+        config=config,
+        text_encoder=out / "qwen_2.5_vl.safetensors",
+        tokenizer_path=folder / "tokenizer",
     )
+    return ref, mcfg
+
+
+def test_a_transformer_file_with_the_text_encoders_own_file_needs_no_folder(tiny, tmp_path):
+    """The ComfyUI set: the transformer file, the VAE file and Qwen2.5-VL's file, the tokenizer from its folder."""
+    fam = QwenImage()
+    ref, mcfg = comfyui_set(fam, tiny, "qwen-image-tiny", tmp_path, tokenizers=False)
     got = fam.load(mcfg, ["text_encoder"])
     assert "tokenizer" in got
     want = ref["text_encoder"].state_dict()
