@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config.schema import MemoryConfig, WeightsFP8, WeightsInt4, WeightsInt8, WeightsNF4
+from ..config.schema import MemoryConfig, WeightsInt4
+from ..config.schema.memory import QUANTIZED_KINDS, QUANTIZED_WEIGHTS
 from .optimizers import make_optimizer  # noqa: F401  (the plan's optimizer step)
 
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -19,17 +20,14 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 def weights_dtype(mem: MemoryConfig) -> torch.dtype:
     """The dtype weights are loaded in (for fp8: the compute dtype, before conversion)."""
     w = mem.weights
-    # the classes of the QUANTIZED kinds: isinstance tells mypy they have `compute`
-    return WEIGHT_DTYPES[w.compute if isinstance(w, (WeightsFP8, WeightsNF4, WeightsInt8, WeightsInt4)) else w.kind]
-
-
-QUANTIZED = ("fp8", "nf4", "int8", "int4")
+    # the quantized kinds' classes: isinstance tells mypy they have `compute`
+    return WEIGHT_DTYPES[w.compute if isinstance(w, QUANTIZED_WEIGHTS) else w.kind]
 
 
 def load_device(mem: MemoryConfig, device: torch.device) -> torch.device:
     """Quantized weights are loaded on the CPU and quantized onto the GPU layer by layer;
     with block swap the swapped blocks never go to the GPU whole."""
-    return torch.device("cpu") if mem.weights.kind in QUANTIZED or mem.offload.kind == "block_swap" else device
+    return torch.device("cpu") if mem.weights.kind in QUANTIZED_KINDS or mem.offload.kind == "block_swap" else device
 
 
 def apply_weights_before_adapters(

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config.schema import Config, EngineFSDP, WeightsFP8, WeightsInt4, WeightsInt8, WeightsNF4
+from ..config.schema import Config, EngineFSDP, WeightsInt4
+from ..config.schema.memory import QUANTIZED_KINDS, QUANTIZED_WEIGHTS
 from .card import LIBRARIES, card_terms
 from .pinned import SLAB
 
@@ -124,7 +125,7 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     hints = {**hints, "graphs": hints.get("graphs", cfg.speed.cuda_graphs is True)}
     e = Estimate(slack=hints.get("allocator_slack") or ALLOCATOR_SLACK_GIB, expandable=m.expandable)
     wk = m.weights.kind
-    compute = m.weights.compute if isinstance(m.weights, (WeightsFP8, WeightsNF4, WeightsInt8, WeightsInt4)) else wk
+    compute = m.weights.compute if isinstance(m.weights, QUANTIZED_WEIGHTS) else wk
     part_bytes, weights, trainable = _part_bytes(cfg, hints, compute)
     weights, swapped_bytes = _block_swap(cfg, hints, part_bytes, weights, e)
     if t.method == "lora":
@@ -184,7 +185,7 @@ def estimate(cfg: Config, hints: dict, processes: int = 1) -> Estimate:
     if swapped_bytes or m.optimizer.kind == "cpu_offload":
         # pinned copies are packed into slabs (memory/pinned.py): on average half a slab is left unused
         e.host["pinned slabs' free tail"] = SLAB / 2 / GIB
-    if wk in ("fp8", "nf4", "int8", "int4") or m.offload.kind == "block_swap":
+    if wk in QUANTIZED_KINDS or m.offload.kind == "block_swap":
         # the streaming load (memory/placement.py): each tensor read is stored where it lives (fp8, nf4, int8 or int4 on the
         # GPU, the pinned store) before the next is read: the one read and the copy being made of it (issue 50)
         e.host["load (one tensor at a time)"] = 2 * hints.get("largest_param", 0) * BYTES[compute] / GIB
@@ -206,7 +207,7 @@ def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float
         if not p.get("loaded", True):
             continue
         full_trained = t.method == "full" and name in trained_parts
-        if wk in ("fp8", "nf4", "int8", "int4") and not full_trained:
+        if wk in QUANTIZED_KINDS and not full_trained:
             # fp8: Linear and Conv2d; bitsandbytes and int4: Linear only (nf4 ~0.53 bytes with double-quantized
             # scales; int4 half a byte and a scale and zero point in the compute dtype per group)
             q = p["fp8_eligible"] if wk == "fp8" else p.get("linear", p["fp8_eligible"])

@@ -254,6 +254,10 @@ class WeightsInt4(Strict):
     )
 
 
+#: the stored-rounded kinds: LoRA only, their own ``compute`` dtype (plan.py, planner.py and root.py read these)
+QUANTIZED_WEIGHTS = (WeightsFP8, WeightsNF4, WeightsInt8, WeightsInt4)
+QUANTIZED_KINDS = ("fp8", "nf4", "int8", "int4")
+
 Weights = Annotated[
     WeightsBF16 | WeightsFP16 | WeightsFP32 | WeightsFP8 | WeightsNF4 | WeightsInt8 | WeightsInt4,
     Field(discriminator="kind"),

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from .base import Strict
 from .data import DataConfig, DreamBoothConfig, PrecomputeConfig, TextEncodersConfig
 from .lora import LoraConfig
-from .memory import MemoryConfig, WeightsFP8
+from .memory import QUANTIZED_KINDS, MemoryConfig, WeightsFP8
 from .model import ModelConfig
 from .speed import SpeedConfig
 from .training import EMAConfig, FlowConfig, FullConfig, ReportConfig, SaveConfig, TrainConfig, ValidationConfig
@@ -85,7 +85,7 @@ class Config(Strict):
                 "set memory.weights.kind: fp16 or mixed_precision: bf16"
             )
         m, t = self.memory, self.train
-        if m.weights.kind in ("fp8", "nf4", "int8", "int4") and t.method == "full":
+        if m.weights.kind in QUANTIZED_KINDS and t.method == "full":
             raise ValueError(
                 f"memory.weights {m.weights.kind} with train.method full: {m.weights.kind} rounds a weight once, which suits "
                 "frozen weights (LoRA) but would lose every update of a trained one; use memory.weights bf16 for full fine-tuning"
@@ -193,7 +193,7 @@ class Config(Strict):
                     "memory.engine deepspeed with memory.offload block_swap: ZeRO-3's offload_param_device "
                     "is DeepSpeed's own way to keep weights in host RAM; pick one"
                 )
-            if m.weights.kind in ("fp8", "nf4", "int8", "int4", "fp16"):
+            if m.weights.kind in (*QUANTIZED_KINDS, "fp16"):
                 raise ValueError(
                     f"memory.engine deepspeed with memory.weights {m.weights.kind}: DeepSpeed casts every "
                     "parameter to its bf16 compute type; use memory.weights bf16"
