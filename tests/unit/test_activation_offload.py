@@ -184,14 +184,20 @@ def test_the_planner_moves_the_checkpoints_to_host_ram(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_wan_trains_alike_with_offloaded_and_split_checkpoints(_dataset_master, tmp_path):
+def test_tiny_wan_trains_alike_with_offloaded_and_split_checkpoints(_dataset_master, tmp_path, monkeypatch):
+    """... and the trainer gives the offloaded checkpoints' host slab back before its final save (the save's host
+    copies came on top of the slab and made Wan 14B's host peak at 720p, 2026-11-27)."""
     from difftrain.families.wan import Wan
     from difftrain.precompute.run import precompute
-    from difftrain.trainers.loop import train
+    from difftrain.trainers.loop import Trainer, train
 
     model = Wan().build_tiny(tmp_path / "m")
     from difftrain.memory import activation_offload as ao
 
+    events: list[str] = []
+    reset, save = ao.reset_arena, Trainer.save_checkpoint
+    monkeypatch.setattr(ao, "reset_arena", lambda: (events.append("arena given back"), reset())[1])
+    monkeypatch.setattr(Trainer, "save_checkpoint", lambda self: (events.append("saved"), save(self))[1])
     losses = []
     acts = ("{kind: none}", "{kind: checkpoint, offload: true, split: true}",
             "{kind: checkpoint, offload: true, split: true, keep_on_gpu: 1}")  # fmt: skip
@@ -201,6 +207,7 @@ def test_tiny_wan_trains_alike_with_offloaded_and_split_checkpoints(_dataset_mas
         precompute(cfg)
         losses.append(train(cfg).losses)
         assert len(ao._KEPT) == (1 if "keep_on_gpu" in act else 0)  # the trainer named the family's last block
+        assert events[-2:] == ["arena given back", "saved"]  # the final save, after the slab went back
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
     assert losses[2] == losses[1]
 
