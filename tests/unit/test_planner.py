@@ -402,6 +402,8 @@ MEASURED_HOST = {
     "wan-1.3b-full-24gb": 5.90,
     "wan-14b-lora-24gb": 15.46,
     "wan-5b-lora-16gb": 7.48,
+    "wan-14b-lora-16gb": 22.50,  # 20 blocks swapped (2026-11-27, after the block swap fix)
+    "wan-14b-lora-720p-24gb": 29.42,  # nf4, 2 blocks' inputs kept on the GPU (2026-11-27)
     # Z-Image, Krea 2 and FLUX.2 [klein] as shipped (issues 52-53, 2026-11-27, an H200 capped as the card)
     "zimage-lora-12gb": 2.16,
     "zimage-lora-6gb": 6.75,
@@ -509,6 +511,8 @@ MEASURED_CARD = {
     "wan-1.3b-full-24gb": (5.20, 6.51),
     "wan-14b-lora-24gb": (19.61, 20.63),  # 3 steps (card_fit_wan.json's w14-24-so-x: the recipe's settings)
     "wan-5b-lora-16gb": (9.08, 9.37),  # 3 steps (card_fit_wan.json's w5-16-so: the recipe's settings)
+    "wan-14b-lora-16gb": (13.43, 14.31),  # 3 steps (w14-16-bs20), after the block swap fix
+    "wan-14b-lora-720p-24gb": (19.13, 21.09),  # 3 steps (w14-24-720-nf4-k2), eager as shipped (nf4)
     # Z-Image, Krea 2 and FLUX.2 [klein] as shipped, 3 steps (issues 52-53, 2026-11-27, an H200 capped as the card;
     # card_fit_zimage.json, card_fit_krea2.json, card_fit_flux2.json: the recipes' settings)
     "zimage-lora-12gb": (8.875, 9.955),
@@ -546,7 +550,7 @@ RESERVED_OVER = {"cogvideox-2b-lora-6gb": 0.15, "cogvideox-5b-lora-12gb": 0.15, 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 34 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 36 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
