@@ -23,12 +23,15 @@ costs, and which trials the pruner stops depends on how these random models' los
     python benchmarks/sweep_pruning.py --work /tmp/swp --out $OUT/sweep_pruning.json [--cases none,median,shared]
         [--gpus 4]   # none and median run their trials four at a time (one per GPU); shared runs four processes of
                      # one GPU each
+        [--together 'none=0,0,1,1;median=2,2,3,3']   # both cases at once, two trials a GPU, each its own cache
+        [--ranks 4,16]   # a smaller grid (8 trials): the shared case over two processes within one call
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/sweep_pruning.py --work /tmp/swp    # the tiny SDXL on CPU, 4 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -41,6 +44,7 @@ TINY = os.environ.get("DIFFTRAIN_BENCH_TINY") == "1"
 STEPS, EVERY = (4, 2) if TINY else (48, 8)
 LRS = "1e-5,1e-4,1e-3,1e-2"
 RANKS = "4,16,32,64"
+_ARGS: dict[str, str] = {}  # --ranks, where the command line narrows the grid
 
 
 def _sets(work: Path) -> tuple[list[str], Path]:
@@ -90,6 +94,7 @@ def _sets(work: Path) -> tuple[list[str], Path]:
 
 
 def _cmd(sets: list[str], model: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    ranks = RANKS if not _ARGS.get("ranks") else _ARGS["ranks"]
     recipe = "tiny-sdxl-lora" if TINY else "sdxl-lora-8gb"
     return [
         sys.executable,
@@ -104,7 +109,7 @@ def _cmd(sets: list[str], model: Path, out: Path, cache: Path, *extra: str) -> l
         "-g",
         f"train.learning_rate={LRS}",
         "-g",
-        f"lora.rank={RANKS}",
+        f"lora.rank={ranks}",
         "-o",
         str(out),
         *extra,
@@ -138,7 +143,10 @@ def _summary(folders: list[Path], wall: float) -> dict:
     }
 
 
-def run_case(case: str, work: Path, sets: list[str], model: Path, gpus: str | None = None) -> dict:
+def run_case(
+    case: str, work: Path, sets: list[str], model: Path, gpus: str | None = None, cache: Path | None = None
+) -> dict:
+    """One case; ``cache``: its own cache folder (cases run together precompute apart), else the shared one."""
     root = work / case
     if root.exists():
         shutil.rmtree(root)
@@ -152,7 +160,7 @@ def run_case(case: str, work: Path, sets: list[str], model: Path, gpus: str | No
             extra = ["--spec", str(spec)]
         if gpus and not TINY:
             extra += ["--gpus", gpus]
-        subprocess.run(_cmd(sets, model, root / "sw", work / "cache", *extra), check=True)
+        subprocess.run(_cmd(sets, model, root / "sw", cache or work / "cache", *extra), check=True)
         return _summary([root / "sw"], time.time() - t0)
     # shared: processes of one GPU each (two, or one per GPU of --gpus), one study in a journal file; each its own
     # folder and cache
@@ -180,16 +188,38 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--cases", default="none,median,shared")
     ap.add_argument("--gpus", default=None, help="none and median: trials in parallel, one per GPU (a count or ids)")
+    ap.add_argument(
+        "--together",
+        default=None,
+        help="cases run at once, each on its own GPUs and cache: 'none=0,0,1,1;median=2,2,3,3' (two trials a GPU)",
+    )
+    ap.add_argument("--ranks", default=None, help=f"the grid's LoRA ranks (default {RANKS})")
     args = ap.parse_args()
+    if args.ranks:
+        _ARGS["ranks"] = args.ranks
     args.work.mkdir(parents=True, exist_ok=True)
     sets, model = _sets(args.work)
-    results = {}
-    for case in args.cases.split(","):
-        results[case] = run_case(case, args.work, sets, model, args.gpus)
-        print(f"{case}: {json.dumps(results[case])}", flush=True)
+    results: dict[str, dict] = {}
+
+    def record(case: str, result: dict) -> None:
+        results[case] = result
+        print(f"{case}: {json.dumps(result)}", flush=True)
         if args.out:  # each case as it ends: a later case that runs out of time leaves the earlier ones on record
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+    if args.together:  # e.g. none and median side by side on two GPUs each: the same conditions, one call's time
+        groups = [g.split("=", 1) for g in args.together.split(";") if g.strip()]
+        with concurrent.futures.ThreadPoolExecutor(len(groups)) as pool:
+            futures = {
+                pool.submit(run_case, case, args.work, sets, model, gpus, args.work / f"cache-{case}"): case
+                for case, gpus in groups
+            }
+            for f in concurrent.futures.as_completed(futures):
+                record(futures[f], f.result())
+    else:
+        for case in args.cases.split(","):
+            record(case, run_case(case, args.work, sets, model, args.gpus))
     if "none" in results and "median" in results:
         a, b = results["none"]["gpu_seconds"], results["median"]["gpu_seconds"]
         print(f"pruning saved {a - b:.0f} GPU-seconds of {a:.0f} ({(a - b) / a:.0%})" if a else "")
