@@ -381,6 +381,18 @@ def test_pruning_stops_the_losing_trial_and_keeps_its_checkpoint(tiny_model, _da
     assert list((out / "trials" / pruned["trial"] / "checkpoints").glob("step-*"))
 
 
+@pytest.mark.slow
+def test_a_gpu_named_twice_runs_two_trials_on_it_at_once(tiny_model, _dataset_master, cache, tmp_path):
+    """--gpus 0,0: two slots on one device (small trials beside each other on a big GPU), not one: the worker once
+    kept its running trials by device id, so a repeated id ran one trial at a time."""
+    out = tmp_path / "sw"
+    r = _script(*_sweep_args(tiny_model, _dataset_master, cache), "-g", "lora.rank=4,8", "--gpus", "0,0", "-o", out)
+    assert r.code == 0, r
+    runs = [json.loads(p.read_text()) for p in (out / "trials").glob("*/result.json")]
+    assert len(runs) == 2 and {x["gpu"] for x in runs} == {"0"}
+    assert max(x["started"] for x in runs) < min(x["ended"] for x in runs)  # side by side
+
+
 # ----------------------------------------------------------------- a real PostgreSQL server
 def _free_port() -> int:
     with socket.socket() as s:

@@ -621,7 +621,7 @@ class _Worker:
 
         beats = threading.Thread(target=self._beats, name="difftrain-sweep-heartbeat", daemon=True)
         beats.start()
-        running: dict[str | None, _Run] = {}
+        running: dict[int, _Run] = {}  # by slot: a GPU named twice (--gpus 0,0,1,1) is two slots, two trials on it
         last_stale, said_waiting = 0.0, False
         try:
             while True:
@@ -633,15 +633,15 @@ class _Worker:
                             f"sweep: trial #{n} lost its heartbeat for over {self.grace} s (its process or machine "
                             "stopped): marked failed and enqueued again, to continue from its last checkpoint"
                         )
-                for slot in self.slots:
-                    if slot not in running:
+                for i, slot in enumerate(self.slots):
+                    if i not in running:
                         r = self._start_next(slot)
                         if r is not None:
-                            running[slot] = r
-                for slot, r in list(running.items()):
+                            running[i] = r
+                for i, r in list(running.items()):
                     self._poll(r)
                     if r.proc.poll() is not None:
-                        del running[slot]
+                        del running[i]
                         self._finish(r)
                 if not running:
                     waiting = self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
@@ -799,7 +799,7 @@ class _Worker:
             )
             info(f"sweep: trial #{trial.number} {attrs.get('status') or status}{tail}")
 
-    def _interrupt(self, running: dict[str | None, _Run]) -> None:
+    def _interrupt(self, running: dict[int, _Run]) -> None:
         """Ctrl+C (or an error) in the sweep process: each child stops with a checkpoint (one SIGINT: the trainer's
         own stop), its trial is marked failed (interrupted) and enqueued again, so a rerun continues it."""
         from . import study as st
