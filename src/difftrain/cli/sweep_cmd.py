@@ -37,7 +37,8 @@ def sweep(
         Path | None, typer.Option("--spec", help="a sweep YAML (recipe, config, set, grid, random)")
     ] = None,
     gpus: Annotated[
-        str | None, typer.Option("--gpus", help="trials in parallel, one per GPU: a count (4) or ids (0,1; 0,0,1,1: two on each)")
+        str | None,
+        typer.Option("--gpus", help="trials in parallel, one per GPU: a count (4) or ids (0,1; 0,0,1,1: two on each)"),
     ] = None,
     output_dir: Annotated[
         Path | None, typer.Option("--output-dir", "-o", help="the sweep folder (default sweeps/<recipe>)")
