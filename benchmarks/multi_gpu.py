@@ -51,6 +51,20 @@ COG5B = [
     "report.to=[]",
     "report.html=false",
 ]
+QWEN = [
+    "family=qwen-image",
+    "model.config=qwen-image",
+    "train.batch_size=1",
+    "data.resolution=1024",
+    "data.min_side=256",
+    "data.max_side=2048",
+    "train.mixed_precision=bf16",
+    "memory.weights.kind=bf16",
+    "memory.activations.kind=checkpoint",
+    "train.learning_rate=1e-5",
+    "report.to=[]",
+    "report.html=false",
+]
 ZERO3 = [
     "memory.engine.kind=deepspeed",
     "memory.engine.stage=3",
@@ -290,6 +304,16 @@ CASES = {
         FULL,
         "cog5b-full",
     ),
+    # issue 53: Qwen-Image's 20 B full fine-tune on FSDP2 (planned 91 GiB a GPU over 4: an H200's card, not an H100's),
+    # and with every share in host RAM (offload_params: the optimizer steps on the CPU; 4 H100s)
+    "QP4": ("Qwen-Image full 1024, FSDP2, 4 GPUs", QWEN, 4, FSDP, "qwen-full"),
+    "QP4-off": (
+        "Qwen-Image full 1024, FSDP2 with its shares in host RAM, 4 GPUs",
+        QWEN,
+        4,
+        FSDP + ["memory.engine.offload_params=true"],
+        "qwen-full",
+    ),
     "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"], "cog5b-lora"),
 }
 #: cases trained from a recipe as shipped (its sets on top of the recipe's): name -> recipe
@@ -431,7 +455,14 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None,
             + ["memory.optimizer.kind=adamw"] * (name in RECIPE)
             + [
                 "data.min_side=32",
-                "model.config=" + ("cogvideox-tiny" if "cogvideox" in str(fam_sets) else "sdxl-tiny"),
+                "model.config="
+                + (
+                    "cogvideox-tiny"
+                    if "cogvideox" in str(fam_sets)
+                    else "qwen-image-tiny"
+                    if fam_sets is QWEN
+                    else "sdxl-tiny"
+                ),
             ]
         )
     model, tok, cache = prepare(sets, work, gpus, recipe)

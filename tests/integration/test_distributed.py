@@ -371,3 +371,24 @@ def test_ddp_bucket_views_and_static_graph_train_bit_for_bit_as_the_defaults(tin
     refused = run("acc", **{"memory.engine.static_graph": "true", "train.grad_accum": 2})
     assert refused.returncode == 2 and "static graph does not take" in " ".join(refused.stderr.split())
     assert "Traceback" not in refused.stderr and not (tmp_path / "acc" / "run").exists()
+
+
+def test_a_qwen_image_full_fine_tune_trains_on_two_processes(_dataset_master, tmp_path):
+    """Qwen-Image's last block computes a text stream the model never reads: DDP refused the trained step ("parameters
+    that were not used in producing loss") until the family named them and the full fine-tune froze them; they are
+    saved unchanged."""
+    from difftrain.families.qwenimage import QwenImage
+
+    model = QwenImage().build_tiny(tmp_path / "m")
+    full = {"train.method": "full", "save.formats": "[diffusers]", "train.checkpoint_every": 1000}
+    r = _difftrain("train", "--recipe", "tiny-qwen-image-lora", "--gpus", "2",
+                   *_sets(model, _dataset_master, tmp_path / "two", tmp_path / "cache", **full))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    after = load_file(next((tmp_path / "two" / "run").rglob("transformer/*.safetensors")))
+    before = load_file(next((model / "transformer").glob("*.safetensors")))
+    frozen = [
+        k for k in before if k.startswith(("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp."))
+    ]
+    assert len(frozen) == 6 and all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in frozen)
+    assert not torch.equal(after["transformer_blocks.1.img_mlp.net.2.weight"],
+                           before["transformer_blocks.1.img_mlp.net.2.weight"].to(after["transformer_blocks.1.img_mlp.net.2.weight"].dtype))  # fmt: skip

@@ -237,3 +237,20 @@ def test_a_transformer_file_with_the_text_encoders_own_file_needs_no_folder(tiny
     assert "tokenizer" in got
     want = ref["text_encoder"].state_dict()
     assert all(torch.equal(got["text_encoder"].state_dict()[k], v) for k, v in want.items())
+
+
+def test_unused_parameters_are_exactly_those_no_gradient_reaches(tiny):
+    """A full fine-tune freezes what takes no part in the output (DDP refused the trained step: 'parameters that
+    were not used in producing loss'): after a backward, the parameters without a gradient are the family's list."""
+    fam = QwenImage()
+    tr = fam.load(ModelConfig(path=tiny), ["transformer"])["transformer"].requires_grad_(True)
+    width = tr.config.joint_attention_dim
+    batch = fam.collate_text("qwen25vl", [{"prompt_embeds": torch.randn(n, width)} for n in (5, 9)])
+    batch = {k: v.to(next(tr.parameters()).dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    noisy = torch.randn(2, 16, 8, 12, generator=torch.Generator().manual_seed(0))
+    fam.denoise(tr, noisy, torch.tensor([250.0, 900.0]), batch).square().mean().backward()
+    no_grad = {n for n, p in tr.named_parameters() if p.grad is None}
+    unused = fam.unused_parameters(tr)
+    assert (
+        set(unused) == no_grad and len(unused) == 6
+    )  # the last block's text output projection and MLP (weights, biases)

@@ -256,6 +256,11 @@ class ModelFamily(ABC):
     def swap_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The denoiser's repeated blocks, in forward order: what block swap may keep in host memory."""
 
+    def unused_parameters(self, denoiser: torch.nn.Module) -> list[str]:
+        """Names of the denoiser's parameters that take no part in its output (a full fine-tune leaves them frozen:
+        no gradient reaches them, and DDP refuses a trained parameter that gets none). None in most families."""
+        return []
+
     def split_blocks(self, blocks: list[torch.nn.Module]) -> int:
         """memory.activations.split: each block's forward as checkpointed segments (its attentions and feed-forward
         with the norms and residuals around them), so a block recomputed in backward holds one segment's tensors at

@@ -155,7 +155,12 @@ def _adapters(b: Build, part: str, module: torch.nn.Module) -> None:
             )
     else:
         module.requires_grad_(True)
-        params = list(module.parameters())
+        if part == b.family.denoiser:  # what no gradient reaches stays frozen (DDP refuses it trained)
+            frozen = set(b.family.unused_parameters(module))
+            for name, p in module.named_parameters():
+                if name in frozen:
+                    p.requires_grad_(False)
+        params = [p for p in module.parameters() if p.requires_grad]
     module.train()
     b.trained[part] = module
     b.groups.append({"params": params, "lr": b.lrs[part]})

@@ -261,6 +261,14 @@ class QwenImage(LLMImageFamily):
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
+    def unused_parameters(self, transformer) -> list[str]:
+        """The last block's text stream after its attention: diffusers' QwenImageTransformerBlock computes it in
+        every block, and the model reads only the image stream after the last (its attention's text output
+        projection and its text MLP; the text query, key and value do feed the image tokens)."""
+        last = len(transformer.transformer_blocks) - 1
+        unused = (f"transformer_blocks.{last}.attn.to_add_out.", f"transformer_blocks.{last}.txt_mlp.")
+        return [n for n, _ in transformer.named_parameters() if n.startswith(unused)]
+
     # ------------------------------------------------------------ export
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
