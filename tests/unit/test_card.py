@@ -229,6 +229,34 @@ def test_plan_searches_the_card_and_the_host_ram():
         )
 
 
+def test_plan_searches_offloaded_checkpoints_and_nf4_and_never_activations_it_cannot_count():
+    """Wan 14B at 720x1280x81 on a 24 GB card: the planner has no measurement of Wan's blocks without checkpointing,
+    so a search once 'fitted' activations none (counted as nothing). Now such candidates are skipped; with 32 GiB of
+    host RAM the fit it finds keeps the checkpoints in host RAM (Wan states their bytes) over nf4 weights (fp8's
+    swapped blocks do not fit the RAM beside them), as wan-14b-lora-720p-24gb ships."""
+    sets = ["--set", "data.resolution=960"]
+    uncapped = _run("plan", "--recipe", "wan-14b-lora-24gb", *sets, "--vram", "24GiB")
+    desktop = _run("plan", "--recipe", "wan-14b-lora-24gb", *sets, "--vram", "24GiB", "--ram", "32GiB")
+    for p in (uncapped, desktop):
+        assert p.returncode == 0, p.stderr
+        chosen = [ln.split(" ", 1)[1].strip("'") for ln in p.stdout.splitlines()]
+        cfg = resolve(recipe="wan-14b-lora-24gb", sets=["data.resolution=960", *chosen]).config
+        assert cfg.memory.activations.kind == "checkpoint" and cfg.memory.activations.every == 1, chosen
+        e = plan_memory(cfg)
+        assert not e.unknown_activations and e.card_total <= 24
+    assert cfg.memory.activations.offload and cfg.memory.weights.kind == "nf4" and e.host_total <= 32, chosen
+    # the offloaded candidates come only where the family states the checkpoints' bytes; a config that offloads gets
+    # on-GPU candidates that say so (a candidate of the same kind merges into the config's section)
+    from difftrain.memory.planner import candidates
+
+    wan = resolve(recipe="wan-14b-lora-24gb").config
+    acts = [c["memory"]["activations"] for c in candidates(wan, offload_blocks=40)]
+    assert {a.get("keep_on_gpu") for a in acts if a.get("offload")} == {0, 2, 4, 8}
+    assert all(a.get("offload") is False for a in acts if a["kind"] == "checkpoint" and not a.get("offload"))
+    sdxl = [c["memory"]["activations"] for c in candidates(resolve(recipe="sdxl-lora-8gb").config)]
+    assert not [a for a in sdxl if "offload" in a]
+
+
 def test_expandable_segments_unset_means_on_under_zero3_only():
     deepspeed = "memory.engine={kind: deepspeed, stage: 3}"
     assert resolve(sets=["train.method=full", "memory.optimizer.kind=adamw", deepspeed]).config.memory.expandable

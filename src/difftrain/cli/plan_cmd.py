@@ -112,7 +112,9 @@ def _fastest_fit(cfg, recipe, config, set_, vram: str, ram: str | None, gpus: in
         info(pre, markup=True)
     fits = []
     tuned = bool(get_family(cfg.family).zero3_settings)  # ZeRO-3's measured settings for the family
-    for override in candidates(cfg, swap_units=len(memory_hints(cfg).get("swap_units", [])), processes=gpus):
+    hints = memory_hints(cfg)
+    offload_blocks = hints.get("checkpoint_blocks", 0) if hints.get("checkpoint_input_bytes") else 0
+    for override in candidates(cfg, len(hints.get("swap_units", [])), gpus, offload_blocks):
         try:
             c = resolve(recipe=recipe, config_file=config, sets=set_, extra=override).config
         except ConfigError:
@@ -120,6 +122,8 @@ def _fastest_fit(cfg, recipe, config, set_, vram: str, ram: str | None, gpus: in
         if engine_problem(c, gpus):
             continue  # cannot train on this many processes (fused_backward under DDP)
         est = plan_memory(c, gpus)
+        if est.unknown_activations:
+            continue  # its activations are not known: no fit can be promised (Wan without checkpointing)
         if est.card_total <= limit and (host_limit is None or est.host_total <= host_limit):
             fits.append((speed_cost(c, gpus, tuned), est.card_total, override, est))
     if not fits:
