@@ -13,7 +13,7 @@ plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
 plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
 recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen the same for Qwen-Image (its 20 B in bf16,
-41 GB: an 80 GB card); plain-wan and plain-wan14 for wan-1.3b-lora-8gb and wan-14b-lora-24gb (81 frames of 480x832,
+41 GB: an 80 GB card); plain-wan and plain-wan14 for the Wan 1.3B and 14B cases (wan-14b-lora-bf16: the 14B uncapped, its MFU; 81 frames of 480x832,
 bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block, UMT5's 512 text tokens; issue 51).
 Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
@@ -118,11 +118,33 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         "Wan2.1 1.3B LoRA r32, bf16 weights, whole blocks checkpointed on the GPU, AdamW, compiled",
     ),
+    "wan-14b-lora-bf16": (
+        [
+            "--recipe",
+            "wan-14b-lora-24gb",
+            "--size",
+            "480x832",
+            "--set",
+            "memory.weights.kind=bf16",
+            "--set",
+            "memory.activations.offload=false",
+            "--set",
+            "memory.activations.split=false",
+            "--set",
+            "memory.optimizer.kind=adamw",
+        ],
+        "Wan2.1 14B LoRA r32, bf16 weights (28 GB: an 80 GB card), whole blocks checkpointed on the GPU: its MFU",
+    ),
 }
 #: the plain loop each case is read against where its name does not say (the part before the first "-")
-PLAIN_OF = {"wan-14b-lora-24gb": "plain-wan14"}
+PLAIN_OF = {"wan-14b-lora-24gb": "plain-wan14", "wan-14b-lora-bf16": "plain-wan14"}
 #: cases at their own --size without difftrain's eager run beside them: name -> (steps, warm-up)
-OWN_SIZE = {"wan-1.3b-lora-8gb-nosplit": (4, 3), "wan-1.3b-lora-8gb-onhost": (4, 3), "wan-1.3b-lora-bf16": (4, 3)}
+OWN_SIZE = {
+    "wan-1.3b-lora-8gb-nosplit": (4, 3),
+    "wan-1.3b-lora-8gb-onhost": (4, 3),
+    "wan-1.3b-lora-bf16": (4, 3),
+    "wan-14b-lora-bf16": (3, 2),
+}
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
 WITH_BASELINE = {
