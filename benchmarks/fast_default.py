@@ -13,8 +13,9 @@ plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
 plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
 recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen the same for Qwen-Image (its 20 B in bf16,
-41 GB: an 80 GB card); plain-wan and plain-wan14 for the Wan 1.3B and 14B cases (wan-14b-lora-bf16: the 14B uncapped, its MFU; 81 frames of 480x832,
-bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block, UMT5's 512 text tokens; issue 51).
+41 GB: an 80 GB card); plain-wan and plain-wan14 for the Wan 1.3B and 14B cases (wan-14b-lora-bf16: the 14B
+uncapped, its MFU; 81 frames of 480x832, bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block,
+UMT5's 512 text tokens; issue 51).
 Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
