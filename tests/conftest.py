@@ -245,3 +245,29 @@ def fp8_matmul_run(in_features: int, out_features: int, x: torch.Tensor, seed: i
     y_ref.float().square().mean().backward()
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
     return fast, y, g, rel(y, y_ref), rel(g, x.grad)
+
+
+def recipe_as_its_card(recipe: str, folder: Path, tmp_path: Path) -> None:
+    """A shipped tier recipe on random weights of its full-size architecture (the GPU tests; ``folder`` keeps the
+    model between a family's recipes): three steps through the console script (`difftrain bench memory --card`)
+    with torch's allocator capped as its card would leave it, with finite losses, the reserved peak within 5 % of
+    what its header and recipes/measured.json state, and host RAM inside its desktop's budget until the end of the
+    run (the final save included)."""
+    import json
+    import math
+    import subprocess
+
+    from difftrain.config.recipes import host_budget, recipe_measurements, recipe_tier
+
+    js = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "difftrain", "bench", "memory", "--recipe", recipe, "--card",
+           f"{recipe_tier(recipe):g}gb", "--steps", "3", "--work", str(folder), "--json", str(js)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    got = json.loads(js.read_text())
+    assert got["card"]["fits"], got["card"]
+    assert got["peak_train_reserved_gib"] <= recipe_measurements()["recipes"][recipe]["gpu_reserved_gib"] * 1.05, got
+    assert got["stats"]["peak_rss_gib_end"] <= host_budget(recipe), got["stats"]
+    rows = [json.loads(x) for x in (folder / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), rows
