@@ -38,6 +38,13 @@ from pathlib import Path
 SIX = [(1024, 1024), (896, 1152), (1152, 896), (832, 1216), (1216, 832), (768, 1344)]
 BUCKETS = ",".join(f"{h}x{w}" for h, w in SIX)
 
+#: a Wan recipe with bf16 weights, whole blocks checkpointed on the GPU and AdamW (the fast way where the card holds it)
+WAN_BF16_ON_GPU = [
+    a
+    for s in ("memory.weights.kind=bf16", "memory.activations.offload=false", "memory.activations.split=false",
+              "memory.optimizer.kind=adamw")
+    for a in ("--set", s)
+]  # fmt: skip
 # name: (bench speed arguments after --recipe R, what it checks)
 CASES: dict[str, tuple[list[str], str]] = {
     "sdxl-lora-8gb": (["--recipe", "sdxl-lora-8gb"], "SDXL LoRA r16 b1 as shipped (speed auto), six buckets"),
@@ -103,37 +110,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "wan-1.3b-lora-8gb, checkpoints kept on the GPU (no host arena)",
     ),
     "wan-1.3b-lora-bf16": (
-        [
-            "--recipe",
-            "wan-1.3b-lora-8gb",
-            "--size",
-            "480x832",
-            "--set",
-            "memory.weights.kind=bf16",
-            "--set",
-            "memory.activations.offload=false",
-            "--set",
-            "memory.activations.split=false",
-            "--set",
-            "memory.optimizer.kind=adamw",
-        ],
+        ["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832", *WAN_BF16_ON_GPU],
         "Wan2.1 1.3B LoRA r32, bf16 weights, whole blocks checkpointed on the GPU, AdamW, compiled",
     ),
     "wan-14b-lora-bf16": (
-        [
-            "--recipe",
-            "wan-14b-lora-24gb",
-            "--size",
-            "480x832",
-            "--set",
-            "memory.weights.kind=bf16",
-            "--set",
-            "memory.activations.offload=false",
-            "--set",
-            "memory.activations.split=false",
-            "--set",
-            "memory.optimizer.kind=adamw",
-        ],
+        ["--recipe", "wan-14b-lora-24gb", "--size", "480x832", *WAN_BF16_ON_GPU],
         "Wan2.1 14B LoRA r32, bf16 weights (28 GB: an 80 GB card), whole blocks checkpointed on the GPU: its MFU",
     ),
 }

@@ -51,20 +51,17 @@ COG5B = [
     "report.to=[]",
     "report.html=false",
 ]
+# CogVideoX-5b's bf16 settings with Qwen-Image's 1024 px
 QWEN = [
     "family=qwen-image",
     "model.config=qwen-image",
-    "train.batch_size=1",
     "data.resolution=1024",
     "data.min_side=256",
     "data.max_side=2048",
-    "train.mixed_precision=bf16",
-    "memory.weights.kind=bf16",
-    "memory.activations.kind=checkpoint",
-    "train.learning_rate=1e-5",
-    "report.to=[]",
-    "report.html=false",
 ]
+QWEN += [s for s in COG5B if s.split("=")[0] in ("train.batch_size", "train.mixed_precision", "memory.weights.kind",
+                                                 "memory.activations.kind", "train.learning_rate", "report.to",
+                                                 "report.html")]  # fmt: skip
 ZERO3 = [
     "memory.engine.kind=deepspeed",
     "memory.engine.stage=3",
