@@ -96,6 +96,24 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "speed.fp8_matmul=true"],
         "zimage-lora-12gb with speed.fp8_matmul",
     ),
+    # a fast Z-Image for a 24 GB card: bf16 weights (no dequantization; speed auto may record CUDA graphs)
+    "zimage-lora-bf16": (
+        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.weights.kind=bf16"],
+        "zimage-lora-12gb with bf16 weights (planned 16.4 GiB on the card)",
+    ),
+    "zimage-lora-bf16-ck2": (
+        [
+            "--recipe",
+            "zimage-lora-12gb",
+            "--size",
+            "1024x1024",
+            "--set",
+            "memory.weights.kind=bf16",
+            "--set",
+            "memory.activations.every=2",
+        ],
+        "zimage-lora-12gb with bf16 weights, every second block checkpointed (planned 21.7 GiB)",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -126,6 +144,8 @@ OWN_SIZE = {
     "wan-1.3b-lora-8gb-onhost": (4, 3),
     "wan-1.3b-lora-bf16": (4, 3),
     "wan-14b-lora-bf16": (3, 2),
+    "zimage-lora-bf16": (10, 6),
+    "zimage-lora-bf16-ck2": (10, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
