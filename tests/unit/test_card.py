@@ -257,6 +257,40 @@ def test_plan_searches_offloaded_checkpoints_and_nf4_and_never_activations_it_ca
     assert not [a for a in sdxl if "offload" in a]
 
 
+def test_the_language_model_stage_margins_reproduce_t5s_measured_precompute():
+    """The language-model encoders' precompute is estimated as T5-XXL's was measured: the same arithmetic on T5-XXL's
+    own parameters (built on the meta device) plus LLM_MARGIN_GIB gives its measured stage at each precision."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    from difftrain.families.common import configs_root, read_json
+    from difftrain.memory.planner import GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES, T5_PRECOMPUTE_GIB
+
+    with torch.device("meta"):
+        t5 = T5EncoderModel(T5Config(**read_json(configs_root() / "flux-dev" / "text_encoder_2" / "config.json")))
+    linear = sum(m.weight.numel() for m in t5.modules() if isinstance(m, torch.nn.Linear))
+    other = sum(p.numel() for p in t5.parameters()) - linear
+    for prec in ("int8", "nf4", "bf16"):
+        got = (linear * LLM_QUANT_BYTES[prec] + other * 2) / GIB + LLM_MARGIN_GIB[prec]
+        assert got == pytest.approx(T5_PRECOMPUTE_GIB[prec], abs=0.02), prec
+
+
+def test_plan_says_which_card_precomputes_a_language_model_encoder():
+    """FLUX.2 [dev]'s Mistral 3 (24 B): in nf4 a 16 GB card cannot hold its precompute stage and a 24 GB card can;
+    in int8 not even 24 GB, and the note names nf4. Estimated from its parameters (no GPU measurement yet)."""
+    base = ["--recipe", "tiny-flux2-lora", "--set", "model.config=flux2-dev", "--set", "data.max_side=2048",
+            "--set", "data.resolution=1024", "--set", "precompute.text_encoder_dtype=bf16"]  # fmt: skip
+    for prec, vram, fits in (("nf4", "16GiB", False), ("nf4", "24GiB", True), ("int8", "24GiB", False)):
+        p = _run("plan", *base, "--set", f"text_encoders.llm.precision={prec}", "--vram", vram)
+        line = [ln for ln in (p.stdout + p.stderr).splitlines() if "Mistral3" in ln]
+        assert line and "24.0 B" in line[0] and f"in {prec}" in line[0], p.stdout + p.stderr
+        assert ("fits this card" in line[0]) == fits, line
+        assert ("set text_encoders.llm.precision: nf4" in line[0]) == (prec == "int8"), line
+    # a family without a language model as its text encoder says nothing of one
+    p = _run("plan", "--recipe", "sd3-lora-8gb", "--vram", "8GiB")
+    assert "estimated from its parameters" not in p.stdout + p.stderr
+
+
 def test_expandable_segments_unset_means_on_under_zero3_only():
     deepspeed = "memory.engine={kind: deepspeed, stage: 3}"
     assert resolve(sets=["train.method=full", "memory.optimizer.kind=adamw", deepspeed]).config.memory.expandable

@@ -471,6 +471,15 @@ VAE_PARAMS = 83.7e6
 #: caption precompute"; 77 tokens 0.1-0.2 GiB less). fp32 is bf16's twice, not measured.
 T5_PRECOMPUTE_GIB = {"int8": 5.96, "nf4": 4.39, "bf16": 9.22, "fp16": 9.22, "fp32": 18.4}
 
+#: A language model as the text encoder (Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL, FLUX.2's Qwen3 or Mistral 3):
+#: precompute's stage estimated from its parameters, not measured. Its Linear weights at the precision's bytes
+#: (bitsandbytes: int8 1, nf4 0.53 with its double-quantized scales; the output embedding is not quantized), the other
+#: parameters at precompute.text_encoder_dtype's, plus what T5-XXL's measured stage held beyond the same arithmetic
+#: on its own 4.63 B Linear and 0.13 B other elements (T5_PRECOMPUTE_GIB less 4.56, 2.53 and 8.87 GiB): the CUDA and
+#: bitsandbytes workspaces, the activations of a batch of captions, the allocator's slack
+LLM_QUANT_BYTES = {"int8": 1.0, "nf4": 0.53, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+LLM_MARGIN_GIB = {"int8": 1.40, "nf4": 1.86, "bf16": 0.35, "fp16": 0.35, "fp32": 0.70}
+
 
 def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:
     """How many images of ``pixels`` pixels to encode at once within ``room`` bytes (at least one, at most the

@@ -3,9 +3,11 @@ a card: the family's plain numbers handed to memory/planner.py, no weight read."
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from ..config.schema import Config
+from ..errors import DifftrainError
 from ..families.registry import get_family
 from .parts import plan_parts
 
@@ -35,8 +37,8 @@ def plan_memory(cfg: Config, processes: int = 1) -> Estimate:
 
 def precompute_lines(cfg: Config, card_gib: float) -> list[str]:
     """What precompute will do on a card of ``card_gib`` (what the card leaves torch): how many images of the
-    config's resolution its VAE encodes at a time, or that one does not fit; and whether T5-XXL's stage fits at its
-    precision. Video families' VAE tiles its encode (no VAE line)."""
+    config's resolution its VAE encodes at a time, or that one does not fit; and whether T5-XXL's stage, or the
+    language model's, fits at its precision. Video families' VAE tiles its encode (no VAE line)."""
     from ..memory.card import allocator_budget, stored_overhead
     from ..memory.planner import GIB, T5_PRECOMPUTE_GIB, VAE_ENCODE_BYTES_PER_PIXEL, VAE_PARAMS, vae_chunk
 
@@ -72,4 +74,59 @@ def precompute_lines(cfg: Config, card_gib: float) -> list[str]:
             )
         else:
             lines.append(f"precompute: T5-XXL in {t5.precision} fits this card (~{need:.1f} GiB, one stage at a time)")
+    llm = llm_precompute_gib(cfg)
+    if llm is not None:
+        name, billions, need = llm
+        prec = cfg.text_encoders.llm.precision
+        what = f"{name} ({billions:.1f} B) in {prec} takes ~{need:.1f} GiB (estimated from its parameters)"
+        if need > budget:
+            smaller = "" if prec == "nf4" else "set text_encoders.llm.precision: nf4, or "
+            lines.append(
+                f"[yellow]note:[/yellow] precompute: {what}, more than the {budget:.2f} GiB a {card_gib:g} GiB card "
+                f"leaves torch: {smaller}precompute once on a larger GPU (the cache is the same), or on the CPU "
+                f"(precompute.device: cpu with text_encoders.llm.precision: bf16, ~{billions * 2.2:.0f} GB of host "
+                "RAM, slow)"
+            )
+        else:
+            lines.append(f"precompute: {what}: fits this card, one stage at a time")
     return lines
+
+
+def llm_precompute_gib(cfg: Config) -> tuple[str, float, float] | None:
+    """(class name, billions of parameters, GiB) of precompute's language-model stage at the config's precision
+    (memory/planner.py LLM_QUANT_BYTES, LLM_MARGIN_GIB: estimated); None where the family has no such encoder or its
+    architecture cannot be built here."""
+    from ..families.llm_image import LLMImageFamily
+    from ..memory.planner import GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES
+
+    family = get_family(cfg.family)
+    if not isinstance(family, LLMImageFamily):
+        return None
+    try:
+        name, linear, other = _llm_elements(cfg.family, cfg.model.model_dump_json())
+    except (DifftrainError, OSError, ValueError, KeyError, ImportError, RuntimeError):  # a folder not here, an
+        # architecture this transformers cannot build: no line
+        return None
+    prec = cfg.text_encoders.llm.precision
+    other_bytes = LLM_QUANT_BYTES[prec] if prec in ("bf16", "fp16", "fp32") else 2.0
+    if prec not in ("bf16", "fp16", "fp32") and cfg.precompute.text_encoder_dtype == "fp32":
+        other_bytes = 4.0
+    need = (linear * LLM_QUANT_BYTES[prec] + other * other_bytes) / GIB + LLM_MARGIN_GIB[prec]
+    return name, (linear + other) / 1e9, need
+
+
+@functools.lru_cache(maxsize=8)
+def _llm_elements(family_name: str, model_json: str) -> tuple[str, int, int]:
+    """(class name, elements of the Linear weights bitsandbytes quantizes, all other elements) of the family's
+    language model, built on the meta device from its config."""
+    import torch
+
+    from ..config.schema import ModelConfig
+
+    family = get_family(family_name)
+    with torch.device("meta"):
+        m = family.empty_part(ModelConfig.model_validate_json(model_json), "text_encoder")
+    get_out = getattr(m, "get_output_embeddings", None)  # transformers' output embedding: not quantized
+    out = get_out() if callable(get_out) else None
+    linear = sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear) and x is not out)
+    return type(m).__name__, linear, sum(p.numel() for p in m.parameters()) - linear
