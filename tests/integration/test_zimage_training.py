@@ -149,3 +149,38 @@ def test_a_caption_over_the_limit_is_cut_and_said(tiny_zimage, capsys):
     out = fam.encode_prompts(comps, [long, "a fox"], "qwen3", opts)["prompt_embeds"]
     assert out[0].shape[0] == 512 and out[1].shape[0] < 512
     assert "1 caption(s) longer than Z-Image's 512 Qwen3 tokens" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_text_encoder_that_runs_out_of_gpu_memory_is_a_clear_error_and_keeps_what_it_encoded(
+    tiny_zimage, dataset, tmp_path, monkeypatch
+):
+    """The language model running out of GPU memory mid-stage (faked on the CPU: the second batch of captions) stops
+    precompute with what to set, the captions encoded before it kept in the cache; the rerun encodes only the rest."""
+    from difftrain.errors import DataError
+    from difftrain.families.zimage import ZImage
+
+    real, calls = ZImage.encode_prompts, []
+
+    def counted(self, comps, captions, stage, opts):
+        calls.append(len(captions))
+        if len(calls) == 2 and fail:
+            raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+        return real(self, comps, captions, stage, opts)
+
+    monkeypatch.setattr(ZImage, "encode_prompts", counted)
+
+    def config(name):
+        sets = tiny_sets(tiny_zimage, dataset, tmp_path / name, **{"precompute.batch_size": 1})
+        return resolve(recipe="tiny-zimage-lora", sets=sets).config
+
+    fail = True
+    with pytest.raises(DataError) as e:
+        precompute(config("a"))
+    assert "text encoder ran out of GPU memory" in str(e.value) and "encoded before are kept" in str(e.value)
+    assert "text_encoders.llm.precision: nf4" in e.value.hint and "precompute.device: cpu" in e.value.hint
+    fail, calls[:] = False, []
+    precompute(config("a"))  # the rerun
+    rerun = len(calls)
+    calls.clear()
+    precompute(config("b"))  # a cache from nothing
+    assert len(calls) > 1 and rerun == len(calls) - 1  # the caption encoded before it ran out was kept

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..config.schema import Config
-from ..console import info, progress
+from ..console import info, progress, warn
 from ..data.cache import DataCache, merge_manifests
 from ..data.sources import load_rgb
 from ..errors import DataError
@@ -184,31 +184,70 @@ def encode_texts(
         encoded += len(missing_all)
         missing = missing_all[world.rank :: world.size]  # this process's share
         if missing:
-            comps = family.load(
-                cfg.model,
-                list(family.text_stages[stage]),
-                dtype=to_dtype(pc.text_encoder_dtype),
-                device=device,
-                precision=family.stage_precision(stage, opts),
-            )
-            with progress() as bar, torch.no_grad():
-                task = bar.add_task(f"encoding captions ({stage})", total=len(missing))
-                for i in range(0, len(missing), pc.batch_size):
-                    chunk = missing[i : i + pc.batch_size]
-                    captions = [plan.captions[k] for k in chunk]
-                    if family.references:  # edit training: each caption encoded with its reference images
-                        images = [[load_rgb(p) for p in plan.references[k]] for k in chunk]
-                        out = family.encode_prompts_with_images(comps, captions, images, stage, opts, cfg.model)
-                    else:
-                        out = family.encode_prompts(comps, captions, stage, opts)
-                    for j, k in enumerate(chunk):
-                        cache.put(k, {name: t[j].float().cpu() for name, t in out.items()})
-                    bar.advance(task, len(chunk))
+            need, option = _stage_need(cfg, family, stage)
+            if device.type == "cuda" and need is not None and need * 2**30 > gpu_room(device):
+                warn(
+                    f"precompute: the {stage} text encoder at its precision takes ~{need:.1f} GiB and "
+                    f"{gpu_room(device) / 2**30:.1f} GiB is free on {device}: it may run out of memory"
+                    + (f" (a smaller precision: {option})" if option else "")
+                )
+            comps: dict[str, Any] | None = None
+            try:
+                comps = family.load(
+                    cfg.model,
+                    list(family.text_stages[stage]),
+                    dtype=to_dtype(pc.text_encoder_dtype),
+                    device=device,
+                    precision=family.stage_precision(stage, opts),
+                )
+                with progress() as bar, torch.no_grad():
+                    task = bar.add_task(f"encoding captions ({stage})", total=len(missing))
+                    for i in range(0, len(missing), pc.batch_size):
+                        chunk = missing[i : i + pc.batch_size]
+                        captions = [plan.captions[k] for k in chunk]
+                        if family.references:  # edit training: each caption encoded with its reference images
+                            images = [[load_rgb(p) for p in plan.references[k]] for k in chunk]
+                            out = family.encode_prompts_with_images(comps, captions, images, stage, opts, cfg.model)
+                        else:
+                            out = family.encode_prompts(comps, captions, stage, opts)
+                        for j, k in enumerate(chunk):
+                            cache.put(k, {name: t[j].float().cpu() for name, t in out.items()})
+                        bar.advance(task, len(chunk))
+            except torch.OutOfMemoryError as e:
+                cache.flush()  # the captions encoded before it ran out are kept: a rerun encodes the rest
+                comps = None
+                free_memory(device)
+                raise DataError(
+                    f"precompute: the {stage} text encoder ran out of GPU memory on {device}"
+                    + (f" (it takes ~{need:.1f} GiB at its precision)" if need is not None else "")
+                    + "; the captions encoded before are kept in the cache.",
+                    hint=(f"set {option}, or " if option else "")
+                    + "close what else uses the GPU, precompute once on a larger GPU (the cache is the same), or set "
+                    "precompute.device: cpu (slow).",
+                ) from e
             cache.flush()
             del comps
             free_memory(device)
         merge_shards(cache, world)
     return encoded
+
+
+def _stage_need(cfg: Config, family: ModelFamily, stage: str) -> tuple[float | None, str | None]:
+    """(GiB the stage's encoder takes at its precision: T5-XXL's measured, a language model's estimated; None where
+    not known, the setting with a smaller precision, if there is one)."""
+    from ..families.llm_image import LLMImageFamily
+    from ..memory.planner import T5_PRECOMPUTE_GIB
+    from ..planning.estimate import llm_precompute_gib
+
+    opts = cfg.text_encoders
+    if isinstance(family, LLMImageFamily):
+        llm = llm_precompute_gib(cfg)
+        return (llm[2] if llm else None), (None if opts.llm.precision == "nf4" else "text_encoders.llm.precision: nf4")
+    if stage == "t5":
+        return T5_PRECOMPUTE_GIB[opts.t5.precision], (
+            None if opts.t5.precision == "nf4" else "text_encoders.t5.precision: nf4"
+        )
+    return None, None
 
 
 def free_memory(device: torch.device) -> None:
