@@ -184,8 +184,9 @@ def encode_texts(
         encoded += len(missing_all)
         missing = missing_all[world.rank :: world.size]  # this process's share
         if missing:
-            need, option = _stage_need(cfg, family, stage)
-            if device.type == "cuda" and need is not None and need * 2**30 > gpu_room(device):
+            option = _smaller_precision(cfg, family, stage)
+            need = _stage_gib(cfg, family, stage) if device.type == "cuda" else None
+            if need is not None and need * 2**30 > gpu_room(device):
                 warn(
                     f"precompute: the {stage} text encoder at its precision takes ~{need:.1f} GiB and "
                     f"{gpu_room(device) / 2**30:.1f} GiB is free on {device}: it may run out of memory"
@@ -217,6 +218,7 @@ def encode_texts(
                 cache.flush()  # the captions encoded before it ran out are kept: a rerun encodes the rest
                 comps = None
                 free_memory(device)
+                need = _stage_gib(cfg, family, stage)
                 raise DataError(
                     f"precompute: the {stage} text encoder ran out of GPU memory on {device}"
                     + (f" (it takes ~{need:.1f} GiB at its precision)" if need is not None else "")
@@ -232,22 +234,29 @@ def encode_texts(
     return encoded
 
 
-def _stage_need(cfg: Config, family: ModelFamily, stage: str) -> tuple[float | None, str | None]:
-    """(GiB the stage's encoder takes at its precision: T5-XXL's measured, a language model's estimated; None where
-    not known, the setting with a smaller precision, if there is one)."""
+def _stage_gib(cfg: Config, family: ModelFamily, stage: str) -> float | None:
+    """GiB the stage's encoder takes at its precision: T5-XXL's as measured, a language model's as estimated from its
+    parameters (built on the meta device); None where not known."""
     from ..families.llm_image import LLMImageFamily
     from ..memory.planner import T5_PRECOMPUTE_GIB
     from ..planning.estimate import llm_precompute_gib
 
-    opts = cfg.text_encoders
     if isinstance(family, LLMImageFamily):
         llm = llm_precompute_gib(cfg)
-        return (llm[2] if llm else None), (None if opts.llm.precision == "nf4" else "text_encoders.llm.precision: nf4")
+        return llm[2] if llm else None
+    return T5_PRECOMPUTE_GIB[cfg.text_encoders.t5.precision] if stage == "t5" else None
+
+
+def _smaller_precision(cfg: Config, family: ModelFamily, stage: str) -> str | None:
+    """The setting that loads the stage's encoder in less memory, if there is a smaller precision than its own."""
+    from ..families.llm_image import LLMImageFamily
+
+    opts = cfg.text_encoders
+    if isinstance(family, LLMImageFamily):
+        return None if opts.llm.precision == "nf4" else "text_encoders.llm.precision: nf4"
     if stage == "t5":
-        return T5_PRECOMPUTE_GIB[opts.t5.precision], (
-            None if opts.t5.precision == "nf4" else "text_encoders.t5.precision: nf4"
-        )
-    return None, None
+        return None if opts.t5.precision == "nf4" else "text_encoders.t5.precision: nf4"
+    return None
 
 
 def free_memory(device: torch.device) -> None:
