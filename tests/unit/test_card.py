@@ -275,6 +275,7 @@ def test_the_language_model_stage_margins_reproduce_t5s_measured_precompute():
         assert got == pytest.approx(T5_PRECOMPUTE_GIB[prec], abs=0.02), prec
 
 
+@pytest.mark.slow  # four console processes, one building a 24 B model on the meta device
 def test_plan_says_which_card_precomputes_a_language_model_encoder():
     """FLUX.2 [dev]'s Mistral 3 (24 B): in nf4 a 16 GB card cannot hold its precompute stage and a 24 GB card can;
     in int8 not even 24 GB, and the note names nf4. Estimated from its parameters (no GPU measurement yet)."""
