@@ -24,6 +24,9 @@ from .pinned import SLAB
 
 GIB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+#: bytes a stored-rounded Linear weight takes (bitsandbytes' nf4 ~0.53 with its double-quantized scales; int4's
+#: depend on its group: _part_bytes)
+STORED_BYTES = {"fp8": 1, "nf4": 0.53, "int8": 1}
 # optimizer state bytes per trained parameter, on the GPU and on the host
 OPT_STATE = {"adamw": (8, 0), "adamw8bit": (2, 0), "adamw4bit": (1, 0), "adafactor": (4, 0), "cpu_offload": (0, 16)}
 # relative step time of each choice (1.0 = no cost), from the GPU measurements in docs/benchmarks.md
@@ -221,7 +224,7 @@ def _part_bytes(cfg: Config, hints: dict, compute: str) -> tuple[dict[str, float
             # scales; int4 half a byte and a scale and zero point in the compute dtype per group)
             q = p["fp8_eligible"] if wk == "fp8" else p.get("linear", p["fp8_eligible"])
             group = cfg.memory.weights.group_size if isinstance(cfg.memory.weights, WeightsInt4) else 1
-            per = {"fp8": 1, "nf4": 0.53, "int8": 1, "int4": 0.5 + 2 * BYTES[compute] / group}[wk]
+            per = {**STORED_BYTES, "int4": 0.5 + 2 * BYTES[compute] / group}[wk]
             part_bytes[name] = q * per + (p["total"] - q) * BYTES[compute]
         else:
             part_bytes[name] = p["total"] * BYTES[compute]
@@ -477,7 +480,7 @@ T5_PRECOMPUTE_GIB = {"int8": 5.96, "nf4": 4.39, "bf16": 9.22, "fp16": 9.22, "fp3
 #: parameters at precompute.text_encoder_dtype's, plus what T5-XXL's measured stage held beyond the same arithmetic
 #: on its own 4.63 B Linear and 0.13 B other elements (T5_PRECOMPUTE_GIB less 4.56, 2.53 and 8.87 GiB): the CUDA and
 #: bitsandbytes workspaces, the activations of a batch of captions, the allocator's slack
-LLM_QUANT_BYTES = {"int8": 1.0, "nf4": 0.53, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+LLM_QUANT_BYTES = {**BYTES, **STORED_BYTES}  # by text_encoders.llm.precision
 LLM_MARGIN_GIB = {"int8": 1.40, "nf4": 1.86, "bf16": 0.35, "fp16": 0.35, "fp32": 0.70}
 
 

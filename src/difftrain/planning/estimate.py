@@ -97,7 +97,7 @@ def llm_precompute_gib(cfg: Config) -> tuple[str, float, float] | None:
     (memory/planner.py LLM_QUANT_BYTES, LLM_MARGIN_GIB: estimated); None where the family has no such encoder or its
     architecture cannot be built here."""
     from ..families.llm_image import LLMImageFamily
-    from ..memory.planner import GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES
+    from ..memory.planner import BYTES, GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES
 
     family = get_family(cfg.family)
     if not isinstance(family, LLMImageFamily):
@@ -108,9 +108,8 @@ def llm_precompute_gib(cfg: Config) -> tuple[str, float, float] | None:
         # architecture this transformers cannot build: no line
         return None
     prec = cfg.text_encoders.llm.precision
-    other_bytes = LLM_QUANT_BYTES[prec] if prec in ("bf16", "fp16", "fp32") else 2.0
-    if prec not in ("bf16", "fp16", "fp32") and cfg.precompute.text_encoder_dtype == "fp32":
-        other_bytes = 4.0
+    # a float precision loads the whole encoder in it; bitsandbytes leaves the rest in the load's dtype
+    other_bytes = BYTES[prec if prec in ("bf16", "fp16", "fp32") else cfg.precompute.text_encoder_dtype]
     need = (linear * LLM_QUANT_BYTES[prec] + other * other_bytes) / GIB + LLM_MARGIN_GIB[prec]
     return name, (linear + other) / 1e9, need
 

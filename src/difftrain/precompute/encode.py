@@ -186,10 +186,11 @@ def encode_texts(
         if missing:
             option = _smaller_precision(cfg, family, stage)
             need = _stage_gib(cfg, family, stage) if device.type == "cuda" else None
-            if need is not None and need * 2**30 > gpu_room(device):
+            room = gpu_room(device) / 2**30 if need is not None else 0.0
+            if need is not None and need > room:
                 warn(
                     f"precompute: the {stage} text encoder at its precision takes ~{need:.1f} GiB and "
-                    f"{gpu_room(device) / 2**30:.1f} GiB is free on {device}: it may run out of memory"
+                    f"{room:.1f} GiB is free on {device}: it may run out of memory"
                     + (f" (a smaller precision: {option})" if option else "")
                 )
             comps: dict[str, Any] | None = None
