@@ -37,13 +37,9 @@ SDXL = [
     "report.to=[]",
     "report.html=false",
 ]
-COG5B = [
-    "family=cogvideox",
-    "model.config=cogvideox-5b",
+# the big transformers' full-size settings beside their family and shapes: batch 1, bf16, checkpointing, lr 1e-5
+BIG_BF16 = [
     "train.batch_size=1",
-    "data.resolution=592",
-    "data.bucket_step=16",
-    "data.frames=49",
     "train.mixed_precision=bf16",
     "memory.weights.kind=bf16",
     "memory.activations.kind=checkpoint",
@@ -51,17 +47,22 @@ COG5B = [
     "report.to=[]",
     "report.html=false",
 ]
-# CogVideoX-5b's bf16 settings with Qwen-Image's 1024 px
+COG5B = [
+    "family=cogvideox",
+    "model.config=cogvideox-5b",
+    "data.resolution=592",
+    "data.bucket_step=16",
+    "data.frames=49",
+    *BIG_BF16,
+]
 QWEN = [
     "family=qwen-image",
     "model.config=qwen-image",
     "data.resolution=1024",
     "data.min_side=256",
     "data.max_side=2048",
+    *BIG_BF16,
 ]
-QWEN += [s for s in COG5B if s.split("=")[0] in ("train.batch_size", "train.mixed_precision", "memory.weights.kind",
-                                                 "memory.activations.kind", "train.learning_rate", "report.to",
-                                                 "report.html")]  # fmt: skip
 ZERO3 = [
     "memory.engine.kind=deepspeed",
     "memory.engine.stage=3",
