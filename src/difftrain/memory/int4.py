@@ -117,7 +117,8 @@ def convertible(m: torch.nn.Module, name: str, group_size: int, skip: tuple[str,
     the family's high-precision modules) whose input width is a whole number of groups (and even)."""
     if fp8_convertible(m, name, skip) is not Fp8Linear:  # a plain Linear outside skip (fp8's test)
         return False
-    return isinstance(m, torch.nn.Linear) and m.in_features % group_size == 0 and group_size % 2 == 0
+    assert isinstance(m, torch.nn.Linear)  # what fp8's test said
+    return m.in_features % group_size == 0 and group_size % 2 == 0
 
 
 def store(m: torch.nn.Module, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, compute_dtype) -> None:
