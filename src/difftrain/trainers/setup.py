@@ -3,8 +3,8 @@ optimizer (or DeepSpeed's engine), the DDP wrappers and the EMA, returned as one
 
 The order of the techniques is :data:`TECHNIQUES`, applied to each loaded part in turn: storage that adapters
 must see first, float8 compute, the adapters (LoRA, or the whole part trainable), activation checkpointing, the
-weights' placement and precision, fp8 matmuls over the stored fp8 weights, block swap, and the speed section. A technique that needs another's result
-comes after it in that list and nowhere else.
+weights' placement and precision, fp8 matmuls over the stored fp8 weights, block swap, and the speed section. A
+technique that needs another's result comes after it in that list and nowhere else.
 """
 
 from __future__ import annotations
