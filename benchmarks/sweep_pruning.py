@@ -25,6 +25,8 @@ costs, and which trials the pruner stops depends on how these random models' los
                      # one GPU each
         [--together 'none=0,0,1,1;median=2,2,3,3']   # both cases at once, two trials a GPU, each its own cache
         [--ranks 4,16]   # a smaller grid (8 trials): the shared case over two processes within one call
+        [--shared-ranks 4,16]   # that smaller grid for the shared case only: with --together
+                                # 'none=0,0,0,1,1,1;median=2,2,2,3,3,3;shared=1,3' all three cases in one call
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/sweep_pruning.py --work /tmp/swp    # the tiny SDXL on CPU, 4 steps
 """
 
@@ -93,8 +95,8 @@ def _sets(work: Path) -> tuple[list[str], Path]:
     return sets, model
 
 
-def _cmd(sets: list[str], model: Path, out: Path, cache: Path, *extra: str) -> list[str]:
-    ranks = RANKS if not _ARGS.get("ranks") else _ARGS["ranks"]
+def _cmd(sets: list[str], model: Path, out: Path, cache: Path, *extra: str, ranks: str | None = None) -> list[str]:
+    ranks = ranks or _ARGS.get("ranks") or RANKS
     recipe = "tiny-sdxl-lora" if TINY else "sdxl-lora-8gb"
     return [
         sys.executable,
@@ -169,7 +171,17 @@ def run_case(
     procs = []
     for i, gpu in enumerate(ids):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu} if not TINY else dict(os.environ)
-        cmd = _cmd(sets, model, root / f"sw{i}", root / f"cache{i}", "--storage", str(journal), "--study", "shared")
+        cmd = _cmd(
+            sets,
+            model,
+            root / f"sw{i}",
+            root / f"cache{i}",
+            "--storage",
+            str(journal),
+            "--study",
+            "shared",
+            ranks=_ARGS.get("shared_ranks"),
+        )
         procs.append(subprocess.Popen(cmd, env=env))
     for p in procs:
         if p.wait():
@@ -194,9 +206,9 @@ def main() -> None:
         help="cases run at once, each on its own GPUs and cache: 'none=0,0,1,1;median=2,2,3,3' (two trials a GPU)",
     )
     ap.add_argument("--ranks", default=None, help=f"the grid's LoRA ranks (default {RANKS})")
+    ap.add_argument("--shared-ranks", default=None, help="the shared case's LoRA ranks (default: --ranks)")
     args = ap.parse_args()
-    if args.ranks:
-        _ARGS["ranks"] = args.ranks
+    _ARGS.update({k: v for k, v in (("ranks", args.ranks), ("shared_ranks", args.shared_ranks)) if v})
     args.work.mkdir(parents=True, exist_ok=True)
     sets, model = _sets(args.work)
     results: dict[str, dict] = {}
