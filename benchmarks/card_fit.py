@@ -65,6 +65,7 @@ ORDER = [
     "flux2-klein-4b-lora-8gb",
     "flux2-klein-9b-lora-8gb",
     "flux2-klein-9b-lora-16gb",
+    "qwen-image-lora-16gb",
 ]
 
 OVERHEAD = """

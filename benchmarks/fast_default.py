@@ -146,6 +146,8 @@ OWN_SIZE = {
     "wan-14b-lora-bf16": (3, 2),
     "zimage-lora-bf16": (10, 6),
     "zimage-lora-bf16-ck2": (10, 6),
+    "zimage-lora-12gb-fp8mm": (10, 6),
+    "krea2-lora-24gb-fp8mm": (8, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
@@ -438,6 +440,8 @@ def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, ti
         cmd.append("--no-baseline")
     else:
         cmd.append("--no-baseline")
+    if "--size" in args:  # a case at its own size takes no buckets (bench speed refuses both: exit code 2)
+        buckets = None
     if buckets:
         cmd += ["--buckets", buckets]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--work", str(folder)]

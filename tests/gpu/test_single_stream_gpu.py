@@ -1,4 +1,4 @@
-"""Z-Image, Krea 2 and FLUX.2 [klein] recipes on a CUDA GPU (issues 52-53; skipped elsewhere): each shipped tier
+"""Z-Image, Krea 2, FLUX.2 [klein] and Qwen-Image recipes on a CUDA GPU (issues 52-53; skipped elsewhere): each shipped tier
 recipe, on random weights of its full-size architecture, trains three steps through the console script
 (`difftrain bench memory --card`) with torch's allocator capped as its card would leave it, with finite losses and
 host RAM inside its desktop's budget. What benchmarks/card_fit.py measured for docs/benchmarks.md, as a test."""
@@ -15,7 +15,7 @@ from conftest import recipe_as_its_card
 
 pytestmark = pytest.mark.gpu
 
-# one random model per architecture, reused by that family's recipes (each 12-26 GB on disk: removed at the end)
+# one random model per architecture, reused by that family's recipes (each 12-41 GB on disk: removed at the end)
 WORK = Path(os.environ.get("DIFFTRAIN_SINGLE_STREAM_GPU_WORK", "/tmp/difftrain-single-stream-gpu"))
 
 RECIPES = [
@@ -29,6 +29,7 @@ RECIPES = [
     "flux2-klein-4b-lora-6gb",
     "flux2-klein-9b-lora-16gb",
     "flux2-klein-9b-lora-8gb",
+    "qwen-image-lora-16gb",
 ]
 
 

@@ -76,3 +76,56 @@ def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
     second, total = compile_phases(since=mid), compile_phases()
     assert second["graphs"] == 1 and total["graphs"] == before + 2
     assert 0 < second["phases_s"]["_compile.compile_inner"] < total["phases_s"]["_compile.compile_inner"]
+
+
+def test_the_flop_count_retries_with_checkpointing_after_freeing_what_the_failed_try_held():
+    """bench speed counts a step's FLOPs with checkpointing off and, where that runs out of memory, again with it on.
+    The failed try's activations sit in the frames of the error's traceback, in a cycle (a local naming the error)
+    that only the collector frees: the retry must start with them gone (Wan 14B's retry met the 138 GiB of the first
+    try, H200, 2026-11-28). The collector is off here, so only an explicit collection frees them."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from difftrain.flows.bench import step_flops
+
+    class Activations:
+        pass
+
+    net = torch.nn.Linear(8, 8)
+    net.gradient_checkpointing = True
+    held: list[weakref.ref] = []
+    seen_at_retry: list[bool] = []
+
+    def loss(batch):
+        if not net.gradient_checkpointing:  # the try without checkpointing: holds its activations and fails
+            acts = Activations()
+            held.append(weakref.ref(acts))
+            err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 320.00 MiB")
+            raise err  # err -> traceback -> this frame -> err: a cycle keeping acts
+        seen_at_retry.append(held[0]() is None)
+        return net(batch).square().mean()
+
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(
+            speed=SimpleNamespace(compile=False),
+            train=SimpleNamespace(batch_size=1, grad_accum=1),
+            memory=SimpleNamespace(activations=SimpleNamespace(kind="checkpoint")),
+        ),
+        family=SimpleNamespace(denoiser="transformer"),
+        parts=SimpleNamespace(comps={"transformer": net}, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)),
+        feed=SimpleNamespace(items=[0], batch=lambda items: torch.ones(2, 8)),
+        loss=loss,
+    )
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        flops, exact = step_flops(trainer)
+    finally:
+        if was:
+            gc.enable()
+    assert seen_at_retry == [True], "the retry started with the failed try's activations still held"
+    assert exact is False and flops == 2 * (2 * 2 * 8 * 8)  # the Linear's forward and weight gradient, counted once
+    assert net.gradient_checkpointing is True

@@ -415,6 +415,7 @@ MEASURED_HOST = {
     "flux2-klein-4b-lora-6gb": 4.10,
     "flux2-klein-9b-lora-16gb": 2.21,
     "flux2-klein-9b-lora-8gb": 8.97,
+    "qwen-image-lora-16gb": 8.16,  # int4, 36 blocks swapped (issue 53, 2026-11-28, an H200 capped as the card)
 }
 
 #: measured host RAM over the plan by more than 10 %: the full fine-tune held 0.6 GiB more than the LoRA recipe of the
@@ -525,6 +526,7 @@ MEASURED_CARD = {
     "flux2-klein-4b-lora-6gb": (4.386, 4.834),
     "flux2-klein-9b-lora-16gb": (12.219, 12.889),
     "flux2-klein-9b-lora-8gb": (6.125, 6.834),
+    "qwen-image-lora-16gb": (9.103, 9.824),  # 3 steps (card_fit_qwen_image.json q16-int4-bs36), 2026-11-28
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -550,7 +552,7 @@ RESERVED_OVER = {"cogvideox-2b-lora-6gb": 0.15, "cogvideox-5b-lora-12gb": 0.15, 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 36 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 37 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 

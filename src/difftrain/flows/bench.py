@@ -9,6 +9,7 @@ can check a recipe on their own GPU before preparing any data.
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -473,11 +474,17 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
             m.gradient_checkpointing = False
         return count(), True
     except torch.OutOfMemoryError:
-        trainer.parts.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+        pass
     finally:
         for m, f in flags.items():
             m.gradient_checkpointing = f
+    # Out of the except block, then collected: the error's traceback holds the frames of the step it stopped, with
+    # their activations, in a cycle (a frame's local naming the error) that only the collector frees. Emptying the
+    # cache inside the except block freed nothing: Wan 14B's retry with checkpointing met the 138 GiB the first
+    # try held and ran out of memory too (H200, 2026-11-28).
+    trainer.parts.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
     return count(), False
 
 
