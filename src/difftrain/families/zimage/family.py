@@ -91,7 +91,8 @@ class ZImage(LLMImageFamily):
     tiny_config = "z-image-tiny"
     # cold_s and saved_s_no_graphs measured (zimage-lora-12gb, 1024x1024, H200, 2026-11-27: 60 s of warm-up over the
     # eager first step, 0.874 -> 0.517 s/step compiled without graphs, fp8 weights); the rest Flux's figures scaled
-    # by the transformer's size (6.2 / 11.9 B)
+    # by the transformer's size (6.2 / 11.9 B). cold_s was measured while every block compiled a graph of its own (a
+    # processor class per attention, fixed 2026-11-28: zimage/attention.py): an upper bound until measured again
     compile_cost: ClassVar[Mapping[str, float]] = {
         "cold_s": 60.0,
         "warm_s": 12.0,
