@@ -78,7 +78,9 @@ def main() -> None:
         queues.setdefault(gpu.strip(), []).append((i, command))
     args.work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.work).free / 2**30
-    print(f"on_gpus: {len(args.job)} jobs on GPUs {', '.join(queues)}; {free:.0f} GiB free under {args.work}", flush=True)
+    print(
+        f"on_gpus: {len(args.job)} jobs on GPUs {', '.join(queues)}; {free:.0f} GiB free under {args.work}", flush=True
+    )
     rcs: dict[int, object] = {}
     threads = [
         threading.Thread(target=_run_queue, args=(jobs, gpu, args, deadline, rcs)) for gpu, jobs in queues.items()
