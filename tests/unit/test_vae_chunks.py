@@ -59,6 +59,39 @@ def test_a_batch_that_runs_out_is_halved_once_for_the_run_and_said_once(fake_gpu
     assert len(fake_gpu) == 1 and "2 image(s) at a time" in fake_gpu[0] and "fp32" in fake_gpu[0]
 
 
+def test_the_halved_batch_runs_after_the_failed_one_is_freed(fake_gpu):
+    """The failed batch's tensors live as long as its error; where a reference cycle runs through the error (here a
+    local naming it), only the collector frees them: the halved batch must start after both (the collector off)."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    held: list[weakref.ref] = []
+    freed_at_retry: list[bool] = []
+
+    class CyclicFam(_Fam):
+        def encode_images(self, comps, pix):
+            if len(pix) > self.fits:
+                acts = Held()
+                held.append(weakref.ref(acts))
+                err = torch.OutOfMemoryError("CUDA out of memory (fake)")
+                raise err  # err -> traceback -> this frame -> err
+            freed_at_retry.append(all(r() is None for r in held))
+            return pix[:, :2, ::8, ::8]
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        encode._encode_images(CyclicFam(fits=2), {}, torch.randn(4, 3, 64, 64), torch.device("cuda", 0), "fp32",
+                              encode._Chunk(4))  # fmt: skip
+    finally:
+        if was:
+            gc.enable()
+    assert held and freed_at_retry == [True, True]
+
+
 def test_the_planned_batch_is_used_before_anything_runs_out(fake_gpu, monkeypatch):
     monkeypatch.setattr(encode, "gpu_room", lambda device: 6.6 * GIB)
     fam = _Fam(fits=4)

@@ -478,10 +478,10 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     finally:
         for m, f in flags.items():
             m.gradient_checkpointing = f
-    # Out of the except block, then collected: the error's traceback holds the frames of the step it stopped, with
-    # their activations, in a cycle (a frame's local naming the error) that only the collector frees. Emptying the
-    # cache inside the except block freed nothing: Wan 14B's retry with checkpointing met the 138 GiB the first
-    # try held and ran out of memory too (H200, 2026-11-28).
+    # Out of the except block, then collected: the failed try's tensors live as long as its error (the traceback
+    # holds the frames of the step it stopped) and, where a reference cycle runs through it, until the collector
+    # runs. With the cache emptied inside the except block and no collection, Wan 14B's retry with checkpointing ran
+    # out of memory with the first try's 138 GiB still allocated (H200, 2026-11-28).
     trainer.parts.optimizer.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.empty_cache()

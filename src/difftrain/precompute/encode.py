@@ -118,7 +118,6 @@ def _encode_images(
             out.append(family.encode_images(comps, pix[i : i + n]))
             i += n
         except torch.OutOfMemoryError as e:
-            torch.cuda.empty_cache()
             if n == 1:
                 raise DataError(
                     f"The VAE ran out of GPU memory encoding one {pix.shape[-2]}x{pix.shape[-1]} image in "
@@ -127,7 +126,12 @@ def _encode_images(
                     + "close what else uses the GPU, or set precompute.device: cpu (slower).",
                 ) from e
             n //= 2
-        chunk.size = min(chunk.size, n)  # what fitted once stands for the rest of the run
+        else:
+            chunk.size = min(chunk.size, n)  # what fitted once stands for the rest of the run
+            continue
+        # after the except block (the failed batch's tensors live as long as its error; collected for a cycle
+        # through it), as flows/bench.py's FLOP count retries
+        free_memory(device)
     if len(pix) > n and not chunk.said:
         chunk.said = True
         need = VAE_ENCODE_BYTES_PER_PIXEL[vae_dtype] * pix.shape[-1] * pix.shape[-2] * len(pix) / 2**30
