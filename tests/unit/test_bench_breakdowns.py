@@ -114,6 +114,7 @@ def test_the_flop_count_retries_with_checkpointing_after_freeing_what_the_failed
             train=SimpleNamespace(batch_size=1, grad_accum=1),
             memory=SimpleNamespace(activations=SimpleNamespace(kind="checkpoint")),
         ),
+        device=torch.device("cpu"),
         family=SimpleNamespace(denoiser="transformer"),
         parts=SimpleNamespace(comps={"transformer": net}, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)),
         feed=SimpleNamespace(items=[0], batch=lambda items: torch.ones(2, 8)),

@@ -9,7 +9,6 @@ can check a recipe on their own GPU before preparing any data.
 
 from __future__ import annotations
 
-import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -483,8 +482,7 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     # runs. With the cache emptied inside the except block and no collection, Wan 14B's retry with checkpointing ran
     # out of memory with the first try's 138 GiB still allocated (H200, 2026-11-28).
     trainer.parts.optimizer.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free(trainer.device)
     return count(), False
 
 
