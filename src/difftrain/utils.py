@@ -21,6 +21,16 @@ def to_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def free_memory(device: torch.device) -> None:
+    """What was dropped goes back: the collector for reference cycles, then the CUDA cache to the driver (on a CUDA
+    device); after a model is let go (an encoder, a sampling pipeline) or a step that ran out of memory."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,7 +30,7 @@ from ..speed.measure import peak_matmul_tflops
 from ..speed.regional_compile import recompile_limit_hits
 from ..trainers.loop import Hooks, Trainer
 from ..trainers.profile import LAUNCH_KEYS
-from ..utils import pick_device
+from ..utils import free_memory, pick_device
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _prepare(
         path = work / f"random-{cfg.model.config}-{'-'.join(parts)}.safetensors"
         if not path.exists():
             family.build_random(_architecture(cfg), path, device=device, parts=parts)
-            _free(device)  # built on the GPU: its blocks go back before anything is measured
+            free_memory(device)  # built on the GPU: its blocks go back before anything is measured
         tok = synthetic_tokenizers(work / "tokenizers")
         update["model"] = cfg.model.model_copy(update={"path": path, "tokenizer_path": tok})
     tag = f"{size[0]}x{size[1]}" if size else str(cfg.data.resolution)
@@ -482,7 +482,7 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
     # runs. With the cache emptied inside the except block and no collection, Wan 14B's retry with checkpointing ran
     # out of memory with the first try's 138 GiB still allocated (H200, 2026-11-28).
     trainer.parts.optimizer.zero_grad(set_to_none=True)
-    _free(trainer.device)
+    free_memory(trainer.device)
     return count(), False
 
 
@@ -557,7 +557,7 @@ def bench_speed(
             from torch import _dynamo  # other layers, e.g. float8's) would hit its recompile limit and run eagerly
 
             _dynamo.reset()
-        _free(device)
+        free_memory(device)
     if flops is not None:
         _throughput(rows, [c for _, c in runs], flops, peak)
     out = {
@@ -584,11 +584,3 @@ def _throughput(rows: list[SpeedRow], cfgs: list[Config], flops: tuple[tuple[flo
         f = count * (c.train.batch_size * c.train.grad_accum) / bs0
         r.tflops = float(f"{f / r.s_per_step / 1e12:.4g}")
         r.mfu = float(f"{f / r.s_per_step / 1e12 / peak:.4g}")
-
-
-def _free(device: torch.device) -> None:
-    import gc
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

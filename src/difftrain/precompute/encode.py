@@ -7,7 +7,6 @@ manifests into the cache's (:func:`merge_shards`).
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from ..families.base import ModelFamily
 from ..memory.planner import VAE_ENCODE_BYTES_PER_PIXEL, vae_chunk
 from ..runtime.distributed import World
 from ..runtime.distributed import barrier as dist_barrier
-from ..utils import to_dtype
+from ..utils import free_memory, to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .plan import Plan, PlanItem, Skipped
 
@@ -262,13 +261,6 @@ def _smaller_precision(cfg: Config, family: ModelFamily, stage: str) -> str | No
     if stage == "t5":
         return None if opts.t5.precision == "nf4" else "text_encoders.t5.precision: nf4"
     return None
-
-
-def free_memory(device: torch.device) -> None:
-    """After an encoder is dropped: its memory back to the system (and to CUDA's cache's owner)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def gather(values: list[Any], world: World) -> list[Any]:

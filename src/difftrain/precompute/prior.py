@@ -9,7 +9,6 @@ renamed, so an interrupted run leaves no half-written image.
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ..config.schema import Config
 from ..console import info, progress
 from ..data.paths import list_images
 from ..families.base import ModelFamily, stage_precisions
+from ..utils import free_memory
 
 
 def ensure_class_images(cfg: Config, family: ModelFamily, device: torch.device) -> Path:
@@ -51,7 +51,5 @@ def ensure_class_images(cfg: Config, family: ModelFamily, device: torch.device) 
             os.replace(tmp, path)
             bar.advance(task)
     del pipe, comps
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return folder

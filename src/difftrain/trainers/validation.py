@@ -16,7 +16,6 @@ in bf16, since bitsandbytes-quantized weights cannot move between devices.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from ..config.schema import Config, ValidationConfig
 from ..console import info
 from ..errors import UsageError
 from ..families.base import ModelFamily, stage_precisions
+from ..utils import free_memory
 
 if TYPE_CHECKING:
     from .feed import Feed
@@ -149,9 +149,7 @@ def validate(run: ValidationInputs, tag: str) -> list[Path]:
             offload.remove()
         denoiser.train(was_training)
         del pipe, comps, extra
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(dev)
     info(f"validation: {len(out)} sample(s) in {folder}")
     return out
 
