@@ -264,14 +264,14 @@ def test_the_language_model_stage_margins_reproduce_t5s_measured_precompute():
     from transformers import T5Config, T5EncoderModel
 
     from difftrain.families.common import configs_root, read_json
-    from difftrain.memory.planner import GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES, T5_PRECOMPUTE_GIB
+    from difftrain.memory.planner import T5_PRECOMPUTE_GIB, llm_stage_gib
 
     with torch.device("meta"):
         t5 = T5EncoderModel(T5Config(**read_json(configs_root() / "flux-dev" / "text_encoder_2" / "config.json")))
     linear = sum(m.weight.numel() for m in t5.modules() if isinstance(m, torch.nn.Linear))
     other = sum(p.numel() for p in t5.parameters()) - linear
     for prec in ("int8", "nf4", "bf16"):
-        got = (linear * LLM_QUANT_BYTES[prec] + other * 2) / GIB + LLM_MARGIN_GIB[prec]
+        got = llm_stage_gib(linear, other, prec, other_bytes=2)  # T5's other parameters in bf16
         assert got == pytest.approx(T5_PRECOMPUTE_GIB[prec], abs=0.02), prec
 
 

@@ -484,6 +484,12 @@ LLM_QUANT_BYTES = {**BYTES, **STORED_BYTES}  # by text_encoders.llm.precision
 LLM_MARGIN_GIB = {"int8": 1.40, "nf4": 1.86, "bf16": 0.35, "fp16": 0.35, "fp32": 0.70}
 
 
+def llm_stage_gib(linear: int, other: int, precision: str, other_bytes: float) -> float:
+    """GiB of a text encoder's precompute stage: ``linear`` Linear-weight elements at ``precision``'s bytes, ``other``
+    elements at ``other_bytes`` each, and the margin T5-XXL's measured stage held (LLM_MARGIN_GIB)."""
+    return (linear * LLM_QUANT_BYTES[precision] + other * other_bytes) / GIB + LLM_MARGIN_GIB[precision]
+
+
 def vae_chunk(batch_size: int, vae_dtype: str, pixels: int, room: float) -> int:
     """How many images of ``pixels`` pixels to encode at once within ``room`` bytes (at least one, at most the
     configured batch), with the allocator's measured overshoot and a tenth kept free."""

@@ -97,7 +97,7 @@ def llm_precompute_gib(cfg: Config) -> tuple[str, float, float] | None:
     (memory/planner.py LLM_QUANT_BYTES, LLM_MARGIN_GIB: estimated); None where the family has no such encoder or its
     architecture cannot be built here."""
     from ..families.llm_image import LLMImageFamily
-    from ..memory.planner import BYTES, GIB, LLM_MARGIN_GIB, LLM_QUANT_BYTES
+    from ..memory.planner import BYTES, llm_stage_gib
 
     family = get_family(cfg.family)
     if not isinstance(family, LLMImageFamily):
@@ -110,8 +110,7 @@ def llm_precompute_gib(cfg: Config) -> tuple[str, float, float] | None:
     prec = cfg.text_encoders.llm.precision
     # a float precision loads the whole encoder in it; bitsandbytes leaves the rest in the load's dtype
     other_bytes = BYTES[prec if prec in ("bf16", "fp16", "fp32") else cfg.precompute.text_encoder_dtype]
-    need = (linear * LLM_QUANT_BYTES[prec] + other * other_bytes) / GIB + LLM_MARGIN_GIB[prec]
-    return name, (linear + other) / 1e9, need
+    return name, (linear + other) / 1e9, llm_stage_gib(linear, other, prec, other_bytes)
 
 
 @functools.lru_cache(maxsize=8)
