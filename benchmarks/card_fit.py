@@ -198,8 +198,17 @@ def main() -> None:
             )
         except subprocess.TimeoutExpired:
             status = "timeout"
-        print(f"{name}: {status} in {time.time() - t:.0f} s", flush=True)
-        rows.append((name, status, json.loads(js.read_text()) if js.exists() else {}))
+        j = json.loads(js.read_text()) if js.exists() else {}
+        st, c = j.get("stats") or {}, j.get("card") or {}
+        figures = (  # in the log as each run ends: a call stopped at its time limit still brings these back
+            f" (alloc / reserved {j.get('peak_train_alloc_gib')} / {j.get('peak_train_reserved_gib')} GiB, headroom "
+            f"{c.get('headroom_gib')}, host RSS load / train / end {st.get('peak_rss_gib_load')} / "
+            f"{st.get('peak_rss_gib_train')} / {st.get('peak_rss_gib_end')}, {j.get('s_per_step')} s/step)"
+            if j
+            else ""
+        )
+        print(f"{name}: {status} in {time.time() - t:.0f} s{figures}", flush=True)
+        rows.append((name, status, j))
         write(args.out, overhead, rows, failures)
     if args.eager and args.budget - (time.time() - t0) > 60:
         here = Path(__file__).resolve().parent

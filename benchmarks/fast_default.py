@@ -114,6 +114,42 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         "zimage-lora-12gb with bf16 weights, every second block checkpointed (planned 21.7 GiB)",
     ),
+    # no recompute at all (the plain loops checkpoint every block): fp8 weights with the activations kept, Z-Image
+    # planned at 22.4 GiB on the card (a 24 GB card), Krea 2 at 42.2 (a 48 GB card); with and without fp8 matmuls
+    "zimage-lora-fp8-nock": (
+        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.activations.kind=none"],
+        "zimage-lora-12gb without checkpointing (planned 22.4 GiB on the card)",
+    ),
+    "zimage-lora-fp8mm-nock": (
+        [
+            "--recipe",
+            "zimage-lora-12gb",
+            "--size",
+            "1024x1024",
+            "--set",
+            "memory.activations.kind=none",
+            "--set",
+            "speed.fp8_matmul=true",
+        ],
+        "zimage-lora-12gb without checkpointing, fp8 matmuls",
+    ),
+    "krea2-lora-fp8-nock": (
+        ["--recipe", "krea2-lora-24gb", "--size", "1024x1024", "--set", "memory.activations.kind=none"],
+        "krea2-lora-24gb without checkpointing (planned 42.2 GiB on the card)",
+    ),
+    "krea2-lora-fp8mm-nock": (
+        [
+            "--recipe",
+            "krea2-lora-24gb",
+            "--size",
+            "1024x1024",
+            "--set",
+            "memory.activations.kind=none",
+            "--set",
+            "speed.fp8_matmul=true",
+        ],
+        "krea2-lora-24gb without checkpointing, fp8 matmuls",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -149,6 +185,10 @@ OWN_SIZE = {
     "zimage-lora-bf16-ck2": (10, 6),
     "zimage-lora-12gb-fp8mm": (10, 6),
     "krea2-lora-24gb-fp8mm": (8, 6),
+    "zimage-lora-fp8-nock": (10, 6),
+    "zimage-lora-fp8mm-nock": (10, 6),
+    "krea2-lora-fp8-nock": (8, 6),
+    "krea2-lora-fp8mm-nock": (8, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides

@@ -21,6 +21,7 @@ the other jobs', which docs/benchmarks.md says beside such figures.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -60,6 +61,21 @@ def _run_queue(jobs: list[tuple[int, str]], gpu: str, args: argparse.Namespace, 
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _bundle(out: Path) -> None:
+    """The jobs' folders as one jobs.json ({"jobN/file": text}): a device call brings back at most 8 files, and four
+    jobs' json, tables and failure logs are more than that (2026-11-28: the card fits' figures did not come back)."""
+    files = {
+        str(f.relative_to(out)): f.read_text(errors="replace")
+        for d in sorted(out.glob("job*/"))
+        for f in sorted(d.rglob("*"))
+        if f.is_file() and f.stat().st_size < 4 * 2**20
+    }
+    if files:
+        (out / "jobs.json").write_text(json.dumps(files, indent=1) + "\n")
+        for d in out.glob("job*/"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -91,6 +107,7 @@ def main() -> None:
         t.join()
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
+    _bundle(args.out)
     for i, job in enumerate(args.job):
         log = args.out / f"job{i}.log"
         lines = log.read_text(errors="replace").splitlines() if log.exists() else []

@@ -326,7 +326,8 @@ def test_compile_regions_compiles_the_named_outer_modules_not_the_blocks_inside_
 def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_model, dataset, tmp_path):
     """bench speed's FLOP count of a compiled config (a compiled baseline, as float8 against compiled bf16 needs):
     the compiled blocks run eagerly under the counter, so it sees the same matmuls as the eager model, and nothing
-    is compiled for it; with checkpointing inside the compiled blocks the recompute is counted and said to be."""
+    is compiled for it; with checkpointing inside the compiled blocks the recompute is estimated, taken off and said
+    to be."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -347,8 +348,10 @@ def test_compiled_trainers_count_model_flops_eagerly_without_compiling(tiny_mode
         counts[name] = step_flops(trainer)
     assert counts["eager"][0] > 1e8 and counts["eager"][1] is True
     assert counts["compiled"] == counts["eager"]
-    # checkpointed inside the blocks: each block's forward is counted again in backward
-    assert counts["compiled-ckpt"][1] is False and counts["compiled-ckpt"][0] > 1.1 * counts["eager"][0]
+    # checkpointed inside the blocks: each block's forward is counted again in backward, and taken off again as a
+    # no-grad forward's count (the blocks are nearly all of it): an estimate near the count without checkpoints
+    assert counts["compiled-ckpt"][1] is False
+    assert 0.9 * counts["eager"][0] < counts["compiled-ckpt"][0] < 1.02 * counts["eager"][0], counts
     assert counters["stats"]["unique_graphs"] == graphs  # the counter ran the compiled blocks eagerly
     torch._dynamo.reset()
 

@@ -253,5 +253,7 @@ def _print_speed(r: dict, what: str | Path, steps: int, warmup: int, folder: Pat
     if "speedup" in r:
         console.print(f"config vs {r['rows'][0]['name']}: {r['speedup']:.2f}x the steps per second")
     if r["flops_exact"] is False:
-        console.print("note: FLOPs counted with gradient checkpointing (recomputed forwards included)")
+        console.print(
+            "note: FLOPs counted with gradient checkpointing, the recomputed forwards estimated and taken off"
+        )
     console.print(f"results: {folder / 'bench_speed.json'}")

@@ -9,6 +9,7 @@ can check a recipe on their own GPU before preparing any data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 
 from ..config.load import validate
 from ..config.schema import Config, SpeedConfig
+from ..config.schema.memory import ActNone
+from ..console import warn
 from ..data.cache import DataCache
 from ..data.index import CacheIndex, IndexItem
 from ..errors import UsageError
@@ -436,54 +439,100 @@ def compile_phases(top: int = 8, since: tuple[dict[str, float], int] | None = No
     return {"phases_s": {n: round(v, 2) for n, v in phases}, "graphs": graphs - graphs0}
 
 
-def step_flops(trainer: Trainer) -> tuple[float, bool]:
+def step_flops(trainer: Trainer) -> tuple[float, bool] | None:
     """Model FLOPs of one optimizer step (forward and backward, as torch.utils.flop_counter counts them), with
-    gradient checkpointing switched off so recomputed forwards are not counted. Where that does not fit in
-    memory: counted with checkpointing, second value False (then recompute is included). A compiled trainer is
-    counted with its compiled blocks run eagerly (the counter cannot see inside compiled graphs); its
-    checkpointing sits inside the blocks (speed.checkpoint_inside) and cannot be switched off, so that count
-    includes the recompute too."""
+    gradient checkpointing switched off so recomputed forwards are not counted: second value True.
+
+    Where that cannot be done, the step is counted with checkpointing and the recomputed forwards are taken off
+    (second value False: an estimate): a no-grad forward's count times the share of it recomputed (1/every of the
+    blocks, twice with memory.activations.split's segments), the blocks being nearly all of a denoiser's forward.
+    That is where a step without checkpoints would not fit the GPU (the planner's figure for it, checked before
+    trying, as running out of memory on a GPU is not always given back: Wan 14B's count after a failed try ran out
+    of memory again with 138 GiB held, H200, 2026-11-28), and where a compiled trainer's checkpointing sits inside
+    its blocks (speed.checkpoint_inside) and cannot be switched off. A compiled trainer is counted with its
+    compiled blocks run eagerly (the counter cannot see inside compiled graphs). None where even the checkpointed
+    step runs out of memory: a warning says so, and the run's times stand without an MFU."""
     cfg = trainer.cfg
-    if cfg.speed.compile:
-        with torch.compiler.set_stance("force_eager"):
-            count, exact = _eager_step_flops(trainer)
-        return count, exact and cfg.memory.activations.kind != "checkpoint"
-    return _eager_step_flops(trainer)
+    stance = torch.compiler.set_stance("force_eager") if cfg.speed.compile else contextlib.nullcontext()
+    with stance:
+        got = _eager_step_flops(trainer)
+        if got is None:
+            return None
+        count, exact = got
+        act = cfg.memory.activations
+        if act.kind != "checkpoint" or (exact and not cfg.speed.compile):
+            return count, True
+        try:
+            forward = _count_flops(trainer, grad=False)
+        except torch.OutOfMemoryError:
+            free_memory(trainer.device)
+            return count, False
+    share = (2 if act.split else 1) / act.every
+    return count - share * forward, False
 
 
-def _eager_step_flops(trainer: Trainer) -> tuple[float, bool]:
+def _count_flops(trainer: Trainer, grad: bool = True) -> float:
+    """One step's FLOPs (a no-grad forward's where not ``grad``) as torch.utils.flop_counter counts them."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    batch = trainer.feed.batch(trainer.feed.items[: trainer.cfg.train.batch_size])
+    with FlopCounterMode(display=False) as fc:
+        if grad:
+            trainer.loss(batch).backward()
+        else:
+            with torch.no_grad():
+                trainer.loss(batch)
+    trainer.parts.optimizer.zero_grad(set_to_none=True)
+    return fc.get_total_flops() * trainer.cfg.train.grad_accum
+
+
+def _without_checkpoints_fits(trainer: Trainer) -> bool:
+    """Whether the planner puts a step without checkpointing inside the GPU's memory (with a margin: the count runs
+    eagerly). Off a GPU, always; a step whose activations the planner cannot count, never."""
+    cfg, device = trainer.cfg, trainer.device
+    if device.type != "cuda" or cfg.memory.activations.kind != "checkpoint":
+        return True
+    try:
+        memory = cfg.memory.model_copy(update={"activations": ActNone()})
+        est = plan_memory(cfg.model_copy(update={"memory": memory}))
+    except Exception:  # noqa: BLE001 - any config the planner cannot take: do not risk running out of memory
+        return False
+    free, _total = torch.cuda.mem_get_info(device)
+    return not est.unknown_activations and est.gpu_reserved * 2**30 * 1.15 < free + torch.cuda.memory_reserved(device)
+
+
+def _eager_step_flops(trainer: Trainer) -> tuple[float, bool] | None:
     den = trainer.parts.comps[trainer.family.denoiser]
     flags = {
         m: m.gradient_checkpointing
         for m in den.modules()
         if isinstance(getattr(m, "gradient_checkpointing", None), bool)
     }
-    batch = trainer.feed.batch(trainer.feed.items[: trainer.cfg.train.batch_size])
-
-    def count() -> float:
-        with FlopCounterMode(display=False) as fc:
-            trainer.loss(batch).backward()
-        trainer.parts.optimizer.zero_grad(set_to_none=True)
-        return fc.get_total_flops() * trainer.cfg.train.grad_accum
-
-    try:
-        for m in flags:
-            m.gradient_checkpointing = False
-        return count(), True
-    except torch.OutOfMemoryError:
-        pass
-    finally:
-        for m, f in flags.items():
-            m.gradient_checkpointing = f
+    if not any(flags.values()):
+        return _count_flops(trainer), True
+    if _without_checkpoints_fits(trainer):
+        try:
+            for m in flags:
+                m.gradient_checkpointing = False
+            return _count_flops(trainer), True
+        except torch.OutOfMemoryError:
+            pass
+        finally:
+            for m, f in flags.items():
+                m.gradient_checkpointing = f
     # Out of the except block, then collected: the failed try's tensors live as long as its error (the traceback
     # holds the frames of the step it stopped) and, where a reference cycle runs through it, until the collector
-    # runs. With the cache emptied inside the except block and no collection, Wan 14B's retry with checkpointing ran
-    # out of memory with the first try's 138 GiB still allocated (H200, 2026-11-28).
+    # runs.
     trainer.parts.optimizer.zero_grad(set_to_none=True)
     free_memory(trainer.device)
-    return count(), False
+    try:
+        return _count_flops(trainer), False
+    except torch.OutOfMemoryError:
+        pass
+    trainer.parts.optimizer.zero_grad(set_to_none=True)
+    free_memory(trainer.device)
+    warn("bench speed: counting the step's FLOPs ran out of GPU memory even with checkpointing; no MFU reported")
+    return None
 
 
 def bench_speed(
@@ -533,7 +582,8 @@ def bench_speed(
         if flops is None and (
             not c.speed.float8 or name == runs[-1][0]
         ):  # model FLOPs: bf16 matmuls if any run has them
-            flops = (step_flops(trainer), bs)
+            counted = step_flops(trainer)
+            flops = (counted, bs) if counted is not None else None
         compiled = trainer.speed.compile
         rows.append(
             SpeedRow(
