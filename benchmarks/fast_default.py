@@ -133,6 +133,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ],
         "zimage-lora-12gb without checkpointing, fp8 matmuls",
     ),
+    "zimage-lora-fp8-ck2": (
+        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.activations.every=2"],
+        "zimage-lora-12gb with every second block checkpointed (planned 16.5 GiB on the card: a 24 GB card)",
+    ),
     "krea2-lora-fp8-nock": (
         ["--recipe", "krea2-lora-24gb", "--size", "1024x1024", "--set", "memory.activations.kind=none"],
         "krea2-lora-24gb without checkpointing (planned 42.2 GiB on the card)",
@@ -186,6 +190,7 @@ OWN_SIZE = {
     "zimage-lora-12gb-fp8mm": (10, 6),
     "krea2-lora-24gb-fp8mm": (8, 6),
     "zimage-lora-fp8-nock": (10, 6),
+    "zimage-lora-fp8-ck2": (10, 6),
     "zimage-lora-fp8mm-nock": (10, 6),
     "krea2-lora-fp8-nock": (8, 6),
     "krea2-lora-fp8mm-nock": (8, 6),
