@@ -71,6 +71,11 @@ def build(name: str, work: Path) -> Path:
     fam.build_random(config, folder, device="cuda" if torch.cuda.is_available() else "cpu", parts=["text_encoder"])
     for tok in small.glob("tokenizer*"):
         shutil.copytree(tok, folder / tok.name, dirs_exist_ok=True)
+    # the loaders know a diffusers folder by its denoiser's subfolder (2026-11-28: "not a diffusers Z-Image folder");
+    # the text stage never reads it, so an empty one and the tiny model's model_index.json stand in
+    (folder / "transformer").mkdir(exist_ok=True)
+    if (small / "model_index.json").exists():
+        shutil.copy(small / "model_index.json", folder / "model_index.json")
     return folder
 
 
