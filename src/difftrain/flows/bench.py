@@ -508,9 +508,7 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool] | None:
         for m in den.modules()
         if isinstance(getattr(m, "gradient_checkpointing", None), bool)
     }
-    if not any(flags.values()):
-        return _count_flops(trainer), True
-    if _without_checkpoints_fits(trainer):
+    if any(flags.values()) and _without_checkpoints_fits(trainer):
         try:
             for m in flags:
                 m.gradient_checkpointing = False
@@ -525,8 +523,8 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool] | None:
     # runs.
     trainer.parts.optimizer.zero_grad(set_to_none=True)
     free_memory(trainer.device)
-    try:
-        return _count_flops(trainer), False
+    try:  # no switch on (checkpointing off, or inside compiled blocks): counted as configured
+        return _count_flops(trainer), not any(flags.values())
     except torch.OutOfMemoryError:
         pass
     trainer.parts.optimizer.zero_grad(set_to_none=True)
