@@ -66,6 +66,10 @@ ORDER = [
     "flux2-klein-9b-lora-8gb",
     "flux2-klein-9b-lora-16gb",
     "qwen-image-lora-16gb",
+    "zimage-lora-24gb",
+    "krea2-lora-48gb",
+    "qwen-image-lora-12gb",
+    "qwen-image-lora-24gb",
 ]
 
 OVERHEAD = """
