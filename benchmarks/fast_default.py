@@ -175,15 +175,47 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--recipe", "wan-14b-lora-24gb", "--size", "480x832", *WAN_BF16_ON_GPU],
         "Wan2.1 14B LoRA r32, bf16 weights (28 GB: an 80 GB card), whole blocks checkpointed on the GPU: its MFU",
     ),
+    # memory.activations.save_attention: the self-attentions' outputs kept, the rest of each block recomputed (the
+    # attention is ~70 % of the 1.3B's FLOPs at 32 760 tokens): issue 51's 1.3x
+    "wan-1.3b-lora-bf16-sa": (
+        [
+            "--recipe",
+            "wan-1.3b-lora-8gb",
+            "--size",
+            "480x832",
+            *WAN_BF16_ON_GPU,
+            "--set",
+            "memory.activations.save_attention=true",
+        ],
+        "wan-1.3b-lora-bf16 with the self-attentions' outputs kept (planned +3 GiB)",
+    ),
+    "wan-14b-lora-bf16-sa": (
+        [
+            "--recipe",
+            "wan-14b-lora-24gb",
+            "--size",
+            "480x832",
+            *WAN_BF16_ON_GPU,
+            "--set",
+            "memory.activations.save_attention=true",
+        ],
+        "wan-14b-lora-bf16 with the self-attentions' outputs kept (planned +13 GiB)",
+    ),
 }
 #: the plain loop each case is read against where its name does not say (the part before the first "-")
-PLAIN_OF = {"wan-14b-lora-24gb": "plain-wan14", "wan-14b-lora-bf16": "plain-wan14"}
+PLAIN_OF = {
+    "wan-14b-lora-24gb": "plain-wan14",
+    "wan-14b-lora-bf16": "plain-wan14",
+    "wan-14b-lora-bf16-sa": "plain-wan14",
+}
 #: cases at their own --size without difftrain's eager run beside them: name -> (steps, warm-up)
 OWN_SIZE = {
     "wan-1.3b-lora-8gb-nosplit": (4, 3),
     "wan-1.3b-lora-8gb-onhost": (4, 3),
     "wan-1.3b-lora-bf16": (4, 3),
     "wan-14b-lora-bf16": (3, 2),
+    "wan-1.3b-lora-bf16-sa": (4, 3),
+    "wan-14b-lora-bf16-sa": (3, 2),
     "wan-14b-lora-24gb": (3, 2),  # its eager run beside it took ~5 minutes of a 10-minute call (2026-11-28)
     "zimage-lora-bf16": (10, 6),
     "zimage-lora-bf16-ck2": (10, 6),

@@ -64,6 +64,18 @@ def test_keep_on_gpu_without_offload_is_refused_through_the_console_script():
     _no_traceback(r)
 
 
+def test_save_attention_beside_offloaded_checkpoints_is_refused_through_the_console_script():
+    """memory.activations.save_attention keeps the attentions' outputs of torch's checkpoint; the offloaded and split
+    checkpoints are difftrain's own, which it cannot take."""
+    from conftest import script_train
+
+    sets = "memory.activations={kind: checkpoint, offload: true, save_attention: true}"
+    r = script_train("--recipe", "tiny-wan-lora", "--set", sets)
+    assert r.code == 2, (r.out, r.err)
+    assert "save_attention" in r.err and "offload and split to false" in r.err, r.err
+    _no_traceback(r)
+
+
 def test_missing_model_path(cli, dataset, tmp_path):
     r = cli("precompute", "--recipe", "tiny-sdxl-lora", *_sets(tiny_sets(tmp_path / "nope", dataset, tmp_path)))
     assert r.code == 1

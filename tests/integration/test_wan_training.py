@@ -122,3 +122,38 @@ def test_model_expert_both_trains_each_expert_into_its_own_folder_through_the_co
                            timeout=600)  # fmt: skip
     assert bench.returncode != 0 and "only `difftrain train` runs that" in bench.stderr
     assert "Traceback" not in bench.stderr
+
+
+def test_save_attention_trains_as_plain_checkpointing_without_recomputing_the_self_attention(
+    tiny_wan, dataset, tmp_path, monkeypatch
+):
+    """memory.activations.save_attention through the trainer: the same losses as plain checkpointing, and one
+    self-attention fewer per block in a step (the tiny clips' tokens are few: the threshold is lowered to them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from difftrain.memory import checkpoint_policy
+
+    monkeypatch.setattr(checkpoint_policy, "MIN_KEYS", 20)  # the tiny one-frame clips' tokens, not the 512 text's
+    calls: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in checkpoint_policy.attention_ops():
+                calls.append(args[1].shape[-2])
+            return func(*args, **(kwargs or {}))
+
+    losses, counts = {}, {}
+    for keep in (False, True):
+        sets = tiny_sets(tiny_wan, dataset, tmp_path / str(keep), **{"train.max_steps": 3})
+        sets += ["memory.activations={kind: checkpoint, save_attention: %s}" % str(keep).lower()]
+        cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
+        precompute(cfg)
+        calls.clear()
+        with Count():
+            losses[keep] = train(cfg).losses
+        counts[keep] = (len([k for k in calls if k >= 20]), len([k for k in calls if k < 20]))
+    assert losses[True] == losses[False]
+    long_plain, short_plain = counts[False]
+    long_kept, short_kept = counts[True]
+    assert long_plain > 0 and short_kept == short_plain  # the cross-attentions to the caption recomputed alike
+    assert long_kept * 2 == long_plain  # each self-attention ran once a step, not again in backward

@@ -281,7 +281,9 @@ class ModelFamily(ABC):
         """Plain numbers for the memory planner: parameter counts (meta device) and measured activation data.
         Optional: "checkpoint_input_bytes", the bytes per latent pixel that checkpointing keeps (the blocks'
         inputs), which memory.activations.offload moves to host RAM (none stated: the planner moves nothing), and
-        "checkpoint_blocks", how many blocks hold them (memory.activations.keep_on_gpu keeps that many of them)."""
+        "checkpoint_blocks", how many blocks hold them (memory.activations.keep_on_gpu keeps that many of them);
+        "attention_output_bytes", the bytes per latent pixel of every block's attention outputs together, which
+        memory.activations.save_attention keeps beside the checkpoints (none stated: the planner cannot count it)."""
 
     # saving
     @abstractmethod

@@ -129,6 +129,10 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module, blocks: list[t
 
             keep_on_gpu(blocks or [], mem.activations.keep_on_gpu)
             module.enable_gradient_checkpointing(offloaded_checkpoint)  # type: ignore[operator]  # a diffusers method
+        elif mem.activations.save_attention:  # the attentions' outputs kept (memory/checkpoint_policy.py)
+            from .checkpoint_policy import checkpoint_function
+
+            module.enable_gradient_checkpointing(checkpoint_function(True))  # type: ignore[operator]  # diffusers'
         else:
             module.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method
         k = mem.activations.every
@@ -137,8 +141,13 @@ def apply_activations(mem: MemoryConfig, module: torch.nn.Module, blocks: list[t
             for i, m in enumerate(blocks):
                 m.gradient_checkpointing = i % k == 0  # type: ignore[assignment]  # diffusers' bool flag
     elif hasattr(module, "gradient_checkpointing_enable"):
+        kwargs: dict = {"use_reentrant": False}
+        if mem.activations.save_attention:
+            from .checkpoint_policy import save_attention_context
+
+            kwargs["context_fn"] = save_attention_context
         module.gradient_checkpointing_enable(  # type: ignore[operator]  # a transformers method
-            gradient_checkpointing_kwargs={"use_reentrant": False}
+            gradient_checkpointing_kwargs=kwargs
         )
     else:  # pragma: no cover - every family's trainable module has one of the two
         raise TypeError(f"{type(module).__name__} has no gradient checkpointing switch")

@@ -416,6 +416,15 @@ def _activations(cfg: Config, hints: dict, e: Estimate) -> None:
         # eager. Measured on the H100 (2026-11-25/26): SDXL 1024 LoRA 5.85 -> 5.77 GiB (sdxl-lora-8gb), 1.136 ->
         # 1.07 (sdxl-lora-3gb, compiled without graphs), SD3 1.252 -> 1.17 (sd3-lora-4gb): 9-11 % of the activations
         e.gpu["activations"] *= COMPILED_ACTIVATIONS
+    if m.activations.kind == "checkpoint" and m.activations.save_attention:
+        # each checkpointed block also keeps its attentions' outputs (the family states their bytes per latent pixel,
+        # all blocks together; every k-th block checkpointed: a k-th of them)
+        if "attention_output_bytes" in hints:
+            kept = hints["attention_output_bytes"] * pixels / m.activations.every / GIB
+            e.gpu["activations"] += kept
+        else:
+            e.notes.append("no figure for the attentions' outputs that save_attention keeps; not counted")
+            e.unknown_activations = True
     if m.activations.kind == "checkpoint" and m.activations.offload:
         # the checkpointed blocks' inputs wait in host RAM (the family states their bytes per latent pixel; none
         # stated: nothing is counted as moved, the safe side on the GPU)

@@ -90,6 +90,7 @@ def compile_blocks(
     speed: SpeedConfig,
     checkpoint_every: int = 0,
     hooks_outside: bool = False,
+    save_attention: bool = False,
 ) -> int:
     """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
 
@@ -117,7 +118,7 @@ def compile_blocks(
     inner = {id(m) for b in blocks for m in b.modules() if m is not b}
     blocks = [b for b in blocks if id(b) not in inner]
     if checkpoint_every:
-        checkpoint_inside(module, blocks[::checkpoint_every])
+        checkpoint_inside(module, blocks[::checkpoint_every], save_attention)
     for sub in blocks:
         if hooks_outside:
             sub.forward = torch.compile(sub.forward, mode=mode, dynamic=speed.dynamic)
@@ -190,7 +191,7 @@ def compile_mode(speed: SpeedConfig) -> str | None:
     return "max-autotune-no-cudagraphs" if autotune else None
 
 
-def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module], save_attention: bool = False) -> None:
     """Gradient checkpointing moved into the compiled blocks (the way torchtitan pairs the two).
 
     diffusers checkpoints a block by calling it through ``torch.utils.checkpoint`` from its parent, so the
@@ -198,9 +199,12 @@ def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) ->
     replay over outputs still in use (measured: SDXL fails). Here the checkpoint call sits inside the traced
     forward: dynamo captures it as one region, and AOT autograd's partitioner saves only the block's inputs and
     recomputes the rest inside the compiled backward graph - the same memory as diffusers' checkpointing, one
-    forward and one backward graph per block.
+    forward and one backward graph per block. ``save_attention``: the attentions' outputs are kept
+    (memory/checkpoint_policy.py), and only the rest of the block is recomputed.
     """
-    from torch.utils.checkpoint import checkpoint
+    from ..memory.checkpoint_policy import checkpoint_function
+
+    checkpoint = checkpoint_function(save_attention)
 
     for m in module.modules():  # diffusers' own switches off: the blocks checkpoint themselves
         if isinstance(getattr(m, "gradient_checkpointing", None), bool):
@@ -209,6 +213,6 @@ def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module]) ->
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, **kwargs)
 
         block.forward = forward

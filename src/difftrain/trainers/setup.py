@@ -241,15 +241,24 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
         act = b.cfg.memory.activations
         # offloaded checkpoints stay diffusers' (around the compiled blocks): the host copies cannot be traced
         every = act.every if act.kind == "checkpoint" and not act.offload else 0
+        keep_attention = act.kind == "checkpoint" and bool(every) and act.save_attention
         # block swap's and FSDP's hooks run around each block (moving or gathering its weights): only the block's
         # forward is compiled, the hooks stay eager
         hooks = "block swap" if b.block_swap is not None else "FSDP" if b.cfg.memory.engine.kind == "fsdp" else ""
         hooks_outside = bool(hooks)
         regions = tuple(sp.compile_regions or b.family.repeated_blocks)
-        n = regional_compile.compile_blocks(module, regions, sp, checkpoint_every=every, hooks_outside=hooks_outside)
+        n = regional_compile.compile_blocks(
+            module,
+            regions,
+            sp,
+            checkpoint_every=every,
+            hooks_outside=hooks_outside,
+            save_attention=keep_attention,
+        )
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
             f"{', checkpointed inside the compiled region' if every else ''}"
+            f"{' (the attentions kept)' if keep_attention else ''}"
             f"{' (their forward only: ' + hooks + ' hooks around them)' if hooks_outside else ''}"
             f" (cache: {regional_compile.compile_cache_dir(sp)})"
         )

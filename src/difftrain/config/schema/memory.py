@@ -121,8 +121,21 @@ class ActCheckpoint(Strict):
         "(Wan 14B at 720x1280x81: 0.72 GiB a block, 28.8 GiB for its 40)",
     )
 
+    save_attention: bool = Field(
+        default=False,
+        description="keep each checkpointed block's attention outputs (and their log-sum-exp) so backward recomputes "
+        "the rest of the block but not its attentions (torchtitan's selective checkpointing): for long token counts "
+        "(video), where the attention is most of a block's time; costs about one tensor of the block input's size "
+        "per attention call per block. Not with offload or split (their own checkpoints)",
+    )
+
     @model_validator(mode="after")
     def _keep_needs_offload(self) -> ActCheckpoint:
+        if self.save_attention and (self.offload or self.split):
+            raise ValueError(
+                "save_attention keeps the attentions' outputs of torch's checkpoint; offload and split run their own "
+                "checkpoints: set save_attention: false, or offload and split to false"
+            )
         if self.keep_on_gpu and not self.offload:
             raise ValueError(
                 "keep_on_gpu says how many blocks' inputs stay on the GPU when the others go to host RAM: it needs "

@@ -764,6 +764,9 @@ class Wan(ModelFamily):
             # latent pixels (memory.activations.offload moves it to host RAM)
             "checkpoint_input_bytes": int(tcfg["num_layers"]) * width * 2 / 4,
             "checkpoint_blocks": int(tcfg["num_layers"]),
+            # what save_attention keeps: each block's self-attention output over the video tokens (bf16) and its
+            # log-sum-exp per head (fp32); the cross-attentions (512 text, 257 image tokens) are recomputed
+            "attention_output_bytes": int(tcfg["num_layers"]) * (width * 2 + int(tcfg["num_attention_heads"]) * 4) / 4,
             **common.parameter_hints(
                 self, _new_module, config_file, PARTS, loaded, trained, method, lora_targets, lora_rank
             ),

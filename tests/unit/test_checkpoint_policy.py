@@ -1,0 +1,128 @@
+"""memory.activations.save_attention: checkpointed blocks keep their long attentions' outputs, so backward recomputes
+the rest of the block but not those attentions; the gradients are those of plain checkpointing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from difftrain.memory import checkpoint_policy
+from difftrain.memory.checkpoint_policy import attention_ops, checkpoint_function
+
+
+class Block(torch.nn.Module):
+    """A self-attention over its own tokens and a cross-attention to a short context, as a video DiT block has."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.q2 = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, ctx):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        q2 = self.q2(h).view(b, n, 2, d // 2).transpose(1, 2)
+        c = ctx.view(b, -1, 2, d // 2).transpose(1, 2)
+        h = h + F.scaled_dot_product_attention(q2, c, c).transpose(1, 2).reshape(b, n, d)
+        return x + self.out(h)
+
+
+class CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.keys: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in attention_ops():
+            self.keys.append(args[1].shape[-2])
+        return func(*args, **(kwargs or {}))
+
+
+def _step(block, how, tokens=1024, context=16):
+    torch.manual_seed(0)
+    x = torch.randn(1, tokens, 16, requires_grad=True)
+    ctx = torch.randn(1, context, 16)
+    block.zero_grad(set_to_none=True)
+    with CountAttention() as counted:
+        y = block(x, ctx) if how is None else checkpoint_function(how)(block, x, ctx)
+        y.square().mean().backward()
+    return counted.keys, [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+
+
+def test_the_long_attention_is_not_recomputed_and_the_gradients_are_checkpointings():
+    torch.manual_seed(1)
+    block = Block()
+    plain_keys, plain = _step(block, None)
+    ckpt_keys, ckpt = _step(block, False)
+    kept_keys, kept = _step(block, True)
+    # forward: the self-attention over 1024 keys and the cross-attention over 16; checkpointing runs both again in
+    # backward, save_attention only the short one
+    assert sorted(plain_keys) == [16, 1024]
+    assert sorted(ckpt_keys) == [16, 16, 1024, 1024]
+    assert sorted(kept_keys) == [16, 16, 1024]
+    for a, b, c in zip(plain, ckpt, kept):
+        assert torch.allclose(a, b, atol=1e-6) and torch.equal(b, c)
+
+
+def test_attentions_over_few_keys_are_recomputed(monkeypatch):
+    """Below MIN_KEYS an attention costs little to recompute against its output's bytes (Wan's 512 caption
+    tokens): kept only from MIN_KEYS keys up."""
+    block = Block()
+    monkeypatch.setattr(checkpoint_policy, "MIN_KEYS", 2048)
+    keys, _ = _step(block, True)
+    assert sorted(keys) == [16, 16, 1024, 1024]
+    monkeypatch.setattr(checkpoint_policy, "MIN_KEYS", 16)
+    keys, _ = _step(block, True)
+    assert sorted(keys) == [16, 1024]
+
+
+def test_inside_a_compiled_block_too():
+    """speed.compile checkpoints inside the compiled blocks (regional_compile.checkpoint_inside): torch.compile
+    traces the selective checkpoint; the gradients are plain checkpointing's."""
+    from difftrain.speed.regional_compile import checkpoint_inside
+
+    torch.manual_seed(2)
+    ref = Block()
+    _, want = _step(ref, False)
+    holder = torch.nn.Module()
+    holder.block = Block()
+    holder.block.load_state_dict(ref.state_dict())
+    checkpoint_inside(holder, [holder.block], save_attention=True)
+    holder.block.compile(backend="aot_eager", fullgraph=True)
+    torch.manual_seed(0)
+    x = torch.randn(1, 1024, 16, requires_grad=True)
+    ctx = torch.randn(1, 16, 16)
+    holder.block(x, ctx).square().mean().backward()
+    got = [p.grad for p in holder.block.parameters()] + [x.grad]
+    for a, b in zip(want, got):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_config_refuses_save_attention_beside_offloaded_or_split_checkpoints():
+    from difftrain.config.load import resolve
+    from difftrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="save_attention"):
+        resolve("wan-1.3b-lora-8gb", None, ["memory.activations.save_attention=true"])  # offload and split on
+    ok = ["memory.activations.offload=false", "memory.activations.split=false", "memory.activations.save_attention=true"]
+    assert resolve("wan-1.3b-lora-8gb", None, ok).config.memory.activations.save_attention is True
+
+
+def test_the_planner_counts_what_save_attention_keeps_where_the_family_states_it():
+    """Wan states its self-attentions' output bytes: one bf16 token of the width and an fp32 log-sum-exp per head
+    for every 2x2 latent pixels, every block; a family that states none is marked as not counted."""
+    from difftrain.config.load import resolve
+    from difftrain.planning.estimate import plan_memory
+
+    base = ["memory.activations.offload=false", "memory.activations.split=false", "data.resolution=480"]
+    without = plan_memory(resolve("wan-1.3b-lora-8gb", None, base).config)
+    cfg = resolve("wan-1.3b-lora-8gb", None, [*base, "memory.activations.save_attention=true"]).config
+    kept = plan_memory(cfg)
+    latent = 21 * 60 * 60  # 81 frames -> 21 latent frames, 480 px -> 60 latent pixels a side
+    want = 30 * (1536 * 2 + 12 * 4) / 4 * latent / 2**30  # Wan 1.3B: 30 blocks of 12 heads x 128
+    assert kept.gpu["activations"] - without.gpu["activations"] == pytest.approx(want, rel=1e-6)
+    assert not kept.unknown_activations
+    z = resolve("zimage-lora-12gb", None, ["memory.activations.save_attention=true"]).config
+    assert plan_memory(z).unknown_activations
