@@ -78,7 +78,7 @@ def test_compile_phases_come_from_torch_timers(tmp_path, monkeypatch):
     assert 0 < second["phases_s"]["_compile.compile_inner"] < total["phases_s"]["_compile.compile_inner"]
 
 
-def test_the_flop_count_retries_with_checkpointing_after_freeing_what_the_failed_try_held():
+def test_the_flop_count_retries_with_checkpointing_after_freeing_what_the_failed_try_held(monkeypatch):
     """bench speed counts a step's FLOPs with checkpointing off and, where that runs out of memory, again with it on.
     The failed try's activations sit in the frames of the error's traceback, in a cycle (a local naming the error)
     that only the collector frees: the retry must start with them gone (Wan 14B's retry met the 138 GiB of the first
@@ -89,7 +89,10 @@ def test_the_flop_count_retries_with_checkpointing_after_freeing_what_the_failed
 
     import torch
 
+    from difftrain.flows import bench
     from difftrain.flows.bench import step_flops
+
+    monkeypatch.setattr(bench, "FAKE_COUNT", False)  # the real count's memory handling
 
     class Activations:
         pass
@@ -172,6 +175,7 @@ def test_the_flop_count_never_runs_the_step_without_checkpoints_where_the_planne
         return net(batch).square().mean()
 
     forward = 2 * 2 * 8 * 8  # the Linear at batch 2; a step is its forward and its weight gradient
+    monkeypatch.setattr(bench, "FAKE_COUNT", False)  # the real count (on fake tensors memory is no question)
     monkeypatch.setattr(bench, "_without_checkpoints_fits", lambda trainer: False)
     for split, every, share in ((False, 1, 1.0), (True, 1, 2.0), (False, 2, 0.5)):
         flags_seen.clear()
@@ -186,13 +190,15 @@ def test_the_flop_count_never_runs_the_step_without_checkpoints_where_the_planne
     assert flags_seen == [False] and net.gradient_checkpointing is True
 
 
-def test_the_flop_count_gives_none_and_a_warning_where_even_the_checkpointed_step_runs_out_of_memory(capsys):
+def test_the_flop_count_gives_none_and_a_warning_where_even_the_checkpointed_step_runs_out_of_memory(capsys, monkeypatch):
     """The run's times stand without an MFU, rather than the whole bench failing after its timed steps."""
     from types import SimpleNamespace
 
     import torch
 
     from difftrain.flows import bench
+
+    monkeypatch.setattr(bench, "FAKE_COUNT", False)
 
     net = torch.nn.Linear(8, 8)
     net.gradient_checkpointing = True
@@ -225,7 +231,7 @@ def test_the_planner_decides_whether_the_step_without_checkpoints_is_tried_on_a_
         assert bench._without_checkpoints_fits(trainer) is fits, (cfg.family, free_gib)
 
 
-def test_a_flop_count_without_a_checkpointing_switch_that_runs_out_of_memory_gives_none(capsys):
+def test_a_flop_count_without_a_checkpointing_switch_that_runs_out_of_memory_gives_none(capsys, monkeypatch):
     """A compiled trainer's checkpointing sits inside its blocks, with diffusers' switches off: its count has no
     switch to try, and running out of memory there (Wan 14B in bf16, 81 frames of 480x832, H200, 2026-11-28) gives no
     MFU and a warning, not a failed bench run after its timed steps."""
@@ -234,6 +240,8 @@ def test_a_flop_count_without_a_checkpointing_switch_that_runs_out_of_memory_giv
     import torch
 
     from difftrain.flows import bench
+
+    monkeypatch.setattr(bench, "FAKE_COUNT", False)
 
     net = torch.nn.Linear(8, 8)
     net.gradient_checkpointing = False
@@ -246,3 +254,43 @@ def test_a_flop_count_without_a_checkpointing_switch_that_runs_out_of_memory_giv
     act = SimpleNamespace(kind="checkpoint", every=1, split=False)
     assert bench.step_flops(_tiny_trainer(net, loss, act)) is None
     assert calls == [1] and "no MFU reported" in capsys.readouterr().err
+
+
+def test_the_flop_count_runs_on_fake_tensors_with_checkpoints_off_and_falls_back_to_a_real_step(monkeypatch):
+    """On fake tensors a step without checkpoints costs no memory: always counted exactly (Wan 14B at 81x480x832
+    could not be, for real), and it counts what the real step counts; a loss that reads a value (data-dependent,
+    which fake tensors cannot run) is counted for real. No fake gradient is left on the modules."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from difftrain.flows import bench
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    net.gradient_checkpointing = True
+    seen: list[tuple[bool, bool]] = []
+    reads = {"value": False}
+
+    def loss(batch):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        seen.append((isinstance(batch, FakeTensor), net.gradient_checkpointing))
+        out = net(batch).square().mean()
+        if reads["value"]:
+            out = out * (1.0 if out.item() > 0 else 2.0)  # data-dependent: not on fake tensors
+        return out
+
+    act = SimpleNamespace(kind="checkpoint", every=1, split=False)
+    monkeypatch.setattr(bench, "_without_checkpoints_fits", lambda trainer: False)  # for real: not tried
+    fake = bench.step_flops(_tiny_trainer(net, loss, act))
+    assert seen == [(True, False)]  # one fake step, checkpointing off although the real one would not fit
+    assert all(p.grad is None for p in net.parameters())
+    monkeypatch.setattr(bench, "FAKE_COUNT", False)
+    monkeypatch.setattr(bench, "_without_checkpoints_fits", lambda trainer: True)
+    assert bench.step_flops(_tiny_trainer(net, loss, act)) == fake and fake[1] is True
+    monkeypatch.setattr(bench, "FAKE_COUNT", True)
+    seen.clear()
+    reads["value"] = True
+    assert bench.step_flops(_tiny_trainer(net, loss, act)) == fake
+    assert seen == [(True, False), (False, False)]  # the fake step stopped at .item(), the real one counted

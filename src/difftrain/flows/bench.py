@@ -439,50 +439,81 @@ def compile_phases(top: int = 8, since: tuple[dict[str, float], int] | None = No
     return {"phases_s": {n: round(v, 2) for n, v in phases}, "graphs": graphs - graphs0}
 
 
+#: count a step's FLOPs on fake tensors first (torch's FakeTensorMode: shapes only, no memory); tests of the real
+#: count's memory handling switch it off
+FAKE_COUNT = True
+
+
 def step_flops(trainer: Trainer) -> tuple[float, bool] | None:
     """Model FLOPs of one optimizer step (forward and backward, as torch.utils.flop_counter counts them), with
     gradient checkpointing switched off so recomputed forwards are not counted: second value True.
 
-    Where that cannot be done, the step is counted with checkpointing and the recomputed forwards are taken off
-    (second value False: an estimate): a no-grad forward's count times the share of it recomputed (1/every of the
-    blocks, twice with memory.activations.split's segments), the blocks being nearly all of a denoiser's forward.
-    That is where a step without checkpoints would not fit the GPU (the planner's figure for it, checked before
-    trying, as running out of memory on a GPU is not always given back: Wan 14B's count after a failed try ran out
-    of memory again with 138 GiB held, H200, 2026-11-28), and where a compiled trainer's checkpointing sits inside
-    its blocks (speed.checkpoint_inside) and cannot be switched off. A compiled trainer is counted with its
-    compiled blocks run eagerly (the counter cannot see inside compiled graphs). None where even the checkpointed
-    step runs out of memory: a warning says so, and the run's times stand without an MFU."""
+    The step runs on fake tensors (torch's FakeTensorMode over the trainer's own modules: every op's output shape
+    and no memory, so a step without checkpoints is counted at any size); where some op cannot run on them (data-
+    dependent code, a kernel without a fake implementation) it runs for real. Where checkpointing cannot be switched
+    off, the step is counted with it and the recomputed forwards are taken off (second value False: an estimate): a
+    no-grad forward's count times the share of it recomputed (1/every of the blocks, twice with
+    memory.activations.split's segments), the blocks being nearly all of a denoiser's forward. That is where a
+    compiled trainer's checkpointing sits inside its blocks (speed.checkpoint_inside), and, counted for real, where a
+    step without checkpoints would not fit the GPU (the planner's figure for it, checked before trying, as running
+    out of memory on a GPU is not always given back: Wan 14B's count after a failed try ran out of memory again with
+    138 GiB held, H200, 2026-11-28). A compiled trainer is counted with its compiled blocks run eagerly (the counter
+    cannot see inside compiled graphs). None where even the checkpointed step runs out of memory: a warning says so,
+    and the run's times stand without an MFU. Fake tensors leave what a block swap or offload hook would have
+    copied uncopied: counted after the timed steps, as bench speed does, nothing trains after it."""
     cfg = trainer.cfg
     stance = torch.compiler.set_stance("force_eager") if cfg.speed.compile else contextlib.nullcontext()
     with stance:
-        got = _eager_step_flops(trainer)
-        if got is None:
-            return None
-        count, exact = got
-        act = cfg.memory.activations
-        if act.kind != "checkpoint" or (exact and not cfg.speed.compile):
-            return count, True
-        try:
-            forward = _count_flops(trainer, grad=False)
-        except torch.OutOfMemoryError:
-            free_memory(trainer.device)
-            return count, False
+        if FAKE_COUNT:
+            try:
+                return _step_flops(trainer, fake=True)
+            except Exception:  # noqa: BLE001 - whatever fake tensors cannot run: counted for real below
+                trainer.parts.optimizer.zero_grad(set_to_none=True)
+        return _step_flops(trainer, fake=False)
+
+
+def _step_flops(trainer: Trainer, fake: bool) -> tuple[float, bool] | None:
+    cfg = trainer.cfg
+    got = _eager_step_flops(trainer, fake)
+    if got is None:
+        return None
+    count, exact = got
+    act = cfg.memory.activations
+    if act.kind != "checkpoint" or (exact and not cfg.speed.compile):
+        return count, True
+    try:
+        forward = _count_flops(trainer, grad=False, fake=fake)
+    except torch.OutOfMemoryError:
+        free_memory(trainer.device)
+        return count, False
     share = (2 if act.split else 1) / act.every
     return count - share * forward, False
 
 
-def _count_flops(trainer: Trainer, grad: bool = True) -> float:
-    """One step's FLOPs (a no-grad forward's where not ``grad``) as torch.utils.flop_counter counts them."""
+def _count_flops(trainer: Trainer, grad: bool = True, fake: bool = False) -> float:
+    """One step's FLOPs (a no-grad forward's where not ``grad``) as torch.utils.flop_counter counts them; ``fake``:
+    on fake tensors (the batch made fake, the modules' own tensors taken in as fake ones)."""
+    from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import FlopCounterMode
 
     batch = trainer.feed.batch(trainer.feed.items[: trainer.cfg.train.batch_size])
-    with FlopCounterMode(display=False) as fc:
-        if grad:
-            trainer.loss(batch).backward()
-        else:
-            with torch.no_grad():
-                trainer.loss(batch)
-    trainer.parts.optimizer.zero_grad(set_to_none=True)
+    mode: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode as fm:
+            if fake:
+                batch = tree_map(lambda v: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
+            with FlopCounterMode(display=False) as fc:
+                if grad:
+                    trainer.loss(batch).backward()
+                else:
+                    with torch.no_grad():
+                        trainer.loss(batch)
+    finally:
+        trainer.parts.optimizer.zero_grad(set_to_none=True)  # a fake step's gradients are fake: never kept
     return fc.get_total_flops() * trainer.cfg.train.grad_accum
 
 
@@ -501,18 +532,18 @@ def _without_checkpoints_fits(trainer: Trainer) -> bool:
     return not est.unknown_activations and est.gpu_reserved * 2**30 * 1.15 < free + torch.cuda.memory_reserved(device)
 
 
-def _eager_step_flops(trainer: Trainer) -> tuple[float, bool] | None:
+def _eager_step_flops(trainer: Trainer, fake: bool = False) -> tuple[float, bool] | None:
     den = trainer.parts.comps[trainer.family.denoiser]
     flags = {
         m: m.gradient_checkpointing
         for m in den.modules()
         if isinstance(getattr(m, "gradient_checkpointing", None), bool)
     }
-    if any(flags.values()) and _without_checkpoints_fits(trainer):
+    if any(flags.values()) and (fake or _without_checkpoints_fits(trainer)):
         try:
             for m in flags:
                 m.gradient_checkpointing = False
-            return _count_flops(trainer), True
+            return _count_flops(trainer, fake=fake), True
         except torch.OutOfMemoryError:
             pass
         finally:
@@ -524,7 +555,7 @@ def _eager_step_flops(trainer: Trainer) -> tuple[float, bool] | None:
     trainer.parts.optimizer.zero_grad(set_to_none=True)
     free_memory(trainer.device)
     try:  # no switch on (checkpointing off, or inside compiled blocks): counted as configured
-        return _count_flops(trainer), not any(flags.values())
+        return _count_flops(trainer, fake=fake), not any(flags.values())
     except torch.OutOfMemoryError:
         pass
     trainer.parts.optimizer.zero_grad(set_to_none=True)
