@@ -145,7 +145,7 @@ def test_save_attention_trains_as_plain_checkpointing_without_recomputing_the_se
     losses, counts = {}, {}
     for keep in (False, True):
         sets = tiny_sets(tiny_wan, dataset, tmp_path / str(keep), **{"train.max_steps": 3})
-        sets += ["memory.activations={kind: checkpoint, save_attention: %s}" % str(keep).lower()]
+        sets += [f"memory.activations={{kind: checkpoint, save_attention: {str(keep).lower()}}}"]
         cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
         precompute(cfg)
         calls.clear()

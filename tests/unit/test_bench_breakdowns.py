@@ -190,7 +190,9 @@ def test_the_flop_count_never_runs_the_step_without_checkpoints_where_the_planne
     assert flags_seen == [False] and net.gradient_checkpointing is True
 
 
-def test_the_flop_count_gives_none_and_a_warning_where_even_the_checkpointed_step_runs_out_of_memory(capsys, monkeypatch):
+def test_the_flop_count_gives_none_and_a_warning_where_even_the_checkpointed_step_runs_out_of_memory(
+    capsys, monkeypatch
+):
     """The run's times stand without an MFU, rather than the whole bench failing after its timed steps."""
     from types import SimpleNamespace
 

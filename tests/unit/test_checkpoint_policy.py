@@ -106,7 +106,11 @@ def test_the_config_refuses_save_attention_beside_offloaded_or_split_checkpoints
 
     with pytest.raises(ConfigError, match="save_attention"):
         resolve("wan-1.3b-lora-8gb", None, ["memory.activations.save_attention=true"])  # offload and split on
-    ok = ["memory.activations.offload=false", "memory.activations.split=false", "memory.activations.save_attention=true"]
+    ok = [
+        "memory.activations.offload=false",
+        "memory.activations.split=false",
+        "memory.activations.save_attention=true",
+    ]
     assert resolve("wan-1.3b-lora-8gb", None, ok).config.memory.activations.save_attention is True
 
 
