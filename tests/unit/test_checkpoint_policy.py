@@ -89,7 +89,7 @@ def test_inside_a_compiled_block_too():
     holder = torch.nn.Module()
     holder.block = Block()
     holder.block.load_state_dict(ref.state_dict())
-    checkpoint_inside(holder, [holder.block], save_attention=True)
+    checkpoint_inside(holder, [holder.block], checkpoint_function(True))
     holder.block.compile(backend="aot_eager", fullgraph=True)
     torch.manual_seed(0)
     x = torch.randn(1, 1024, 16, requires_grad=True)

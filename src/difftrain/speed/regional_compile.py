@@ -9,9 +9,11 @@ transformer block and nothing for SD3's or CogVideoX's transformers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,7 +92,7 @@ def compile_blocks(
     speed: SpeedConfig,
     checkpoint_every: int = 0,
     hooks_outside: bool = False,
-    save_attention: bool = False,
+    checkpoint: Callable | None = None,
 ) -> int:
     """Compile, in place, every submodule whose class is one of ``block_classes``; returns how many.
 
@@ -118,7 +120,7 @@ def compile_blocks(
     inner = {id(m) for b in blocks for m in b.modules() if m is not b}
     blocks = [b for b in blocks if id(b) not in inner]
     if checkpoint_every:
-        checkpoint_inside(module, blocks[::checkpoint_every], save_attention)
+        checkpoint_inside(module, blocks[::checkpoint_every], checkpoint)
     for sub in blocks:
         if hooks_outside:
             sub.forward = torch.compile(sub.forward, mode=mode, dynamic=speed.dynamic)
@@ -191,7 +193,9 @@ def compile_mode(speed: SpeedConfig) -> str | None:
     return "max-autotune-no-cudagraphs" if autotune else None
 
 
-def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module], save_attention: bool = False) -> None:
+def checkpoint_inside(
+    module: torch.nn.Module, blocks: list[torch.nn.Module], checkpoint: Callable | None = None
+) -> None:
     """Gradient checkpointing moved into the compiled blocks (the way torchtitan pairs the two).
 
     diffusers checkpoints a block by calling it through ``torch.utils.checkpoint`` from its parent, so the
@@ -199,12 +203,14 @@ def checkpoint_inside(module: torch.nn.Module, blocks: list[torch.nn.Module], sa
     replay over outputs still in use (measured: SDXL fails). Here the checkpoint call sits inside the traced
     forward: dynamo captures it as one region, and AOT autograd's partitioner saves only the block's inputs and
     recomputes the rest inside the compiled backward graph - the same memory as diffusers' checkpointing, one
-    forward and one backward graph per block. ``save_attention``: the attentions' outputs are kept
-    (memory/checkpoint_policy.py), and only the rest of the block is recomputed.
+    forward and one backward graph per block. ``checkpoint``: what a block is called through (the trainer passes
+    memory/checkpoint_policy.py's, which keeps the attentions' outputs with memory.activations.save_attention);
+    torch's non-reentrant checkpoint by default.
     """
-    from ..memory.checkpoint_policy import checkpoint_function
+    if checkpoint is None:
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    checkpoint = checkpoint_function(save_attention)
+        checkpoint = functools.partial(torch_checkpoint, use_reentrant=False)
 
     for m in module.modules():  # diffusers' own switches off: the blocks checkpoint themselves
         if isinstance(getattr(m, "gradient_checkpointing", None), bool):

@@ -29,6 +29,7 @@ from ..families.registry import row
 from ..lora.adapters import adapter_metadata, add_lora
 from ..memory import bnb_weights
 from ..memory import pinned as pinned_
+from ..memory.checkpoint_policy import checkpoint_function
 from ..memory.placement import WeightPlacement
 from ..memory.plan import (
     apply_activations,
@@ -253,7 +254,7 @@ def _speed(b: Build, part: str, module: torch.nn.Module) -> None:
             sp,
             checkpoint_every=every,
             hooks_outside=hooks_outside,
-            save_attention=keep_attention,
+            checkpoint=checkpoint_function(keep_attention),
         )
         info(
             f"speed.compile: {n} blocks of {part} compile on their first step"
