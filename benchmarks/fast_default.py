@@ -45,6 +45,14 @@ WAN_BF16_ON_GPU = [
               "memory.optimizer.kind=adamw")
     for a in ("--set", s)
 ]  # fmt: skip
+FP8MM, NOCK = "speed.fp8_matmul=true", "memory.activations.kind=none"
+
+
+def _at_1024(recipe: str, *sets: str) -> list[str]:
+    """bench speed's arguments for a single-stream image recipe at 1024x1024 with ``sets``."""
+    return ["--recipe", recipe, "--size", "1024x1024", *(a for s in sets for a in ("--set", s))]
+
+
 # name: (bench speed arguments after --recipe R, what it checks)
 CASES: dict[str, tuple[list[str], str]] = {
     "sdxl-lora-8gb": (["--recipe", "sdxl-lora-8gb"], "SDXL LoRA r16 b1 as shipped (speed auto), six buckets"),
@@ -85,73 +93,40 @@ CASES: dict[str, tuple[list[str], str]] = {
     "sd3-lora-4gb": (["--recipe", "sd3-lora-4gb"], "SD3-medium LoRA r16, block swap of the 24 blocks, as shipped"),
     "sd3-lora-16gb": (["--recipe", "sd3-lora-16gb"], "SD3-medium LoRA r16, no checkpointing, as shipped"),
     # issue 52: the fast recipe of each new single-stream family against its plain loop, 1024x1024
-    "zimage-lora-12gb": (["--recipe", "zimage-lora-12gb", "--size", "1024x1024"], "Z-Image LoRA r32 as shipped"),
-    "krea2-lora-24gb": (["--recipe", "krea2-lora-24gb", "--size", "1024x1024"], "Krea 2 LoRA r32 as shipped"),
+    "zimage-lora-12gb": (_at_1024("zimage-lora-12gb"), "Z-Image LoRA r32 as shipped"),
+    "krea2-lora-24gb": (_at_1024("krea2-lora-24gb"), "Krea 2 LoRA r32 as shipped"),
     # speed.fp8_matmul (opt-in): the fast single-stream recipes with their fp8 base's matmuls in fp8 (issue 52's 1.5x)
-    "krea2-lora-24gb-fp8mm": (
-        ["--recipe", "krea2-lora-24gb", "--size", "1024x1024", "--set", "speed.fp8_matmul=true"],
-        "krea2-lora-24gb with speed.fp8_matmul",
-    ),
-    "zimage-lora-12gb-fp8mm": (
-        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "speed.fp8_matmul=true"],
-        "zimage-lora-12gb with speed.fp8_matmul",
-    ),
+    "krea2-lora-24gb-fp8mm": (_at_1024("krea2-lora-24gb", FP8MM), "krea2-lora-24gb with speed.fp8_matmul"),
+    "zimage-lora-12gb-fp8mm": (_at_1024("zimage-lora-12gb", FP8MM), "zimage-lora-12gb with speed.fp8_matmul"),
     # a fast Z-Image for a 24 GB card: bf16 weights (no dequantization; speed auto may record CUDA graphs)
     "zimage-lora-bf16": (
-        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.weights.kind=bf16"],
+        _at_1024("zimage-lora-12gb", "memory.weights.kind=bf16"),
         "zimage-lora-12gb with bf16 weights (planned 16.4 GiB on the card)",
     ),
     "zimage-lora-bf16-ck2": (
-        [
-            "--recipe",
-            "zimage-lora-12gb",
-            "--size",
-            "1024x1024",
-            "--set",
-            "memory.weights.kind=bf16",
-            "--set",
-            "memory.activations.every=2",
-        ],
+        _at_1024("zimage-lora-12gb", "memory.weights.kind=bf16", "memory.activations.every=2"),
         "zimage-lora-12gb with bf16 weights, every second block checkpointed (planned 21.7 GiB)",
     ),
     # no recompute at all (the plain loops checkpoint every block): fp8 weights with the activations kept, Z-Image
     # planned at 22.4 GiB on the card (a 24 GB card), Krea 2 at 42.2 (a 48 GB card); with and without fp8 matmuls
     "zimage-lora-fp8-nock": (
-        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.activations.kind=none"],
+        _at_1024("zimage-lora-12gb", NOCK),
         "zimage-lora-12gb without checkpointing (planned 22.4 GiB on the card)",
     ),
     "zimage-lora-fp8mm-nock": (
-        [
-            "--recipe",
-            "zimage-lora-12gb",
-            "--size",
-            "1024x1024",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "speed.fp8_matmul=true",
-        ],
+        _at_1024("zimage-lora-12gb", NOCK, FP8MM),
         "zimage-lora-12gb without checkpointing, fp8 matmuls",
     ),
     "zimage-lora-fp8-ck2": (
-        ["--recipe", "zimage-lora-12gb", "--size", "1024x1024", "--set", "memory.activations.every=2"],
+        _at_1024("zimage-lora-12gb", "memory.activations.every=2"),
         "zimage-lora-12gb with every second block checkpointed (planned 16.5 GiB on the card: a 24 GB card)",
     ),
     "krea2-lora-fp8-nock": (
-        ["--recipe", "krea2-lora-24gb", "--size", "1024x1024", "--set", "memory.activations.kind=none"],
+        _at_1024("krea2-lora-24gb", NOCK),
         "krea2-lora-24gb without checkpointing (planned 42.2 GiB on the card)",
     ),
     "krea2-lora-fp8mm-nock": (
-        [
-            "--recipe",
-            "krea2-lora-24gb",
-            "--size",
-            "1024x1024",
-            "--set",
-            "memory.activations.kind=none",
-            "--set",
-            "speed.fp8_matmul=true",
-        ],
+        _at_1024("krea2-lora-24gb", NOCK, FP8MM),
         "krea2-lora-24gb without checkpointing, fp8 matmuls",
     ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
