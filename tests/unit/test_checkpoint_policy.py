@@ -130,3 +130,21 @@ def test_the_planner_counts_what_save_attention_keeps_where_the_family_states_it
     assert not kept.unknown_activations
     z = resolve("zimage-lora-12gb", None, ["memory.activations.save_attention=true"]).config
     assert plan_memory(z).unknown_activations
+
+
+def test_the_op_table_is_read_again_for_each_checkpointed_block(monkeypatch):
+    """FA4's forward (speed.attention: fa4) registers when the speed section takes it, which may come after a first
+    checkpointed call: a table read before it (here: one read while no op was known) is not kept."""
+    import difftrain.speed.fa4  # noqa: F401 - registers difftrain::fa4_forward (its kernels load only when called)
+
+    monkeypatch.setattr(checkpoint_policy, "_ATEN", ())
+    monkeypatch.setattr(torch.ops, "difftrain", None)
+    checkpoint_policy.attention_ops.cache_clear()
+    assert attention_ops() == {}  # the stale table
+    monkeypatch.undo()
+    checkpoint_policy.save_attention_context()  # a checkpointed block starts
+    ops = attention_ops()
+    assert ops[torch.ops.difftrain.fa4_forward.default] == 1  # FA4 takes [batch, keys, heads, dim]
+    assert ops[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default] == -2
+    q = torch.empty(1, 1024, 2, 8)
+    assert checkpoint_policy.keeps(torch.ops.difftrain.fa4_forward.default, (q, q, q, 1.0))

@@ -63,6 +63,7 @@ def save_attention_context():
     recomputed."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    attention_ops.cache_clear()  # once a block: FA4's op registers when speed.attention takes it, maybe after the last
     return create_selective_checkpoint_contexts(_policy)
 
 
