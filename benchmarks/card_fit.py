@@ -67,6 +67,7 @@ ORDER = [
     "flux2-klein-9b-lora-16gb",
     "qwen-image-lora-16gb",
     "zimage-lora-24gb",
+    "zimage-lora-32gb",
     "krea2-lora-48gb",
     "qwen-image-lora-12gb",
     "qwen-image-lora-24gb",

@@ -31,6 +31,7 @@ RECIPES = [
     "flux2-klein-9b-lora-8gb",
     "qwen-image-lora-16gb",
     "zimage-lora-24gb",
+    "zimage-lora-32gb",
     "krea2-lora-48gb",
     "qwen-image-lora-12gb",
     "qwen-image-lora-24gb",

@@ -419,6 +419,7 @@ MEASURED_HOST = {
     "qwen-image-lora-12gb": 8.11,  # the same settings capped as a 12 GB card (2026-11-28)
     "qwen-image-lora-24gb": 2.07,  # int4, no block swap (2026-11-28)
     "zimage-lora-24gb": 2.18,  # fp8, every second block checkpointed (issue 52, 2026-11-28)
+    "zimage-lora-32gb": 1.99,  # fp8, nothing checkpointed (issue 52, 2026-11-28)
     "krea2-lora-48gb": 2.29,  # fp8 with fp8 matmuls, no checkpointing (issue 52, 2026-11-28)
 }
 
@@ -535,6 +536,7 @@ MEASURED_CARD = {
     "qwen-image-lora-12gb": (9.103, 9.824),  # 3 steps (q12-int4-bs36: the same settings capped at 12), 2026-11-28
     "qwen-image-lora-24gb": (14.487, 15.221),  # 3 steps (q24-int4), 2026-11-28
     "zimage-lora-24gb": (17.587, 19.883),  # 3 steps (card_fit_zimage.json z24-fp8-ck2), 2026-11-28
+    "zimage-lora-32gb": (26.667, 29.672),  # 3 steps (card_fit_zimage.json z32-fp8-nock), 2026-11-28
     "krea2-lora-48gb": (40.436, 42.262),  # 3 steps (card_fit_krea2.json k48-fp8mm-nock), 2026-11-28
 }
 
@@ -561,7 +563,7 @@ RESERVED_OVER = {"cogvideox-2b-lora-6gb": 0.15, "cogvideox-5b-lora-12gb": 0.15, 
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 41 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 42 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
