@@ -16,6 +16,7 @@ channel: better where a few rows have large values).
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 import torch.nn.functional as F
@@ -241,24 +242,17 @@ def _mm_backward(ctx, gy):
 fp8_mm_linear.register_autograd(_mm_backward, setup_context=_linear_setup)
 
 
-def _rows(shape) -> int:
-    n = 1
-    for d in shape[:-1]:
-        n *= d
-    return n
-
-
 # The custom ops are opaque to torch.utils.flop_counter (bench speed's model FLOPs, hence MFU): their matmuls are
 # counted as the Linear's would be (2 x rows x in x out each), so an fp8-matmul run's MFU reads against the same FLOPs
 # as its bf16 run (2026-11-28: Krea 2 with fp8 matmuls was reported at 9 % MFU, its matmuls uncounted).
 @register_flop_formula(torch.ops.difftrain.fp8_mm_linear)
 def _fp8_mm_linear_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * _rows(x_shape) * w_shape[0] * w_shape[1]
+    return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
 
 
 @register_flop_formula(torch.ops.difftrain.fp8_mm_linear_grad_input)
 def _fp8_mm_linear_grad_input_flops(gy_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * _rows(gy_shape) * w_shape[0] * w_shape[1]
+    return 2 * math.prod(gy_shape[:-1]) * w_shape[0] * w_shape[1]
 
 
 def fp8_matmul_ok(m: torch.nn.Module) -> bool:
