@@ -271,3 +271,46 @@ def recipe_as_its_card(recipe: str, folder: Path, tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (folder / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), rows
+
+
+class AttentionBlock(torch.nn.Module):
+    """A self-attention over the block's tokens, then a cross-attention to a short context (a video DiT block's
+    shape): memory.activations.save_attention's tests, on the CPU and on CUDA."""
+
+    def __init__(self, dim: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.q2 = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, ctx):
+        import torch.nn.functional as F
+
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        q2 = self.q2(h).view(b, n, self.heads, d // self.heads).transpose(1, 2)
+        c = ctx.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
+        h = h + F.scaled_dot_product_attention(q2, c, c).transpose(1, 2).reshape(b, n, d)
+        return x + self.out(h)
+
+
+def count_attention():
+    """A dispatch mode that records the number of keys of every attention op save_attention's policy knows
+    (``.keys``): how many attentions ran, and which, in a step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from difftrain.memory.checkpoint_policy import attention_ops
+
+    class CountAttention(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.keys: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in attention_ops():
+                self.keys.append(args[1].shape[-2])
+            return func(*args, **(kwargs or {}))
+
+    return CountAttention()

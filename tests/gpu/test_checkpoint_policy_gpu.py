@@ -8,43 +8,11 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from difftrain.memory.checkpoint_policy import attention_ops, checkpoint_function
+from conftest import AttentionBlock, count_attention
+from difftrain.memory.checkpoint_policy import checkpoint_function
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-class Block(torch.nn.Module):
-    """A self-attention over the block's tokens, then a cross-attention to 16 context tokens (Wan's block shape)."""
-
-    def __init__(self, dim: int = 256, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.q2 = torch.nn.Linear(dim, dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x, ctx):
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        q2 = self.q2(h).view(b, n, self.heads, d // self.heads).transpose(1, 2)
-        c = ctx.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
-        h = h + F.scaled_dot_product_attention(q2, c, c).transpose(1, 2).reshape(b, n, d)
-        return x + self.out(h)
-
-
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.keys: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in attention_ops():
-            self.keys.append(args[1].shape[-2])
-        return func(*args, **(kwargs or {}))
 
 
 def _step(block, keep: bool, count: bool = True):
@@ -52,14 +20,14 @@ def _step(block, keep: bool, count: bool = True):
     x = torch.randn(1, 2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ctx = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
     block.zero_grad(set_to_none=True)
-    counter = Count()
+    counter = count_attention()
     with counter if count else contextlib.nullcontext():
         checkpoint_function(keep)(block, x, ctx).float().square().mean().backward()
     return counter.keys, [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
 
 
 def test_the_cuda_attention_kernels_are_kept_and_the_gradients_are_checkpointings():
-    block = Block().cuda().to(torch.bfloat16)
+    block = AttentionBlock(256).cuda().to(torch.bfloat16)
     plain_keys, plain = _step(block, False)
     kept_keys, kept = _step(block, True)
     assert sorted(plain_keys) == [16, 16, 2048, 2048], plain_keys  # the kernels SDPA took are in the policy's table
@@ -71,10 +39,10 @@ def test_the_cuda_attention_kernels_are_kept_and_the_gradients_are_checkpointing
 def test_inside_a_compiled_block_the_gradients_are_checkpointings():
     from difftrain.speed.regional_compile import checkpoint_inside
 
-    ref = Block().cuda().to(torch.bfloat16)
+    ref = AttentionBlock(256).cuda().to(torch.bfloat16)
     _, want = _step(ref, False, count=False)
     holder = torch.nn.Module()
-    holder.block = Block().cuda().to(torch.bfloat16)
+    holder.block = AttentionBlock(256).cuda().to(torch.bfloat16)
     holder.block.load_state_dict(ref.state_dict())
     checkpoint_inside(holder, [holder.block], checkpoint_function(True))
     holder.block.compile()

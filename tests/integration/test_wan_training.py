@@ -129,29 +129,19 @@ def test_save_attention_trains_as_plain_checkpointing_without_recomputing_the_se
 ):
     """memory.activations.save_attention through the trainer: the same losses as plain checkpointing, and one
     self-attention fewer per block in a step (the tiny clips' tokens are few: the threshold is lowered to them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from conftest import count_attention
     from difftrain.memory import checkpoint_policy
 
     monkeypatch.setattr(checkpoint_policy, "MIN_KEYS", 20)  # the tiny one-frame clips' tokens, not the 512 text's
-    calls: list[int] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in checkpoint_policy.attention_ops():
-                calls.append(args[1].shape[-2])
-            return func(*args, **(kwargs or {}))
-
     losses, counts = {}, {}
     for keep in (False, True):
         sets = tiny_sets(tiny_wan, dataset, tmp_path / str(keep), **{"train.max_steps": 3})
         sets += [f"memory.activations={{kind: checkpoint, save_attention: {str(keep).lower()}}}"]
         cfg = resolve(recipe="tiny-wan-lora", sets=sets).config
         precompute(cfg)
-        calls.clear()
-        with Count():
+        with count_attention() as counted:
             losses[keep] = train(cfg).losses
-        counts[keep] = (len([k for k in calls if k >= 20]), len([k for k in calls if k < 20]))
+        counts[keep] = (len([k for k in counted.keys if k >= 20]), len([k for k in counted.keys if k < 20]))
     assert losses[True] == losses[False]
     long_plain, short_plain = counts[False]
     long_kept, short_kept = counts[True]

@@ -3,41 +3,11 @@ the rest of the block but not those attentions; the gradients are those of plain
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import AttentionBlock as Block
+from conftest import count_attention
 from difftrain.memory import checkpoint_policy
 from difftrain.memory.checkpoint_policy import attention_ops, checkpoint_function
-
-
-class Block(torch.nn.Module):
-    """A self-attention over its own tokens and a cross-attention to a short context, as a video DiT block has."""
-
-    def __init__(self, dim: int = 16):
-        super().__init__()
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.q2 = torch.nn.Linear(dim, dim)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def forward(self, x, ctx):
-        b, n, d = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
-        h = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
-        q2 = self.q2(h).view(b, n, 2, d // 2).transpose(1, 2)
-        c = ctx.view(b, -1, 2, d // 2).transpose(1, 2)
-        h = h + F.scaled_dot_product_attention(q2, c, c).transpose(1, 2).reshape(b, n, d)
-        return x + self.out(h)
-
-
-class CountAttention(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.keys: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in attention_ops():
-            self.keys.append(args[1].shape[-2])
-        return func(*args, **(kwargs or {}))
 
 
 def _step(block, how, tokens=1024, context=16):
@@ -45,7 +15,7 @@ def _step(block, how, tokens=1024, context=16):
     x = torch.randn(1, tokens, 16, requires_grad=True)
     ctx = torch.randn(1, context, 16)
     block.zero_grad(set_to_none=True)
-    with CountAttention() as counted:
+    with count_attention() as counted:
         y = block(x, ctx) if how is None else checkpoint_function(how)(block, x, ctx)
         y.square().mean().backward()
     return counted.keys, [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
