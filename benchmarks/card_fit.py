@@ -55,6 +55,8 @@ ORDER = [
     "wan-5b-lora-16gb",
     "wan-14b-lora-16gb",
     "wan-14b-lora-720p-24gb",
+    "wan-1.3b-lora-24gb",
+    "wan-14b-lora-80gb",
     "zimage-lora-6gb",
     "zimage-lora-12gb",
     "krea2-lora-8gb",

@@ -129,6 +129,9 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("krea2-lora-24gb", NOCK, FP8MM),
         "krea2-lora-24gb without checkpointing, fp8 matmuls",
     ),
+    # issue 51: the fast Wan recipes as shipped (bf16, checkpoints on the GPU with the self-attentions' outputs kept)
+    "wan-1.3b-lora-24gb": (["--recipe", "wan-1.3b-lora-24gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
+    "wan-14b-lora-80gb": (["--recipe", "wan-14b-lora-80gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
     # issue 53: Qwen-Image's fast recipe as shipped (int4, no swap) against plain-qwen (bf16 weights, 80 GB card)
     "qwen-image-lora-24gb": (_at_1024("qwen-image-lora-24gb"), "Qwen-Image LoRA r32 as shipped for a 24 GB card"),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
@@ -184,11 +187,14 @@ PLAIN_OF = {
     "wan-14b-lora-24gb": "plain-wan14",
     "wan-14b-lora-bf16": "plain-wan14",
     "wan-14b-lora-bf16-sa": "plain-wan14",
+    "wan-14b-lora-80gb": "plain-wan14",
 }
 #: cases at their own --size without difftrain's eager run beside them: name -> (steps, warm-up)
 OWN_SIZE = {
     "wan-1.3b-lora-8gb-nosplit": (4, 3),
     "qwen-image-lora-24gb": (8, 6),
+    "wan-1.3b-lora-24gb": (4, 3),
+    "wan-14b-lora-80gb": (3, 2),
     "wan-1.3b-lora-8gb-onhost": (4, 3),
     "wan-1.3b-lora-bf16": (4, 3),
     "wan-14b-lora-bf16": (3, 2),

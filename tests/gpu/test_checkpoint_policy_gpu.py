@@ -26,14 +26,21 @@ def _step(block, keep: bool, count: bool = True):
     return counter.keys, [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
 
 
+def _assert_near(want, got, share: float):
+    """Each gradient within ``share`` of its norm: SDPA's flash backward adds its query gradients up in no fixed
+    order (torch.equal failed between the two, H200, 2026-11-28), so runs differ in the last bits of bf16; a wrong
+    saved tensor would be off by the whole gradient."""
+    for a, b in zip(want, got, strict=True):
+        assert (a.float() - b.float()).norm() <= share * a.float().norm(), (a, b)
+
+
 def test_the_cuda_attention_kernels_are_kept_and_the_gradients_are_checkpointings():
     block = AttentionBlock(256).cuda().to(torch.bfloat16)
     plain_keys, plain = _step(block, False)
     kept_keys, kept = _step(block, True)
     assert sorted(plain_keys) == [16, 16, 2048, 2048], plain_keys  # the kernels SDPA took are in the policy's table
     assert sorted(kept_keys) == [16, 16, 2048]
-    for a, b in zip(plain, kept):
-        assert torch.equal(a, b)
+    _assert_near(plain, kept, 1e-2)
 
 
 def test_inside_a_compiled_block_the_gradients_are_checkpointings():
@@ -51,5 +58,4 @@ def test_inside_a_compiled_block_the_gradients_are_checkpointings():
     ctx = torch.randn(1, 16, 256, device="cuda", dtype=torch.bfloat16)
     holder.block(x, ctx).float().square().mean().backward()
     got = [p.grad for p in holder.block.parameters()] + [x.grad]
-    for a, b in zip(want, got):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # inductor fuses in bf16: close, not equal
+    _assert_near(want, got, 3e-2)  # inductor fuses in bf16: close, not equal

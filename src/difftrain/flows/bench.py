@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.load import validate
 from ..config.schema import Config, SpeedConfig
@@ -25,6 +26,7 @@ from ..data.index import CacheIndex, IndexItem
 from ..errors import UsageError
 from ..families.registry import get_family
 from ..families.tokenizers import tiny_clip_vocab
+from ..memory import checkpoint_policy
 from ..memory.card import Overhead, allocator_budget, measure_overhead
 from ..memory.planner import Estimate
 from ..planning.estimate import plan_memory
@@ -480,18 +482,39 @@ def _step_flops(trainer: Trainer, fake: bool) -> tuple[float, bool] | None:
     act = cfg.memory.activations
     if act.kind != "checkpoint" or (exact and not cfg.speed.compile):
         return count, True
+    kept: list[float] = []  # save_attention: the kept attentions' FLOPs, which the recompute skips
     try:
-        forward = _count_flops(trainer, grad=False, fake=fake)
+        forward = _count_flops(trainer, grad=False, fake=fake, kept=kept if act.save_attention else None)
     except torch.OutOfMemoryError:
         free_memory(trainer.device)
         return count, False
     share = (2 if act.split else 1) / act.every
-    return count - share * forward, False
+    return count - share * (forward - sum(kept)), False
 
 
-def _count_flops(trainer: Trainer, grad: bool = True, fake: bool = False) -> float:
+class _KeptAttentionFlops(TorchDispatchMode):
+    """The FLOPs of the attention calls memory.activations.save_attention keeps (checkpoint_policy.keeps: those over
+    enough keys), by torch.utils.flop_counter's own formulas: what a checkpointed block's recompute does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None and checkpoint_policy.keeps(func, args):
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _count_flops(trainer: Trainer, grad: bool = True, fake: bool = False, kept: list[float] | None = None) -> float:
     """One step's FLOPs (a no-grad forward's where not ``grad``) as torch.utils.flop_counter counts them; ``fake``:
-    on fake tensors (the batch made fake, the modules' own tensors taken in as fake ones)."""
+    on fake tensors (the batch made fake, the modules' own tensors taken in as fake ones). ``kept``: a list the
+    FLOPs of the attentions save_attention keeps are appended to."""
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -505,7 +528,8 @@ def _count_flops(trainer: Trainer, grad: bool = True, fake: bool = False) -> flo
         with mode as fm:
             if fake:
                 batch = tree_map(lambda v: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v, batch)
-            with FlopCounterMode(display=False) as fc:
+            attention = _KeptAttentionFlops() if kept is not None else contextlib.nullcontext()
+            with FlopCounterMode(display=False) as fc, attention:
                 if grad:
                     trainer.loss(batch).backward()
                 else:
@@ -513,6 +537,8 @@ def _count_flops(trainer: Trainer, grad: bool = True, fake: bool = False) -> flo
                         trainer.loss(batch)
     finally:
         trainer.parts.optimizer.zero_grad(set_to_none=True)  # a fake step's gradients are fake: never kept
+    if isinstance(attention, _KeptAttentionFlops) and kept is not None:
+        kept.append(attention.flops * trainer.cfg.train.grad_accum)
     return fc.get_total_flops() * trainer.cfg.train.grad_accum
 
 
