@@ -129,7 +129,7 @@ def test_block_swap_beside_offloaded_checkpoints_sends_each_recomputed_block_hom
 
 WORK = Path(os.environ.get("DIFFTRAIN_WAN_GPU_WORK", "/tmp/difftrain-wan-gpu"))
 RECIPES = ["wan-1.3b-lora-8gb", "wan-1.3b-full-24gb", "wan-5b-lora-16gb", "wan-14b-lora-24gb", "wan-14b-lora-16gb",
-           "wan-14b-lora-720p-24gb"]  # fmt: skip
+           "wan-14b-lora-720p-24gb", "wan-1.3b-lora-24gb", "wan-14b-lora-80gb"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
