@@ -35,6 +35,8 @@ RECIPES = [
     "krea2-lora-48gb",
     "qwen-image-lora-12gb",
     "qwen-image-lora-24gb",
+    "qwen-image-edit-lora-24gb",
+    "qwen-image-edit-lora-16gb",
 ]
 
 
