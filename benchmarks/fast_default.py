@@ -134,6 +134,20 @@ CASES: dict[str, tuple[list[str], str]] = {
     "wan-14b-lora-80gb": (["--recipe", "wan-14b-lora-80gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
     # issue 53: Qwen-Image's fast recipe as shipped (int4, no swap) against plain-qwen (bf16 weights, 80 GB card)
     "qwen-image-lora-24gb": (_at_1024("qwen-image-lora-24gb"), "Qwen-Image LoRA r32 as shipped for a 24 GB card"),
+    # a fast Qwen-Image for a 48 GB card, as krea2-lora-48gb: fp8 weights, nothing checkpointed (planned 39.6 GiB
+    # reserved), with and without fp8 matmuls; bf16 weights with every block checkpointed (planned 44.3)
+    "qwen-image-lora-fp8-nock": (
+        _at_1024("qwen-image-lora-24gb", "memory.weights.kind=fp8", NOCK),
+        "qwen-image-lora-24gb with fp8 weights, nothing checkpointed",
+    ),
+    "qwen-image-lora-fp8mm-nock": (
+        _at_1024("qwen-image-lora-24gb", "memory.weights.kind=fp8", NOCK, FP8MM),
+        "qwen-image-lora-24gb with fp8 weights and matmuls, nothing checkpointed",
+    ),
+    "qwen-image-lora-bf16": (
+        _at_1024("qwen-image-lora-24gb", "memory.weights.kind=bf16"),
+        "qwen-image-lora-24gb with bf16 weights (every block checkpointed)",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -193,6 +207,9 @@ PLAIN_OF = {
 OWN_SIZE = {
     "wan-1.3b-lora-8gb-nosplit": (4, 3),
     "qwen-image-lora-24gb": (8, 6),
+    "qwen-image-lora-fp8-nock": (8, 6),
+    "qwen-image-lora-fp8mm-nock": (8, 6),
+    "qwen-image-lora-bf16": (8, 6),
     "wan-1.3b-lora-24gb": (4, 3),
     "wan-14b-lora-80gb": (3, 2),
     "wan-1.3b-lora-8gb-onhost": (4, 3),
