@@ -82,6 +82,9 @@ class ModelFamily(ABC):
     #: the recipe that trains the family's tiny seeded model (``build_tiny``): what ``difftrain quickstart --family``
     #: runs; None: no quickstart. A family sharing another's recipe (image-to-video) sets its own config over it
     tiny_recipe: ClassVar[str | None] = None
+    #: the side of the square of latent pixels the denoiser makes one image token of (2: Flux's 2x2 packing; 1:
+    #: latents read unpatched): what a dynamic shift counts an image's tokens by (objectives.dynamic_shift)
+    latent_patch: ClassVar[int] = 2
     #: the bundled config of the tiny model, when the tiny recipe names another family's
     tiny_config: ClassVar[str | None] = None
     #: its LoRAs can also be written as sd-scripts names them (lora.kohya, ``kohya_names``)

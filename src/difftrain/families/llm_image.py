@@ -129,6 +129,8 @@ class LLMImageFamily(ModelFamily):
     encoder_name: ClassVar[str]
     file_markers: ClassVar[str]
     single_file_hint: ClassVar[str]
+    #: the folders besides the parts a diffusers export copies from the source folder
+    copied_folders: ClassVar[tuple[str, ...]] = ("tokenizer", "scheduler")
     #: what training a distilled (Turbo) checkpoint is warned with, or "" where the model has none
     distilled_warning: ClassVar[str] = ""
 
@@ -515,7 +517,7 @@ class LLMImageFamily(ModelFamily):
                     common.write_part(tmp, part, sds[part], configs[part], dtype, self.save_as[part])
                 elif (src / part).is_dir():
                     shutil.copytree(src / part, tmp / part)
-            for extra in ("tokenizer", "scheduler"):
+            for extra in self.copied_folders:
                 if (src / extra).is_dir():
                     shutil.copytree(src / extra, tmp / extra)
             shutil.copy(src / "model_index.json", tmp / "model_index.json")

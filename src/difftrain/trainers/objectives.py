@@ -279,10 +279,12 @@ class Objective:
 
     def flow_inputs(self, latents: torch.Tensor, noise: torch.Tensor, q: torch.Tensor | None = None):
         """Rectified flow: x_s = (1 - s) x0 + s noise, target noise - x0 (SD3, Flux). A given quantile q is shifted
-        as the scheduler shifts its sigmas (by the latent's 2x2 patch count where the scheduler shifts dynamically)."""
+        as the scheduler shifts its sigmas (by the image's token count where the scheduler shifts dynamically: its latent
+        pixels over the family's latent_patch squared)."""
         shift = self.flow_shift
         if self.dynamic:
-            shift = dynamic_shift(self.scheduler.config, latents.shape[-2] * latents.shape[-1] // 4)
+            tokens = latents.shape[-2] * latents.shape[-1] // self.family.latent_patch**2
+            shift = dynamic_shift(self.scheduler.config, tokens)
         band = self.band
         if q is None:
             gen, dev = self.draws.gen, self.device
