@@ -1,8 +1,10 @@
 """The Qwen-Image families: ``family`` (Qwen-Image, the ModelFamily: loading, encoding, denoising, saving, its LoRA
-names and tiny builder) and ``edit`` (Qwen-Image-Edit, Edit-2509 and Edit-2511: trained with reference images). Their
-transformer files and LoRAs use diffusers' module names (ComfyUI's too), so they have no layout module."""
+names and tiny builder), ``edit`` (Qwen-Image-Edit, Edit-2509 and Edit-2511: trained with reference images) and ``v21``
+(Qwen-Image 2.1: diffusers' classes differ, its own VAE and a Qwen3-VL encoder; text-to-image). Their transformer files
+and LoRAs use diffusers' module names (ComfyUI's too, but for 2.1's fused SwiGLU), so they have no layout module."""
 
 from .edit import QwenImageEdit
 from .family import QwenImage
+from .v21 import QwenImage21
 
-__all__ = ["QwenImage", "QwenImageEdit"]
+__all__ = ["QwenImage", "QwenImage21", "QwenImageEdit"]
