@@ -186,3 +186,21 @@ def test_comfyui_transformer_files_load_with_the_fused_swiglu_split(tiny, loaded
     assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     with pytest.raises(ModelLoadError, match="transformer only; it has no Qwen3-VL text encoder"):
         fam.load(mcfg, ["text_encoder"])
+
+
+def test_qwen_image_refuses_a_qwen_image_21_architecture_through_the_console_script():
+    """`family: qwen-image` with model.config qwen-image-2.1 (the bundled name starts with its prefix) planned 76.9
+    GiB for a model the family cannot build; now it says which family trains it, exit 1, no traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "difftrain", "plan", "--recipe", "tiny-qwen-image-lora"]
+    wrong = subprocess.run([*cmd, "--set", "model.config=qwen-image-2.1"], capture_output=True, text=True)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert "Set family: qwen-image-2.1" in wrong.stderr and "Traceback" not in wrong.stderr
+    right = subprocess.run(
+        [sys.executable, "-m", "difftrain", "plan", "--recipe", "tiny-qwen-image-2.1-lora"],
+        capture_output=True,
+        text=True,
+    )
+    assert right.returncode == 0, right.stdout + right.stderr

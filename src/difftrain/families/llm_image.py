@@ -129,6 +129,8 @@ class LLMImageFamily(ModelFamily):
     encoder_name: ClassVar[str]
     file_markers: ClassVar[str]
     single_file_hint: ClassVar[str]
+    #: bundled configs under config_prefix that belong to another family (whose classes differ): refused here
+    foreign_configs: ClassVar[Mapping[str, str]] = {}
     #: the folders besides the parts a diffusers export copies from the source folder
     copied_folders: ClassVar[tuple[str, ...]] = ("tokenizer", "scheduler")
     #: what training a distilled (Turbo) checkpoint is warned with, or "" where the model has none
@@ -152,12 +154,19 @@ class LLMImageFamily(ModelFamily):
 
     # ------------------------------------------------------------ sources and configs
     def known_configs(self) -> list[str]:
-        return common.config_names(self.config_prefix)
+        foreign = tuple(self.foreign_configs)
+        return [n for n in common.config_names(self.config_prefix) if not n.startswith(foreign)]
 
     def bundled(self, name: str | None) -> Path:
-        return common.bundled_dir(
-            name or self.default_config, self.label, self.known_configs, prefix=self.config_prefix
-        )
+        name = name or self.default_config
+        for prefix, family in self.foreign_configs.items():  # another family's architecture under this one's prefix
+            if name.startswith(prefix):
+                raise ModelLoadError(
+                    f"The bundled config {name!r} is a {family} architecture, not a {self.label} one.",
+                    hint=f"Set family: {family} (--set family={family}), or model.config: one of "
+                    f"{', '.join(self.known_configs())}.",
+                )
+        return common.bundled_dir(name, self.label, self.known_configs, prefix=self.config_prefix)
 
     def _source(self, mcfg: ModelConfig) -> tuple[str, Path]:
         return common.resolve_source(

@@ -78,6 +78,8 @@ class QwenImage(LLMImageFamily):
     name = "qwen-image"
     label = "Qwen-Image"
     config_prefix = "qwen-image"
+    #: Qwen-Image 2.1's architectures have diffusers classes of their own: config prefix -> the family that trains them
+    foreign_configs: ClassVar[Mapping[str, str]] = {"qwen-image-2.1": "qwen-image-2.1"}
     default_config = DEFAULT_CONFIG
     hub_example = "Qwen/Qwen-Image"
     text_stage = "qwen25vl"
