@@ -37,6 +37,7 @@ def _transformer_out(pipe) -> torch.Tensor:
         )[0]
 
 
+@pytest.mark.slow
 def test_the_console_script_trains_a_lora_the_pipeline_loads(tiny_qi21, dataset, tmp_path):
     from difftrain.config.schema import ModelConfig
     from difftrain.families.qwenimage import QwenImage21

@@ -36,6 +36,7 @@ def _opts(tiny):
     return resolve(recipe="tiny-qwen-image-2.1-lora", sets=[f"model.path={tiny}", "data.dir=."]).config.text_encoders
 
 
+@pytest.mark.slow
 def test_the_bundled_architecture_has_the_released_models_sizes():
     """The transformer and VAE as diffusers' classes default (32 blocks of 4 096: 7.12B; the 64-channel RGBA VAE),
     Qwen3-VL-8B-Instruct (8.77B with its vision tower and untied head), built on the meta device."""
@@ -198,9 +199,3 @@ def test_qwen_image_refuses_a_qwen_image_21_architecture_through_the_console_scr
     wrong = subprocess.run([*cmd, "--set", "model.config=qwen-image-2.1"], capture_output=True, text=True)
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert "Set family: qwen-image-2.1" in wrong.stderr and "Traceback" not in wrong.stderr
-    right = subprocess.run(
-        [sys.executable, "-m", "difftrain", "plan", "--recipe", "tiny-qwen-image-2.1-lora"],
-        capture_output=True,
-        text=True,
-    )
-    assert right.returncode == 0, right.stdout + right.stderr
