@@ -269,6 +269,7 @@ def test_flow_matching_inputs_follow_the_formulas():
         flow_shift=3.0,
         dynamic=True,
         scheduler=sched,
+        family=SimpleNamespace(latent_patch=2),  # Flux's 2x2 patches: one token per 2x2 latent pixels
         draws=draws,
         device=draws.device,
         band=(0.0, 1.0),
