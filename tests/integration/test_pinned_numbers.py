@@ -47,6 +47,7 @@ FAMILIES = {
     "qwen-image-edit": ("tiny-qwen-image-edit-lora", "qwenimage:QwenImageEdit", {}),
     "flux2": ("tiny-flux2-lora", "flux2:Flux2", {}),
     "flux2-edit": ("tiny-flux2-edit-lora", "flux2:Flux2Edit", {}),
+    "qwen-image-2.1": ("tiny-qwen-image-2.1-lora", "qwenimage:QwenImage21", {}),
 }
 #: families trained on edit pairs: the setup writes each target's references beside the dataset
 EDIT_CONTROLS = {"qwen-image-edit", "flux2-edit"}
@@ -154,6 +155,12 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
     ("flux2-edit", "full_ema"): (
         [1.5018694, 1.5168973, 1.5563574, 1.6114671],
         [21.50734787, 0.006011887755, 9.635264064, 0.001175402794],
+    ),
+    # Qwen-Image 2.1 (issue 53, 2026-11-28), pinned as added
+    ("qwen-image-2.1", "plain"): ([1.4186045, 1.3885894, 1.4728661, 1.480064], [607.7999776, 81.19557395, 3.91122643]),
+    ("qwen-image-2.1", "full_ema"): (
+        [1.4186045, 1.3876119, 1.4712371, 1.4820879],
+        [10.72127691, 0.003296897373, 4.687181873, 0.0006168969119],
     ),
 }
 
@@ -312,7 +319,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
 
 #: the bf16 plans' numbers depend on the CPU's bf16 kernels (PINS_AVX2, PINS_AVX512_BF16); a family added after those
 #: machines were lent pins its float32 plans only
-FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit", "flux2", "flux2-edit"}
+FP32_ONLY = {"wan", "zimage", "krea2", "qwen-image", "qwen-image-edit", "flux2", "flux2-edit", "qwen-image-2.1"}
 CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in ("plain", "full_ema")]
 
 
