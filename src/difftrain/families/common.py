@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,6 +34,20 @@ PICKLE_EXTS = (".ckpt", ".pt", ".pth", ".bin")
 QUANTIZED = ("int8", "nf4")
 FOLDER_HINT = "Give the folder that holds model_index.json, or a single-file .safetensors checkpoint."
 SDXL_FOLDER_HINT = "It has a unet/ folder: it looks like an SDXL model; set family: sdxl."
+#: torch.compile's costs for a transformer of FLUX.1's size (speed/auto.py's CompileCost), measured on FLUX.1 (how:
+#: flux/family.py): the figures the families of about its size that were not measured themselves take too (FLUX.2,
+#: Krea 2, Qwen-Image 2.1); read-only, one mapping for all of them
+FLUX_COMPILE_COST: Mapping[str, float] = MappingProxyType(
+    {
+        "cold_s": 50.0,
+        "warm_s": 20.0,
+        "saved_s": 0.8,
+        "saved_s_no_graphs": 0.48,
+        "dynamic_s": 60.0,
+        "shape_s": 0.0,
+        "record_s": 4.0,
+    }
+)
 _T5_HINT = "set text_encoders.t5.precision: bf16"
 
 
@@ -857,6 +872,18 @@ def measured_hints(data_file: Path) -> dict:
     }
 
 
+def _vae_config(folder: Path) -> dict:
+    """``folder``'s vae/config.json, or nothing where it has none."""
+    f = folder / "vae" / "config.json"
+    return read_json(f) if f.is_file() else {}
+
+
+def spatial_factor(vae_config: Mapping[str, Any]) -> int:
+    """How many pixels a VAE's latent pixel spans per side: its config's scale_factor_spatial (Wan 2.2's and Qwen-Image
+    2.1's VAEs, 16), else 8 (the VAEs whose configs do not state it: SDXL's, SD3's, Flux's, Wan 2.1's, Qwen-Image's)."""
+    return int(vae_config.get("scale_factor_spatial") or 8)
+
+
 def image_memory_hints(
     family,
     new_module: Callable[[str, dict], torch.nn.Module],
@@ -870,9 +897,9 @@ def image_memory_hints(
     lora_rank: int,
     resolution: int,
 ) -> dict:
-    """An image family's numbers for the memory planner (SDXL, SD3, Flux: their VAEs downsample 8x): the parameter
-    counts of ``parts`` from ``base``'s configs (the model's diffusers folder, else the bundled architecture), the
-    largest bucket's latent area, and the activation data measured for the bundled architecture
+    """An image family's numbers for the memory planner: the parameter counts of ``parts`` from ``base``'s configs
+    (the model's diffusers folder, else the bundled architecture), the largest bucket's latent area (at the VAE's
+    spatial_factor), and the activation data measured for the bundled architecture
     (``bundled``/memory.json), which is per latent pixel, so the planner's arithmetic is the same for every family."""
     return {
         **parameter_hints(
@@ -886,7 +913,7 @@ def image_memory_hints(
             lora_targets,
             lora_rank,
         ),
-        "latent_pixels": (resolution // 8) ** 2,
+        "latent_pixels": (resolution // spatial_factor(_vae_config(base))) ** 2,
         **measured_hints(bundled / "memory.json"),
         "encode_captions": any(p.startswith("text_encoder") for p in trained),
     }

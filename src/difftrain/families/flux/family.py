@@ -102,15 +102,7 @@ class Flux(ModelFamily):
     # measured on the H100 (2026-11-25, docs/benchmarks.md): flux-lora-24gb (fp8, 1024 px) eager 1.266 s/step,
     # compiled without graphs 0.789 after a ~50 s first step; bf16 compiled + graphs 1.168 against 1.966 eager.
     # warm_s, dynamic_s and record_s are SD3's scaled by the transformer's size (not measured on Flux)
-    compile_cost: ClassVar[Mapping[str, float]] = {
-        "cold_s": 50.0,
-        "warm_s": 20.0,
-        "saved_s": 0.8,
-        "saved_s_no_graphs": 0.48,
-        "dynamic_s": 60.0,
-        "shape_s": 0.0,
-        "record_s": 4.0,
-    }
+    compile_cost: ClassVar[Mapping[str, float]] = common.FLUX_COMPILE_COST
     # the diffusers Flux LoRA script's targets (both streams' attention and MLPs of the double blocks), the single
     # blocks' attention and MLP input (to_q/k/v, proj_mlp) and their output projection
     default_lora_targets = (

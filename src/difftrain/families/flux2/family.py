@@ -161,15 +161,7 @@ class Flux2(LLMImageFamily):
     tiny_config = "flux2-tiny"
     avoid_cudnn_attention = True  # FLUX.1's cuDNN attention backward failed at 1024 px: not tried on FLUX.2
     # not measured on FLUX.2: FLUX.1's figures (klein 9B is about its size; [dev] is 2.7x, 4B a third)
-    compile_cost: ClassVar[Mapping[str, float]] = {
-        "cold_s": 50.0,
-        "warm_s": 20.0,
-        "saved_s": 0.8,
-        "saved_s_no_graphs": 0.48,
-        "dynamic_s": 60.0,
-        "shape_s": 0.0,
-        "record_s": 4.0,
-    }
+    compile_cost: ClassVar[Mapping[str, float]] = common.FLUX_COMPILE_COST
     #: both streams' attention and MLPs of the double blocks, the single blocks' fused projections (attention and
     #: MLP in and out), as the diffusers FLUX.2 LoRA scripts and ai-toolkit train them. The single blocks' output
     #: projection is named by its path: a bare "attn.to_out" is the double blocks' ModuleList too

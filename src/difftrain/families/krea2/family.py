@@ -108,15 +108,7 @@ class Krea2(LLMImageFamily):
     tiny_recipe = "tiny-krea2-lora"
     tiny_config = "krea2-tiny"
     # not measured on Krea 2: Flux's figures (a transformer of the same size)
-    compile_cost: ClassVar[Mapping[str, float]] = {
-        "cold_s": 50.0,
-        "warm_s": 20.0,
-        "saved_s": 0.8,
-        "saved_s_no_graphs": 0.48,
-        "dynamic_s": 60.0,
-        "shape_s": 0.0,
-        "record_s": 4.0,
-    }
+    compile_cost: ClassVar[Mapping[str, float]] = common.FLUX_COMPILE_COST
     #: every Linear of the attention (with its output gate) and the SwiGLU, in the main blocks and the text-fusion
     #: blocks (the same names)
     default_lora_targets = (

@@ -177,16 +177,8 @@ class QwenImage21(LLMImageFamily):
     tiny_config = "qwen-image-2.1-tiny"
     #: latents read unpatched: one token per latent pixel (the dynamic shift counts them so)
     latent_patch = 1
-    # not measured on Qwen-Image 2.1: Krea 2's figures (Flux's, a transformer of similar size)
-    compile_cost: ClassVar[Mapping[str, float]] = {
-        "cold_s": 50.0,
-        "warm_s": 20.0,
-        "saved_s": 0.8,
-        "saved_s_no_graphs": 0.48,
-        "dynamic_s": 60.0,
-        "shape_s": 0.0,
-        "record_s": 4.0,
-    }
+    # not measured on Qwen-Image 2.1: FLUX.1's figures (a transformer of similar size)
+    compile_cost: ClassVar[Mapping[str, float]] = common.FLUX_COMPILE_COST
     #: every Linear of the blocks: the attention's q, k, v and output, the SwiGLU's gate, up and down
     default_lora_targets = (
         "attn.to_q",
@@ -375,21 +367,6 @@ class QwenImage21(LLMImageFamily):
     def swap_blocks(self, transformer) -> list[torch.nn.Module]:
         return list(transformer.transformer_blocks)
 
-    def memory_hints(
-        self,
-        mcfg: ModelConfig,
-        lora_targets: list[str],
-        lora_rank: int,
-        resolution: int,
-        loaded: list[str],
-        trained: list[str],
-        method: str,
-    ) -> dict:
-        """As the other language-model families', with the latent's area at the VAE's 16x."""
-        hints = super().memory_hints(mcfg, lora_targets, lora_rank, resolution, loaded, trained, method)
-        hints["latent_pixels"] = (resolution // 16) ** 2
-        return hints
-
     # ------------------------------------------------------------ pipelines and export
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
         """QwenImage21Pipeline over the loaded parts (the text-only processor), with the model's scheduler."""
@@ -463,7 +440,7 @@ class QwenImage21(LLMImageFamily):
         cfgdir = self.bundled(config_name)
         tr = _read_json(cfgdir / "transformer" / "config.json")
         vae = _read_json(cfgdir / "vae" / "config.json")
-        side = resolution // 16
+        side = resolution // common.spatial_factor(vae)
         return {
             "latent": {"latents": (vae["z_dim"], side, side), "crop": (2,)},
             "qwen3vl": {"prompt_embeds": (caption_tokens, tr["context_in_dim"])},

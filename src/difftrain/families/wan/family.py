@@ -635,7 +635,7 @@ class Wan(ModelFamily):
                 f"A Wan clip needs 4k + 1 frames (1, 5, ..., 81), got {f}.",
                 hint="Sample clips of 81 frames (Wan's default), or 4k + 1 for another k.",
             )
-        side = 2 * int(vae.config.get("scale_factor_spatial") or 8)  # VAE x patch 2
+        side = 2 * common.spatial_factor(vae.config)  # VAE x patch 2
         if h % side or w % side:
             raise DataError(
                 f"This Wan model needs frame sides that are multiples of {side}, got {h}x{w}.",
@@ -756,7 +756,7 @@ class Wan(ModelFamily):
             cfg_file = folder / part / "config.json" if folder is not None else None
             return cfg_file if cfg_file is not None and cfg_file.exists() else bundled / part / "config.json"
 
-        s = int(_read_json(config_file("vae")).get("scale_factor_spatial") or 8)
+        s = common.spatial_factor(_read_json(config_file("vae")))
         tcfg = _read_json(config_file("transformer"))
         width = int(tcfg["num_attention_heads"]) * int(tcfg["attention_head_dim"])
         return {
@@ -827,7 +827,7 @@ class Wan(ModelFamily):
         te = _read_json(cfgdir / "text_encoder" / "config.json")
         vae = _read_json(cfgdir / "vae" / "config.json")
         h, w = (resolution, resolution) if isinstance(resolution, int) else resolution
-        s = int(vae.get("scale_factor_spatial") or 8)
+        s = common.spatial_factor(vae)
         lat = (vae["z_dim"], latent_frames(frames), h // s, w // s)
         return {"latent": {"latents": lat, "crop": (2,)}, "t5": {"prompt_embeds": (TEXT_TOKENS, te["d_model"])}}
 
