@@ -75,6 +75,8 @@ ORDER = [
     "qwen-image-lora-24gb",
     "qwen-image-edit-lora-24gb",
     "qwen-image-edit-lora-16gb",
+    "qwen-image-lora-48gb",
+    "flux2-klein-4b-full-24gb",
 ]
 
 OVERHEAD = """

@@ -148,6 +148,8 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("qwen-image-lora-24gb", "memory.weights.kind=fp8", NOCK, FP8MM),
         "qwen-image-lora-24gb with fp8 weights and matmuls, nothing checkpointed",
     ),
+    # the fast Qwen-Image recipe as shipped: fp8 weights, every second block checkpointed
+    "qwen-image-lora-48gb": (_at_1024("qwen-image-lora-48gb"), "Qwen-Image LoRA r32 as shipped for a 48 GB card"),
     "qwen-image-lora-bf16": (
         _at_1024("qwen-image-lora-24gb", "memory.weights.kind=bf16"),
         "qwen-image-lora-24gb with bf16 weights (every block checkpointed)",
@@ -216,6 +218,7 @@ OWN_SIZE = {
     "qwen-image-lora-fp8-nock": (8, 6),
     "qwen-image-lora-fp8mm-nock": (8, 6),
     "qwen-image-lora-bf16": (8, 6),
+    "qwen-image-lora-48gb": (8, 6),
     "wan-1.3b-lora-24gb": (4, 3),
     "wan-14b-lora-80gb": (3, 2),
     "wan-1.3b-lora-8gb-onhost": (4, 3),

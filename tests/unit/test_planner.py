@@ -425,6 +425,8 @@ MEASURED_HOST = {
     "qwen-image-edit-lora-24gb": 2.05,  # int4, no block swap, one reference (issue 53, 2026-11-28)
     "qwen-image-edit-lora-16gb": 8.13,  # int4, 36 blocks swapped, one reference (issue 53, 2026-11-28)
     "krea2-lora-48gb": 2.29,  # fp8 with fp8 matmuls, no checkpointing (issue 52, 2026-11-28)
+    "qwen-image-lora-48gb": 2.04,  # fp8, every second block checkpointed (issue 53, 2026-11-28)
+    "flux2-klein-4b-full-24gb": 2.03,  # bf16, Adafactor in the backward, no block swap (issue 53, 2026-11-28)
 }
 
 #: measured host RAM over the plan by more than 10 %: the full fine-tune held 0.6 GiB more than the LoRA recipe of the
@@ -546,6 +548,8 @@ MEASURED_CARD = {
     "qwen-image-edit-lora-24gb": (16.885, 17.727),  # 3 steps (card_fit_qwen_image.json qe24-int4), 2026-11-28
     "qwen-image-edit-lora-16gb": (11.501, 12.234),  # 3 steps (qe16-int4-bs36), 2026-11-28
     "krea2-lora-48gb": (40.436, 42.262),  # 3 steps (card_fit_krea2.json k48-fp8mm-nock), 2026-11-28
+    "qwen-image-lora-48gb": (35.672, 36.398),  # 3 steps, as shipped, 2026-11-28
+    "flux2-klein-4b-full-24gb": (9.826, 10.68),  # 3 steps (card_fit_flux2.json f4-24-full), 2026-11-28
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -579,7 +583,7 @@ RESERVED_OVER = {
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 46 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 48 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
