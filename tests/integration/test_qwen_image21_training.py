@@ -1,5 +1,6 @@
-"""Qwen-Image 2.1 through the console script on CPU: precompute and a short LoRA training of the tiny model, its loss
-finite, the diffusers-layout LoRA it writes loading into QwenImage21Pipeline and changing what it predicts."""
+"""Qwen-Image 2.1 on CPU: precompute and a short LoRA training of the tiny model through the console script, its loss
+finite, the diffusers-layout LoRA it writes loading into QwenImage21Pipeline and changing what it predicts; lora
+merge and resize of that LoRA; a full fine-tune's diffusers folder and single file."""
 
 from __future__ import annotations
 
@@ -63,3 +64,75 @@ def test_the_console_script_trains_a_lora_the_pipeline_loads(tiny_qi21, dataset,
     adapted = {n for n, _ in pipe.transformer.named_modules() if n.endswith("lora_A")}
     assert any(".img_mlp.gate_layer." in n for n in adapted) and any(".attn.to_q." in n for n in adapted)
     assert not torch.allclose(_transformer_out(pipe), base, atol=1e-4)
+
+
+def _pipe(tiny_qi21, transformer_path=None):
+    """QwenImage21Pipeline over the tiny model, with ``transformer_path`` (a single file) as its transformer."""
+    from difftrain.config.schema import ModelConfig
+    from difftrain.families.qwenimage import QwenImage21
+
+    fam = QwenImage21()
+    mcfg = ModelConfig(path=tiny_qi21)
+    comps = fam.load(mcfg, ["transformer", "vae", "text_encoder"])
+    if transformer_path is not None:
+        tuned = ModelConfig(path=transformer_path, config="qwen-image-2.1-tiny")
+        comps["transformer"] = fam.load(tuned, ["transformer"], tokenizers=False)["transformer"]
+    return fam.pipeline(comps, mcfg)
+
+
+@pytest.mark.slow
+def test_lora_merge_and_resize_take_qwen_image_21_loras(tiny_qi21, dataset, tmp_path):
+    from difftrain.config.load import resolve
+    from difftrain.lora.tools import merge, resize
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    sets = tiny_sets(tiny_qi21, dataset, tmp_path, **{"train.max_steps": 3, "report.to": "[]",
+                     "train.checkpoint_every": "null", "train.learning_rate": "1e-2"})  # fmt: skip
+    cfg = resolve(recipe="tiny-qwen-image-2.1-lora", sets=sets).config
+    precompute(cfg)
+    lora = train(cfg).lora_path
+    base = _transformer_out(_pipe(tiny_qi21))
+    pipe = _pipe(tiny_qi21)
+    pipe.load_lora_weights(str(lora))
+    with_lora = _transformer_out(pipe)
+    assert not torch.allclose(with_lora, base, atol=1e-4)
+    # merged into the base: one transformer file in the checkpoint's names, predicting as the base with the LoRA
+    merge(tiny_qi21, lora, tmp_path / "merged.safetensors")
+    torch.testing.assert_close(_transformer_out(_pipe(tiny_qi21, tmp_path / "merged.safetensors")), with_lora,
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    # resized to its own rank it predicts the same; cut to rank 1 it still loads and still changes the output
+    rank = cfg.lora.rank
+    for r in (rank, 1):
+        resize(lora, tmp_path / f"r{r}.safetensors", rank=r)
+        pipe = _pipe(tiny_qi21)
+        pipe.load_lora_weights(str(tmp_path / f"r{r}.safetensors"))
+        out = _transformer_out(pipe)
+        if r == rank:
+            torch.testing.assert_close(out, with_lora, rtol=1e-4, atol=1e-5)
+        else:
+            assert not torch.allclose(out, base, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_qwen_image_21_full_fine_tune_saves_a_diffusers_folder_and_the_single_file(tiny_qi21, dataset, tmp_path):
+    from diffusers import QwenImage21Transformer2DModel
+
+    from difftrain.config.load import resolve
+    from difftrain.precompute.run import precompute
+    from difftrain.trainers.loop import train
+
+    sets = tiny_sets(tiny_qi21, dataset, tmp_path, **{"train.max_steps": 1, "train.checkpoint_every": 100,
+                     "report.to": "[]", "train.method": "full", "save.formats": "[single_file, diffusers]",
+                     "train.learning_rate": "1e-3", "save.precision": "fp32"})  # fmt: skip
+    cfg = resolve(recipe="tiny-qwen-image-2.1-lora", sets=sets).config
+    precompute(cfg)
+    train(cfg)
+    out = cfg.train.output_dir
+    folder = QwenImage21Transformer2DModel.from_pretrained(out / "diffusers" / "transformer").state_dict()
+    base = _pipe(tiny_qi21).transformer.state_dict()
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert name in folder and not torch.equal(folder[name], base[name])  # trained
+    # the single file (the checkpoint's own names) loads back to the folder's weights
+    tuned = _pipe(tiny_qi21, out / "model.safetensors").transformer.state_dict()
+    assert set(tuned) == set(folder) and all(torch.equal(tuned[k], folder[k].to(tuned[k].dtype)) for k in folder)
