@@ -292,3 +292,29 @@ def test_edit_training_gives_the_transformer_the_pipelines_reference_inputs(tiny
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     without = fam.denoise(tr, noisy, t, {"prompt_embeds": text, "reference_latents": cached[:, :1]})
     assert not torch.allclose(without, got, atol=1e-4)  # the second reference is seen
+
+
+def test_a_random_transformer_too_big_for_the_disk_in_bf16_is_stored_and_loaded_as_fp8(tmp_path, monkeypatch):
+    """build_random stores FLUX.2 dev's random transformer in fp8 (its 64 GB of bf16 filled a 64 GiB disk): the
+    threshold lowered, the tiny one is written in fp8 and loads as its bf16 build's weights cast through fp8."""
+    from safetensors import safe_open
+
+    from difftrain.families.flux2 import family as f2
+
+    fam = Flux2()
+    plain = fam.build_random("flux2-tiny", tmp_path / "bf16", seed=3, parts=["transformer"])
+    monkeypatch.setattr(f2, "RANDOM_FP8_ABOVE_BYTES", 0)
+    small = fam.build_random("flux2-tiny", tmp_path / "fp8", seed=3, parts=["transformer"])
+    stored = small / "transformer" / "diffusion_pytorch_model.safetensors"
+    with safe_open(str(stored), "pt") as f:
+        name = next(k for k in f.keys() if k.endswith("to_q.weight"))  # noqa: SIM118 - safe_open is no dict
+        assert f.get_tensor(name).dtype == torch.float8_e4m3fn
+
+    def load(p):
+        return fam.load(ModelConfig(path=p), ["transformer"], tokenizers=False)["transformer"].state_dict()
+
+    want, got = load(plain), load(small)
+    assert set(got) == set(want)
+    for k, w in want.items():
+        if w.is_floating_point():
+            torch.testing.assert_close(got[k].float(), w.to(torch.float8_e4m3fn).float(), rtol=0, atol=0)

@@ -54,6 +54,10 @@ from ..llm_image import PARTS, LLMImageFamily, check_2x2
 from . import single_file
 
 DEFAULT_CONFIG = "flux2-klein-4b"
+#: build_random stores a random transformer larger than this (in bf16) in fp8: FLUX.2 dev's 64 GB of bf16 filled the
+#: 64 GiB disk of the one-GPU machine it was to be measured on (2026-11-28); in fp8 it is 32 GB. Training loads it as
+#: it loads the fp8 files people download (cast up, then stored as the config says), so the memory measured is the same
+RANDOM_FP8_ABOVE_BYTES = 48 * 2**30
 #: the tokens a caption is encoded with, template included (the pipelines' max_sequence_length)
 TEXT_TOKENS = 512
 #: the hidden states each pipeline stacks (its text_encoder_out_layers default; 0 is the embeddings)
@@ -535,7 +539,9 @@ class Flux2(LLMImageFamily):
         parts: Sequence[str] = PARTS,
     ) -> Path:
         """Random bf16 weights of a bundled architecture as a diffusers folder (configs, scheduler and
-        model_index.json; no tokenizer: benchmarks give stand-ins), the text encoder saved as its class."""
+        model_index.json; no tokenizer: benchmarks give stand-ins), the text encoder saved as its class. A transformer
+        over RANDOM_FP8_ABOVE_BYTES in bf16 (FLUX.2 dev's 32 B: 64 GB) is stored in fp8, as the fp8 files people
+        download are: loaded, it is cast up as theirs is."""
         from ...utils import atomic_dir
 
         cfgdir = self.bundled(config_name)
@@ -547,7 +553,9 @@ class Flux2(LLMImageFamily):
         )
         with atomic_dir(Path(path)) as tmp:
             for part, m in comps.items():
-                common.write_part(tmp, part, m.state_dict(), configs[part], torch.bfloat16, save_as[part])
+                big = sum(p.numel() for p in m.parameters()) * 2 > RANDOM_FP8_ABOVE_BYTES
+                dtype = torch.float8_e4m3fn if part == "transformer" and big else torch.bfloat16
+                common.write_part(tmp, part, m.state_dict(), configs[part], dtype, save_as[part])
             shutil.copytree(cfgdir / "scheduler", tmp / "scheduler")
             shutil.copy(cfgdir / "model_index.json", tmp / "model_index.json")
         return Path(path)
