@@ -156,11 +156,13 @@ PINS: dict[tuple[str, str], tuple[list[float], list[float]]] = {
         [1.5018694, 1.5168973, 1.5563574, 1.6114671],
         [21.50734787, 0.006011887755, 9.635264064, 0.001175402794],
     ),
-    # Qwen-Image 2.1 (issue 53, 2026-11-28), pinned as added
-    ("qwen-image-2.1", "plain"): ([1.4186045, 1.3885894, 1.4728661, 1.480064], [607.7999776, 81.19557395, 3.91122643]),
+    # Qwen-Image 2.1 (issue 53, 2026-11-28), pinned as added; re-pinned the same day when the tiny Qwen3-VL's vision
+    # tower took the real one's patch 16 (qwen-image-2.1-edit needs one vision token per 2x2 latent tokens: the seeded
+    # language model's weights drew differently)
+    ("qwen-image-2.1", "plain"): ([1.41801, 1.3886683, 1.4723234, 1.4834067], [608.1450517, 81.37300271, 3.906922538]),
     ("qwen-image-2.1", "full_ema"): (
-        [1.4186045, 1.3876119, 1.4712371, 1.4820879],
-        [10.72127691, 0.003296897373, 4.687181873, 0.0006168969119],
+        [1.41801, 1.3874605, 1.4700129, 1.4827883],
+        [10.8370963, 0.003359617655, 4.741701262, 0.0006271688337],
     ),
 }
 

@@ -1,8 +1,8 @@
 """Qwen-Image 2.1 ("qwen-image-2.1"): a single-stream, block-causal DiT (32 blocks of 4 096, one modulation shared by
 every block) on its own VAE's 64-channel latents (16x spatially, four input channels: RGBA), conditioned by
 Qwen3-VL-8B's last hidden state. diffusers' QwenImage21Pipeline / QwenImage21Transformer2DModel /
-AutoencoderKLQwenImage21; the text encoder Qwen3VLForConditionalGeneration with Qwen3VLProcessor. Text-to-image only
-for now (the pipeline's image-conditioned mode is not trained).
+AutoencoderKLQwenImage21; the text encoder Qwen3VLForConditionalGeneration with Qwen3VLProcessor. Text-to-image here;
+the pipeline's image-conditioned mode is trained by family qwen-image-2.1-edit (v21_edit.py).
 
 Loads offline from a diffusers folder (or a Hub id: Qwen/Qwen-Image-2.1; the processor/ folder holds the tokenizer),
 or from a transformer file (diffusers' names, ``model.diffusion_model.`` or none; ComfyUI's fused SwiGLU ``gate_up``
@@ -426,6 +426,9 @@ class QwenImage21(LLMImageFamily):
             pipe.save_pretrained(folder, safe_serialization=True)
             tok.save_pretrained(folder / "processor")
             (folder / "processor" / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE)
+            # Qwen3-VL's image processor settings, as a Qwen3VLProcessor folder holds them (qwen-image-2.1-edit
+            # hands the references to it; text-to-image never reads them)
+            shutil.copy(cfgdir / "processor" / "preprocessor_config.json", folder / "processor")
         finally:
             shutil.rmtree(tokdir, ignore_errors=True)
         index = _read_json(folder / "model_index.json")
