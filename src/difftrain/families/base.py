@@ -79,6 +79,10 @@ class ModelFamily(ABC):
     #: (data/pairs.py), decodes them fitted to the target's bucket and hands them to ``image_condition_entries``
     #: (``references=``), and encodes each caption with them (``encode_prompts_with_images``)
     references: ClassVar[bool] = False
+    #: edit training whose caption is encoded with the references as the VAE sees them, fitted to the target's bucket
+    #: (Qwen-Image 2.1: a reference fills as many vision tokens as its latents have 2x2 groups): precompute hands
+    #: ``encode_prompts_with_images`` the fitted references and keys the text entry by the bucket (and the crop)
+    text_references_fitted: ClassVar[bool] = False
     #: the recipe that trains the family's tiny seeded model (``build_tiny``): what ``difftrain quickstart --family``
     #: runs; None: no quickstart. A family sharing another's recipe (image-to-video) sets its own config over it
     tiny_recipe: ClassVar[str | None] = None

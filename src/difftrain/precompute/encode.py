@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +26,11 @@ from ..runtime.distributed import barrier as dist_barrier
 from ..utils import free_memory, to_dtype
 from .pipeline import decoded_batches, default_workers, to_unit_range
 from .plan import Plan, PlanItem, Skipped
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..data.buckets import Bucket
 
 
 def gpu_room(device: torch.device) -> float:
@@ -211,7 +217,10 @@ def encode_texts(
                         chunk = missing[i : i + pc.batch_size]
                         captions = [plan.captions[k] for k in chunk]
                         if family.references:  # edit training: each caption encoded with its reference images
-                            images = [[load_rgb(p) for p in plan.references[k]] for k in chunk]
+                            images = [
+                                [_text_reference(p, plan.reference_fit.get(k)) for p in plan.references[k]]
+                                for k in chunk
+                            ]
                             out = family.encode_prompts_with_images(comps, captions, images, stage, opts, cfg.model)
                         else:
                             out = family.encode_prompts(comps, captions, stage, opts)
@@ -236,6 +245,20 @@ def encode_texts(
             free_memory(device)
         merge_shards(cache, world)
     return encoded
+
+
+def _text_reference(path: Path, fit: tuple[Bucket, str | None] | None) -> Image.Image:
+    """A reference image for the caption's encoding: as read, or fitted to the bucket ``fit`` names and cropped as
+    the decoder crops it for its latents (precompute/pipeline.py: the crop seeded by the target's sha256)."""
+    image = load_rgb(path)
+    if fit is None:
+        return image
+    import random
+
+    from ..data.buckets import fit_to_bucket
+
+    bucket, seed = fit
+    return fit_to_bucket(image, bucket, rng=random.Random(seed) if seed is not None else None)[0]
 
 
 def _stage_gib(cfg: Config, family: ModelFamily, stage: str) -> float | None:

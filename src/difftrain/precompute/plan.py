@@ -129,6 +129,9 @@ class Plan:
     masks: dict[str, Any] | None = None  # masked loss: MaskSpec.record() of the masks read
     #: edit training: text entry key -> the reference images its caption is encoded with
     references: dict[str, tuple[Path, ...]] = field(default_factory=dict)
+    #: edit training of a family with ``text_references_fitted``: text entry key -> the bucket its references are
+    #: fitted to and the random crop's seed (the target's sha256; None: centred), as precompute fits the latents'
+    reference_fit: dict[str, tuple[Bucket, str | None]] = field(default_factory=dict)
     unmasked: list[tuple[str, str]] = field(default_factory=list)  # masked loss: (path, why) of items without a mask
 
     def text_sets(self) -> list[TextKeys]:
@@ -416,17 +419,27 @@ def make_plan(
         plan.captions.update((k, "") for k in plan.empty_text.values())
     for p in placed:
         refs = tuple(getattr(p.record, "references", ()))  # edit training: keyed by the references' content too
+        ref_shas = [hashes[r] for r in refs]
+        text_refs, fit = ref_shas, None
+        if refs and family.text_references_fitted:
+            # the caption is encoded with the references fitted to this target's bucket and cropped as its latents'
+            # (the same Random(sha) seed as the decoder's): keyed by the bucket and, with a random crop, the target
+            seed = hashes[p.record.path] if cfg.data.random_crop else None
+            fit = (p.bucket, seed)
+            text_refs = [*ref_shas, f"fitted:{p.size_name}:{seed or 'centred'}"]
         item = _keyed(
-            p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions, [hashes[r] for r in refs]
+            p, keys, hashes[p.record.path], augs.get(p.record.subset, aug), plan.captions, ref_shas, text_refs
         )
         if refs and dropout:  # edit training: the empty instruction with this item's references, its own entry
-            empty = keys.texts("", [hashes[r] for r in refs])
+            empty = keys.texts("", text_refs)
             item = replace(item, empty_texts=empty)
             plan.captions.update((k, "") for k in empty.values())
         plan.items.append(item)
         if refs:
             own = (item.texts, *item.variants, item.empty_texts or {})
             plan.references.update((k, refs) for t in own for k in t.values())
+            if fit is not None:
+                plan.reference_fit.update((k, fit) for t in own for k in t.values())
     add_masks(plan, cfg)
     return plan
 
@@ -438,16 +451,19 @@ def _keyed(
     aug: CaptionAugment,
     captions: dict[str, str],
     refs: Sequence[str] = (),
+    text_refs: Sequence[str] | None = None,
 ) -> PlanItem:
     """``p`` with its entries' keys; the captions they encode are added to ``captions``. ``refs``: the sha256 of
-    its reference images (edit training)."""
+    its reference images (edit training); ``text_refs``: what keys its captions' entries besides the caption, if not
+    ``refs`` (the references' fit too)."""
     caption = p.record.caption
-    texts = keys.texts(caption, refs)
+    text_refs = refs if text_refs is None else text_refs
+    texts = keys.texts(caption, text_refs)
     captions.update((k, caption) for k in texts.values())
     variants: list[TextKeys] = []
     if aug.varies and not p.prior:  # augmented captions, each cached like any caption
         for v in caption_variants(caption, aug):
-            variants.append(keys.texts(v, refs))
+            variants.append(keys.texts(v, text_refs))
             captions.update((k, v) for k in variants[-1].values())
     return PlanItem(
         record=p.record,
