@@ -76,6 +76,9 @@ REGISTRY: tuple[Registered, ...] = (
     Registered("qwen-image", "qwenimage", "QwenImage", "qwen-image", part_files=("ae", "text_encoder")),
     Registered("qwen-image-edit", "qwenimage", "QwenImageEdit", "qwen-image-edit", part_files=("ae", "text_encoder")),
     Registered("qwen-image-2.1", "qwenimage", "QwenImage21", "qwen-image-2.1", part_files=("ae", "text_encoder")),
+    Registered(
+        "qwen-image-2.1-edit", "qwenimage", "QwenImage21Edit", "qwen-image-2.1", part_files=("ae", "text_encoder")
+    ),
     Registered("flux2", "flux2", "Flux2", "flux2-klein-4b", part_files=("ae", "text_encoder")),
     Registered("flux2-edit", "flux2", "Flux2Edit", "flux2-klein-4b", part_files=("ae", "text_encoder")),
 )

@@ -6,5 +6,6 @@ and LoRAs use diffusers' module names (ComfyUI's too, but for 2.1's fused SwiGLU
 from .edit import QwenImageEdit
 from .family import QwenImage
 from .v21 import QwenImage21
+from .v21_edit import QwenImage21Edit
 
-__all__ = ["QwenImage", "QwenImage21", "QwenImageEdit"]
+__all__ = ["QwenImage", "QwenImage21", "QwenImage21Edit", "QwenImageEdit"]
