@@ -224,3 +224,33 @@ def test_the_text_entry_is_keyed_by_the_bucket_its_references_are_fitted_to(tiny
     for p in (pa, pb):
         assert plan.reference_fit[p.texts["qwen3vl"]] == (p.bucket, None)  # centred: no random crop
         assert plan.references[p.texts["qwen3vl"]] == (control / Path(p.record.path).name,)
+
+
+def test_the_image_processor_is_the_folders_and_a_reference_it_would_resize_is_refused(tiny_qi21, tmp_path):
+    """processor/preprocessor_config.json, or the image processor in transformers 5's processor_config.json; at
+    Qwen3-VL's own minimum (256 x 256 pixels) a 64 x 64 reference would be resized into more vision tokens than its
+    latents fill: refused with the reason."""
+    import json
+
+    from difftrain.config.schema import ModelConfig, TextEncodersConfig
+    from difftrain.errors import ConfigError
+    from difftrain.families.qwenimage import QwenImage21Edit
+
+    folder = Path(shutil.copytree(tiny_qi21, tmp_path / "model"))
+    own = folder / "processor" / "preprocessor_config.json"
+    cfg = json.loads(own.read_text())
+    own.unlink()
+    joint = {"image_processor": {**cfg, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}}
+    (folder / "processor" / "processor_config.json").write_text(json.dumps(joint))
+    fam, mcfg = QwenImage21Edit(), ModelConfig(path=folder)
+    assert fam.processor_config(mcfg)["size"]["shortest_edge"] == 65536
+    comps = fam.load(mcfg, ["text_encoder"])
+    ref = Image.new("RGB", (64, 64), (200, 30, 30))
+    opts = TextEncodersConfig()
+    with pytest.raises(ConfigError, match="resized them"):
+        fam.encode_prompts_with_images(comps, ["make it blue"], [[ref]], "qwen3vl", opts, mcfg)
+    own.write_text(json.dumps(cfg))  # the folder's own file first: the tiny minimum (32 x 32)
+    comps = fam.load(mcfg, ["text_encoder"])
+    out = fam.encode_prompts_with_images(comps, ["make it blue"], [[ref]], "qwen3vl", opts, mcfg)
+    embeds, pad = out["prompt_embeds"][0], out["image_pad_mask"][0]
+    assert int(pad.sum()) == 4 and embeds.shape[0] == pad.shape[0]  # 2x2 vision tokens, one per row

@@ -80,13 +80,17 @@ class QwenImage21Edit(QwenImage21):
 
     # ------------------------------------------------------------ loading: the processor with the text encoder
     def processor_config(self, mcfg: ModelConfig) -> dict:
-        """Qwen3-VL's image processor settings: a diffusers folder's processor/preprocessor_config.json, else the
+        """Qwen3-VL's image processor settings: a diffusers folder's processor/preprocessor_config.json, or the
+        "image_processor" of its processor_config.json (where transformers 5 saves a processor's parts), else the
         bundled architecture's."""
         p = self._folder(mcfg)
-        f = p / "processor" / "preprocessor_config.json" if p is not None else None
-        if f is None or not f.is_file():
-            f = self.bundled(self.architecture(mcfg)) / "processor" / "preprocessor_config.json"
-        return _read_json(f)
+        if p is not None:
+            own, joint = p / "processor" / "preprocessor_config.json", p / "processor" / "processor_config.json"
+            if own.is_file():
+                return _read_json(own)
+            if joint.is_file() and isinstance(cfg := _read_json(joint).get("image_processor"), dict):
+                return cfg
+        return _read_json(self.bundled(self.architecture(mcfg)) / "processor" / "preprocessor_config.json")
 
     def load(
         self,
