@@ -254,3 +254,48 @@ def test_the_image_processor_is_the_folders_and_a_reference_it_would_resize_is_r
     out = fam.encode_prompts_with_images(comps, ["make it blue"], [[ref]], "qwen3vl", opts, mcfg)
     embeds, pad = out["prompt_embeds"][0], out["image_pad_mask"][0]
     assert int(pad.sum()) == 4 and embeds.shape[0] == pad.shape[0]  # 2x2 vision tokens, one per row
+
+
+@pytest.mark.slow
+def test_two_references_are_encoded_and_denoised_as_the_pipeline_takes_two_images(pipe):
+    """Two references (one slot each in the template, their latents in order before the target's): the family's
+    encoding and denoise against the pipeline's own encode_prompt, prepare_latents and transformer call."""
+    import numpy as np
+
+    from difftrain.config.schema import ModelConfig, TextEncodersConfig
+    from difftrain.families.qwenimage import QwenImage21Edit
+    from difftrain.families.qwenimage.v21 import pack, unpack
+
+    fam = QwenImage21Edit()
+    rng = np.random.default_rng(0)
+    refs = [Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)) for _ in range(2)]
+    caption = "put the first on the second"
+    comps = {"text_encoder": pipe.text_encoder, "processor": pipe.processor, "vae": pipe.vae}
+    text = fam.encode_prompts_with_images(comps, [caption], [refs], "qwen3vl", TextEncodersConfig(), ModelConfig())
+    pixels = torch.stack([torch.from_numpy(np.array(r)).permute(2, 0, 1) for r in refs])[None].float() / 127.5 - 1
+    with torch.no_grad():
+        lat = fam.image_condition_entries(comps, pixels[:, 0], references=pixels)["reference_latents"]
+    assert lat.shape == (1, 2, 16, 4, 6)
+    batch = {**fam.collate_text("qwen3vl", [{k: v[0] for k, v in text.items()}]), "reference_latents": lat}
+    noisy = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        got = fam.denoise(pipe.transformer, noisy, t, batch)
+        rgba = [r.convert("RGBA") for r in refs]
+        embeds, emask, pad = pipe.encode_prompt(prompt=caption, image=rgba, device="cpu")
+        vae_images = [pipe.image_processor.preprocess(r, height=64, width=96).unsqueeze(2) for r in rgba]
+        latents, ref_latents = pipe.prepare_latents(
+            vae_images, 1, 16, 64, 64, torch.float32, "cpu", None, latents=pack(noisy)
+        )
+        want = pipe.transformer(
+            hidden_states=torch.cat([ref_latents, latents], dim=1),
+            timestep=t / 1000,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=emask,
+            img_shapes=[[(1, 4, 6), (1, 4, 6), (1, 4, 4)]],
+            img_mask=torch.cat([pad, pad.new_ones(1, latents.shape[1] // 4)], dim=1),
+            return_dict=False,
+        )[0][:, -16:]
+    assert int(pad.sum()) == 2 * 6
+    torch.testing.assert_close(text["prompt_embeds"][0], embeds[0].float(), rtol=0, atol=0)
+    torch.testing.assert_close(got, unpack(want, 4, 4), rtol=1e-4, atol=1e-5)
