@@ -25,7 +25,10 @@ latent tokens / 4. The pipeline hands the same resized image to both; training f
 bucket (cropped as the target, as the other edit families' latents) and encodes the instruction with the references
 so fitted, so its text entry is keyed by the bucket too (``text_references_fitted``; with data.random_crop, by the
 target). Qwen3-VL's image processor would resize an image below its minimum pixels (65 536 for Qwen3-VL: 256 x 256),
-which is refused at precompute.
+which is refused at precompute. A reference's size is not only its own grid: each image block moves the rotary frame
+position of what follows by max(h, w) latent tokens (QwenImage21Rope), so the target's position depends on it; the
+pipeline resizes references to about output_resolution^2 pixels (1024^2 by default), which training at
+data.resolution 1024 matches, and a smaller bucket does not exactly.
 
 The pairs (a target, its references, the instruction) come from data.control_dir or a pairs file (data/pairs.py).
 """
@@ -139,8 +142,13 @@ class QwenImage21Edit(QwenImage21):
         device = comps["text_encoder"].device
         embeds_out, masks_out = [], []
         for caption, refs in zip(captions, images):
-            for img in refs:
-                check_sides(img.height // 16, img.width // 16)
+            for img in refs:  # whole slots: Qwen3-VL's processor would round another side to them
+                if img.width % SLOT_PIXELS or img.height % SLOT_PIXELS:
+                    raise ConfigError(
+                        f"A Qwen-Image 2.1 reference of {img.width}x{img.height} does not fill whole image slots "
+                        f"(each stands for {SLOT_PIXELS}x{SLOT_PIXELS} pixels).",
+                        hint="Use buckets whose sides are multiples of 32 pixels (data.bucket_step: 32 or 64 does).",
+                    )
             embeds, mask, pad = pipe._get_qwen_prompt_embeds([caption], image=list(refs), device=device)
             slots = sum((img.height // SLOT_PIXELS) * (img.width // SLOT_PIXELS) for img in refs)
             if int(pad[0].sum()) != slots:
