@@ -299,3 +299,26 @@ def test_two_references_are_encoded_and_denoised_as_the_pipeline_takes_two_image
     assert int(pad.sum()) == 2 * 6
     torch.testing.assert_close(text["prompt_embeds"][0], embeds[0].float(), rtol=0, atol=0)
     torch.testing.assert_close(got, unpack(want, 4, 4), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_bench_trains_it_on_a_synthetic_cache_of_several_buckets(tmp_path):
+    """bench's random cache holds instructions whose vision tokens fill the references' slots (random numbers
+    there made the transformer refuse the batch), and references and latents at each bucket's size at the 16x VAE."""
+    from difftrain.config.load import resolve
+    from difftrain.data.cache import DataCache
+    from difftrain.flows.bench import bench_memory, synthetic_cache
+
+    cfg = resolve(recipe="tiny-qwen-image-2.1-edit-lora", sets=["train.device=cpu"]).config
+    root = synthetic_cache(cfg, tmp_path / "cache", n=1, buckets=[(64, 96), (96, 64)])
+    cache = DataCache(root)
+    for it in cache.read_json("index.json")["items"]:
+        lat = cache.get(it["latent"])
+        text = cache.get(it["texts"]["qwen3vl"])
+        assert lat["reference_latents"].shape[1:] == lat["latents"].shape
+        h, w = lat["latents"].shape[-2:]
+        assert (h * 16, w * 16) in {(64, 96), (96, 64)}
+        assert int(text["image_pad_mask"].sum()) == h * w // 4
+        assert text["prompt_embeds"].shape[0] == text["image_pad_mask"].shape[0]
+    r = bench_memory(cfg, tmp_path / "work", steps=2)
+    assert r.s_per_step is not None and r.s_per_step > 0

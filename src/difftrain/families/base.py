@@ -350,6 +350,13 @@ class ModelFamily(ABC):
     def cache_shapes(self, config_name: str, resolution: int) -> dict[str, dict[str, tuple[int, ...]]]:
         """Shapes of one cached item at the largest square bucket: {"latent": {...}, <text stage>: {...}}."""
 
+    def synthetic_text(
+        self, stage: str, shapes: dict[str, tuple[int, ...]], latents: tuple[int, ...], generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        """A random cache entry of a text ``stage`` of ``shapes`` (bench's synthetic cache, for an item whose latents
+        have the shape ``latents``): random normal tensors, unless the family's entries hold more than numbers."""
+        return {k: torch.randn(v, generator=generator) for k, v in shapes.items()}
+
 
 def stage_precisions(family: ModelFamily, options: TextEncodersConfig, stages) -> dict[str, str] | None:
     """The ``precision`` argument of ``family.load`` for the encoders of several text stages (None: none set)."""

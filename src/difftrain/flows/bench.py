@@ -104,10 +104,13 @@ def synthetic_cache(
     items = []
     side = cfg.data.resolution
     sizes = [b for b in buckets for _ in range(n)] if buckets else [(side, side)] * n
+    factor = side // shapes["latent"]["latents"][-1]  # the VAE's spatial factor (8; Qwen-Image 2.1's 16)
     for i, (h, w) in enumerate(sizes):
         lat_shapes = dict(shapes["latent"])
         if buckets:
-            lat_shapes["latents"] = (*shapes["latent"]["latents"][:-2], h // 8, w // 8)
+            for k in ("latents", "reference_latents"):  # the edit families' references are fitted to the bucket
+                if k in lat_shapes:
+                    lat_shapes[k] = (*lat_shapes[k][:-2], h // factor, w // factor)
         lat = {
             k: torch.zeros(v, dtype=torch.int64) if k == "crop" else torch.randn(v, generator=g)
             for k, v in lat_shapes.items()
@@ -115,7 +118,7 @@ def synthetic_cache(
         cache.put(f"lat{i}", lat)
         texts = {}
         for stage in family.enabled_stages(cfg.text_encoders):
-            cache.put(f"{stage}{i}", {k: torch.randn(v, generator=g) for k, v in shapes[stage].items()})
+            cache.put(f"{stage}{i}", family.synthetic_text(stage, shapes[stage], lat_shapes["latents"], g))
             texts[stage] = f"{stage}{i}"
         items.append(
             IndexItem(

@@ -51,6 +51,8 @@ from .v21 import QwenImage21, check_sides, pack, unpack, vae_latents
 
 #: pixels per vision token of Qwen3-VL at patch 16, merge 2: one image slot, 2x2 latent tokens of the 16x VAE
 SLOT_PIXELS = 32
+#: the caption's rows in bench's synthetic cache (cache_shapes' default, as the other language-model families')
+SYNTHETIC_CAPTION_TOKENS = 128
 
 
 def vl_processor(image_proc, tokenizer, chat_template: str | None = None):
@@ -284,10 +286,29 @@ class QwenImage21Edit(QwenImage21):
         return list(images)
 
     def cache_shapes(
-        self, config_name: str, resolution: int, caption_tokens: int = 128
+        self, config_name: str, resolution: int, caption_tokens: int = SYNTHETIC_CAPTION_TOKENS
     ) -> dict[str, dict[str, tuple[int, ...]]]:
-        """As Qwen-Image 2.1's, with one reference's latents at the target's size."""
+        """As Qwen-Image 2.1's, with one reference's latents at the target's size, and the instruction's rows with
+        that reference's vision tokens (one per 2x2 latent pixels) besides the caption's ``caption_tokens``."""
         shapes = super().cache_shapes(config_name, resolution, caption_tokens)
-        shapes["latent"]["reference_latents"] = (1, *shapes["latent"]["latents"])
-        shapes["qwen3vl"]["image_pad_mask"] = (caption_tokens,)
+        lat = shapes["latent"]["latents"]
+        shapes["latent"]["reference_latents"] = (1, *lat)
+        rows = caption_tokens + lat[-2] * lat[-1] // 4
+        shapes["qwen3vl"]["prompt_embeds"] = (rows, *shapes["qwen3vl"]["prompt_embeds"][1:])
+        shapes["qwen3vl"]["image_pad_mask"] = (rows,)
         return shapes
+
+    def synthetic_text(
+        self, stage: str, shapes: dict[str, tuple[int, ...]], latents: tuple[int, ...], generator: torch.Generator
+    ) -> dict[str, torch.Tensor]:
+        """An instruction's entry for one reference fitted to latents of the shape ``latents``: its vision tokens
+        after the template's first tokens, as many as the reference's 2x2 latent pixels (what ``denoise`` checks the
+        transformer's slots against), then the caption's SYNTHETIC_CAPTION_TOKENS rows."""
+        slots = latents[-2] * latents[-1] // 4
+        rows = SYNTHETIC_CAPTION_TOKENS + slots
+        mask = torch.zeros(rows)
+        mask[4 : 4 + slots] = 1  # "<image1><|vision_start|>" and the like come first
+        return {
+            "prompt_embeds": torch.randn(rows, shapes["prompt_embeds"][-1], generator=generator),
+            "image_pad_mask": mask,
+        }
