@@ -322,3 +322,15 @@ def test_bench_trains_it_on_a_synthetic_cache_of_several_buckets(tmp_path):
         assert text["prompt_embeds"].shape[0] == text["image_pad_mask"].shape[0]
     r = bench_memory(cfg, tmp_path / "work", steps=2)
     assert r.s_per_step is not None and r.s_per_step > 0
+
+
+def test_the_planner_counts_the_reference_as_many_image_tokens_again():
+    from difftrain.config.load import resolve
+    from difftrain.planning.estimate import plan_memory
+
+    sets = ["model.config=qwen-image-2.1", "data.resolution=1024", "data.max_side=2048", "data.min_side=512"]
+    plain = plan_memory(resolve(recipe="tiny-qwen-image-2.1-lora", sets=sets).config)
+    edit = plan_memory(resolve(recipe="tiny-qwen-image-2.1-edit-lora", sets=sets).config)
+    assert plain.gpu["activations"] > 0
+    assert edit.gpu["activations"] == pytest.approx(2 * plain.gpu["activations"])
+    assert edit.gpu["weights"] == pytest.approx(plain.gpu["weights"])

@@ -285,6 +285,24 @@ class QwenImage21Edit(QwenImage21):
         """A validation prompt's references as the pipeline takes them: the list, as read (it resizes them)."""
         return list(images)
 
+    def memory_hints(
+        self,
+        mcfg: ModelConfig,
+        lora_targets: list[str],
+        lora_rank: int,
+        resolution: int,
+        loaded: list[str],
+        trained: list[str],
+        method: str,
+    ) -> dict:
+        """As Qwen-Image 2.1's, with one reference fitted to the target's bucket: as many image tokens again, so the
+        activations per latent pixel of the target count twice (estimated, as qwen-image-edit/memory.json doubles
+        Qwen-Image's; the reference's vision tokens in the instruction, a quarter of its latent tokens, are left
+        out). Several references: more than this plans."""
+        hints = super().memory_hints(mcfg, lora_targets, lora_rank, resolution, loaded, trained, method)
+        hints["activations"] = {k: 2 * v for k, v in hints["activations"].items()}
+        return hints
+
     def cache_shapes(
         self, config_name: str, resolution: int, caption_tokens: int = SYNTHETIC_CAPTION_TOKENS
     ) -> dict[str, dict[str, tuple[int, ...]]]:
