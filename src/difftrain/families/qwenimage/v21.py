@@ -81,21 +81,22 @@ def _new_module(part: str, cfg: dict):
     return Qwen3VLForConditionalGeneration(Qwen3VLConfig(**_hf_config(cfg)))
 
 
-def text_processor(tokenizer, chat_template: str | None = None):
-    """Qwen3VLProcessor over the tokenizer alone (no image or video processor: text-to-image never hands it an image;
-    transformers' video processor needs torchvision). Our subclass only lets the two be absent; the processing is
+def text_processor(tokenizer, chat_template: str | None = None, image_processor=None):
+    """Qwen3VLProcessor over the tokenizer, without a video processor (never used here; transformers' needs
+    torchvision), and without an image processor unless given one (text-to-image never hands it an image;
+    qwen-image-2.1-edit gives Qwen3-VL's). Our subclass only lets the two be absent; the processing is
     Qwen3VLProcessor's own."""
     from transformers import Qwen3VLProcessor
 
-    class TextOnlyQwen3VLProcessor(Qwen3VLProcessor):
+    class Qwen3VLProcessorWithoutVideo(Qwen3VLProcessor):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument is None and argument_name in ("image_processor", "video_processor"):
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    return TextOnlyQwen3VLProcessor(
-        image_processor=None, tokenizer=tokenizer, video_processor=None, chat_template=template
+    return Qwen3VLProcessorWithoutVideo(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template
     )
 
 
@@ -297,9 +298,12 @@ class QwenImage21(LLMImageFamily):
         pipeline's prompt encoding tokenizes with)."""
         comps = super().load(mcfg, parts, dtype, device, precision, tokenizers)
         if "tokenizer" in comps:
-            tok = comps["tokenizer"]
-            comps["processor"] = text_processor(tok, getattr(tok, "difftrain_chat_template", None))
+            comps["processor"] = self.new_processor(comps["tokenizer"], mcfg)
         return comps
+
+    def new_processor(self, tokenizer, mcfg: ModelConfig) -> Any:
+        """The processor ``load`` gives beside the text encoder: text-only, with the folder's chat template."""
+        return text_processor(tokenizer, getattr(tokenizer, "difftrain_chat_template", None))
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
@@ -369,17 +373,20 @@ class QwenImage21(LLMImageFamily):
 
     # ------------------------------------------------------------ pipelines and export
     def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
-        """QwenImage21Pipeline over the loaded parts (the text-only processor), with the model's scheduler."""
+        """QwenImage21Pipeline over the loaded parts (``pipeline_processor``'s), with the model's scheduler."""
         from diffusers import QwenImage21Pipeline
 
-        processor = comps.get("processor") or text_processor(comps["tokenizer"])
         return QwenImage21Pipeline(
             scheduler=self.training_scheduler(mcfg),
             vae=comps["vae"],
             text_encoder=comps["text_encoder"],
-            processor=processor,
+            processor=self.pipeline_processor(comps, mcfg),
             transformer=comps["transformer"],
         )
+
+    def pipeline_processor(self, comps: dict[str, Any], mcfg: ModelConfig) -> Any:
+        """The pipeline's processor: the loaded one, else a text-only one over the tokenizer."""
+        return comps.get("processor") or text_processor(comps["tokenizer"])
 
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None

@@ -36,7 +36,6 @@ The pairs (a target, its references, the instruction) come from data.control_dir
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -47,30 +46,12 @@ from ..base import CachedItem
 from ..common import read_json as _read_json
 from ..llm_image import cached_references, encoded_references
 from .edit import image_processor
-from .v21 import QwenImage21, check_sides, pack, unpack, vae_latents
+from .v21 import QwenImage21, check_sides, pack, text_processor, unpack, vae_latents
 
 #: pixels per vision token of Qwen3-VL at patch 16, merge 2: one image slot, 2x2 latent tokens of the 16x VAE
 SLOT_PIXELS = 32
 #: the caption's rows in bench's synthetic cache (cache_shapes' default, as the other language-model families')
 SYNTHETIC_CAPTION_TOKENS = 128
-
-
-def vl_processor(image_proc, tokenizer, chat_template: str | None = None):
-    """Qwen3VLProcessor over the tokenizer and the image processor, without a video processor (never used here;
-    transformers' needs torchvision). Our subclass only lets the video processor be absent; the processing is
-    Qwen3VLProcessor's own."""
-    from transformers import Qwen3VLProcessor
-
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument is None and argument_name == "video_processor":
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    return ImageOnlyQwen3VLProcessor(
-        image_processor=image_proc, tokenizer=tokenizer, video_processor=None, chat_template=template
-    )
 
 
 class QwenImage21Edit(QwenImage21):
@@ -97,23 +78,10 @@ class QwenImage21Edit(QwenImage21):
                 return cfg
         return _read_json(self.bundled(self.architecture(mcfg)) / "processor" / "preprocessor_config.json")
 
-    def load(
-        self,
-        mcfg: ModelConfig,
-        parts: Sequence[str],
-        dtype: torch.dtype = torch.float32,
-        device="cpu",
-        precision: dict[str, str] | None = None,
-        tokenizers: bool = True,
-    ) -> dict[str, Any]:
-        """As Qwen-Image 2.1's; the processor with Qwen3-VL's image processor (what hands the encoder the
-        references)."""
-        comps = super().load(mcfg, parts, dtype, device, precision, tokenizers)
-        if "tokenizer" in comps:
-            tok = comps["tokenizer"]
-            proc = image_processor(self.processor_config(mcfg))
-            comps["processor"] = vl_processor(proc, tok, getattr(tok, "difftrain_chat_template", None))
-        return comps
+    def new_processor(self, tokenizer, mcfg: ModelConfig) -> Any:
+        """As Qwen-Image 2.1's, with Qwen3-VL's image processor (what hands the encoder the references)."""
+        proc = image_processor(self.processor_config(mcfg))
+        return text_processor(tokenizer, getattr(tokenizer, "difftrain_chat_template", None), proc)
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """The text encoder's covers the image processor's settings too (they decide its output here)."""
@@ -263,23 +231,12 @@ class QwenImage21Edit(QwenImage21):
         return out
 
     # ------------------------------------------------------------ pipeline, validation, shapes
-    def pipeline(self, comps: dict[str, Any], mcfg: ModelConfig):
-        """QwenImage21Pipeline over the loaded parts, its processor with the image processor."""
-        from diffusers import QwenImage21Pipeline
-
+    def pipeline_processor(self, comps: dict[str, Any], mcfg: ModelConfig) -> Any:
+        """The loaded processor where it has the image processor, else one made as ``load`` makes it."""
         proc = comps.get("processor")
         if proc is None or getattr(proc, "image_processor", None) is None:
-            tok = comps["tokenizer"]
-            proc = vl_processor(
-                image_processor(self.processor_config(mcfg)), tok, getattr(tok, "difftrain_chat_template", None)
-            )
-        return QwenImage21Pipeline(
-            scheduler=self.training_scheduler(mcfg),
-            vae=comps["vae"],
-            text_encoder=comps["text_encoder"],
-            processor=proc,
-            transformer=comps["transformer"],
-        )
+            proc = self.new_processor(comps["tokenizer"], mcfg)
+        return proc
 
     def validation_image(self, images: list[Any], side: int, mcfg: ModelConfig) -> Any:
         """A validation prompt's references as the pipeline takes them: the list, as read (it resizes them)."""
