@@ -312,6 +312,23 @@ CASES = {
         FSDP + ["memory.engine.offload_params=true"],
         "qwen-full",
     ),
+    # the recipe for two 80 GB cards as shipped (bf16 master shares, torchao's 8-bit AdamW), each process capped as
+    # an 80 GB card leaves torch's allocator (memory/card.py: 80 GiB less the H100's context, libraries and margin)
+    "QF2": (
+        "Qwen-Image full 1024, recipe qwen-image-full-2x80gb, 2 GPUs capped as 80 GB cards",
+        QWEN,
+        2,
+        ["save.formats=[]", "train.gpu_memory_limit_gib=78.95"],
+        "qwen-full",
+    ),
+    # fp32 master shares with the same 8-bit AdamW (planned 106 GiB a GPU over 2: an H200's, or 4 H100s)
+    "QF2-fp32": (
+        "Qwen-Image full 1024, FSDP2 fp32 master + torchao 8-bit AdamW, 2 GPUs",
+        QWEN,
+        2,
+        FSDP[:-1] + ["memory.optimizer.kind=adamw8bit", "memory.optimizer.backend=torchao"],
+        "qwen-full",
+    ),
     "CL2": ("CogVideoX-5b LoRA r64 49x480x720, DDP, 2 GPUs", COG5B, 2, ["lora.rank=64", "lora.alpha=64"], "cog5b-lora"),
 }
 #: cases trained from a recipe as shipped (its sets on top of the recipe's): name -> recipe
@@ -327,6 +344,7 @@ RECIPE = {
     "C1": "cogvideox-5b-full-12gb",
     "CA2": "cogvideox-5b-full-12gb",
     "CA4": "cogvideox-5b-full-12gb",
+    "QF2": "qwen-image-full-2x80gb",
 }
 
 
@@ -433,6 +451,28 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
+class DeviceUsed(threading.Thread):
+    """Peak memory used on each GPU as the driver counts it (nvidia-smi, once a second): torch's reserved memory plus
+    what its allocator does not see (the CUDA context, the libraries, NCCL's buffers): what a card must hold."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop, self.peak = False, []
+
+    def run(self):
+        while not self.stop:
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=10,
+                ).stdout.split()  # fmt: skip
+                used = [int(x) / 1024 for x in out]  # MiB -> GiB
+                self.peak = [max(a, b) for a, b in itertools.zip_longest(self.peak, used, fillvalue=0.0)]
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return
+            time.sleep(1.0)
+
+
 def run_case(name: str, work: Path, steps: int, profile_step: int | None = None, python: bool = False) -> dict:
     what, fam_sets, gpus, extra, _job = CASES[name]
     recipe = RECIPE.get(name)
@@ -483,6 +523,8 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None,
         cmd += ["--recipe", recipe]
     sampler = Sampler(run_dir)
     sampler.start()
+    used = DeviceUsed()
+    used.start()
     t0 = time.time()
     env = {**os.environ, "DIFFTRAIN_PROGRESS": "0"}
     if name.endswith("-no-init"):
@@ -498,7 +540,7 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None,
     if gpus == 1:
         env["LOCAL_RANK"] = "0"  # one plain process: marked so that the sampler finds it (a world of one)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    sampler.stop = True
+    sampler.stop = used.stop = True
     wall = time.time() - t0
     if p.returncode != 0:
         # the tail is the launcher's note; the workers' tracebacks come before it
@@ -522,6 +564,7 @@ def run_case(name: str, work: Path, steps: int, profile_step: int | None = None,
         "host": sampler.peak,
         "gpu_peak_alloc_gib": [s.get("gpu_peak_alloc_gib") for s in stats],
         "gpu_peak_reserved_gib": [s.get("gpu_peak_reserved_gib") for s in stats],
+        "gpu_used_peak_gib": [round(u, 2) for u in used.peak],  # nvidia-smi: the whole card's use, every GPU
         "load_seconds": [s.get("load_seconds") for s in stats],
         # what the run said of its speed choice (compiled or not, CUDA graphs or not, and why)
         "speed": [x for x in (p.stdout + p.stderr).splitlines() if "speed" in x.lower()][:4],

@@ -390,3 +390,65 @@ def test_fsdp_with_compiled_blocks_updates_every_weight_eager_fsdp_updates(cache
     de = torch.cat([eager[k].flatten() - base[k].flatten() for k in moved])
     dc = torch.cat([compiled[k].flatten() - base[k].flatten() for k in moved])
     assert ((dc - de).norm() / de.norm()).item() < 0.5  # bf16 compute, compiled against eager kernels
+
+
+def test_fsdp_with_torchaos_8bit_adamw_on_bf16_master_shares_trains_as_fp32_adamw_and_resumes(
+    cache, tiny_model, _dataset_master
+):
+    """qwen-image-full-2x80gb's settings (memory.engine fsdp with master_dtype bf16, torchao's 8-bit AdamW, which
+    rounds bf16 updates stochastically) on 2 GPUs follow FSDP's fp32 master with torch's AdamW; the checkpoint holds
+    the 8-bit moments as codes and scales, and resumes on 2 GPUs (each share's codes back as written) and on 1 (the
+    shares quantized again) to the same end."""
+    pytest.importorskip("torchao.optim")
+    from safetensors import safe_open
+
+    full = {"train.method": "full", "memory.engine.kind": "fsdp", "train.mixed_precision": "bf16",
+            "memory.weights.kind": "bf16", "train.learning_rate": 1e-4, "save.precision": "fp32",
+            "save.formats": "[diffusers]", "train.batch_size": 2}  # fmt: skip
+    low = {
+        "memory.engine.master_dtype": "bf16",
+        "memory.optimizer.kind": "adamw8bit",
+        "memory.optimizer.backend": "torchao",
+    }
+
+    def run(out, *more, **sets):
+        r = _run("train", "--recipe", "tiny-sdxl-lora", *more,
+                 *_args(tiny_model, _dataset_master, cache / out, cache / "cache", **{**full, **sets}))  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+        rows = (cache / out / "run" / "metrics.jsonl").read_text().splitlines()
+        folder = cache / out / "run" / "diffusers" / "unet"
+        sd = {k: v.float() for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+        return [json.loads(x)["loss"] for x in rows if "loss" in json.loads(x)], sd
+
+    base = {k: v.float() for f in sorted((tiny_model / "unet").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    def change(sd):
+        return torch.cat([sd[k].flatten() - base[k].flatten() for k in sorted(base)])
+
+    ref_losses, ref = run("fsdp-fp32", "--gpus", "2", **{"memory.optimizer.kind": "adamw"})
+    losses, sd = run("fsdp-8bit", "--gpus", "2", **low)
+    assert len(losses) == 6 and losses == pytest.approx(ref_losses, rel=0.05)
+    moved = [k for k in base if not torch.equal(ref[k], base[k])]
+    # every weight steps but a few norm scales: at 1.0 a bf16 step is 0.0078, so lr 1e-4 moves an element on ~1 %
+    # of the steps (stochastic rounding: right on average), and a 32-value scale may go 6 steps without a move
+    stuck = [k for k in moved if torch.equal(sd[k], base[k])]
+    assert len(moved) > 100 and len(stuck) < 0.05 * len(moved) and all("norm" in k for k in stuck), stuck
+
+    def along(a, b):  # how much of change b change a makes, along b
+        return (a @ b / (b @ b)).item()
+
+    # bf16 shares with stochastic rounding move each weight by whole bf16 steps, at random: element by element the
+    # change is mostly that noise (on 2 H200s the difference's norm was 0.86 of the fp32 run's change), but it is
+    # right on average, so along the fp32 run's change it is that change (8-bit moments change it a little)
+    d8, d32 = change(sd), change(ref)
+    assert 0.8 < along(d8, d32) < 1.2
+    first = sorted((cache / "fsdp-8bit" / "run" / "checkpoints").iterdir())[0]
+    with safe_open(str(first / "fsdp" / "rank00000.safetensors"), framework="pt") as f:
+        assert any(k.endswith(":exp_avg#codes") for k in f.keys())  # noqa: SIM118 - a safetensors handle
+        assert f.get_tensor("w:conv_in.weight").dtype == torch.bfloat16  # the bf16 master share
+    for more in (("--gpus", "2"), ()):  # the step-3 checkpoint, resumed on 2 GPUs and on 1 (the same global batch)
+        again_losses, again = run("fsdp-8bit", *more, "--resume", str(first),
+                                  **{**low, "train.batch_size": 2 if more else 4})  # fmt: skip
+        assert again_losses[-3:] == pytest.approx(losses[-3:], rel=0.02), more
+        # the same three steps, then three more alike (with fresh rounding noise: measured against the fp32 run)
+        assert 0.8 < along(change(again), d32) < 1.2, more

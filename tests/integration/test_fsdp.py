@@ -82,7 +82,9 @@ def test_fsdp_is_refused_where_it_cannot_train(tiny_model, dataset, tmp_path):
     from difftrain.errors import ConfigError
 
     for extra, needle in (
-        ({"memory.optimizer.kind": "adamw8bit"}, "does not step sharded"),
+        ({"memory.optimizer.kind": "adamw8bit"}, "bitsandbytes' 8-bit AdamW does not step sharded"),
+        ({"memory.engine.master_dtype": "bf16"}, "would lose every update smaller than bf16's step"),
+        ({"memory.optimizer.kind": "adafactor"}, "adafactor does not step sharded"),
         ({"ema.enabled": "true"}, "ema reads whole weights"),
     ):
         with pytest.raises(ConfigError, match=needle):

@@ -165,3 +165,26 @@ def test_the_recipes_a_machine_holds_are_named_smallest_card_first():
     assert recipes_within("flux", "lora", 8.0) == ["flux-lora-16gb", "flux-lora-24gb"]  # 8gb's blocks take 13.4
     assert recipes_within("flux", "lora", 16.0, card_gib=16.0) == ["flux-lora-8gb", "flux-lora-16gb"]
     assert recipes_within("flux", "full", 11.0) == ["flux-full-24gb"] and recipes_within("flux", "full", 10.0) == []
+
+
+def test_a_recipe_for_two_gpus_says_so_where_it_is_listed_and_when_run_on_one(tmp_path):
+    """qwen-image-full-2x80gb's header names 2 GPUs: `recipes list` shows its card as 2x80, and `train` on one
+    process warns (before anything loads) that each GPU would hold twice the planned share; through the console
+    script, with the run then refused for its missing data (exit 2, no traceback, no weights written)."""
+    import subprocess
+    import sys
+
+    from difftrain.config.recipes import recipe_gpus
+
+    assert recipe_gpus("qwen-image-full-2x80gb") == 2 and recipe_gpus("qwen-image-lora-48gb") == 1
+    env = {**__import__("os").environ, "DIFFTRAIN_PROGRESS": "0", "COLUMNS": "120"}
+    listed = subprocess.run([sys.executable, "-m", "difftrain", "recipes", "list", "--family", "qwen-image"],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    row = next(x for x in (listed.stdout + listed.stderr).splitlines() if x.split()[:1] == ["qwen-image-full-2x80gb"])
+    assert listed.returncode == 0 and row.split()[1] == "2x80", row
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "difftrain", "train", "--recipe", "qwen-image-full-2x80gb", "-o", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    text = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not list(out.rglob("*.safetensors")), r.stderr
+    assert "qwen-image-full-2x80gb is a recipe for 2 GPUs of 80 GB" in text and "Add --gpus 2" in text, text

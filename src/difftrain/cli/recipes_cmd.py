@@ -38,7 +38,7 @@ def list_(
 ) -> None:
     """Choose a recipe: the card it is for, its measured GPU and host RAM peaks, and its seconds per step
     eager and as shipped (speed auto: compiled blocks, CUDA graphs where they pay) with the one-time compile cost."""
-    from ..config.recipes import load_recipe, recipe_measurements, recipe_tier
+    from ..config.recipes import load_recipe, recipe_gpus, recipe_measurements, recipe_tier
     from .plan_cmd import parse_size
 
     if sort not in SORTS:
@@ -92,7 +92,7 @@ def list_(
         first = shipped.get("first_step_s")
         table.add_row(
             name,
-            f"{tier:g}" if tier else "CPU",
+            (f"{recipe_gpus(name)}x" if recipe_gpus(name) > 1 else "") + f"{tier:g}" if tier else "CPU",
             gib(m.get("gpu_reserved_gib")),
             gib(m.get("host_rss_gib")),
             f"{m['s_per_step']:.2f}" if m and m.get("s_per_step") is not None else "-",

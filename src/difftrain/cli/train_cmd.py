@@ -86,6 +86,8 @@ def train(
 
     from ..trainers.loop import train as run
 
+    if recipe and "LOCAL_RANK" not in os.environ:
+        _recipe_gpus_note(recipe, gpus * nodes)
     if (gpus > 1 or nodes > 1) and "LOCAL_RANK" not in os.environ:
         where = {
             "nodes": nodes,
@@ -138,6 +140,20 @@ def _runs(res, recipe, config, set_, extra):
     resolved)."""
     for label, sets in expert_runs(res.config):
         yield label, sets, resolved_config(recipe, config, [*(set_ or []), *sets], extra) if label else res
+
+
+def _recipe_gpus_note(recipe: str, processes: int) -> None:
+    """A recipe for several GPUs (its header's ``GPUs: N``) run on fewer: each holds more than the recipe planned."""
+    from ..config.recipes import recipe_gpus, recipe_names, recipe_tier
+    from ..console import warn
+
+    if recipe in recipe_names() and recipe_gpus(recipe) > processes:
+        n = recipe_gpus(recipe)
+        warn(
+            f"{recipe} is a recipe for {n} GPUs of {recipe_tier(recipe):g} GB training together, and this run has "
+            f"{processes}: each GPU holds its share of 1/{processes} of the model instead of 1/{n}. Add --gpus {n} "
+            "(or check the fit first: difftrain plan --recipe ... --gpus N)."
+        )
 
 
 def _launch(
@@ -288,6 +304,8 @@ def precompute_missing(cfg) -> None:
 def check_memory(cfg, strict: bool) -> None:
     """Compare the planner's prediction with the host's available RAM and the GPU's free memory before loading
     anything: a warning each (``strict``: an error)."""
+    import os
+
     import torch
 
     from ..config.recipes import recipe_measurements, recipes_within
@@ -297,7 +315,7 @@ def check_memory(cfg, strict: bool) -> None:
     from ..planning.estimate import plan_memory
     from ..utils import pick_device
 
-    plan = plan_memory(cfg)
+    plan = plan_memory(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # each process's share under torchrun
     short: list[tuple[str, str]] = []
     avail = host_ram_gib()[1]
     device = pick_device(cfg.train.device)

@@ -143,6 +143,15 @@ def recipe_tier(name: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def recipe_gpus(name: str) -> int:
+    """How many GPUs (of the tier's card) a recipe trains on together (``train --gpus N``), from its header's
+    ``GPUs: N`` line; 1 without one."""
+    import re
+
+    found = re.search(r"^GPUs: ([0-9]+)", recipe_header(name), re.M)
+    return int(found.group(1)) if found else 1
+
+
 def host_budget(name: str) -> float | None:
     """The host RAM (GiB) recipe ``name`` promises to train in: its header's ``Host budget: N GiB`` line, else the
     rule for its card (:data:`HOST_BUDGETS`); None for the CPU (tiny) recipes."""
@@ -172,6 +181,8 @@ def recipes_within(family: str, method: str, ram_gib: float, card_gib: float | N
         data = load_recipe(name)
         tier = recipe_tier(name)
         if data.get("family") != family or str((data.get("train") or {}).get("method", "lora")) != method:
+            continue
+        if recipe_gpus(name) > 1:  # the chooser names recipes for the one card a run was planned on
             continue
         if m["host_rss_gib"] <= ram_gib and tier is not None and (card_gib is None or tier <= card_gib):
             found.append((tier, m["host_rss_gib"], name))

@@ -157,9 +157,53 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+#: torchao's quantized optimizer states, the only tensor classes a share file's metadata may name
+QUANTIZED = {
+    "torchao.optim.subclass_8bit.OptimState8bit",
+    "torchao.optim.subclass_4bit.OptimState4bit",
+    "torchao.optim.subclass_fp8.OptimStateFp8",
+}
+#: torchao's AdamW moments: the first is signed, the second (and AMSGrad's max) not
+SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+
+
+def _flatten(t: torch.Tensor, key: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """A quantized state (a tensor subclass) as its inner tensors, put in ``tensors`` under ``key#part``, and what
+    rebuilds it (class, attributes) as JSON."""
+    cls = f"{type(t).__module__}.{type(t).__qualname__}"
+    if cls not in QUANTIZED:
+        raise TypeError(f"cannot store optimizer state of class {cls} ({key})")
+    parts, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]  # tensor subclasses' protocol
+    for part in parts:
+        tensors[f"{key}#{part}"] = getattr(t, part)
+    attrs = [
+        {"dtype": str(c).removeprefix("torch.")} if isinstance(c, torch.dtype)
+        else {"size": list(c)} if isinstance(c, (tuple, torch.Size)) else c
+        for c in ctx
+    ]  # fmt: skip
+    return {"class": cls, "parts": list(parts), "attrs": attrs}
+
+
+def _unflatten(info: dict, read) -> torch.Tensor:
+    """What :func:`_flatten` described, rebuilt from ``read(part)`` (each inner tensor, on its device)."""
+    import importlib
+
+    if info.get("class") not in QUANTIZED:
+        raise ValueError(f"the shares name an unknown tensor class {info.get('class')!r}; it is not loaded")
+    module, _, name = info["class"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    attrs = [
+        getattr(torch, a["dtype"]) if isinstance(a, dict) and "dtype" in a
+        else tuple(a["size"]) if isinstance(a, dict) and "size" in a else a
+        for a in info["attrs"]
+    ]  # fmt: skip
+    return cls.__tensor_unflatten__({p: read(p) for p in info["parts"]}, attrs, None, None)
+
+
 def save_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int, world: int) -> None:
     """This process's shares of the trained weights and of their optimizer state, written to ``folder`` (every
-    process its own file, one tensor at a time: host RAM holds one tensor, never the model). The param groups
+    process its own file, one tensor at a time: host RAM holds one tensor, never the model). torchao's quantized
+    moments are written as their parts (codes and scales: what the optimizer holds, no bigger). The param groups
     (learning rates, betas) go beside them as JSON, from the first process."""
     from ..utils import atomic_write_text, stream_save_safetensors
 
@@ -170,15 +214,21 @@ def save_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     for name, p in module.named_parameters():
         if p.requires_grad:
             tensors[f"w:{name}"] = _local(p.detach())
+    quantized: dict[str, dict] = {}
     for i, state in sd["state"].items():
         name = names[id(by_index[i])]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"o:{name}:{key}"] = _local(value)
+                local = _local(value)
+                if hasattr(type(local), "__tensor_flatten__"):  # torchao's 8/4-bit moments: their parts, exactly
+                    quantized[f"o:{name}:{key}"] = _flatten(local, f"o:{name}:{key}", tensors)
+                else:
+                    tensors[f"o:{name}:{key}"] = local
     folder.mkdir(parents=True, exist_ok=True)
-    stream_save_safetensors(
-        folder / SHARD_FILE.format(rank=rank), tensors, metadata={"world": str(world), "rank": str(rank)}
-    )
+    meta = {"world": str(world), "rank": str(rank)}
+    if quantized:
+        meta["quantized"] = json.dumps(quantized)
+    stream_save_safetensors(folder / SHARD_FILE.format(rank=rank), tensors, metadata=meta)
     if rank == 0:
         groups = [
             {
@@ -193,7 +243,9 @@ def save_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
 def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int, world: int) -> None:
     """What :func:`save_shares` wrote, on ``world`` processes whatever the count that wrote it: each process reads
     only the rows it holds now, from the files that hold them (memory-mapped slices), into its shares; the
-    optimizer state is rebuilt around them. Raises ValueError naming what does not fit."""
+    optimizer state is rebuilt around them. torchao's quantized moments come back exactly on as many processes as
+    wrote them; on another count each old share is dequantized, its rows taken, and quantized again as this
+    process's share (the optimizer's own buffer). Raises ValueError naming what does not fit."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, Shard
 
@@ -205,19 +257,35 @@ def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     if len(files) != old:
         raise ValueError(f"{folder} holds {len(files)} share files of a run on {old} processes")
     handles = [safe_open(str(p), framework="pt") for p in files]
-    keys = set(handles[0].keys())
+    quantized = [json.loads((h.metadata() or {}).get("quantized", "{}")) for h in handles]
+    keys = {k.split("#", 1)[0] for h in handles for k in h.keys()}  # noqa: SIM118 - a safetensors handle
+
+    def old_share(r: int, key: str) -> torch.Tensor:
+        """Old process ``r``'s whole share of ``key``, as floats where it was quantized."""
+        if key in quantized[r]:
+            return _unflatten(quantized[r][key], lambda part: handles[r].get_tensor(f"{key}#{part}")).dequantize()
+        return handles[r].get_tensor(key)
+
+    def old_rows(r: int, key: str) -> int:
+        """How many rows of ``key`` old process ``r`` held (4-bit codes are packed: their shape is an attribute)."""
+        q = quantized[r].get(key)
+        sizes = [a["size"] for a in (q or {}).get("attrs", []) if isinstance(a, dict) and "size" in a]
+        shape = sizes[0] if sizes else handles[r].get_slice(f"{key}#codes" if q else key).get_shape()
+        return shape[0] if shape else 0
 
     def whole_rows(key: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the saved tensor ``key``, from the old processes' files that hold them."""
-        total = sum(h.get_slice(key).get_shape()[0] for h in handles)  # the old shares cut the whole
+        total = sum(old_rows(r, key) for r in range(old))  # the old shares cut the whole
         pieces = []
         for r, h in enumerate(handles):
             a, b = _rows(total, old, r)
             lo, hi = max(a, start), min(b, end)
             if lo < hi:
-                pieces.append(h.get_slice(key)[lo - a : hi - a])
+                pieces.append(
+                    old_share(r, key)[lo - a : hi - a] if key in quantized[r] else h.get_slice(key)[lo - a : hi - a]
+                )
         if not pieces:
-            return handles[0].get_slice(key)[0:0]
+            return old_share(0, key)[0:0]
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def share(key: str, like: torch.Tensor) -> torch.Tensor:
@@ -229,7 +297,7 @@ def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
                 raise ValueError(f"placements {like.placements} are not FSDP's Shard(0)")
             start, end = _rows(like.shape[0], world, rank)
             return whole_rows(key, start, end)
-        return handles[0].get_tensor(key)
+        return old_share(0, key)
 
     names = {id(p): n for n, p in module.named_parameters()}
     with torch.no_grad():
@@ -243,23 +311,42 @@ def load_shares(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     groups = json.loads((folder / "param_groups.json").read_text(encoding="utf-8"))
     by_index = [p for g in optimizer.param_groups for p in g["params"]]
     index = {names[id(p)]: i for i, p in enumerate(by_index)}
+    new_buffer = getattr(optimizer, "_new_buffer", None)  # torchao's low-bit AdamW: its quantized zeros for p
+    local_states = getattr(optimizer, "local_states", False)  # memory/optimizers.py local_shares: no DTensor moments
+    tensor_lr = [isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups]
     state: dict[int, dict] = {}
     for key in sorted(k for k in keys if k.startswith("o:")):
         _, name, what = key.split(":", 2)
         if name not in index:
             raise ValueError(f"{name} has optimizer state in the checkpoint but does not train here")
         p = by_index[index[name]]
-        if not handles[0].get_slice(key).get_shape() or not isinstance(p, DTensor):  # AdamW's step: the same on all
+        mine = quantized[rank].get(key) if old == world else None
+        if mine is not None:  # this process's own quantized share, as it was
+            dev = _local(p).device
+            local = _unflatten(mine, lambda part, key=key, dev=dev: handles[rank].get_tensor(f"{key}#{part}").to(dev))
+            tensor = local if local_states or not isinstance(p, DTensor) else DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )  # fmt: skip
+        elif key not in quantized[0] and not handles[0].get_slice(key).get_shape():  # AdamW's step: the same on all
             tensor = handles[0].get_tensor(key)
+        elif not isinstance(p, DTensor):
+            tensor = old_share(0, key).to(p.device)
         else:  # a moment: this process's rows, laid out as its parameter's share
             value = share(key, p)
-            local = value.to(_local(p).device, _local(p).dtype if value.is_floating_point() else value.dtype)
-            tensor = DTensor.from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
+            if new_buffer is not None and what in SIGNED:  # quantized (or not) as the optimizer holds this share
+                tensor = new_buffer(p, SIGNED[what])
+                _local(tensor).copy_(value.to(_local(tensor).device))
+            else:
+                local = value.to(_local(p).device, _local(p).dtype if value.is_floating_point() else value.dtype)
+                tensor = DTensor.from_local(
+                    local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
         state.setdefault(index[name], {})[what] = tensor
     saved_groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
     optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
+    for g, was_tensor in zip(optimizer.param_groups, tensor_lr):
+        if was_tensor and not isinstance(g["lr"], torch.Tensor):  # torchao steps only with lr as a tensor
+            g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32)
 
 
 @contextlib.contextmanager

@@ -250,6 +250,8 @@ def make_optimizer(
         ao = _import("torchao.optim", o.kind, "torchao")
         _cuda_only(o.kind, params)
         cls = ao.AdamW8bit if o.kind == "adamw8bit" else ao.AdamW4bit
+        if mem.engine.kind == "fsdp":
+            cls = local_shares(cls)
         return cls(groups, bf16_stochastic_round=any(p.dtype == torch.bfloat16 for p in params), **common)
     if o.kind == "cpu_offload":
         ao = _import("torchao.optim", "cpu_offload", "torchao")
@@ -265,6 +267,76 @@ def make_optimizer(
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common, **(kernels or {}))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_shares(base: type) -> type:
+    """torchao's low-bit AdamW ``base`` stepping each process's local shares of FSDP's sharded (DTensor) weights,
+    with moments that are this process's own (quantized) tensors.
+
+    Why not torchao's as it is: it wraps each quantized moment in a DTensor and compiles its step over DTensors,
+    which dynamo in torch 2.11 cannot trace ("OptimState8bit dispatch: ... aten.view.dtype", found training
+    Qwen-Image on 2 H200s). AdamW is elementwise, so the update of a local share from its local gradient and
+    moments is the whole weight's update, cut; torchao's own compiled step function does it, per share."""
+
+    class LocalShares(base):  # a torchao optimizer class, given at run time
+        local_states = True  # memory/fsdp.py's load_shares: the moments are local tensors, not DTensors
+
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            local = _local(p)
+            # as torchao's: only tensors of at least 4096 values, in whole blocks, are quantized
+            if local.numel() >= 4096 and local.numel() % self.block_size == 0:
+                return self._subclass_zeros(local, signed, self.block_size)
+            return torch.zeros_like(local)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            from torchao.optim.adam import single_param_adam
+
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            # one compiled function per (shape, dtype) of share, as torchao's own step compiles per parameter
+            with torch._dynamo.utils.disable_cache_limit():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if len(state) == 0:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                            if group["amsgrad"]:
+                                state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        if not isinstance(group["lr"], torch.Tensor):
+                            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+                        torch.compile(single_param_adam, fullgraph=True, dynamic=False)(
+                            _local(p).detach(),
+                            _local(p.grad),
+                            state["step"],
+                            state["exp_avg"],
+                            state["exp_avg_sq"],
+                            state.get("max_exp_avg_sq", None),
+                            group["lr"],
+                            group["betas"][0],
+                            group["betas"][1],
+                            group["weight_decay"],
+                            group["eps"],
+                            self.is_adamw,
+                            self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                        )
+            return loss
+
+    LocalShares.__name__ = LocalShares.__qualname__ = f"{base.__name__}LocalShares"
+    return LocalShares
 
 
 class FusedBackward(torch.optim.Optimizer):

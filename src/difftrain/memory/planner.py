@@ -333,10 +333,10 @@ def _gradients_and_optimizer(
 def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes: int) -> float:
     """FSDP2 (memory.engine fsdp, full fine-tunes): what each of ``processes`` GPUs holds, by FSDP's arithmetic
     (SDXL full on 2 H100s: 20.0 GiB allocated / 22.3 reserved, planned 20.4 / 21.6; keeping the gathered
-    weights 20.4 / 27.1, planned 24.9 / 26.3): its share of the fp32 weights, fp32 gradients and AdamW moments,
-    plus the units gathered whole in the compute dtype (the root, the block computing and the one prefetched; every block between forward
-    and backward with reshard_after_forward false) and a block's unsharded gradients in flight to the
-    reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
+    weights 20.4 / 27.1, planned 24.9 / 26.3): its share of the master weights and gradients (fp32, or bf16) and of
+    AdamW's moments (fp32, or torchao's 8 or 4 bits), plus the units gathered whole in the compute dtype (the root,
+    the block computing and the one prefetched; every block between forward and backward with reshard_after_forward
+    false) and a block's unsharded gradients in flight to the reduce-scatter. Returns the optimizer state's bytes per trained parameter on this GPU."""
     e_ = cfg.memory.engine
     assert isinstance(e_, EngineFSDP)
     n = processes
@@ -347,7 +347,10 @@ def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes
     root = max(numel - sum(units), 0)
     largest = max(units)
     gathered = root + 2 * largest if e_.reshard_after_forward else numel
-    shares = {"weights": numel * 4 / n, "gradients": trainable * 4 / n, "optimizer": trainable * 8 / n}
+    master = 2 if e_.master_dtype == "bf16" else 4
+    # AdamW's two moments: torch's in fp32; torchao's in 8 or 4 bits (a scale per block of 256 or 128 beside them)
+    moments = {"adamw8bit": 2 + 8 / 256, "adamw4bit": 1 + 8 / 128}.get(cfg.memory.optimizer.kind, 8.0)
+    shares = {"weights": numel * master / n, "gradients": trainable * master / n, "optimizer": trainable * moments / n}
     e.gpu["weights"] = gathered * compute / GIB
     e.gpu["gradients"] = largest * (compute + 4) / GIB
     if e_.offload_params:
@@ -356,7 +359,7 @@ def _fsdp_terms(cfg: Config, hints: dict, trainable: int, e: Estimate, processes
     else:
         e.gpu["weights"] += shares["weights"] / GIB
         e.gpu["gradients"] += shares["gradients"] / GIB
-        state = 8 / n
+        state = moments / n
     e.notes.append(
         "FSDP's terms are its sharding arithmetic, checked on SDXL full over 2 H100s (reserved within 4 %)"
         + (f"; over {n} processes they are not measured" if n > 2 else "")

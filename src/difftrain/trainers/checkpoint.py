@@ -293,7 +293,7 @@ class Checkpointer:
         if (folder / "fsdp").is_dir():
             raise CheckpointError(
                 f"The checkpoint {folder} holds FSDP shares (it was made with memory.engine fsdp).",
-                hint="Resume with memory.engine: {kind: fsdp} (and memory.optimizer.kind: adamw), as config.yaml "
+                hint="Resume with memory.engine: {kind: fsdp} (and the memory.optimizer it trained with), as config.yaml "
                 "in the checkpoint folder says.",
             )
         weights = load_tree(folder, "trainable")

@@ -361,6 +361,8 @@ def _sharded_denoiser(cfg: Config, family: ModelFamily, world: dist_.World, devi
     fsdp.ensure_group(device)
     with torch.device("meta"):
         module = family.empty_part(cfg.model, den)
+    if e.master_dtype == "bf16":  # the shares (and their gradients) in bf16; fill converts the file's tensors
+        module.to(torch.bfloat16)
     compute = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else None
     fsdp.shard(module, family.swap_blocks(module), compute, e.reshard_after_forward, e.offload_params)
     module.to_empty(device="cpu" if e.offload_params else device)
@@ -519,7 +521,8 @@ def _optimizer(cfg: Config, family: ModelFamily, parts: Parts) -> None:
         parts.optimizer = make_optimizer(
             cfg.memory, parts.groups, cfg.train.learning_rate, seed=cfg.train.seed, kernels=kernels
         )
-    if cfg.memory.optimizer.kind == "adamw8bit" and any(p.dtype == torch.bfloat16 for p in parts.params):
+    o = cfg.memory.optimizer
+    if o.kind == "adamw8bit" and o.backend == "bnb" and any(p.dtype == torch.bfloat16 for p in parts.params):
         warn(
             "adamw8bit updates bf16 weights with round-to-nearest (no stochastic rounding): "
             "very small updates are lost; memory.optimizer.kind adamw rounds stochastically"

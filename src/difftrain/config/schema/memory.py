@@ -217,7 +217,8 @@ class EngineDeepSpeed(Strict):
 
 class EngineFSDP(Strict):
     """torch's own sharding (FSDP2 ``fully_shard``, as torchtune and accelerate use it) for full fine-tunes of the
-    denoiser: each process keeps 1/N of every weight (fp32 master), gradient and AdamW state; each of the
+    denoiser: each process keeps 1/N of every weight (the master copy, fp32 or bf16), gradient and AdamW state
+    (torch's, or torchao's 8- or 4-bit, which step sharded weights); each of the
     denoiser's blocks is gathered for its forward and backward (in bf16 under mixed precision bf16). Built on
     the meta device and filled from the main process's mapped read: no process holds the whole model."""
 
@@ -231,6 +232,12 @@ class EngineFSDP(Strict):
         default=False,
         description="the weight, gradient and optimizer shares in pinned host RAM (torch's "
         "CPUOffloadPolicy: the optimizer steps on the CPU)",
+    )
+    master_dtype: Literal["fp32", "bf16"] = Field(
+        default="fp32",
+        description="the dtype of the sharded master weights and their gradients: bf16 halves both (sd-scripts' "
+        "--full_bf16), and needs an optimizer that rounds bf16 updates stochastically (memory.optimizer adamw8bit "
+        "with backend torchao, or adamw4bit)",
     )
 
 

@@ -140,7 +140,8 @@ class Config(Strict):
                 )
 
     def _fsdp(self) -> None:
-        """memory.engine fsdp: a full fine-tune of the denoiser with torch's AdamW over sharded weights."""
+        """memory.engine fsdp: a full fine-tune of the denoiser with torch's AdamW, or torchao's 8- or 4-bit one, over
+        sharded weights."""
         m, t = self.memory, self.train
         if m.engine.kind != "fsdp":
             return
@@ -149,8 +150,21 @@ class Config(Strict):
             why = "it shards full fine-tunes (a LoRA's frozen base and small adapter train faster under ddp)"
         elif self.full.train_text_encoder_1 or self.full.train_text_encoder_2:
             why = "it trains the denoiser only for now: set full.train_text_encoder_*: false"
-        elif m.optimizer.kind != "adamw":
-            why = f"memory.optimizer {m.optimizer.kind} does not step sharded (DTensor) weights: use adamw"
+        elif m.optimizer.kind not in ("adamw", "adamw8bit", "adamw4bit"):
+            why = (
+                f"memory.optimizer {m.optimizer.kind} does not step sharded (DTensor) weights: use adamw, or "
+                "adamw8bit with backend torchao"
+            )
+        elif m.optimizer.kind == "adamw8bit" and m.optimizer.backend != "torchao":
+            why = (
+                "bitsandbytes' 8-bit AdamW does not step sharded (DTensor) weights: set memory.optimizer.backend: "
+                "torchao (its 8-bit AdamW does)"
+            )
+        elif m.engine.master_dtype == "bf16" and m.optimizer.kind == "adamw":
+            why = (
+                "master_dtype bf16 with torch's AdamW would lose every update smaller than bf16's step: use "
+                "memory.optimizer adamw8bit (backend torchao) or adamw4bit, which round bf16 stochastically"
+            )
         elif m.fused_backward:
             why = "memory.fused_backward steps before the gradients are reduced: set it false"
         elif m.offload.kind != "none":
