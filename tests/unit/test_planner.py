@@ -339,6 +339,25 @@ def test_strict_memory_refuses_before_loading(monkeypatch):
     train_cmd.check_memory(cfg, strict=True)  # fits: nothing said
 
 
+def test_each_process_under_torchrun_checks_its_own_share_before_loading(monkeypatch):
+    """Under torchrun (WORLD_SIZE 2) a process of qwen-image-full-2x80gb checks its share of the sharded model
+    against its GPU (67 GiB on an 80 GB card), not the whole model's 122 GiB as one process would hold it."""
+    import torch
+
+    from difftrain.cli import train_cmd
+    from difftrain.errors import DifftrainError
+
+    cfg = resolve(recipe="qwen-image-full-2x80gb").config
+    monkeypatch.setattr("difftrain.flows.doctor.host_ram_gib", lambda: (64.0, 60.0))
+    monkeypatch.setattr("difftrain.utils.pick_device", lambda name="auto": torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 * GIB, 80 * GIB))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    train_cmd.check_memory(cfg, strict=True)  # its share fits: nothing said
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(DifftrainError, match="of GPU memory"):
+        train_cmd.check_memory(cfg, strict=True)
+
+
 def test_train_checks_host_ram_before_loading(monkeypatch, capsys):
     """A plan over the host's available RAM: a warning naming the largest host term (an error with
     --strict-memory), on any device; with enough RAM nothing is said."""
