@@ -367,6 +367,12 @@ def per_gpu_ratios(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def _build_random(family: str, config: str, path: str, device: str, parts: list[str]) -> None:
+    from difftrain.families.registry import get_family
+
+    get_family(family).build_random(config, Path(path), device=device, parts=parts)
+
+
 def prepare(sets: list[str], work: Path, gpus: int, recipe: str | None = None) -> tuple[Path, Path, Path]:
     """The random model file, stand-in tokenizers and a synthetic cache of 8 items per GPU."""
     import torch
@@ -381,7 +387,18 @@ def prepare(sets: list[str], work: Path, gpus: int, recipe: str | None = None) -
     parts = plan_parts(cfg, fam)[0]
     model = work / f"random-{cfg.model.config}.safetensors"
     if not model.exists():
-        fam.build_random(cfg.model.config, model, device="cuda" if torch.cuda.is_available() else "cpu", parts=parts)
+        # in a process of its own: what it leaves on GPU 0 (its CUDA context, cached blocks) would be counted in
+        # that GPU's nvidia-smi peak beside rank 0's (QF2's first run: 139.7 GiB on GPU 0 against 67.1 on GPU 1)
+        import multiprocessing
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        child = multiprocessing.get_context("spawn").Process(
+            target=_build_random, args=(cfg.family, cfg.model.config, str(model), device, parts)
+        )
+        child.start()
+        child.join()
+        if child.exitcode != 0 or not model.exists():
+            raise SystemExit(f"building the random {cfg.model.config} weights failed (exit code {child.exitcode})")
     tok = synthetic_tokenizers(work / "tok")
     video = getattr(fam, "video", False)
     cache = work / f"cache-{cfg.model.config}-{8 * gpus}"
