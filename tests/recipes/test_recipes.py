@@ -168,7 +168,8 @@ def test_the_recipes_a_machine_holds_are_named_smallest_card_first():
 
 
 def test_a_recipe_for_two_gpus_says_so_where_it_is_listed_and_when_run_on_one(tmp_path):
-    """qwen-image-full-2x80gb's header names 2 GPUs: `recipes list` shows its card as 2x80, and `train` on one
+    """qwen-image-full-2x80gb's header names 2 GPUs: `recipes list` shows its card as 2x80, `plan` plans one of
+    them, and `train` on one
     process warns (before anything loads) that each GPU would hold twice the planned share; through the console
     script, with the run then refused for its missing data (exit 2, no traceback, no weights written)."""
     import subprocess
@@ -182,6 +183,11 @@ def test_a_recipe_for_two_gpus_says_so_where_it_is_listed_and_when_run_on_one(tm
                             capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     row = next(x for x in (listed.stdout + listed.stderr).splitlines() if x.split()[:1] == ["qwen-image-full-2x80gb"])
     assert listed.returncode == 0 and row.split()[1] == "2x80", row
+    # `plan` plans one GPU of the recipe's 2 unless told otherwise
+    for more, where in (([], "one of 2 GPUs (fsdp)"), (["--gpus", "1"], "1024px\n")):
+        planned = subprocess.run([sys.executable, "-m", "difftrain", "plan", "--recipe", "qwen-image-full-2x80gb", *more],
+                                 capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        assert planned.returncode == 0 and where in planned.stdout + planned.stderr, planned.stdout + planned.stderr
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "difftrain", "train", "--recipe", "qwen-image-full-2x80gb", "-o", str(out)],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip

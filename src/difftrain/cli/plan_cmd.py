@@ -55,20 +55,23 @@ def plan(
     ] = None,
     ram: Annotated[str | None, typer.Option("--ram", help="host RAM to fit in, e.g. 32GiB")] = None,
     gpus: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--gpus",
             min=1,
             help="GPUs training together (train --gpus N): the plan is one GPU's; with --vram the search also "
-            "tries DeepSpeed's ZeRO stages for full fine-tunes",
+            "tries DeepSpeed's ZeRO stages for full fine-tunes (default: the GPUs the recipe names, else 1)",
         ),
-    ] = 1,
+    ] = None,
 ) -> None:
     """Predict the peak GPU memory and host RAM of a config (no weight is loaded); with --vram, find what fits."""
+    from ..config.recipes import recipe_gpus, recipe_names
     from ..planning.engines import choose_engine, expected_scaling, launch_problem
     from ..planning.estimate import plan_memory
     from ..runtime.distributed import engine_problem
 
+    if gpus is None:  # a recipe for several GPUs (qwen-image-full-2x80gb) is planned on them
+        gpus = recipe_gpus(recipe) if recipe and recipe in recipe_names() else 1
     res = resolved_config(recipe, config, set_)
     cfg = res.config
     line = None
