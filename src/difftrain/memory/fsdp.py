@@ -157,7 +157,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-#: torchao's quantized optimizer states, the only tensor classes a share file's metadata may name
+#: torchao's quantized optimizer states, the only tensor classes a share file's metadata (and a checkpoint's optimizer
+#: tree, trainers/state.py) may name
 QUANTIZED = {
     "torchao.optim.subclass_8bit.OptimState8bit",
     "torchao.optim.subclass_4bit.OptimState4bit",

@@ -21,6 +21,7 @@ import torch
 
 from ..config.schema import MemoryConfig
 from ..errors import BackendUnavailable
+from .fsdp import _local
 from .pinned import pinning_through_budget
 
 
@@ -267,12 +268,6 @@ def make_optimizer(
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common, **(kernels or {}))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_shares(base: type) -> type:

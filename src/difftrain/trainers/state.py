@@ -16,15 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import CheckpointError
+from ..memory.fsdp import QUANTIZED
 from ..utils import read_safetensors_header, stream_save_safetensors
 
-# tensor subclasses that optimizer states are made of (torchao's quantized moments), stored as their
-# flattened parts and rebuilt on load; only these classes are ever imported from a checkpoint
-SUBCLASSES = {
-    "torchao.optim.subclass_8bit.OptimState8bit",
-    "torchao.optim.subclass_4bit.OptimState4bit",
-    "torchao.optim.subclass_fp8.OptimStateFp8",
-}
+# tensor subclasses that optimizer states are made of (torchao's quantized moments, the set FSDP's share files name
+# too), stored as their flattened parts and rebuilt on load; only these classes are ever imported from a checkpoint
+SUBCLASSES = set(QUANTIZED)
 
 
 def _encode_attr(v: Any) -> Any:
