@@ -77,6 +77,8 @@ ORDER = [
     "qwen-image-edit-lora-16gb",
     "qwen-image-lora-48gb",
     "flux2-klein-4b-full-24gb",
+    "flux2-dev-lora-24gb",
+    "flux2-dev-lora-16gb",
 ]
 
 OVERHEAD = """

@@ -571,6 +571,8 @@ MEASURED_CARD = {
     "qwen-image-full-2x80gb": (60.463, 65.102),
     "qwen-image-lora-48gb": (35.672, 36.398),  # 3 steps, as shipped, 2026-11-28
     "flux2-klein-4b-full-24gb": (9.826, 10.68),  # 3 steps (card_fit_flux2.json f4-24-full), 2026-11-28
+    "flux2-dev-lora-24gb": (18.916, 20.99),  # 3 steps (card_fit_flux2.json fdev-24-int4-bs20), 2026-11-28
+    "flux2-dev-lora-16gb": (12.517, 13.979),  # 3 steps (card_fit_flux2.json fdev-16-int4-bs48), 2026-11-28
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -604,7 +606,7 @@ RESERVED_OVER = {
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 49 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 51 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
