@@ -154,6 +154,23 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("qwen-image-lora-24gb", "memory.weights.kind=bf16"),
         "qwen-image-lora-24gb with bf16 weights (every block checkpointed)",
     ),
+    # issue 53: FLUX.2 [klein] 9B as shipped and the faster settings a 24 GB card may take, against plain-flux2
+    "flux2-klein-9b-lora-16gb": (
+        _at_1024("flux2-klein-9b-lora-16gb"),
+        "FLUX.2 [klein] 9B LoRA r32 as shipped for a 16 GB card (fp8, checkpointing)",
+    ),
+    "flux2-klein-9b-lora-fp8-nock": (
+        _at_1024("flux2-klein-9b-lora-16gb", "memory.activations.kind=none"),
+        "flux2-klein-9b-lora-16gb with nothing checkpointed",
+    ),
+    "flux2-klein-9b-lora-bf16": (
+        _at_1024("flux2-klein-9b-lora-16gb", "memory.weights.kind=bf16"),
+        "flux2-klein-9b-lora-16gb with bf16 weights (every block checkpointed)",
+    ),
+    "flux2-klein-9b-lora-bf16-nock": (
+        _at_1024("flux2-klein-9b-lora-16gb", "memory.weights.kind=bf16", "memory.activations.kind=none"),
+        "flux2-klein-9b-lora-16gb with bf16 weights and nothing checkpointed",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -236,6 +253,10 @@ OWN_SIZE = {
     "zimage-lora-fp8mm-nock": (10, 6),
     "krea2-lora-fp8-nock": (8, 6),
     "krea2-lora-fp8mm-nock": (8, 6),
+    "flux2-klein-9b-lora-16gb": (8, 6),
+    "flux2-klein-9b-lora-fp8-nock": (8, 6),
+    "flux2-klein-9b-lora-bf16": (8, 6),
+    "flux2-klein-9b-lora-bf16-nock": (8, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
@@ -257,6 +278,7 @@ PLAIN_DIT = {
     "plain-zimage": (10, 3),
     "plain-krea2": (8, 3),
     "plain-qwen": (8, 3),
+    "plain-flux2": (8, 3),
     "plain-wan": (4, 3),
     "plain-wan14": (3, 2),
 }
@@ -426,6 +448,21 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
                          position_ids=ids, return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
 
+    def flux2_loss(model, c: int, h: int, w: int):
+        # Flux2KleinPipeline's call: the 32-channel latents' 2x2 patches ([B, 128, h, w] at 1/16), one token a patch
+        # with the pipeline's 4-axis ids, sigma as the timestep, Qwen3's three layers of 512 tokens; no guidance
+        from diffusers import Flux2Pipeline
+
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(1, 512, model.config.joint_attention_dim, **bf)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=Flux2Pipeline._pack_latents(xt), timestep=sig.to(torch.bfloat16),
+                         encoder_hidden_states=text, txt_ids=Flux2Pipeline._prepare_text_ids(text).to("cuda"),
+                         img_ids=Flux2Pipeline._prepare_latent_ids(xt).to("cuda"), return_dict=False)[0]  # fmt: skip
+        return torch.nn.functional.mse_loss(pred.float(), Flux2Pipeline._pack_latents(noise - x0).float())
+
     def qwen_loss(model, c: int, h: int, w: int):
         # QwenImagePipeline's call: packed 2x2 patches, the grid as img_shapes, sigma as the timestep, the text mask
         x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
@@ -473,6 +510,14 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         return _plain_loop(
             name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_loss, steps, warmup
         )
+    if name == "plain-flux2":
+        from diffusers import Flux2Transformer2DModel
+
+        from difftrain.config.load import resolve  # the recipe's targets (a list of names, not step code)
+
+        model = _bundled("flux2-klein-9b/transformer", Flux2Transformer2DModel)
+        targets = list(resolve("flux2-klein-9b-lora-16gb", None, []).config.lora.targets)
+        return _plain_loop(name, model, targets, 32, [(128, 64, 64)], flux2_loss, steps, warmup)
     if name == "plain-zimage":
         from diffusers import ZImageTransformer2DModel
 
