@@ -1,6 +1,8 @@
 """Qwen-Image 2.1 on CPU: precompute and a short LoRA training of the tiny model through the console script, its loss
-finite, the diffusers-layout LoRA it writes loading into QwenImage21Pipeline and changing what it predicts; lora
-merge and resize of that LoRA; a full fine-tune's diffusers folder and single file."""
+finite, the diffusers-layout LoRA it writes loading into QwenImage21Pipeline and changing what it predicts; the
+ComfyUI-layout LoRA (kohya names, the SwiGLU's gate and up as one fused ``gate_up``) applied as ComfyUI applies a LoRA
+to its model's weights, giving the same output; lora merge and resize of both; a full fine-tune's diffusers folder and
+single file (ComfyUI's names)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def test_the_console_script_trains_a_lora_the_pipeline_loads(tiny_qi21, dataset,
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
     lora = run / "pytorch_lora_weights.safetensors"
-    assert lora.is_file() and not (run / "lora_kohya.safetensors").exists()  # no kohya layout for 2.1
+    assert lora.is_file() and (run / "lora_kohya.safetensors").is_file()  # and ComfyUI's layout beside it
 
     fam = QwenImage21()
     mcfg = ModelConfig(path=tiny_qi21)
@@ -101,6 +103,49 @@ def test_lora_merge_and_resize_take_qwen_image_21_loras(tiny_qi21, dataset, tmp_
     merge(tiny_qi21, lora, tmp_path / "merged.safetensors")
     torch.testing.assert_close(_transformer_out(_pipe(tiny_qi21, tmp_path / "merged.safetensors")), with_lora,
                                rtol=1e-4, atol=1e-5)  # fmt: skip
+    # the ComfyUI layout: lora_unet_ + ComfyUI's module paths, gate and up as one fused gate_up; applied as ComfyUI
+    # applies a LoRA (W += alpha / rank * up @ down on the weight lora_unet_ + its module path names) to the
+    # transformer file in ComfyUI's names, then read by diffusers' own converter of ComfyUI's files: as the pipeline
+    # with the diffusers-layout LoRA
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_qwen_image21_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    from difftrain.families.qwenimage import QwenImage21
+
+    kohya = load_file(lora.parent / "lora_kohya.safetensors")
+    assert "lora_unet_transformer_blocks_0_img_mlp_gate_up.lora_down.weight" in kohya
+    assert "lora_unet_transformer_blocks_0_attn_to_q.alpha" in kohya
+    assert not [k for k in kohya if "gate_layer" in k or "_proj." in k]
+    plain = _pipe(tiny_qi21).transformer
+    QwenImage21().save_single_file({"transformer": plain.state_dict()}, {}, tmp_path / "comfy.safetensors")
+    comfy = load_file(tmp_path / "comfy.safetensors")
+    assert "transformer_blocks.0.img_mlp.gate_up.weight" in comfy and not [k for k in comfy if "gate_layer" in k]
+    used = set()
+    for k in list(comfy):
+        name = "lora_unet_" + k.removesuffix(".weight").replace(".", "_")
+        if f"{name}.lora_down.weight" in kohya:
+            down, up = kohya[f"{name}.lora_down.weight"], kohya[f"{name}.lora_up.weight"]
+            comfy[k] = comfy[k] + float(kohya[f"{name}.alpha"]) / down.shape[0] * (up @ down)
+            used |= {f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"}
+    assert used == set(kohya)  # every key lands on a weight of ComfyUI's model (none "not loaded")
+    patched = QwenImage21Transformer2DModel.from_config(plain.config)
+    patched.load_state_dict(convert_qwen_image21_transformer_checkpoint_to_diffusers(comfy))
+    pipe = _pipe(tiny_qi21)
+    pipe.transformer = patched
+    torch.testing.assert_close(_transformer_out(pipe), with_lora, rtol=1e-4, atol=1e-5)
+    # merged from the ComfyUI-layout file: the same transformer file as from the diffusers one
+    merge(tiny_qi21, lora.parent / "lora_kohya.safetensors", tmp_path / "merged_kohya.safetensors")
+    m0, m1 = load_file(tmp_path / "merged.safetensors"), load_file(tmp_path / "merged_kohya.safetensors")
+    assert set(m0) == set(m1) and all(torch.allclose(m0[k], m1[k], atol=1e-6) for k in m0)
+    # resized, the ComfyUI-layout file keeps its fused gate_up, cut as one layer
+    resize(lora.parent / "lora_kohya.safetensors", tmp_path / "rk.safetensors", rank=1)
+    assert (
+        load_file(tmp_path / "rk.safetensors")["lora_unet_transformer_blocks_0_img_mlp_gate_up.lora_down.weight"].shape[
+            0
+        ]
+        == 1
+    )
     # resized to its own rank it predicts the same; cut to rank 1 it still loads and still changes the output
     rank = cfg.lora.rank
     for r in (rank, 1):

@@ -49,6 +49,9 @@ from ..llm_image import PARTS, LLMImageFamily
 from .family import vl_name
 
 DEFAULT_CONFIG = "qwen-image-2.1"
+#: the SwiGLU's gate and up projections (diffusers' names), one fused ``img_mlp.gate_up`` in ComfyUI's model
+_SWIGLU_MEMBERS = ("gate_layer", "proj")
+_SWIGLU = tuple(f".img_mlp.{m}" for m in _SWIGLU_MEMBERS)
 #: the prefix ComfyUI's one-file checkpoints put before the transformer's tensors
 PREFIX = "model.diffusion_model."
 #: what tells a Qwen-Image 2.1 transformer file: the text projection's norm (diffusers' own detection key) and the
@@ -62,6 +65,21 @@ TINY_CHAT_TEMPLATE = (
     "{%- for c in message.content %}{%- if c.type == 'text' %}{{- c.text }}{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+def comfy_names(sd: Mapping[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+    """A diffusers transformer state dict in ComfyUI's names, as makers (common.LazyTensors): each SwiGLU's
+    ``gate_layer`` and ``proj`` one ``gate_up`` (gate rows first), the inverse of ``transformer_tensors``' split."""
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for k, v in sd.items():
+        if k.endswith(".img_mlp.gate_layer.weight"):
+            base = k.removesuffix(".gate_layer.weight")
+            out[f"{base}.gate_up.weight"] = lambda base=base: torch.cat(
+                [sd[f"{base}.{m}.weight"] for m in _SWIGLU_MEMBERS], dim=0
+            )
+        elif not k.endswith(".img_mlp.proj.weight"):
+            out[k] = lambda v=v: v
+    return out
 
 
 def is_qwen_image21_file(keys: Sequence[str]) -> bool:
@@ -193,10 +211,10 @@ class QwenImage21(LLMImageFamily):
     high_precision_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "transformer": ("img_in", "txt_in*", "time_text_embed*", "modulation*", "norm_out*", "proj_out")
     }
-    #: no kohya / ComfyUI LoRA layout: ComfyUI's model fuses the SwiGLU's gate and up (``img_mlp.gate_up``), and how
-    #: its LoRA loader names a LoRA of the two is not known from diffusers' code (diffusers' LoRA converter reads
-    #: lora_unet_ names of Qwen-Image's modules and would split ``gate_layer``)
-    kohya_layout = False
+    #: the kohya layout (lora_kohya.safetensors) is ComfyUI's: lora_unet_ + the module paths of ComfyUI's model, which
+    #: are diffusers' but for the SwiGLU's gate and up, one ``img_mlp.gate_up`` there (gate rows first: diffusers'
+    #: convert_qwen_image21_transformer_checkpoint_to_diffusers, "ComfyUI fuses the SwiGLU gate and up projections
+    #: into a single GEMM"); ComfyUI maps lora_unet_ + a weight's module path for every model it loads
     modelspec_lora_architecture = "qwen-image-2.1/lora"
     single_file_prefixes: ClassVar[Mapping[str, str]] = {"transformer": PREFIX}
 
@@ -257,10 +275,29 @@ class QwenImage21(LLMImageFamily):
         return ["transformer"] if is_qwen_image21_file(keys) else []
 
     def kohya_names(self, mcfg: ModelConfig, part: str) -> dict[str, str]:
-        raise ConfigError(
-            "Qwen-Image 2.1 LoRAs are written in diffusers' layout only (no kohya / ComfyUI layout is known for it).",
-            hint="Set save.lora_formats: [diffusers].",
-        )
+        """The transformer's modules by ComfyUI's paths: diffusers' own, but for ``img_mlp.gate_layer`` and
+        ``img_mlp.proj``, which are one fused ``img_mlp.gate_up`` there (``kohya_fused``)."""
+        if part != "transformer":
+            raise ConfigError(f"Qwen-Image 2.1 LoRAs adapt the transformer only, not {part}.")
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        return common.adaptable_paths(module, lambda p: None if p.endswith(_SWIGLU) else p)
+
+    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+        """ComfyUI's ``...img_mlp.gate_up`` -> (gate_layer, proj) with their output widths, gate rows first."""
+        if part != "transformer":
+            return {}
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        mods = dict(module.named_modules())
+        mlps = [n.removesuffix(".gate_layer") for n in mods if n.endswith(".img_mlp.gate_layer")]
+        return {
+            f"{mlp}.gate_up": (
+                tuple((f"{mlp}.{m}", int(mods[f"{mlp}.{m}"].weight.shape[0])) for m in _SWIGLU_MEMBERS),
+                False,
+            )
+            for mlp in mlps
+        }
 
     # ------------------------------------------------------------ loading: the processor with the text encoder
     def tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):
@@ -391,15 +428,16 @@ class QwenImage21(LLMImageFamily):
     def save_single_file(
         self, sds: dict[str, Any], configs: dict[str, dict], path: Path, dtype: torch.dtype | None = None
     ) -> Path:
-        """The transformer in diffusers' names (what diffusers' from_single_file reads, and ``load`` reads back); one
-        tensor at a time, atomically."""
+        """The transformer in ComfyUI's names (diffusers' with each SwiGLU's gate and up as one ``img_mlp.gate_up``,
+        gate rows first, concatenated only as it is written), which ComfyUI, diffusers' from_single_file and ``load``
+        all read; one tensor at a time, atomically."""
         from ...utils import stream_save_safetensors
 
         if "transformer" not in sds:
             raise CheckpointError("A Qwen-Image 2.1 single file holds the transformer, and none was given.")
         return stream_save_safetensors(
             path,
-            dict(sds["transformer"]),
+            common.LazyTensors(comfy_names(sds["transformer"])),
             metadata={"format": "pt", "modelspec.architecture": "qwen-image-2.1"},
             dtype=dtype,
         )
