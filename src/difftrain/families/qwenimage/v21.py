@@ -32,6 +32,7 @@ Trained as QwenImage21Pipeline runs the model:
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -70,15 +71,20 @@ TINY_CHAT_TEMPLATE = (
 def comfy_names(sd: Mapping[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
     """A diffusers transformer state dict in ComfyUI's names, as makers (common.LazyTensors): each SwiGLU's
     ``gate_layer`` and ``proj`` one ``gate_up`` (gate rows first), the inverse of ``transformer_tensors``' split."""
+
+    def fused(base: str) -> torch.Tensor:
+        return torch.cat([sd[f"{base}.{m}.weight"] for m in _SWIGLU_MEMBERS], dim=0)
+
+    def same(key: str) -> torch.Tensor:
+        return sd[key]
+
     out: dict[str, Callable[[], torch.Tensor]] = {}
-    for k, v in sd.items():
+    for k in sd:
         if k.endswith(".img_mlp.gate_layer.weight"):
             base = k.removesuffix(".gate_layer.weight")
-            out[f"{base}.gate_up.weight"] = lambda base=base: torch.cat(
-                [sd[f"{base}.{m}.weight"] for m in _SWIGLU_MEMBERS], dim=0
-            )
+            out[f"{base}.gate_up.weight"] = functools.partial(fused, base)
         elif not k.endswith(".img_mlp.proj.weight"):
-            out[k] = lambda v=v: v
+            out[k] = functools.partial(same, k)
     return out
 
 
