@@ -110,6 +110,25 @@ def test_every_gpu_recipe_keeps_the_host_ram_budget_of_its_card():
     assert (host_budget("flux-full-24gb"), host_budget("flux-lora-8gb")) == (12, 16)
 
 
+def test_every_gpu_recipe_precomputes_on_its_own_card_or_says_where():
+    """A recipe's text encoders (T5-XXL, the language models) fit, at the recipe's precision, what its card leaves torch
+    (planning/estimate.py precompute_lines: T5's measured figures, the language models' estimate), so precompute runs
+    on the user's card with no flag; where nothing smaller exists (T5 in nf4 on a 4 GB card) the header says where to
+    precompute instead."""
+    from difftrain.config.recipes import recipe_tier
+    from difftrain.planning.estimate import precompute_lines
+
+    over = {}
+    for name in recipe_names():
+        tier = None if name.startswith("tiny") else recipe_tier(name)
+        if tier:
+            notes = [line for line in precompute_lines(resolve(recipe=name).config, tier) if "note:" in line]
+            if notes:
+                over[name] = notes
+    assert set(over) == {"sd3-lora-4gb"}, over
+    assert "precompute once on a larger GPU" in recipe_header("sd3-lora-4gb")
+
+
 def test_the_rule_fails_a_recipe_over_its_budget(monkeypatch):
     """The check above can fail: a measurement over the card's budget is caught."""
     from difftrain.config import recipes

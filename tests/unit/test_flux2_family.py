@@ -14,6 +14,7 @@ import torch
 from difftrain.config.load import resolve
 from difftrain.config.schema import ModelConfig
 from difftrain.errors import ModelLoadError
+from difftrain.families.common import read_json
 from difftrain.families.flux2 import Flux2
 from difftrain.families.flux2 import single_file as sf
 
@@ -36,18 +37,28 @@ def test_the_bundled_architectures_have_the_released_models_sizes():
     """klein 4B (3.88B transformer, Qwen3-4B), klein 9B (9.08B, Qwen3-8B without its head), [dev] (32.2B,
     Mistral-Small-3's 24.0B with its vision tower and head) and the 32-channel VAE, built on the meta device."""
     fam = Flux2()
-    counts = {}
+    counts, precomputed = {}, {}
     for arch in ("flux2-klein-4b", "flux2-klein-9b", "flux2-dev"):
         mcfg = ModelConfig(config=arch)
         with torch.device("meta"):
             counts[arch] = {
-                p: sum(x.numel() for x in fam.empty_part(mcfg, p).parameters())
+                p: sum(
+                    x.numel() for x in fam.new_module(p, read_json(fam.bundled(arch) / p / "config.json")).parameters()
+                )
                 for p in ("transformer", "text_encoder", "vae")
             }
+            # what precompute loads (and the planner counts): the text encoder up to the layers the pipeline taps
+            precomputed[arch] = sum(x.numel() for x in fam.empty_part(mcfg, "text_encoder").parameters())
     assert counts == {
         "flux2-klein-4b": {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096, "vae": 84_046_115},
         "flux2-klein-9b": {"transformer": 9_078_581_248, "text_encoder": 7_568_405_504, "vae": 84_046_115},
         "flux2-dev": {"transformer": 32_223_281_152, "text_encoder": 24_011_361_280, "vae": 84_046_115},
+    }
+    # 28 of Qwen3's 36 layers, 31 of Mistral 3's 40: one layer's parameters times the layers left out
+    assert precomputed == {
+        "flux2-klein-4b": 4_022_468_096 - 8 * 100_930_816,
+        "flux2-klein-9b": 7_568_405_504 - 8 * 192_946_432,
+        "flux2-dev": 24_011_361_280 - 9 * 555_755_520,
     }
     assert [fam.is_dev(ModelConfig(config=a)) for a in ("flux2-klein-4b", "flux2-dev")] == [False, True]
 
@@ -85,6 +96,44 @@ def test_captions_are_encoded_as_the_pipeline_encodes_them(tiny, tiny_dev, varia
     torch.testing.assert_close(got, want.float())
     assert not torch.allclose(got[0], got[1])
     assert fam.text_stage_tag("llm", _opts(path)).startswith("llm:fp32:512")
+
+
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_precompute_runs_the_text_encoder_only_to_the_deepest_layer_the_pipeline_takes(
+    tiny, tiny_dev, variant, tmp_path
+):
+    """A text encoder with layers past the pipeline's deepest tap (4 more here) is loaded without them, and its
+    captions are bit for bit what the pipeline makes of them with the whole model."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    src = tiny if variant == "klein" else tiny_dev
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    cfg = read_json(folder / "text_encoder" / "config.json")
+    text = cfg["text_config"] if variant == "dev" else cfg
+    deepest = text["num_hidden_layers"]  # the tiny models have just the layers the taps need
+    text["num_hidden_layers"] = deepest + 4
+    text.pop("layer_types", None)
+    torch.manual_seed(3)
+    hf = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "transformers_version")}
+    whole = (Mistral3ForConditionalGeneration(Mistral3Config(**hf)) if variant == "dev"
+             else Qwen3ForCausalLM(Qwen3Config(**hf)))  # fmt: skip
+    shutil.rmtree(folder / "text_encoder")
+    whole.save_pretrained(folder / "text_encoder", safe_serialization=True)
+    fam = Flux2()
+    comps = fam.load(ModelConfig(path=folder), ["text_encoder"])
+    te = comps["text_encoder"]
+    loaded = te.config.text_config if variant == "dev" else te.config
+    assert loaded.num_hidden_layers == deepest
+    assert not any(f"layers.{deepest}." in n for n, _ in te.named_parameters())
+    captions = ["a fox in the snow", "a much longer caption: a cat on a red sofa, evening light"]
+    got = fam.encode_prompts(comps, captions, "llm", _opts(folder))["prompt_embeds"]
+    pipe = (Flux2KleinPipeline if variant == "klein" else Flux2Pipeline).from_pretrained(folder)
+    assert pipe.text_encoder.config.get_text_config().num_hidden_layers == deepest + 4  # the pipeline's own: whole
+    with torch.no_grad():
+        want, _ = pipe.encode_prompt(captions, device=torch.device("cpu"))
+    assert torch.equal(got, want.float())
 
 
 @pytest.mark.parametrize("variant", ["klein", "dev"])

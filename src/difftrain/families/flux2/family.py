@@ -38,8 +38,9 @@ FLUX.2 [klein] 4B / 9B without ``-base`` are step-distilled (4 steps, no CFG; th
 
 from __future__ import annotations
 
+import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -63,6 +64,7 @@ TEXT_TOKENS = 512
 #: the hidden states each pipeline stacks (its text_encoder_out_layers default; 0 is the embeddings)
 KLEIN_LAYERS = (9, 18, 27)
 DEV_LAYERS = (10, 20, 30)
+_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
 #: a chat template for the tiny [dev] test model (a byte-level tokenizer): Mistral 3's turns for a system and a user
 #: message whose contents are lists of text parts, as Flux2Pipeline's format_input builds them
 TINY_DEV_CHAT_TEMPLATE = (
@@ -76,6 +78,39 @@ TINY_DEV_CHAT_TEMPLATE = (
 def is_dev_config(cfg: Mapping[str, Any]) -> bool:
     """A text encoder config is [dev]'s Mistral 3 (else klein's Qwen3)."""
     return cfg.get("model_type") == "mistral3"
+
+
+def precompute_layers(cfg: Mapping[str, Any]) -> int:
+    """The decoder layers of the text encoder precompute runs: up to the deepest hidden state the pipeline stacks
+    (hidden state k is the input of layer k + 1: the last one a model returns is after its final norm, so one layer
+    more than the tap), and no further: 31 of [dev]'s 40, 28 of klein's 36."""
+    text = cfg.get("text_config", cfg) if is_dev_config(cfg) else cfg
+    return min(int(text["num_hidden_layers"]), max(DEV_LAYERS if is_dev_config(cfg) else KLEIN_LAYERS) + 1)
+
+
+def cut_text_config(cfg: Mapping[str, Any]) -> dict:
+    """The text encoder's config with only the layers precompute runs (``precompute_layers``).
+
+    Why: the pipelines stack three intermediate hidden states, so the layers after the deepest one (and [dev]'s
+    final norm) compute nothing they take; each layer sees only those before it, so the stacked states are bit for bit
+    the whole model's (tests/unit/test_flux2_family.py). [dev]'s Mistral 3 is 5 B parameters lighter (2.5 GiB in
+    nf4: its precompute fits a 16 GB card), klein's Qwen3 22 %. transformers loads such a config from the whole
+    checkpoint, leaving the rest of the layers unread."""
+    import copy
+
+    out = copy.deepcopy(dict(cfg))
+    keep = precompute_layers(cfg)
+    text = out.get("text_config", out) if is_dev_config(cfg) else out
+    text["num_hidden_layers"] = keep
+    if isinstance(text.get("layer_types"), list):
+        text["layer_types"] = text["layer_types"][:keep]
+    return out
+
+
+def _layer(key: str) -> int | None:
+    """The decoder layer a klein Qwen3 file's tensor belongs to (``model.layers.7.mlp...``: 7), else None."""
+    m = _LAYER.match(key)
+    return int(m.group(1)) if m else None
 
 
 def _new_module(part: str, cfg: dict):
@@ -102,11 +137,28 @@ class _TextEncoder:
 
     @staticmethod
     def from_pretrained(p, subfolder: str = "text_encoder", **kwargs):
-        from transformers import Mistral3ForConditionalGeneration, Qwen3Model
+        """The folder's text encoder with the layers precompute runs (``cut_text_config``)."""
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3Model
 
         cfg = _read_json(Path(p) / subfolder / "config.json")
-        cls = Mistral3ForConditionalGeneration if is_dev_config(cfg) else Qwen3Model
-        return cls.from_pretrained(p, subfolder=subfolder, **kwargs)
+        dev = is_dev_config(cfg)
+        config = (Mistral3Config if dev else Qwen3Config)(**_hf_config(cut_text_config(cfg)))
+        cls: Any = Mistral3ForConditionalGeneration if dev else Qwen3Model
+        text = cfg.get("text_config", cfg) if dev else cfg
+        left = range(precompute_layers(cfg), int(text["num_hidden_layers"]))
+        if not left:
+            return cls.from_pretrained(p, subfolder=subfolder, config=config, **kwargs)
+        # the layers left out are not read, and not listed in transformers' load report as unexpected: its ignore list
+        # set on the class for this load (a subclass would lose transformers' renaming of older checkpoints' keys)
+        own = cls.__dict__.get("_keys_to_ignore_on_load_unexpected")
+        cls._keys_to_ignore_on_load_unexpected = [*(own or []), rf"layers\.({'|'.join(map(str, left))})\."]
+        try:
+            return cls.from_pretrained(p, subfolder=subfolder, config=config, **kwargs)
+        finally:
+            if own is None and "_keys_to_ignore_on_load_unexpected" in cls.__dict__:
+                del cls._keys_to_ignore_on_load_unexpected
+            else:
+                cls._keys_to_ignore_on_load_unexpected = own
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -272,6 +324,20 @@ class Flux2(LLMImageFamily):
             if any((folder / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
                 return AutoProcessor.from_pretrained(folder)
         return tok
+
+    def part_config(self, mcfg: ModelConfig, part: str) -> dict:
+        """A part's config; the text encoder's with the layers precompute runs (``cut_text_config``), which is the
+        model loaded, built and planned."""
+        cfg = super().part_config(mcfg, part)
+        return cut_text_config(cfg) if part == "text_encoder" else cfg
+
+    def text_encoder_tensors(
+        self, keys: Sequence[str], get: Callable[[str], torch.Tensor], dtype: torch.dtype, device, quantized: bool
+    ) -> dict[str, torch.Tensor]:
+        """klein's Qwen3 file, its layers after the ones precompute runs left unread (``cut_text_config``)."""
+        keep = max(KLEIN_LAYERS) + 1
+        kept = [k for k in keys if (n := _layer(k)) is None or n < keep]
+        return super().text_encoder_tensors(kept, get, dtype, device, quantized)
 
     def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
         if part == "text_encoder" and self.is_dev(mcfg):
