@@ -109,7 +109,7 @@ def list_(
     info(
         "eager: speed.compile false; shipped: speed auto on a long run (steady seconds per step), after a first step "
         "of `compile` seconds once per run (less with a warm cache)"
-        + ("; * a 4-step run capped as the card (rough), no long run measured yet" if rough else "")
+        + ("; * a 3- to 8-step run capped as the card (rough), no long run measured yet" if rough else "")
     )
     info("`difftrain recipes show NAME` prints one with its header; `difftrain plan --recipe NAME` its memory plan")
 
