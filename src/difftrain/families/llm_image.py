@@ -406,6 +406,24 @@ class LLMImageFamily(ModelFamily):
     def empty_part(self, mcfg: ModelConfig, part: str) -> torch.nn.Module:
         return self.new_module(part, self.part_config(mcfg, part))
 
+    def kohya_fused_groups(self, paths: Sequence[str]) -> Mapping[str, Sequence[str]]:
+        """The layers the kohya layout names as one, from the transformer's module ``paths``: fused path -> its
+        diffusers members, in the order the fused weight stacks them (Z-Image's and FLUX.2's q/k/v, Qwen-Image 2.1's
+        SwiGLU gate and up). None by default."""
+        return {}
+
+    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+        """``kohya_fused_groups`` of the transformer with each member's output width (halves never swapped)."""
+        if part != "transformer":
+            return {}
+        with torch.device("meta"):
+            module = self.empty_part(mcfg, part)
+        mods = dict(module.named_modules())
+        return {
+            fused: (tuple((m, int(mods[m].weight.shape[0])) for m in members), False)
+            for fused, members in self.kohya_fused_groups(list(mods)).items()
+        }
+
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         own = self._own_file(mcfg, part)
         if own is not None:

@@ -414,17 +414,9 @@ class Flux2(LLMImageFamily):
             module, lambda path: None if path == "norm_out.linear" else single_file.module_to_original(path)
         )
 
-    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
-        """BFL's ``double_blocks.N.{img,txt}_attn.qkv`` -> its q, k, v modules with their output widths."""
-        if part != "transformer":
-            return {}
-        with torch.device("meta"):
-            module = self.empty_part(mcfg, part)
-        mods = dict(module.named_modules())
-        return {
-            qkv: (tuple((m, int(mods[m].weight.shape[0])) for m in members), False)
-            for qkv, members in single_file.fused_qkv(list(mods)).items()
-        }
+    def kohya_fused_groups(self, paths: Sequence[str]) -> Mapping[str, Sequence[str]]:
+        """BFL's ``double_blocks.N.{img,txt}_attn.qkv`` -> its q, k and v modules."""
+        return single_file.fused_qkv(paths)
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:

@@ -289,21 +289,10 @@ class QwenImage21(LLMImageFamily):
             module = self.empty_part(mcfg, part)
         return common.adaptable_paths(module, lambda p: None if p.endswith(_SWIGLU) else p)
 
-    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
-        """ComfyUI's ``...img_mlp.gate_up`` -> (gate_layer, proj) with their output widths, gate rows first."""
-        if part != "transformer":
-            return {}
-        with torch.device("meta"):
-            module = self.empty_part(mcfg, part)
-        mods = dict(module.named_modules())
-        mlps = [n.removesuffix(".gate_layer") for n in mods if n.endswith(".img_mlp.gate_layer")]
-        return {
-            f"{mlp}.gate_up": (
-                tuple((f"{mlp}.{m}", int(mods[f"{mlp}.{m}"].weight.shape[0])) for m in _SWIGLU_MEMBERS),
-                False,
-            )
-            for mlp in mlps
-        }
+    def kohya_fused_groups(self, paths: Sequence[str]) -> Mapping[str, Sequence[str]]:
+        """ComfyUI's ``...img_mlp.gate_up`` -> (gate_layer, proj), gate rows first."""
+        mlps = [n.removesuffix(".gate_layer") for n in paths if n.endswith(".img_mlp.gate_layer")]
+        return {f"{mlp}.gate_up": tuple(f"{mlp}.{m}" for m in _SWIGLU_MEMBERS) for mlp in mlps}
 
     # ------------------------------------------------------------ loading: the processor with the text encoder
     def tokenizer(self, kind: str, p: Path, mcfg: ModelConfig):

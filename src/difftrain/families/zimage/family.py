@@ -171,17 +171,9 @@ class ZImage(LLMImageFamily):
             module = self.empty_part(mcfg, part)
         return common.adaptable_paths(module, single_file.module_to_original)
 
-    def kohya_fused(self, mcfg: ModelConfig, part: str) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
-        """Original ``...attention.qkv`` -> (to_q, to_k, to_v) with their output widths, stacked in that order."""
-        if part != "transformer":
-            return {}
-        with torch.device("meta"):
-            module = self.empty_part(mcfg, part)
-        mods = dict(module.named_modules())
-        return {
-            qkv: (tuple((m, int(mods[m].weight.shape[0])) for m in members), False)
-            for qkv, members in single_file.fused_qkv(list(mods)).items()
-        }
+    def kohya_fused_groups(self, paths: Sequence[str]) -> Mapping[str, Sequence[str]]:
+        """Original ``...attention.qkv`` -> (to_q, to_k, to_v), stacked in that order."""
+        return single_file.fused_qkv(paths)
 
     # ------------------------------------------------------------ encoding
     def encode_images(self, comps: dict[str, Any], pixels: torch.Tensor) -> torch.Tensor:
