@@ -80,12 +80,17 @@ def is_dev_config(cfg: Mapping[str, Any]) -> bool:
     return cfg.get("model_type") == "mistral3"
 
 
+def _language_model(cfg: Mapping[str, Any]) -> Any:
+    """The language model's part of a text encoder config: [dev]'s text_config, klein's whole config."""
+    return cfg.get("text_config", cfg) if is_dev_config(cfg) else cfg
+
+
 def precompute_layers(cfg: Mapping[str, Any]) -> int:
     """The decoder layers of the text encoder precompute runs: up to the deepest hidden state the pipeline stacks
     (hidden state k is the input of layer k + 1: the last one a model returns is after its final norm, so one layer
     more than the tap), and no further: 31 of [dev]'s 40, 28 of klein's 36."""
-    text = cfg.get("text_config", cfg) if is_dev_config(cfg) else cfg
-    return min(int(text["num_hidden_layers"]), max(DEV_LAYERS if is_dev_config(cfg) else KLEIN_LAYERS) + 1)
+    taps = DEV_LAYERS if is_dev_config(cfg) else KLEIN_LAYERS
+    return min(int(_language_model(cfg)["num_hidden_layers"]), max(taps) + 1)
 
 
 def cut_text_config(cfg: Mapping[str, Any]) -> dict:
@@ -100,7 +105,7 @@ def cut_text_config(cfg: Mapping[str, Any]) -> dict:
 
     out = copy.deepcopy(dict(cfg))
     keep = precompute_layers(cfg)
-    text = out.get("text_config", out) if is_dev_config(cfg) else out
+    text = _language_model(out)
     text["num_hidden_layers"] = keep
     if isinstance(text.get("layer_types"), list):
         text["layer_types"] = text["layer_types"][:keep]
@@ -144,8 +149,7 @@ class _TextEncoder:
         dev = is_dev_config(cfg)
         config = (Mistral3Config if dev else Qwen3Config)(**_hf_config(cut_text_config(cfg)))
         cls: Any = Mistral3ForConditionalGeneration if dev else Qwen3Model
-        text = cfg.get("text_config", cfg) if dev else cfg
-        left = range(precompute_layers(cfg), int(text["num_hidden_layers"]))
+        left = range(precompute_layers(cfg), int(_language_model(cfg)["num_hidden_layers"]))
         if not left:
             return cls.from_pretrained(p, subfolder=subfolder, config=config, **kwargs)
         # the layers left out are not read, and not listed in transformers' load report as unexpected: its ignore list
