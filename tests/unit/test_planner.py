@@ -446,6 +446,8 @@ MEASURED_HOST = {
     "krea2-lora-48gb": 2.29,  # fp8 with fp8 matmuls, no checkpointing (issue 52, 2026-11-28)
     "qwen-image-lora-48gb": 2.04,  # fp8, every second block checkpointed (issue 53, 2026-11-28)
     "flux2-klein-4b-full-24gb": 2.03,  # bf16, Adafactor in the backward, no block swap (issue 53, 2026-11-28)
+    "flux2-klein-9b-lora-24gb": 2.13,  # fp8, every second block checkpointed (issue 53, 2026-11-28)
+    "flux2-klein-9b-lora-48gb": 2.08,  # bf16, nothing checkpointed (issue 53, 2026-11-28)
 }
 
 #: measured host RAM over the plan by more than 10 %: the full fine-tune held 0.6 GiB more than the LoRA recipe of the
@@ -459,7 +461,12 @@ HOST_UNDER_PLANNED = {"wan-1.3b-full-24gb": 0.20, "krea2-full-24gb": 0.15}
 #: and copied at once in bf16 (0.84 GiB); the run held less (1.86 GiB at its peak while loading); FLUX.2 klein 9B's
 #: (2.21 measured, 2.46 planned) likewise, and krea2-lora-48gb's (2.29 measured, 2.74 planned: the same load). The plan
 #: may be over by up to this share
-HOST_OVER_PLANNED = {"krea2-lora-24gb": 0.35, "krea2-lora-48gb": 0.35, "flux2-klein-9b-lora-16gb": 0.15}
+HOST_OVER_PLANNED = {
+    "krea2-lora-24gb": 0.35,
+    "krea2-lora-48gb": 0.35,
+    "flux2-klein-9b-lora-16gb": 0.15,
+    "flux2-klein-9b-lora-24gb": 0.20,  # 2.13 measured, 2.46 planned: the same load as the 16 GB recipe
+}
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED_HOST))
@@ -573,6 +580,8 @@ MEASURED_CARD = {
     "flux2-klein-4b-full-24gb": (9.826, 10.68),  # 3 steps (card_fit_flux2.json f4-24-full), 2026-11-28
     "flux2-dev-lora-24gb": (18.916, 20.99),  # 3 steps (card_fit_flux2.json fdev-24-int4-bs20), 2026-11-28
     "flux2-dev-lora-16gb": (12.517, 13.979),  # 3 steps (card_fit_flux2.json fdev-16-int4-bs48), 2026-11-28
+    "flux2-klein-9b-lora-24gb": (21.553, 22.248),  # 3 steps (card_fit_flux2.json k9-24-fp8-ck2), 2026-11-28
+    "flux2-klein-9b-lora-48gb": (38.731, 39.248),  # 3 steps (card_fit_flux2.json k9-48-bf16-nock), 2026-11-28
 }
 
 #: eager runs (speed.compile: false, as the block swap LoRA recipes shipped on 2026-11-24; Flux's 2026-11-25), against
@@ -606,7 +615,7 @@ RESERVED_OVER = {
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 51 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 53 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 
@@ -935,3 +944,30 @@ def test_fsdp_shares_follow_the_master_dtype_and_the_optimizers_bits():
     assert b.gpu["gradients"] - a.gpu["gradients"] == pytest.approx(numel * 2 / 2 / GIB, rel=1e-6)
     assert b.gpu["optimizer state"] / a.gpu["optimizer state"] == pytest.approx(8 / (2 + 8 / 256), rel=1e-6)
     assert plan_memory(ours, 1).card_total > 80 > a.card_total
+
+
+def test_a_model_folder_without_its_vae_is_planned_at_the_bundled_vaes_factor(tmp_path):
+    """bench's random folders hold only what training loads (no vae/): Qwen-Image 2.1's 16x VAE was then planned as
+    8x, four times the activations (+8.7 GiB against the run on an H200, 2026-11-28). A folder's own VAE config still
+    decides where it has one."""
+    import json
+    import shutil
+
+    from difftrain.families.registry import get_family
+
+    family = get_family("qwen-image-2.1")
+    bundled = family.bundled("qwen-image-2.1")
+    folder = tmp_path / "random"
+    shutil.copytree(bundled / "transformer", folder / "transformer")
+    cfg = resolve(
+        recipe="tiny-qwen-image-2.1-lora",
+        sets=["model.config=qwen-image-2.1", "data.max_side=2048", "data.resolution=1024"],
+    ).config
+    plain = plan_memory(cfg)
+    cfg_folder = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder})})
+    assert plan_memory(cfg_folder).gpu["activations"] == pytest.approx(plain.gpu["activations"])
+    # a folder's own VAE config (here one that states 8x) is what the plan reads
+    (folder / "vae").mkdir()
+    vae = json.loads((bundled / "vae" / "config.json").read_text())
+    (folder / "vae" / "config.json").write_text(json.dumps({**vae, "scale_factor_spatial": 8}))
+    assert plan_memory(cfg_folder).gpu["activations"] == pytest.approx(4 * plain.gpu["activations"])

@@ -913,7 +913,9 @@ def image_memory_hints(
             lora_targets,
             lora_rank,
         ),
-        "latent_pixels": (resolution // spatial_factor(_vae_config(base))) ** 2,
+        # a folder without its VAE (bench's random ones hold only what training loads) has the bundled architecture's:
+        # without this, Qwen-Image 2.1's 16x VAE was planned as 8x, four times its activations (+8.7 GiB on 2026-11-28)
+        "latent_pixels": (resolution // spatial_factor(_vae_config(base) or _vae_config(bundled))) ** 2,
         **measured_hints(bundled / "memory.json"),
         "encode_captions": any(p.startswith("text_encoder") for p in trained),
     }
