@@ -78,6 +78,8 @@ ORDER = [
     "qwen-image-lora-48gb",
     "flux2-klein-4b-full-24gb",
     "flux2-dev-lora-24gb",
+    "flux2-klein-9b-lora-24gb",
+    "flux2-klein-9b-lora-48gb",
     "flux2-dev-lora-16gb",
 ]
 

@@ -15,7 +15,8 @@ plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024
 recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen the same for Qwen-Image (its 20 B in bf16,
 41 GB: an 80 GB card); plain-wan and plain-wan14 for the Wan 1.3B and 14B cases (wan-14b-lora-bf16: the 14B
 uncapped, its MFU; 81 frames of 480x832, bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block,
-UMT5's 512 text tokens; issue 51).
+UMT5's 512 text tokens; issue 51); plain-flux2 and plain-flux2-4b for FLUX.2 [klein] 9B and 4B (1024x1024, bf16
+weights, the recipes' targets, Qwen3's 512 tokens; issue 53).
 Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
@@ -171,6 +172,34 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("flux2-klein-9b-lora-16gb", "memory.weights.kind=bf16", "memory.activations.kind=none"),
         "flux2-klein-9b-lora-16gb with bf16 weights and nothing checkpointed",
     ),
+    # the faster klein 9B settings a 24-48 GB card may take (the fp8 and bf16 runs of 2026-11-28 reached 1.24x and
+    # 1.16x with every block checkpointed or fp8 upcast): fp8 matmuls, every second block checkpointed
+    "flux2-klein-9b-lora-fp8mm-nock": (
+        _at_1024("flux2-klein-9b-lora-16gb", NOCK, FP8MM),
+        "flux2-klein-9b-lora-16gb with fp8 matmuls and nothing checkpointed",
+    ),
+    "flux2-klein-9b-lora-fp8-ck2": (
+        _at_1024("flux2-klein-9b-lora-16gb", "memory.activations.every=2"),
+        "flux2-klein-9b-lora-16gb with every second block checkpointed",
+    ),
+    "flux2-klein-9b-lora-bf16-ck2": (
+        _at_1024("flux2-klein-9b-lora-16gb", "memory.weights.kind=bf16", "memory.activations.every=2"),
+        "flux2-klein-9b-lora-16gb with bf16 weights, every second block checkpointed",
+    ),
+    # the klein 9B recipes these cases became (as shipped: an H100's runs read the shipped files)
+    "flux2-klein-9b-lora-24gb": (_at_1024("flux2-klein-9b-lora-24gb"), "FLUX.2 [klein] 9B LoRA as shipped for 24 GB"),
+    "flux2-klein-9b-lora-48gb": (_at_1024("flux2-klein-9b-lora-48gb"), "FLUX.2 [klein] 9B LoRA as shipped for 48 GB"),
+    # FLUX.2 [klein] 4B against plain-flux2-4b: the 8 GB recipe as shipped, and with bf16 weights and nothing
+    # checkpointed (a 24 GB card's settings)
+    "flux2-klein-4b-lora-8gb": (_at_1024("flux2-klein-4b-lora-8gb"), "FLUX.2 [klein] 4B LoRA r32 as shipped for 8 GB"),
+    "flux2-klein-4b-lora-bf16-nock": (
+        _at_1024("flux2-klein-4b-lora-8gb", "memory.weights.kind=bf16", NOCK),
+        "flux2-klein-4b-lora-8gb with bf16 weights and nothing checkpointed",
+    ),
+    "flux2-klein-4b-lora-fp8mm-nock": (
+        _at_1024("flux2-klein-4b-lora-8gb", NOCK, FP8MM),
+        "flux2-klein-4b-lora-8gb with fp8 matmuls and nothing checkpointed",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -257,6 +286,14 @@ OWN_SIZE = {
     "flux2-klein-9b-lora-fp8-nock": (8, 6),
     "flux2-klein-9b-lora-bf16": (8, 6),
     "flux2-klein-9b-lora-bf16-nock": (8, 6),
+    "flux2-klein-9b-lora-fp8mm-nock": (8, 6),
+    "flux2-klein-9b-lora-fp8-ck2": (8, 6),
+    "flux2-klein-9b-lora-bf16-ck2": (8, 6),
+    "flux2-klein-4b-lora-8gb": (8, 6),
+    "flux2-klein-9b-lora-24gb": (8, 6),
+    "flux2-klein-9b-lora-48gb": (8, 6),
+    "flux2-klein-4b-lora-bf16-nock": (8, 6),
+    "flux2-klein-4b-lora-fp8mm-nock": (8, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
@@ -279,6 +316,7 @@ PLAIN_DIT = {
     "plain-krea2": (8, 3),
     "plain-qwen": (8, 3),
     "plain-flux2": (8, 3),
+    "plain-flux2-4b": (8, 3),
     "plain-wan": (4, 3),
     "plain-wan14": (3, 2),
 }
@@ -510,13 +548,14 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         return _plain_loop(
             name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_loss, steps, warmup
         )
-    if name == "plain-flux2":
+    if name in ("plain-flux2", "plain-flux2-4b"):
         from diffusers import Flux2Transformer2DModel
 
         from difftrain.config.load import resolve  # the recipe's targets (a list of names, not step code)
 
-        model = _bundled("flux2-klein-9b/transformer", Flux2Transformer2DModel)
-        targets = list(resolve("flux2-klein-9b-lora-16gb", None, []).config.lora.targets)
+        size, recipe = ("4b", "flux2-klein-4b-lora-8gb") if name.endswith("4b") else ("9b", "flux2-klein-9b-lora-16gb")
+        model = _bundled(f"flux2-klein-{size}/transformer", Flux2Transformer2DModel)
+        targets = list(resolve(recipe, None, []).config.lora.targets)
         return _plain_loop(name, model, targets, 32, [(128, 64, 64)], flux2_loss, steps, warmup)
     if name == "plain-zimage":
         from diffusers import ZImageTransformer2DModel
@@ -561,7 +600,7 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
 
 
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
-    folder = work / (name if name in PLAIN_OF or name.startswith("wan") else name.split("-")[0])  # one per family
+    folder = work / (name if name in PLAIN_OF or name.startswith("wan") else name.split("-lora")[0])  # one a model
     buckets: str | None = BUCKETS
     cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000", "--step-times"]
     if name in WITH_BASELINE:
