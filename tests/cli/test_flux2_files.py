@@ -1,5 +1,5 @@
-"""FLUX.2's files through the console script: a file that is not a FLUX.2 transformer, and [dev]'s Mistral 3 given as
-a file of its own, each refused with what to do, exit 1, no traceback, nothing cached."""
+"""FLUX.2's files through the console script: a file that is not a FLUX.2 transformer, and a text-encoder file that
+is not [dev]'s Mistral 3, each refused with what to do, exit 1, no traceback, nothing left beside it."""
 
 from __future__ import annotations
 
@@ -44,15 +44,18 @@ def test_a_flux1_file_is_not_taken_for_flux2_through_the_console_script(flux1_li
     assert not list((tmp_path / "cache").glob("**/*.safetensors"))
 
 
-def test_devs_text_encoder_is_read_from_a_folder_not_a_file(cli, dataset, tmp_path):
+def test_a_text_encoder_file_that_is_not_devs_mistral3_is_refused(cli, dataset, tmp_path):
     from difftrain.families.flux2 import Flux2
 
     model = Flux2().build_tiny(tmp_path / "dev", seed=0, config="flux2-tiny-dev")
-    own = tmp_path / "mistral_3_small_flux2_bf16.safetensors"
-    save_file({"model.language_model.norm.weight": torch.ones(32)}, own)
+    models = tmp_path / "models"
+    models.mkdir()
+    own = models / "mistral_3_small_flux2_bf16.safetensors"
+    save_file({"model.language_model.norm.weight": torch.ones(32)}, own)  # a norm, no layers
     sets = tiny_sets(model, dataset, tmp_path, **{"model.config": "flux2-tiny-dev", "model.text_encoder": own})
     r = cli("precompute", "--recipe", "tiny-flux2-lora", *[a for s in sets for a in ("--set", s)])
     err = " ".join(r.err.split())
     assert r.code == 1, r
-    assert "[dev]'s Mistral 3 is read from a diffusers FLUX.2 [dev] folder" in err and "model.text_encoder" in err
+    assert "does not look like FLUX.2 [dev]'s Mistral 3" in err and "mistral_3_small_flux2_bf16" in err
     assert "Traceback" not in r.err
+    assert [p.name for p in models.iterdir()] == [own.name]  # no folder left beside it

@@ -233,6 +233,61 @@ def test_comfyui_files_load_the_transformer_vae_and_qwen3(tiny, tmp_path):
         fam.load(ModelConfig(path=tmp_path / "vae.safetensors", config="flux2-tiny"), ["transformer"])
 
 
+@pytest.mark.parametrize("layout", ["comfyui", "transformers4"])
+def test_devs_mistral3_loads_from_comfyuis_single_file(tiny_dev, tmp_path, layout, monkeypatch):
+    """[dev]'s Mistral 3 as ComfyUI's mistral_3_small_flux2_bf16.safetensors names it (a causal LM's model.layers.N
+    beside vision_tower / multi_modal_projector at the top, the tokenizer as a tekken_model byte tensor) or in
+    transformers 4's multimodal names (language_model.model.layers.N): loaded as the folder's, bit for bit, through a
+    folder of several shards next to the file, which is gone afterwards."""
+    from safetensors.torch import save_file
+
+    from difftrain.families.flux2 import mistral_file
+
+    fam = Flux2()
+    ref = fam.load(ModelConfig(path=tiny_dev), ["text_encoder"], tokenizers=False)["text_encoder"].state_dict()
+    if layout == "comfyui":
+        renames = [("model.language_model.", "model."), ("model.vision_tower.", "vision_tower."),
+                   ("model.multi_modal_projector.", "multi_modal_projector.")]  # fmt: skip
+    else:
+        renames = [("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+                   ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head.")]  # fmt: skip
+    own = {}
+    for k, v in ref.items():
+        old = next((o for o, _ in renames if k.startswith(o)), None)
+        own[k if old is None else dict(renames)[old] + k[len(old) :]] = v.contiguous()
+    own["tekken_model"] = torch.arange(16, dtype=torch.uint8)
+    # the tiny model's layers past the pipeline's deepest tap, as the real file has them: not written, not read
+    text_cfg = read_json(tiny_dev / "text_encoder" / "config.json")["text_config"]
+    extra = {}
+    prefix = "model." if layout == "comfyui" else "language_model.model."
+    for name, v in own.items():
+        if name.startswith(prefix + "layers.0."):
+            extra[name.replace("layers.0.", f"layers.{text_cfg['num_hidden_layers']}.")] = v.clone()
+    folder = tmp_path / "models"
+    folder.mkdir()
+    f = folder / "mistral_3_small_flux2_bf16.safetensors"
+    save_file({**own, **extra}, f)
+    monkeypatch.setattr(mistral_file, "SHARD_BYTES", 4096)  # several shards, as the real file's 38 GB make
+    written = []
+    real = mistral_file.write_folder
+    monkeypatch.setattr(mistral_file, "write_folder", lambda *a: (real(*a), written.append(a[3]))[0])
+    mcfg = ModelConfig(path=tiny_dev, text_encoder=f)
+    got = fam.load(mcfg, ["text_encoder"], tokenizers=False)["text_encoder"].state_dict()
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    assert written and written[0].parent == folder and not written[0].exists()  # next to the file, then removed
+    assert sorted(p.name for p in folder.iterdir()) == [f.name]
+
+
+def test_a_file_that_is_not_mistral3_is_refused_for_dev(tiny_dev, tmp_path):
+    from safetensors.torch import save_file
+
+    f = tmp_path / "clip_l.safetensors"
+    save_file({"text_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(4, 4)}, f)
+    with pytest.raises(ModelLoadError, match=r"does not look like FLUX\.2 \[dev\]'s Mistral 3"):
+        Flux2().load(ModelConfig(path=tiny_dev, text_encoder=f), ["text_encoder"], tokenizers=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f.name]
+
+
 def test_a_files_blocks_and_a_folders_config_name_the_architecture(tiny_dev):
     fam = Flux2()
     keys = [f"double_blocks.{i}.img_attn.qkv.weight" for i in range(8)]

@@ -13,7 +13,8 @@ Loads offline from a diffusers folder (or a Hub id: black-forest-labs/FLUX.2-kle
 ComfyUI users have: the transformer alone in Black Forest Labs' names (``single_file``; fp8-stored ones too) as
 model.path, the VAE as model.ae (diffusers' names, or BFL's flux2-vae.safetensors), klein's Qwen3 as
 model.text_encoder (qwen_3_4b.safetensors / qwen_3_8b.safetensors, transformers' names) with its tokenizer folder as
-model.tokenizer_path. [dev]'s Mistral 3 is read from a diffusers folder (precompute reads it once).
+model.tokenizer_path; [dev]'s Mistral 3 from a diffusers folder or ComfyUI's mistral_3_small_flux2_bf16.safetensors
+(mistral_file.py; with the tokenizer folder of the diffusers repository as model.tokenizer_path).
 
 Trained with rectified flow as Flux2Pipeline / Flux2KleinPipeline run the transformer and the diffusers Flux.2 LoRA
 scripts train it: the VAE's posterior mean cut into 2x2 patches (128 channels), normalised by the VAE's batch-norm
@@ -52,7 +53,7 @@ from .. import common
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..llm_image import PARTS, LLMImageFamily, check_2x2
-from . import single_file
+from . import mistral_file, single_file
 
 DEFAULT_CONFIG = "flux2-klein-4b"
 #: build_random stores a random transformer larger than this (in bf16) in fp8: FLUX.2 dev's 64 GB of bf16 filled the
@@ -202,7 +203,8 @@ class Flux2(LLMImageFamily):
     }
     file_examples: ClassVar[Mapping[str, str]] = {
         "vae": "flux2-vae.safetensors",
-        "text_encoder": "qwen_3_4b.safetensors for klein 4B, qwen_3_8b.safetensors for 9B",
+        "text_encoder": "qwen_3_4b.safetensors for klein 4B, qwen_3_8b.safetensors for 9B, "
+        "mistral_3_small_flux2_bf16.safetensors for [dev]",
     }
     encoder_name = "the language model"
     file_markers = "single_stream_modulation.lin / double_blocks / single_blocks"
@@ -311,7 +313,7 @@ class Flux2(LLMImageFamily):
         return {"transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2, "text_encoder": _TextEncoder}
 
     def text_encoder_classes(self) -> tuple[Any, Any]:
-        """klein's Qwen3 (an own text-encoder file is klein's: [dev]'s is read from a folder)."""
+        """klein's Qwen3 (an own text-encoder file of [dev] is read through mistral_file.py's folder)."""
         from transformers import Qwen3Config, Qwen3Model
 
         return Qwen3Config, Qwen3Model
@@ -345,11 +347,19 @@ class Flux2(LLMImageFamily):
 
     def load_part_file(self, part: str, f: Path, mcfg: ModelConfig, dtype: torch.dtype, device, quant: str | None):
         if part == "text_encoder" and self.is_dev(mcfg):
-            raise ModelLoadError(
-                f"model.text_encoder {f.name}: [dev]'s Mistral 3 is read from a diffusers FLUX.2 [dev] folder.",
-                hint="Precompute with model.path set to the diffusers folder (black-forest-labs/FLUX.2-dev), then train "
-                "with the transformer file; or leave model.text_encoder out.",
-            )
+            # ComfyUI's Mistral 3 file, rewritten as a folder transformers reads shard by shard (mistral_file.py:
+            # as a state dict it would hold 38 GB in host memory before quantizing)
+            cfg = self.part_config(mcfg, part)
+            with mistral_file.as_folder(f, cfg, precompute_layers(cfg), dtype) as folder:
+                return common.load_diffusers_parts(
+                    folder,
+                    [part],
+                    {part: _TextEncoder},
+                    {part: dtype},
+                    device,
+                    lambda _: "",
+                    {part: quant} if quant is not None else None,
+                )[part]
         return super().load_part_file(part, f, mcfg, dtype, device, quant)
 
     def vae_tensors(self, sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
