@@ -278,6 +278,26 @@ def test_devs_mistral3_loads_from_comfyuis_single_file(tiny_dev, tmp_path, layou
     assert sorted(p.name for p in folder.iterdir()) == [f.name]
 
 
+def test_a_killed_runs_rewritten_mistral3_is_removed_and_a_running_ones_kept(tmp_path):
+    """A run killed while loading leaves its rewritten folder beside the file: the next load removes it, and leaves
+    one whose process still runs (this test's)."""
+    import os
+    import subprocess
+    import sys
+
+    from difftrain.families.flux2 import mistral_file
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = tmp_path / (mistral_file.PREFIX + "a"), tmp_path / (mistral_file.PREFIX + "b")
+    for d, pid in ((dead, int(gone.stdout)), (live, os.getpid())):
+        (d / "text_encoder").mkdir(parents=True)
+        (d / "pid").write_text(str(pid))
+    other = tmp_path / "mistral_3_small_flux2_bf16.safetensors"
+    other.write_bytes(b"")
+    assert mistral_file.remove_stale(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 def test_a_file_that_is_not_mistral3_is_refused_for_dev(tiny_dev, tmp_path):
     from safetensors.torch import save_file
 

@@ -17,6 +17,7 @@ read, renamed, written), next to it, and removed after the load. The layers afte
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -117,15 +118,46 @@ def write_folder(f: Path, config: Mapping[str, Any], keep: int, dest: Path, dtyp
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
+PREFIX = ".difftrain-mistral3-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # another user's process, or a system that cannot tell: left alone
+    return True
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """The rewritten folders in ``folder`` whose process is gone (a run killed while loading would leave its ~38 GB
+    copy behind): removed; the ones of a running process are left to it."""
+    gone = []
+    for d in folder.glob(PREFIX + "*"):
+        try:
+            pid = int((d / "pid").read_text())
+        except (OSError, ValueError):
+            continue  # not ours, or still being made
+        if not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
 @contextmanager
 def as_folder(f: Path, config: Mapping[str, Any], keep: int, dtype: torch.dtype) -> Iterator[Path]:
     """The file rewritten as a folder (``write_folder``) next to it (where its own disk has room for its copy; the
-    system's temporary folder where that is not writable), removed when the block ends."""
+    system's temporary folder where that is not writable), removed when the block ends; a killed run's leftover
+    beside it is removed first (``remove_stale``)."""
+    remove_stale(f.parent)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".difftrain-mistral3-", dir=f.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=PREFIX, dir=f.parent))
     except OSError:
-        tmp = Path(tempfile.mkdtemp(prefix="difftrain-mistral3-"))
+        tmp = Path(tempfile.mkdtemp(prefix=PREFIX.lstrip(".")))
     try:
+        (tmp / "pid").write_text(str(os.getpid()))
         write_folder(f, config, keep, tmp, dtype)
         yield tmp
     finally:
