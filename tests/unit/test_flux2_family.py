@@ -278,6 +278,45 @@ def test_devs_mistral3_loads_from_comfyuis_single_file(tiny_dev, tmp_path, layou
     assert sorted(p.name for p in folder.iterdir()) == [f.name]
 
 
+def test_an_fp8_scaled_mistral3_file_loads_each_weight_times_its_scale(tiny_dev, tmp_path):
+    """fp8-scaled copies: a weight_scale of one number or one per output row multiplies the fp8 weight, the older
+    scale_weight too; input_scale (an fp8 matmul's activation scale) is left out."""
+    from safetensors.torch import save_file
+
+    fam = Flux2()
+    ref = fam.load(ModelConfig(path=tiny_dev), ["text_encoder"], tokenizers=False)["text_encoder"].state_dict()
+    own = {("model." + k.removeprefix("model.language_model.") if k.startswith("model.language_model.") else k): v
+           for k, v in ref.items()}  # fmt: skip
+    want = {}
+    layouts = {"q_proj": "row", "k_proj": "one", "v_proj": "old"}
+    for k in list(own):
+        kind = next((layouts[p] for p in layouts if k.startswith("model.layers.0.") and f".{p}.weight" in k), None)
+        if kind is None:
+            continue
+        w = own[k].float()
+        scale = w.abs().amax(1) / 448 if kind == "row" else w.abs().max().reshape(()) / 448
+        q = (w / (scale[:, None] if kind == "row" else scale)).to(torch.float8_e4m3fn)
+        own[k] = q
+        base = k.removesuffix(".weight")
+        own[f"{base}.scale_weight" if kind == "old" else f"{base}.weight_scale"] = scale
+        own[f"{base}.input_scale"] = torch.tensor(1.0)
+        want["model.language_model." + k.removeprefix("model.")] = q.float() * (
+            scale[:, None] if kind == "row" else scale
+        )
+    own["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    assert len(want) == 3
+    f = tmp_path / "mistral3_fp8_scaled.safetensors"
+    save_file({k: v.contiguous() for k, v in own.items()}, f)
+    got = fam.load(ModelConfig(path=tiny_dev, text_encoder=f), ["text_encoder"], tokenizers=False)["text_encoder"]
+    sd = got.state_dict()
+    assert set(sd) == set(ref)
+    for k, w in want.items():
+        assert torch.equal(sd[k], w.to(sd[k].dtype)), k
+        assert not torch.equal(sd[k], ref[k])  # the fp8 rounding shows: the scale was applied, not the weight kept
+    rest = [k for k in ref if k not in want]
+    assert all(torch.equal(sd[k], ref[k]) for k in rest)
+
+
 def test_a_killed_runs_rewritten_mistral3_is_removed_and_a_running_ones_kept(tmp_path):
     """A run killed while loading leaves its rewritten folder beside the file: the next load removes it, and leaves
     one whose process still runs (this test's)."""
