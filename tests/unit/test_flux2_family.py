@@ -317,6 +317,36 @@ def test_an_fp8_scaled_mistral3_file_loads_each_weight_times_its_scale(tiny_dev,
     assert all(torch.equal(sd[k], ref[k]) for k in rest)
 
 
+def test_an_fp8_scaled_qwen3_file_loads_each_weight_times_its_scale(tiny, tmp_path):
+    """klein's Qwen3 as an fp8-scaled copy (the shared language-model loader, llm_image.py): each weight times its
+    weight_scale (per row or one number) or scale_weight, input_scale left out; as bf16 it was read unscaled."""
+    from safetensors.torch import save_file
+
+    fam = Flux2()
+    ref = fam.load(ModelConfig(path=tiny), ["text_encoder"], tokenizers=False)["text_encoder"].state_dict()
+    own = {f"model.{k}": v.contiguous() for k, v in ref.items()}
+    want = {}
+    for k, kind in (("layers.0.self_attn.q_proj.weight", "row"), ("layers.0.mlp.up_proj.weight", "one"),
+                    ("layers.0.mlp.down_proj.weight", "old")):  # fmt: skip
+        w = ref[k].float()
+        scale = w.abs().amax(1) / 448 if kind == "row" else w.abs().max().reshape(()) / 448
+        full = scale[:, None] if kind == "row" else scale
+        q = (w / full).to(torch.float8_e4m3fn)
+        base = "model." + k.removesuffix(".weight")
+        own[f"model.{k}"] = q
+        own[f"{base}.scale_weight" if kind == "old" else f"{base}.weight_scale"] = scale
+        own[f"{base}.input_scale"] = torch.tensor(1.0)
+        want[k] = q.float() * full
+    f = tmp_path / "qwen_3_4b_fp8_scaled.safetensors"
+    save_file(own, f)
+    mcfg = ModelConfig(path=tiny, text_encoder=f)
+    sd = fam.load(mcfg, ["text_encoder"], tokenizers=False)["text_encoder"].state_dict()
+    assert set(sd) == set(ref)
+    for k, w in want.items():
+        assert torch.equal(sd[k], w.to(sd[k].dtype)) and not torch.equal(sd[k], ref[k]), k
+    assert all(torch.equal(sd[k], ref[k]) for k in ref if k not in want)
+
+
 def test_a_killed_runs_rewritten_mistral3_is_removed_and_a_running_ones_kept(tmp_path):
     """A run killed while loading leaves its rewritten folder beside the file: the next load removes it, and leaves
     one whose process still runs (this test's)."""

@@ -514,15 +514,25 @@ def single_file_reader(get: Callable[[str], torch.Tensor], dtype: torch.dtype, d
 
 
 def scaled_fp8(keys: Sequence[str], get):
-    """ComfyUI's "fp8_scaled" files keep a ``scale_weight`` per Linear, which multiplies its fp8 weight (and a
-    ``scaled_fp8`` marker): the keys that are weights, and a reader giving each one as its real value (float32 where
-    scaled, as stored otherwise)."""
+    """ComfyUI's "fp8_scaled" files keep a scale per Linear that multiplies its fp8 weight: ``scale_weight`` (with a
+    ``scaled_fp8`` marker) in the older layout, ``weight_scale`` (one number, or one per output row) beside an
+    ``input_scale`` in the newer. The keys that are weights, and a reader giving each one as its real value (float32
+    where scaled, as stored otherwise); the input scales (an fp8 matmul's activation scale) are left out, as weights
+    read up to 16 bits never use them."""
     scales = {k.removesuffix(".scale_weight") + ".weight": k for k in keys if k.endswith(".scale_weight")}
-    skipped = set(scales.values()) | {k for k in keys if k.rsplit(".", 1)[-1] == "scaled_fp8" or k == "scaled_fp8"}
+    scales.update({k.removesuffix(".weight_scale") + ".weight": k for k in keys if k.endswith(".weight_scale")})
+    skipped = set(scales.values()) | {
+        k for k in keys if k.rsplit(".", 1)[-1] in ("scaled_fp8", "input_scale", "scale_input") or k == "scaled_fp8"
+    }
 
     def read(k: str) -> torch.Tensor:
         t = get(k)
-        return t.to(torch.float32) * get(scales[k]).to(torch.float32) if k in scales else t
+        if k not in scales:
+            return t
+        scale = get(scales[k]).to(torch.float32)
+        if scale.numel() > 1 and scale.numel() == t.shape[0]:
+            scale = scale.reshape(-1, *([1] * (t.dim() - 1)))  # one per output row
+        return t.to(torch.float32) * scale
 
     return [k for k in keys if k not in skipped], read
 

@@ -374,7 +374,8 @@ class LLMImageFamily(ModelFamily):
         self, keys: Sequence[str], get: Callable[[str], torch.Tensor], dtype: torch.dtype, device, quantized: bool
     ) -> dict[str, torch.Tensor]:
         """A language-model file's tensors in the module's names: the model's, or a generation model's with
-        ``model.`` and a head, which is left out."""
+        ``model.`` and a head, which is left out; an fp8-scaled copy's weights times their scales."""
+        keys, get = common.scaled_fp8(keys, get)
         read = common.single_file_reader(get, dtype, device, quantized, False)
         return {k.removeprefix("model."): read(k) for k in keys if not k.startswith("lm_head.")}
 

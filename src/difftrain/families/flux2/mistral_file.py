@@ -78,25 +78,6 @@ def _tensors(keys: Sequence[str], read: Callable[[str], torch.Tensor], keep: int
         yield k, name
 
 
-def fp8_scales(keys: Sequence[str], get: Callable[[str], torch.Tensor]):
-    """The newer fp8-scaled layout beside ComfyUI's older ``scale_weight`` (which ``common.scaled_fp8`` reads): each fp8
-    weight with a ``weight_scale`` (one number, or one per output row) is given times it, in float32; ``input_scale``
-    (the activations' scale of an fp8 matmul) is left out, as weights upcast for bitsandbytes never use it."""
-    scales = {k.removesuffix(".weight_scale") + ".weight": k for k in keys if k.endswith(".weight_scale")}
-    skipped = set(scales.values()) | {k for k in keys if k.endswith((".input_scale", ".scale_input"))}
-
-    def read(k: str) -> torch.Tensor:
-        t = get(k)
-        if k not in scales:
-            return t
-        scale = get(scales[k]).to(torch.float32)
-        if scale.numel() == t.shape[0] and scale.numel() > 1:
-            scale = scale.reshape(-1, *([1] * (t.dim() - 1)))  # one per output row
-        return t.to(torch.float32) * scale
-
-    return [k for k in keys if k not in skipped], read
-
-
 def write_folder(f: Path, config: Mapping[str, Any], keep: int, dest: Path, dtype: torch.dtype) -> None:
     """``dest``/text_encoder: config.json and the file's tensors renamed, in shards of at most SHARD_BYTES (one
     tensor in host memory at a time beside the shard being filled), layers from ``keep`` on left out."""
@@ -110,7 +91,7 @@ def write_folder(f: Path, config: Mapping[str, Any], keep: int, dest: Path, dtyp
             hint="Give mistral_3_small_flux2_bf16.safetensors (or its fp8 copy) from Comfy-Org/flux2-dev, or set "
             "model.path to a diffusers FLUX.2 [dev] folder.",
         )
-    keys, read = fp8_scales(*common.scaled_fp8(keys, get))
+    keys, read = common.scaled_fp8(keys, get)  # fp8-scaled copies: each weight times its scale
     out = dest / "text_encoder"
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
