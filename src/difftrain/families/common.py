@@ -392,6 +392,15 @@ def offline_clip_tokenizers() -> Path:
     return base
 
 
+def fused_widths(
+    module: torch.nn.Module, groups: Iterable[tuple[str, Sequence[str], bool]]
+) -> dict[str, tuple[tuple[tuple[str, int], ...], bool]]:
+    """A family's ``kohya_fused`` from its fused groups (kohya name, members in the order the fused weight stacks
+    them, whether its output halves are swapped): each member with its output width, read from ``module``."""
+    mods = dict(module.named_modules())
+    return {name: (tuple((m, int(mods[m].weight.shape[0])) for m in members), swap) for name, members, swap in groups}
+
+
 def adaptable_paths(module: torch.nn.Module, rename: Callable[[str], str | None] | None = None) -> dict[str, str]:
     """Path -> kohya path (``rename(path)``, or the path itself) of every Linear/Conv module a LoRA may adapt;
     modules ``rename`` has no name for are left out."""

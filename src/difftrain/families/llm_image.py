@@ -419,11 +419,8 @@ class LLMImageFamily(ModelFamily):
             return {}
         with torch.device("meta"):
             module = self.empty_part(mcfg, part)
-        mods = dict(module.named_modules())
-        return {
-            fused: (tuple((m, int(mods[m].weight.shape[0])) for m in members), False)
-            for fused, members in self.kohya_fused_groups(list(mods)).items()
-        }
+        paths = [name for name, _ in module.named_modules()]
+        return common.fused_widths(module, ((f, m, False) for f, m in self.kohya_fused_groups(paths).items()))
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         own = self._own_file(mcfg, part)

@@ -438,12 +438,8 @@ class Flux(ModelFamily):
             return {}
         with torch.device("meta"):
             module = self.empty_part(mcfg, part)
-        mods = dict(module.named_modules())
-        return {
-            pair.bfl: (tuple((m, int(mods[m].weight.shape[0])) for m in pair.members), pair.swap)
-            for pair in single_file.kohya_groups(cast(Mapping, module.config))
-            if len(pair.members) > 1 or pair.swap
-        }
+        groups = single_file.kohya_groups(cast(Mapping, module.config))
+        return common.fused_widths(module, ((p.bfl, p.members, p.swap) for p in groups if len(p.members) > 1 or p.swap))
 
     def fingerprint(self, mcfg: ModelConfig, part: str, memo: dict[str, str]) -> str:
         """A content hash of the part's weights: a folder's part files, or only the part's tensors of a file."""

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,15 +46,11 @@ _RENAMES = (
     ("multi_modal_projector.", "model.multi_modal_projector."),
     ("lm_head.", "lm_head."),
 )
-#: not weights: the tokenizer as bytes, and the fp8 marker
-_SKIPPED = {"tekken_model", "scaled_fp8"}
 
 
 def transformers_name(key: str) -> str | None:
     """A Mistral 3 file's key in transformers 5's Mistral3ForConditionalGeneration names; None for what is not a
-    weight of it (``tekken_model``, the tokenizer) or a name no Mistral 3 file has."""
-    if key in _SKIPPED:
-        return None
+    weight of it (``tekken_model``, the tokenizer as bytes) or a name no Mistral 3 file has."""
     for old, new in _RENAMES:
         if key.startswith(old):
             return new + key[len(old) :]
@@ -66,7 +62,7 @@ def is_mistral3_file(keys: Sequence[str]) -> bool:
     return any((n := transformers_name(k)) is not None and _LAYER.match(n) for k in keys)
 
 
-def _tensors(keys: Sequence[str], read: Callable[[str], torch.Tensor], keep: int) -> Iterator[tuple[str, str]]:
+def _tensors(keys: Sequence[str], keep: int) -> Iterator[tuple[str, str]]:
     """(file key, transformers name) of each tensor to write: the layers below ``keep`` and everything else."""
     for k in keys:
         name = transformers_name(k)
@@ -106,7 +102,7 @@ def write_folder(f: Path, config: Mapping[str, Any], keep: int, dest: Path, dtyp
             weight_map.update(dict.fromkeys(shard, name))
             shard, size, n = {}, 0, n + 1
 
-    for k, name in _tensors(keys, read, keep):
+    for k, name in _tensors(keys, keep):
         t = read(k)
         t = t.to(dtype) if t.is_floating_point() else t
         shard[name] = t.contiguous()
