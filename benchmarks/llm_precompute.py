@@ -9,6 +9,11 @@ precision in a fresh process loads it as `difftrain precompute` does (the family
 and encodes 4 captions. Each family's folder is removed after its cases (Mistral 3 is 48 GB in bf16). Prints a
 table last; $OUT/llm_precompute.json holds every case, written as each ends.
 
+flux2-dev-file: [dev]'s Mistral 3 from one file in ComfyUI's names (mistral_3_small_flux2_bf16.safetensors: the
+causal LM's model.layers.N beside vision_tower / multi_modal_projector, and tekken_model), written from the random
+folder and loaded through families/flux2/mistral_file.py's rewritten folder next to it: the host RSS peak of the
+load (its promise: never the 38 GB of bf16 weights in host memory) and the disk the rewritten folder takes at most.
+
     python benchmarks/llm_precompute.py --work /tmp/llm --out $OUT [--cases zimage:int8,zimage:nf4,flux2-dev:nf4]
     DIFFTRAIN_BENCH_TINY=1 python benchmarks/llm_precompute.py --work /tmp/llm   # the tiny configs in bf16 on CPU
 """
@@ -16,11 +21,14 @@ table last; $OUT/llm_precompute.json holds every case, written as each ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +40,15 @@ MODELS = {
     "qwen-image": ("qwen-image", "qwen-image", "qwen-image-tiny"),
     "flux2-klein-4b": ("flux2", "flux2-klein-4b", "flux2-tiny"),
     "flux2-dev": ("flux2", "flux2-dev", "flux2-tiny-dev"),
+    "flux2-dev-file": ("flux2", "flux2-dev", "flux2-tiny-dev"),
 }
+COMFY_FILE = "mistral_3_small_flux2_bf16.safetensors"
+#: transformers 5's names -> ComfyUI's file's (the inverse of mistral_file._RENAMES for the names it writes)
+COMFY_NAMES = (
+    ("model.language_model.", "model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
 DEFAULT = "zimage:int8,zimage:nf4,qwen-image:int8,qwen-image:nf4,krea2:int8,flux2-dev:nf4"
 CAPTIONS = ["a photo of a cat sitting on a red chair by the window, evening light"] * 4
 
@@ -48,12 +64,74 @@ def _config(name: str, prec: str):
     return resolve(recipe=recipe, sets=sets).config
 
 
+def write_comfy_file(text_encoder: Path, f: Path) -> None:
+    """The folder's Mistral 3 as one safetensors file in ComfyUI's names, written a tensor at a time (the header
+    first, then each tensor's bytes: safetensors' save_file would hold all 48 GB in host memory)."""
+    import struct
+
+    import torch
+    from safetensors import safe_open
+
+    index = text_encoder / "model.safetensors.index.json"
+    shards = (
+        sorted({*json.loads(index.read_text())["weight_map"].values()}) if index.exists() else ["model.safetensors"]
+    )
+    names: dict[str, tuple[str, str]] = {}  # file name -> (shard, transformers name)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    codes = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.uint8: "U8"}
+    off = 0
+    for shard in shards:
+        with safe_open(str(text_encoder / shard), "pt") as r:
+            for k in r.keys():  # noqa: SIM118 (safe_open is not iterable)
+                new = next((n + k[len(o) :] for o, n in COMFY_NAMES if k.startswith(o)), k)
+                t = r.get_slice(k)
+                shape, dtype = t.get_shape(), t.get_dtype()
+                size = int(torch.tensor(shape).prod()) * {"BF16": 2, "F16": 2, "F32": 4, "U8": 1}[dtype]
+                names[new] = (shard, k)
+                header[new] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + size]}
+                off += size
+    tekken = torch.arange(256, dtype=torch.uint8).repeat(64)  # the tokenizer as bytes, as the real file has it
+    header["tekken_model"] = {"dtype": "U8", "shape": [tekken.numel()], "data_offsets": [off, off + tekken.numel()]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    part = f.with_suffix(".part")
+    with open(part, "wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for shard in shards:
+            with safe_open(str(text_encoder / shard), "pt") as r:
+                for new, (s, k) in names.items():
+                    if s == shard:
+                        t = r.get_tensor(k)
+                        assert codes[t.dtype] == header[new]["dtype"]
+                        out.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+        out.write(tekken.numpy().tobytes())
+    part.replace(f)
+
+
+def build_file(work: Path) -> Path:
+    """flux2-dev-file's folder: the [dev] folder's config and tokenizer, its text encoder's weights as one file in
+    ComfyUI's names under models/ (the random folder's weights removed after: 48 GB)."""
+    folder = work / "flux2-dev-file"
+    if (folder / "models" / COMFY_FILE).exists():
+        return folder
+    src = build("flux2-dev", work)
+    weights = shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json")
+    shutil.copytree(src, folder, ignore=weights, dirs_exist_ok=True)
+    write_comfy_file(src / "text_encoder", folder / "models" / COMFY_FILE)
+    if not TINY:
+        shutil.rmtree(src, ignore_errors=True)
+    return folder
+
+
 def build(name: str, work: Path) -> Path:
     """The random text encoder's folder (and the tiny model's tokenizer beside it)."""
     import torch
 
     from difftrain.families.registry import get_family
 
+    if name == "flux2-dev-file":
+        return build_file(work)
     family, config, tiny = MODELS[name]
     fam = get_family(family)
     folder = work / name
@@ -79,6 +157,23 @@ def build(name: str, work: Path) -> Path:
     return folder
 
 
+class DiskPeak(threading.Thread):
+    """The most bytes under ``folder`` (``skip`` left out) seen, sampled every half second."""
+
+    def __init__(self, folder: Path, skip: Path):
+        super().__init__(daemon=True)
+        self.folder, self.skip, self.peak, self.stop = folder, skip, 0, False
+
+    def run(self) -> None:
+        while not self.stop:
+            n = 0
+            for p in self.folder.rglob("*"):
+                with contextlib.suppress(OSError):  # removed while counted
+                    n += p.stat().st_size if p.is_file() and p != self.skip else 0
+            self.peak = max(self.peak, n)
+            time.sleep(0.5)
+
+
 def run_case(name: str, prec: str, folder: Path) -> dict:
     import torch
 
@@ -88,6 +183,11 @@ def run_case(name: str, prec: str, folder: Path) -> dict:
 
     cfg = _config(name, prec)
     cfg.model.path = folder
+    disk = None
+    if name == "flux2-dev-file":
+        cfg.model.text_encoder = folder / "models" / COMFY_FILE
+        disk = DiskPeak(folder / "models", skip=cfg.model.text_encoder)
+        disk.start()
     fam = get_family(cfg.family)
     stage = fam.enabled_stages(cfg.text_encoders)[0]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,6 +202,12 @@ def run_case(name: str, prec: str, folder: Path) -> dict:
         precision=fam.stage_precision(stage, cfg.text_encoders),
     )
     out: dict = {"case": f"{name}:{prec}", "load_s": round(time.time() - t, 1)}
+    out["host_rss_peak_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    if disk is not None:
+        disk.stop = True
+        disk.join()
+        out["rewritten_peak_gib"] = round(disk.peak / 2**30, 2)
+        out["left_beside_file"] = sorted(p.name for p in disk.folder.iterdir() if p != disk.skip)
     if device.type == "cuda":
         torch.cuda.synchronize()
         out["after_load_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
@@ -158,13 +264,16 @@ def main() -> None:
             (a.out / "llm_precompute.json").write_text(json.dumps(results, indent=1) + "\n")
         if not TINY and all(n != name for n, _ in cases[i + 1 :]):  # the family's last case: its folder goes
             shutil.rmtree(a.work / name, ignore_errors=True)
-    print("\n| encoder | precision | after load GiB | peak allocated | peak reserved | planner's estimate | load s |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| encoder | precision | after load GiB | peak allocated | peak reserved | planner's estimate | load s "
+        "| host RSS peak GiB | rewritten folder peak GiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r.get('encoder') or r['case']} | {r['case'].split(':')[1]} | {r.get('after_load_gib')} | "
-            f"{r.get('peak_alloc_gib')} | {r.get('peak_reserved_gib')} | {r.get('estimate_gib')} | {r.get('load_s')} |"
-            + (" error" if "error" in r else "")
+            f"{r.get('peak_alloc_gib')} | {r.get('peak_reserved_gib')} | {r.get('estimate_gib')} | {r.get('load_s')} | "
+            f"{r.get('host_rss_peak_gib')} | {r.get('rewritten_peak_gib', '')} |" + (" error" if "error" in r else "")
         )
 
 
