@@ -47,6 +47,7 @@ WAN_BF16_ON_GPU = [
     for a in ("--set", s)
 ]  # fmt: skip
 FP8MM, NOCK = "speed.fp8_matmul=true", "memory.activations.kind=none"
+WHOLE = "speed.compile_regions=[Flux2Transformer2DModel]"
 
 
 def _at_1024(recipe: str, *sets: str) -> list[str]:
@@ -200,6 +201,12 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("flux2-klein-4b-lora-8gb", NOCK, FP8MM),
         "flux2-klein-4b-lora-8gb with fp8 matmuls and nothing checkpointed",
     ),
+    # the 4B's bf16 step computes 195 ms of its 300 (2026-11-28 profile): the host between the 25 compiled blocks; the
+    # whole transformer as one compiled region (one CUDA graph forward, one backward)
+    "flux2-klein-4b-lora-bf16-whole": (
+        _at_1024("flux2-klein-4b-lora-8gb", "memory.weights.kind=bf16", NOCK, WHOLE),
+        "flux2-klein-4b-lora-8gb with bf16 weights, nothing checkpointed, the whole transformer compiled as one",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -294,6 +301,7 @@ OWN_SIZE = {
     "flux2-klein-9b-lora-48gb": (8, 6),
     "flux2-klein-4b-lora-bf16-nock": (8, 6),
     "flux2-klein-4b-lora-fp8mm-nock": (8, 6),
+    "flux2-klein-4b-lora-bf16-whole": (8, 6),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides

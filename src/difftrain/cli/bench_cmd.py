@@ -234,7 +234,12 @@ def _print_speed(r: dict, what: str | Path, steps: int, warmup: int, folder: Pat
         if row.get("speed"):
             console.print(f"{row['name']}: {row['speed']}", markup=False)
     for row in r["rows"]:
-        if row["profile"] and row["profile"]["gpu_ms"]:
+        if row["profile"] and row["profile"].get("python"):
+            console.print(
+                f"{row['name']}: the profiled step's Python functions by own and by total time: --work's "
+                f"profile-{row['name']}.txt ({row['profile']['step_ms']:.0f} ms; DIFFTRAIN_PROFILE_PYTHON=1)"
+            )
+        elif row["profile"] and row["profile"].get("gpu_ms"):
             p = row["profile"]
             console.print(
                 f"{row['name']}: one step launched {p['kernel_launches']} kernels"

@@ -34,7 +34,7 @@ from ..planning.parts import plan_parts
 from ..speed.measure import peak_matmul_tflops
 from ..speed.regional_compile import recompile_limit_hits
 from ..trainers.loop import Hooks, Trainer
-from ..trainers.profile import LAUNCH_KEYS
+from ..trainers.profile import LAUNCH_KEYS, StepProfiler, python_wanted
 from ..utils import free_memory, pick_device
 
 
@@ -329,11 +329,18 @@ def _timed_run(
     if profile is None:
         trainer.run(overwrite=True)
         return trainer, trainer.flush_times, {}
+    timed = end - 2
+    hooks.flush_steps |= {timed, end - 1}
+    if python_wanted():  # DIFFTRAIN_PROFILE_PYTHON=1: the profiled step under cProfile (the host's own time)
+        sp = StepProfiler(profile.parent, end, rank=0)
+        hooks.after_step = sp.after_step
+        trainer.run(overwrite=True)
+        profile.write_text((profile.parent / "profile.rank0.txt").read_text())
+        times = trainer.flush_times
+        return trainer, times, {"python": True, "step_ms": round((times[end] - times[end - 1]) * 1e3, 1)}
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
-    timed = end - 2
-    hooks.flush_steps |= {timed, end - 1}
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     # repeat=1: one cycle, so the table read after the block is the profiled step's, whatever follows it
     with torch_profile(activities=acts, schedule=schedule(wait=timed, warmup=1, active=1, repeat=1)) as prof:
@@ -396,9 +403,10 @@ def kinds_line(by_kind: dict[str, dict]) -> str:
 def _profile_summary(prof, path: Path) -> dict:
     """GPU time and launches of the profiled step: how much of the step the GPU computed, and on what."""
     ev = prof.key_averages()
-    path.write_text(
-        ev.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total", row_limit=40)
-    )
+    text = ev.table(sort_by="self_cpu_time_total", row_limit=40)  # where the host's time goes
+    if torch.cuda.is_available():
+        text = ev.table(sort_by="self_device_time_total", row_limit=40) + "\n\nBy host time:\n" + text
+    path.write_text(text)
     kernels = sum(e.count for e in ev if e.key in LAUNCH_KEYS)
     graph_launches = sum(e.count for e in ev if e.key in ("cudaGraphLaunch", "cuGraphLaunch"))
     from torch.autograd import DeviceType
@@ -414,6 +422,7 @@ def _profile_summary(prof, path: Path) -> dict:
     ]
     gpu_us = sum(us for _, us, _ in rows)
     return {
+        "cpu_ms": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 2),
         "kernel_launches": kernels,
         "graph_launches": graph_launches,
         "gpu_ms": round(gpu_us / 1e3, 2),
