@@ -51,6 +51,59 @@ def test_full_finetune_with_bitsandbytes_adamw8bit(tiny_model, dataset, tmp_path
     assert state_bytes < 3 * param_count  # AdamW fp32 would be 8 bytes per parameter
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_bitsandbytes_adamw8bit_without_its_syncs_steps_bit_for_bit_as_its_own(monkeypatch, grad_dtype):
+    """make_optimizer's bitsandbytes AdamW8bit (its per-parameter torch.cuda.synchronize left out: memory/optimizers.py
+    without_syncs) moves every weight bit for bit as bitsandbytes' own class, with no synchronisation in its step;
+    on a side stream, or paged, it keeps bitsandbytes' waits."""
+    import bitsandbytes as bnb
+
+    from difftrain.config.schema import MemoryConfig
+    from difftrain.memory.optimizers import make_optimizer
+
+    shapes = [(3072, 32), (32, 3072), (4096,), (7, 5)]  # LoRA-like, one 1-D, one under bitsandbytes' 4096 values
+
+    def params():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(grad_dtype)) for s in shapes]
+
+    waits = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (waits.append(1), real(*a, **k))[1])
+    mem = MemoryConfig.model_validate({"optimizer": {"kind": "adamw8bit"}})
+    ours, theirs = params(), params()
+    o1 = make_optimizer(mem, [{"params": ours}], 1e-3)
+    o2 = bnb.optim.AdamW8bit([{"params": theirs}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    assert type(o1).__name__ == "AdamW8bit" and isinstance(o1, bnb.optim.AdamW8bit)
+    assert o1.defaults["weight_decay"] == o2.defaults["weight_decay"] and o1.defaults["eps"] == o2.defaults["eps"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(6):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, device="cuda", generator=g).to(grad_dtype)
+            b.grad = a.grad.clone()
+        n = len(waits)
+        o1.step()
+        assert len(waits) == n, f"step {step}: our step waited for the device"
+        o2.step()
+        assert len(waits) > n  # bitsandbytes' own class waits (what is left out is really there)
+    real()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        n = len(waits)
+        o1.step()
+        assert len(waits) > n  # bitsandbytes launches on the default stream: on another, its waits are kept
+    torch.cuda.current_stream().wait_stream(side)
+    paged = make_optimizer(
+        MemoryConfig.model_validate({"optimizer": {"kind": "adamw8bit", "paged": True}}), [{"params": params()}], 1e-3
+    )
+    for p in paged.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    n = len(waits)
+    paged.step()
+    assert len(waits) > n
+
+
 def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):
     ref = _cfg(
         tiny_model,

@@ -146,3 +146,76 @@ def test_checkpoint_state_stores_allowed_tensor_subclasses(tmp_path, monkeypatch
     monkeypatch.setattr(state, "SUBCLASSES", set())
     with pytest.raises(CheckpointError, match="unknown tensor class"):
         state.load_tree(tmp_path, "opt")
+
+
+@pytest.fixture
+def fake_bnb(monkeypatch):
+    """A stand-in for bitsandbytes.optim.optimizer (not installed on CPU machines): its module-level sync_gpu, and
+    an optimizer whose step calls it after each parameter as bitsandbytes 0.50's does."""
+    import sys
+    import types
+
+    calls: list[str] = []
+    mod = types.ModuleType("bitsandbytes.optim.optimizer")
+    mod.sync_gpu = lambda t: calls.append("sync")  # type: ignore[attr-defined]
+
+    class Fake8bit(torch.optim.Optimizer):
+        is_paged = False
+
+        def __init__(self, params, fail: bool = False):
+            super().__init__(params, {"lr": 0.1})
+            self.fail = fail
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.sub_(g["lr"] * p.grad)
+                    sys.modules["bitsandbytes.optim.optimizer"].sync_gpu(p)
+            if self.fail:
+                raise RuntimeError("step failed")
+
+    pkg, optim = types.ModuleType("bitsandbytes"), types.ModuleType("bitsandbytes.optim")
+    pkg.optim, optim.optimizer = optim, mod  # type: ignore[attr-defined]
+    for name, m in (("bitsandbytes", pkg), ("bitsandbytes.optim", optim), ("bitsandbytes.optim.optimizer", mod)):
+        monkeypatch.setitem(sys.modules, name, m)
+    return types.SimpleNamespace(mod=mod, cls=Fake8bit, calls=calls)
+
+
+def _param_with_grad() -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    return p
+
+
+def test_bitsandbytes_step_runs_without_its_per_parameter_syncs_and_puts_them_back(fake_bnb):
+    from difftrain.memory.optimizers import without_syncs
+
+    real = fake_bnb.mod.sync_gpu
+    cls = without_syncs(fake_bnb.cls)
+    assert cls.__name__ == "Fake8bit" and issubclass(cls, fake_bnb.cls)
+    ps = [_param_with_grad(), _param_with_grad()]
+    opt = cls([{"params": ps}])
+    opt.step()
+    assert fake_bnb.calls == []  # not one wait
+    assert all(torch.equal(p.detach(), torch.full((4,), 0.8)) for p in ps)  # the update itself ran
+    assert fake_bnb.mod.sync_gpu is real
+    fake_bnb.cls([{"params": [_param_with_grad()]}]).step()  # bitsandbytes' own class still waits
+    assert fake_bnb.calls == ["sync"]
+    failing = cls([{"params": [_param_with_grad()]}], fail=True)
+    with pytest.raises(RuntimeError, match="step failed"):
+        failing.step()
+    assert fake_bnb.mod.sync_gpu is real  # put back when the step raises too
+
+
+def test_paged_bitsandbytes_state_keeps_its_syncs(fake_bnb):
+    from difftrain.memory.optimizers import syncs_needed, without_syncs
+
+    class Paged(fake_bnb.cls):
+        is_paged = True
+
+    opt = without_syncs(Paged)([{"params": [_param_with_grad(), _param_with_grad()]}])
+    assert syncs_needed(opt)
+    opt.step()
+    assert fake_bnb.calls == ["sync", "sync"]
+    assert not syncs_needed(without_syncs(fake_bnb.cls)([{"params": [_param_with_grad()]}]))

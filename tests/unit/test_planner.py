@@ -448,6 +448,7 @@ MEASURED_HOST = {
     "flux2-klein-4b-full-24gb": 2.03,  # bf16, Adafactor in the backward, no block swap (issue 53, 2026-11-28)
     "flux2-klein-9b-lora-24gb": 2.13,  # fp8, every second block checkpointed (issue 53, 2026-11-28)
     "flux2-klein-9b-lora-48gb": 2.08,  # bf16, nothing checkpointed (issue 53, 2026-11-28)
+    "flux2-klein-4b-lora-24gb": 2.08,  # bf16, nothing checkpointed (issue 53, 2026-11-28)
     "qwen-image-2.1-lora-24gb": 2.09,  # bf16, checkpointing (issue 53, 2026-11-28)
     "qwen-image-2.1-lora-16gb": 2.00,  # fp8, checkpointing (issue 53, 2026-11-28)
 }
@@ -584,6 +585,7 @@ MEASURED_CARD = {
     "flux2-dev-lora-16gb": (12.517, 13.979),  # 3 steps (card_fit_flux2.json fdev-16-int4-bs48), 2026-11-28
     "flux2-klein-9b-lora-24gb": (21.553, 22.248),  # 3 steps (card_fit_flux2.json k9-24-fp8-ck2), 2026-11-28
     "flux2-klein-9b-lora-48gb": (38.731, 39.248),  # 3 steps (card_fit_flux2.json k9-48-bf16-nock), 2026-11-28
+    "flux2-klein-4b-lora-24gb": (20.067, 20.645),  # 3 steps (card_fit_flux2.json k4-24-bf16-nock), 2026-11-28
     "qwen-image-2.1-lora-24gb": (16.448, 17.105),  # 3 steps (card_fit_qwen_image.json q21-24-bf16-ck), 2026-11-28
     "qwen-image-2.1-lora-16gb": (9.882, 10.492),  # 3 steps (card_fit_qwen_image.json q21-16-fp8-ck), 2026-11-28
 }
@@ -619,7 +621,7 @@ RESERVED_OVER = {
 
 def test_every_gpu_tier_recipe_was_measured_as_a_card():
     tiers = {n for n in recipe_names() if re.search(r"^Tier: ", recipe_header(n), re.M) and not n.startswith("tiny")}
-    assert len(tiers) == 55 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
+    assert len(tiers) == 56 and tiers <= set(MEASURED_CARD), tiers - set(MEASURED_CARD)
     # and states its host RAM peak beside the GPU's
     assert not [n for n in tiers if not re.search(r"[0-9.]+ GiB\s+(host\s+)?RSS", recipe_header(n))]
 

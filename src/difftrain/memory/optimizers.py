@@ -245,8 +245,7 @@ def make_optimizer(
     if o.kind == "adamw8bit" and o.backend == "bnb":
         bnb = _import("bitsandbytes", "adamw8bit", "bnb")
         _cuda_only("adamw8bit", params)
-        cls = bnb.optim.PagedAdamW8bit if o.paged else bnb.optim.AdamW8bit
-        return cls(groups, **common)
+        return without_syncs(bnb.optim.PagedAdamW8bit if o.paged else bnb.optim.AdamW8bit)(groups, **common)
     if o.kind == "adamw8bit" or o.kind == "adamw4bit":  # not `in`: mypy narrows o on == only
         ao = _import("torchao.optim", o.kind, "torchao")
         _cuda_only(o.kind, params)
@@ -268,6 +267,54 @@ def make_optimizer(
     if any(p.dtype == torch.bfloat16 for p in params):
         return AdamWBF16(groups, seed=seed, stochastic_rounding=o.bf16_stochastic_rounding, **common)
     return torch.optim.AdamW(groups, **common, **(kernels or {}))
+
+
+def _no_sync(t: torch.Tensor) -> None:
+    """bitsandbytes' sync_gpu, left out (without_syncs)."""
+
+
+def syncs_needed(opt: torch.optim.Optimizer) -> bool:
+    """Whether a bitsandbytes optimizer's step must wait for the device after each parameter: its paged state (moved
+    by CUDA's unified memory, outside any stream's order), or a step run on another CUDA stream than the default one
+    (bitsandbytes launches its updates on CUDA's legacy default stream)."""
+    if getattr(opt, "is_paged", True):
+        return True
+    p = next((p for g in opt.param_groups for p in g["params"]), None)
+    if p is None or p.device.type != "cuda":
+        return p is not None and p.device.type != "cpu"  # on the CPU there is nothing to wait for either way
+    return torch.cuda.current_stream(p.device) != torch.cuda.default_stream(p.device)
+
+
+def without_syncs(base: type) -> type:
+    """bitsandbytes' 8-bit AdamW ``base`` stepping without a device synchronisation after each parameter.
+
+    Why not bitsandbytes' step as it is: bitsandbytes 0.50 calls ``torch.cuda.synchronize()`` after every
+    parameter's update (optim/optimizer.py ``step``: ``sync_gpu(p)``), which only its paged state needs. Otherwise it
+    just keeps the host from queuing ahead of the GPU: a LoRA of 200 tensors waits 200 times a step, the first wait
+    for the whole backward, and the next step's forward is then launched onto an idle GPU (FLUX.2 [klein] 4B LoRA on
+    an H200: 201 synchronisations, 170 of the step's 250 ms on the host waiting; benchmarks/fast_default.py --profile,
+    DIFFTRAIN_PROFILE_PYTHON=1, docs/benchmarks.md). Its non-paged updates run on CUDA's legacy default stream, the
+    stream the training step runs on (difftrain's side streams only copy weights, and wait on it), so they stay
+    ordered after the backward and before the next forward without the waits; bitsandbytes' open pull request 2050
+    takes the same syncs out for non-paged CUDA optimizers. ``syncs_needed`` keeps them for paged state and for a step
+    on another stream."""
+
+    class WithoutSyncs(base):  # a bitsandbytes optimizer class, given at run time
+        @torch.no_grad()
+        def step(self, closure=None):
+            if syncs_needed(self):
+                return super().step(closure)
+            import bitsandbytes.optim.optimizer as bnb_optimizer
+
+            real = bnb_optimizer.sync_gpu
+            bnb_optimizer.sync_gpu = _no_sync
+            try:
+                return super().step(closure)
+            finally:
+                bnb_optimizer.sync_gpu = real
+
+    WithoutSyncs.__name__ = WithoutSyncs.__qualname__ = base.__name__
+    return WithoutSyncs
 
 
 def local_shares(base: type) -> type:
