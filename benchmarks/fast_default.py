@@ -193,7 +193,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     # FLUX.2 [klein] 4B against plain-flux2-4b: the 8 GB recipe as shipped, and with bf16 weights and nothing
     # checkpointed (a 24 GB card's settings)
     "flux2-klein-4b-lora-8gb": (_at_1024("flux2-klein-4b-lora-8gb"), "FLUX.2 [klein] 4B LoRA r32 as shipped for 8 GB"),
-    "flux2-klein-4b-lora-24gb": (_at_1024("flux2-klein-4b-lora-24gb"), "FLUX.2 [klein] 4B LoRA r32 as shipped for 24 GB"),
+    "flux2-klein-4b-lora-24gb": (
+        _at_1024("flux2-klein-4b-lora-24gb"),
+        "FLUX.2 [klein] 4B LoRA r32 as shipped for 24 GB",
+    ),
     "flux2-klein-4b-lora-bf16-nock": (
         _at_1024("flux2-klein-4b-lora-8gb", "memory.weights.kind=bf16", NOCK),
         "flux2-klein-4b-lora-8gb with bf16 weights and nothing checkpointed",
