@@ -9,6 +9,8 @@ speed auto decides as for a 2,000-step run. The warm-up is two epochs (24 steps)
 shape's first call to warm up and record on its second, so one epoch of warm-up left six recordings inside the
 timed steps (measured: 0.999 s/step for compile + graphs on 2026-11-25, first pass); the timed steps are the next
 two epochs. Every step's seconds are kept (bench speed --step-times: a sync per step, as the plain loop's .item()).
+--steady times difftrain's cases as training runs them: read back after the warm-up and after the last step only
+(the trainer reads its losses every speed.sync_seconds), so the host queues a step while the GPU runs the last one.
 plain-sd3, plain-cogvideox and plain-flux are the same plain loops for sd3-lora-8gb (six buckets),
 cogvideox-2b-lora-24gb (49x480x720) and flux-lora-24gb (1024x1024; bf16 weights, as the diffusers Flux LoRA script);
 plain-zimage and plain-krea2 for zimage-lora-12gb and krea2-lora-24gb (1024x1024, bf16 weights, LoRA r32 on the
@@ -318,6 +320,8 @@ WITH_BASELINE = {
     "krea2-lora-24gb": (None, 8, 6),
     "wan-1.3b-lora-8gb": (None, 4, 3),
 }
+#: --steady: difftrain's steps timed without a read-back after each (training's own rhythm: speed.sync_seconds)
+STEADY = False
 #: --profile: the folder the profiled step's operator tables go to (None: no profiling)
 PROFILE: Path | None = None
 #: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
@@ -615,7 +619,8 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
     folder = work / (name if name in PLAIN_OF or name.startswith("wan") else name.split("-lora")[0])  # one a model
     buckets: str | None = BUCKETS
-    cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000", "--step-times"]
+    cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000"]
+    cmd += ["--step-times"] if not STEADY else []
     if name in WITH_BASELINE:
         buckets, steps_, warmup_ = WITH_BASELINE[name]
         steps, warmup = steps_ or steps, warmup_ or warmup
@@ -648,6 +653,7 @@ def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, ti
         "compile": row.get("compile"),
         "mfu": row.get("mfu"),
         "step_s": row.get("step_s"),
+        "sync_each_step": not STEADY,
         "warmup": warmup,
         "eager_s_per_step": res["rows"][0]["s_per_step"] if len(res.get("rows", [])) == 2 else None,
         "profile": row.get("profile"),
@@ -665,8 +671,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=540)
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help="one more step of each case under torch.profiler")
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="difftrain's cases read back only after the warm-up and the last step (as training reads every "
+        "speed.sync_seconds), not after every step: no median then",
+    )
     a = ap.parse_args()
-    global PROFILE
+    global PROFILE, STEADY
+    STEADY = a.steady
     PROFILE = a.out if a.profile else None
     if PROFILE is not None:
         PROFILE.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,28 @@ def test_bitsandbytes_adamw8bit_without_its_syncs_steps_bit_for_bit_as_its_own(m
     assert len(waits) > n
 
 
+def test_batches_are_stacked_into_pinned_memory_and_reach_the_gpu_unchanged():
+    """The feed's stack straight into pinned memory (trainers/feed.py stack_to_device) and the language-model
+    families' padded caption states (families/llm_image.py collate_text, pinned where a GPU trains) give the tensors
+    torch.stack and zero padding give, on the GPU."""
+    from types import SimpleNamespace
+
+    from difftrain.families.zimage import ZImage
+    from difftrain.trainers.feed import Feed
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 8, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+    feed = SimpleNamespace(device=torch.device("cuda"), cfg=SimpleNamespace(speed=SimpleNamespace(pin_memory=True)))
+    got = Feed.stack_to_device(feed, xs)  # type: ignore[arg-type]
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.stack(xs))
+    states = [torch.randn(n, 32, generator=g) for n in (5, 9)]
+    out = ZImage().collate_text("llm", [{"prompt_embeds": s} for s in states])
+    padded = out["prompt_embeds"]
+    assert padded.is_pinned() and padded.shape == (2, 9, 32)
+    assert torch.equal(padded[0, :5], states[0]) and not padded[0, 5:].any() and torch.equal(padded[1], states[1])
+    assert out["prompt_length"].tolist() == [5, 9]
+
+
 def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):
     ref = _cfg(
         tiny_model,

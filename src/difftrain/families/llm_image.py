@@ -471,9 +471,13 @@ class LLMImageFamily(ModelFamily):
         """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
         states = [e["prompt_embeds"] for e in entries]
         n = max(s.shape[0] for s in states)
-        padded = torch.zeros(len(states), n, *states[0].shape[1:], dtype=states[0].dtype)
+        # in pinned memory where a GPU trains: the feed's copy to it then starts from here (pin_memory() of a
+        # pinned tensor is the tensor), one host copy of the states fewer (trainers/feed.py stack_to_device)
+        pin = torch.cuda.is_available() and all(s.device.type == "cpu" for s in states)
+        padded = torch.empty(len(states), n, *states[0].shape[1:], dtype=states[0].dtype, pin_memory=pin)
         for i, s in enumerate(states):
             padded[i, : s.shape[0]] = s
+            padded[i, s.shape[0] :] = 0
         return {"prompt_embeds": padded, "prompt_length": torch.tensor([s.shape[0] for s in states])}
 
     def combine_texts(

@@ -183,9 +183,9 @@ class Feed:
             ]
         lat_entries = [self.cache.get(it.latent) for it in items]
         rows = [fam.conditioning(it, le) for it, le in zip(items, lat_entries)]
-        to = self.to_device
-        batch = {"latents": to(torch.stack([le["latents"] for le in lat_entries]))}
-        batch.update({k: to(torch.stack([r[k] for r in rows])) for k in rows[0]})
+        to, stack = self.to_device, self.stack_to_device
+        batch = {"latents": stack([le["latents"] for le in lat_entries])}
+        batch.update({k: stack([r[k] for r in rows]) for k in rows[0]})
         mask = self.masks(items)
         if mask is not None:  # masked loss: read by the objective, never by the denoiser
             batch["loss_mask"] = to(mask)
@@ -217,6 +217,17 @@ class Feed:
         # one mask for all of a clip's frames ([1, 1, h, w]) beside a mask per frame ([1, f, h, w]): broadcast
         shape = torch.broadcast_shapes(*(m.shape for m in found if m is not None))
         return torch.stack([(m if m is not None else torch.ones(())).expand(shape) for m in found])
+
+    def stack_to_device(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.stack(xs)`` on the training device. Onto a CUDA GPU from pinned memory the host stacks straight
+        into a pinned buffer: one copy on the host instead of two (a stack, then pin_memory's). What the host spends
+        feeding a batch is time the GPU waits whenever a step ends in a sync (FLUX.2 [klein] 4B: 28 ms stacking and
+        pinning in a 250 ms step, H200, 2026-11-28). The buffer comes from torch's pinned-memory cache, which does
+        not reuse it before the copy from it is done."""
+        if self.device.type == "cuda" and self.cfg.speed.pin_memory and all(x.device.type == "cpu" for x in xs):
+            out = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, pin_memory=True)
+            return torch.stack(xs, out=out).to(self.device, non_blocking=True)
+        return self.to_device(torch.stack(xs))
 
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its
