@@ -81,6 +81,7 @@ ORDER = [
     "flux2-klein-9b-lora-24gb",
     "flux2-klein-9b-lora-48gb",
     "flux2-klein-4b-lora-24gb",
+    "qwen-image-2.1-lora-12gb",
     "qwen-image-2.1-lora-24gb",
     "qwen-image-2.1-lora-16gb",
     "flux2-dev-lora-16gb",
