@@ -105,25 +105,33 @@ def test_bitsandbytes_adamw8bit_without_its_syncs_steps_bit_for_bit_as_its_own(m
 
 
 def test_batches_are_stacked_into_pinned_memory_and_reach_the_gpu_unchanged():
-    """The feed's stack straight into pinned memory (trainers/feed.py stack_to_device) and the language-model
-    families' padded caption states (families/llm_image.py collate_text, pinned where a GPU trains) give the tensors
-    torch.stack and zero padding give, on the GPU."""
+    """The feed's stack straight into pinned memory (trainers/feed.py stack_to_device, families/base.py host_stack)
+    and the families' caption states collated into it (FLUX.2's stack, the language-model families' zero padding)
+    give the tensors torch.stack and zero padding give, on the GPU; without speed.pin_memory nothing is pinned."""
     from types import SimpleNamespace
 
+    from difftrain.families.flux2 import Flux2
     from difftrain.families.zimage import ZImage
     from difftrain.trainers.feed import Feed
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(16, 8, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
-    feed = SimpleNamespace(device=torch.device("cuda"), cfg=SimpleNamespace(speed=SimpleNamespace(pin_memory=True)))
-    got = Feed.stack_to_device(feed, xs)  # type: ignore[arg-type]
-    assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.stack(xs))
+    for pinned in (True, False):
+        speed = SimpleNamespace(pin_memory=pinned)
+        feed = SimpleNamespace(device=torch.device("cuda"), cfg=SimpleNamespace(speed=speed), pins=pinned)
+        feed.to_device = lambda x, f=feed: Feed.to_device(f, x)  # type: ignore[arg-type]
+        got = Feed.stack_to_device(feed, xs)  # type: ignore[arg-type]
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.stack(xs))
     states = [torch.randn(n, 32, generator=g) for n in (5, 9)]
-    out = ZImage().collate_text("llm", [{"prompt_embeds": s} for s in states])
+    out = ZImage().collate_text("llm", [{"prompt_embeds": s} for s in states], pin=True)
     padded = out["prompt_embeds"]
     assert padded.is_pinned() and padded.shape == (2, 9, 32)
     assert torch.equal(padded[0, :5], states[0]) and not padded[0, 5:].any() and torch.equal(padded[1], states[1])
     assert out["prompt_length"].tolist() == [5, 9]
+    assert not ZImage().collate_text("llm", [{"prompt_embeds": s} for s in states])["prompt_embeds"].is_pinned()
+    rows = [{"prompt_embeds": torch.randn(512, 24, generator=g)} for _ in range(2)]
+    stacked = Flux2().collate_text("llm", rows, pin=True)["prompt_embeds"]
+    assert stacked.is_pinned() and torch.equal(stacked, torch.stack([r["prompt_embeds"] for r in rows]))
 
 
 def test_bf16_lora_on_cuda_tracks_fp32(tiny_model, dataset, tmp_path):

@@ -219,3 +219,23 @@ def test_paged_bitsandbytes_state_keeps_its_syncs(fake_bnb):
     opt.step()
     assert fake_bnb.calls == ["sync", "sync"]
     assert not syncs_needed(without_syncs(fake_bnb.cls)([{"params": [_param_with_grad()]}]))
+
+
+def test_host_stack_and_the_families_collate_give_torch_stack_and_zero_padding():
+    """families/base.py host_stack without pinning (a CPU trainer, or speed.pin_memory false) is torch.stack, and the
+    families' collate_text give the same tensors as before it (pinning itself needs CUDA: tests/gpu/test_gpu.py)."""
+    from difftrain.families.base import host_stack
+    from difftrain.families.flux2 import Flux2
+    from difftrain.families.zimage import ZImage
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(2)]
+    got = host_stack(xs)
+    assert torch.equal(got, torch.stack(xs)) and not got.is_pinned()
+    rows = [{"prompt_embeds": x} for x in xs]
+    assert torch.equal(Flux2().collate_text("llm", rows)["prompt_embeds"], torch.stack(xs))
+    states = [torch.randn(n, 4, generator=g) for n in (2, 5)]
+    out = ZImage().collate_text("llm", [{"prompt_embeds": s} for s in states])
+    want = torch.zeros(2, 5, 4)
+    want[0, :2], want[1] = states[0], states[1]
+    assert torch.equal(out["prompt_embeds"], want) and out["prompt_length"].tolist() == [2, 5]

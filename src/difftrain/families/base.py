@@ -36,6 +36,16 @@ class CachedItem(Protocol):
     def original_size(self) -> tuple[int, int]: ...  # (height, width) of the source
 
 
+def host_stack(xs: Sequence[torch.Tensor], pin: bool = False) -> torch.Tensor:
+    """``torch.stack(xs)``; with ``pin``, stacked straight into a pinned host buffer (one host copy where a stack and
+    then ``pin_memory()`` make two; ``pin_memory()`` of the result is the result itself). The buffer comes from
+    torch's pinned-memory cache, which does not hand it out again before a copy queued from it is done."""
+    if not pin or any(x.device.type != "cpu" for x in xs):
+        return torch.stack(list(xs))
+    out = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, pin_memory=True)
+    return torch.stack(list(xs), out=out)
+
+
 class ModelFamily(ABC):
     name: ClassVar[str]  # the config's ``family`` value
     image_encoder: ClassVar[str]  # the part precompute encodes pixels with
@@ -166,10 +176,13 @@ class ModelFamily(ABC):
         ``generator``). Other families: ``batch`` as it is, and nothing drawn."""
         return batch
 
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def collate_text(
+        self, stage: str, entries: list[dict[str, torch.Tensor]], pin: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The cached entries of one text stage for a batch, stacked (a family whose entries differ in length,
-        Z-Image's unpadded Qwen3 states, pads them here and keeps the lengths)."""
-        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        Z-Image's unpadded Qwen3 states, pads them here and keeps the lengths). ``pin``: into pinned host memory
+        (the feed asks for it when a CUDA GPU trains with speed.pin_memory; see host_stack)."""
+        return {k: host_stack([e[k] for e in entries], pin) for k in entries[0]}
 
     def kept_clean(self, latents: torch.Tensor) -> torch.Tensor | None:
         """Where the noisy input keeps the clean latents: a bool mask broadcastable to ``latents`` (the conditioning

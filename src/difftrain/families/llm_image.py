@@ -467,13 +467,14 @@ class LLMImageFamily(ModelFamily):
     def conditioning(self, item: CachedItem, latent_entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {}
 
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept."""
+    def collate_text(
+        self, stage: str, entries: list[dict[str, torch.Tensor]], pin: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Captions of several lengths in one batch: padded with zeros to the longest, their lengths kept; with
+        ``pin``, in pinned host memory (as base.host_stack)."""
         states = [e["prompt_embeds"] for e in entries]
         n = max(s.shape[0] for s in states)
-        # in pinned memory where a GPU trains: the feed's copy to it then starts from here (pin_memory() of a
-        # pinned tensor is the tensor), one host copy of the states fewer (trainers/feed.py stack_to_device)
-        pin = torch.cuda.is_available() and all(s.device.type == "cpu" for s in states)
+        pin = pin and all(s.device.type == "cpu" for s in states)
         padded = torch.empty(len(states), n, *states[0].shape[1:], dtype=states[0].dtype, pin_memory=pin)
         for i, s in enumerate(states):
             padded[i, : s.shape[0]] = s

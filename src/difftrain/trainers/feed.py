@@ -22,7 +22,7 @@ from ..data.captions import CaptionAugment, live_caption, pick_text
 from ..data.index import CacheIndex, IndexItem
 from ..data.masks import masks_wanted
 from ..errors import CacheMismatch, ConfigError
-from ..families.base import ModelFamily
+from ..families.base import ModelFamily, host_stack
 
 #: encodes captions of one text stage on the fly (a trained encoder): (stage, captions) -> its tensors
 LiveEncoder = Callable[[str, list[str]], dict[str, torch.Tensor]]
@@ -204,7 +204,7 @@ class Feed:
                 stages[stage] = self.encode_live(stage, captions)
             else:
                 entries = [self.cache.get(tx[stage]) for tx in texts]
-                stages[stage] = {k: to(v) for k, v in fam.collate_text(stage, entries).items()}
+                stages[stage] = {k: to(v) for k, v in fam.collate_text(stage, entries, pin=self.pins).items()}
         batch.update(fam.combine_texts(stages, self.cfg.text_encoders))
         return batch
 
@@ -218,16 +218,18 @@ class Feed:
         shape = torch.broadcast_shapes(*(m.shape for m in found if m is not None))
         return torch.stack([(m if m is not None else torch.ones(())).expand(shape) for m in found])
 
+    @property
+    def pins(self) -> bool:
+        """Whether batches are copied to the GPU from pinned host memory (a CUDA GPU, speed.pin_memory)."""
+        return self.device.type == "cuda" and self.cfg.speed.pin_memory
+
     def stack_to_device(self, xs: list[torch.Tensor]) -> torch.Tensor:
-        """``torch.stack(xs)`` on the training device. Onto a CUDA GPU from pinned memory the host stacks straight
-        into a pinned buffer: one copy on the host instead of two (a stack, then pin_memory's). What the host spends
-        feeding a batch is time the GPU waits whenever a step ends in a sync (FLUX.2 [klein] 4B: 28 ms stacking and
-        pinning in a 250 ms step, H200, 2026-11-28). The buffer comes from torch's pinned-memory cache, which does
-        not reuse it before the copy from it is done."""
-        if self.device.type == "cuda" and self.cfg.speed.pin_memory and all(x.device.type == "cpu" for x in xs):
-            out = torch.empty((len(xs), *xs[0].shape), dtype=xs[0].dtype, pin_memory=True)
-            return torch.stack(xs, out=out).to(self.device, non_blocking=True)
-        return self.to_device(torch.stack(xs))
+        """``torch.stack(xs)`` on the training device; copied from pinned memory, the host stacks straight into it
+        (families/base.py host_stack: one host copy where a stack and then pin_memory() make two; the families'
+        collate_text do the same for the caption states). What the host spends feeding a batch is time the GPU
+        waits whenever a step ends in a sync (FLUX.2 [klein] 4B: 28 ms stacking and pinning in a 250 ms step,
+        H200, 2026-11-28)."""
+        return self.to_device(host_stack(xs, self.pins))
 
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its

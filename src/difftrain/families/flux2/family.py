@@ -50,6 +50,7 @@ import torch
 from ...config.schema import ModelConfig, TextEncodersConfig
 from ...errors import CheckpointError, ConfigError, ModelLoadError
 from .. import common
+from ..base import host_stack
 from ..common import hf_config as _hf_config
 from ..common import read_json as _read_json
 from ..llm_image import PARTS, LLMImageFamily, check_2x2
@@ -498,9 +499,11 @@ class Flux2(LLMImageFamily):
     def text_stage_tag(self, stage: str, options: TextEncodersConfig) -> str:
         return f"llm:{options.llm.precision}:{TEXT_TOKENS}:flux2-taps" if stage == "llm" else ""
 
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def collate_text(
+        self, stage: str, entries: list[dict[str, torch.Tensor]], pin: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Every caption is 512 rows (the padding is part of what the transformer sees): stacked."""
-        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
+        return {k: host_stack([e[k] for e in entries], pin) for k in entries[0]}
 
     # ------------------------------------------------------------ training
     def denoise(

@@ -148,10 +148,12 @@ class QwenImage21Edit(QwenImage21):
         """Not text-to-image's: the template and the vision tokens differ (the cache is keyed by content)."""
         return f"qwen3vl:{options.llm.precision}:prenorm:qwen-image-2.1-ti2i-template" if stage == "qwen3vl" else ""
 
-    def collate_text(self, stage: str, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def collate_text(
+        self, stage: str, entries: list[dict[str, torch.Tensor]], pin: bool = False
+    ) -> dict[str, torch.Tensor]:
         """As the other language-model families' (rows padded with zeros, lengths kept), the image_pad_mask padded
-        with False alike."""
-        out = super().collate_text(stage, entries)
+        with False alike (a small bool tensor: not pinned)."""
+        out = super().collate_text(stage, entries, pin)
         masks = [e["image_pad_mask"].bool() for e in entries]
         padded = torch.zeros(len(masks), out["prompt_embeds"].shape[1], dtype=torch.bool)
         for i, m in enumerate(masks):
