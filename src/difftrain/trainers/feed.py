@@ -234,7 +234,7 @@ class Feed:
     def to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A host tensor onto the training device. From pageable memory a copy waits for the GPU to finish its
         queue; from pinned memory it is queued behind it (speed.pin_memory)."""
-        if self.device.type == "cuda" and self.cfg.speed.pin_memory and x.device.type == "cpu":
+        if self.pins and x.device.type == "cpu":
             return x.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device)
 
