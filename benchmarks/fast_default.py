@@ -18,7 +18,10 @@ recipes' targets, a 128-token caption as bench speed's cache has); plain-qwen th
 41 GB: an 80 GB card); plain-wan and plain-wan14 for the Wan 1.3B and 14B cases (wan-14b-lora-bf16: the 14B
 uncapped, its MFU; 81 frames of 480x832, bf16 weights, diffusers' checkpointing, LoRA r32 on every Linear of a block,
 UMT5's 512 text tokens; issue 51); plain-flux2 and plain-flux2-4b for FLUX.2 [klein] 9B and 4B (1024x1024, bf16
-weights, the recipes' targets, Qwen3's 512 tokens; issue 53).
+weights, the recipes' targets, Qwen3's 512 tokens; issue 53); plain-qwenedit (Qwen-Image-Edit-2509 with one reference
+at the target's size), plain-qwen21 (Qwen-Image 2.1's 64-channel latents at 1/16) and plain-flux2dev (FLUX.2 [dev],
+guidance 1.0, Mistral's 512 rows of 15 360) the same (issue 53). --plain-as-h100 caps the plain loops' allocator as
+an H100 80GB leaves it: whether each fits the card the issue's speed is judged on.
 Writes $OUT/fast_default.json (every case's figures) and $OUT/failures.log; prints a short table last.
 
 --profile: after each case's timed steps, one more step under torch.profiler (the plain loops here, difftrain's
@@ -213,6 +216,39 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("flux2-klein-4b-lora-8gb", "memory.weights.kind=bf16", NOCK, WHOLE),
         "flux2-klein-4b-lora-8gb with bf16 weights, nothing checkpointed, the whole transformer compiled as one",
     ),
+    # issue 53's speed for the models not yet read against a plain loop (2026-12-02): Qwen-Image-Edit (one reference
+    # at the target's size: 8 192 image tokens), Qwen-Image 2.1 and FLUX.2 [dev], each as shipped and with the
+    # settings of a faster tier (planned on the card: edit fp8-ck 28.6 GiB, fp8-ck2 56.0; 2.1 bf16-ck2 27.5, bf16-nock
+    # 38.5; dev fp8-ck 43.3, fp8-ck2 65.5), against plain-qwenedit, plain-qwen21 and plain-flux2dev
+    "qwen-image-edit-lora-24gb": (_at_1024("qwen-image-edit-lora-24gb"), "Qwen-Image-Edit-2509 LoRA r32 as shipped"),
+    "qwen-image-edit-lora-fp8-ck": (
+        _at_1024("qwen-image-edit-lora-24gb", "memory.weights.kind=fp8"),
+        "qwen-image-edit-lora-24gb with fp8 weights (a 32 GB card's settings)",
+    ),
+    "qwen-image-edit-lora-fp8-ck2": (
+        _at_1024("qwen-image-edit-lora-24gb", "memory.weights.kind=fp8", "memory.activations.every=2"),
+        "qwen-image-edit-lora-24gb with fp8 weights, every second block checkpointed (qwen-image-lora-48gb's settings)",
+    ),
+    "qwen-image-2.1-lora-24gb": (_at_1024("qwen-image-2.1-lora-24gb"), "Qwen-Image 2.1 LoRA r32 as shipped"),
+    "qwen-image-2.1-lora-bf16-ck2": (
+        _at_1024("qwen-image-2.1-lora-24gb", "memory.activations.every=2"),
+        "qwen-image-2.1-lora-24gb with every second block checkpointed (a 32 GB card's settings)",
+    ),
+    "qwen-image-2.1-lora-bf16-nock": (
+        _at_1024("qwen-image-2.1-lora-24gb", NOCK),
+        "qwen-image-2.1-lora-24gb with nothing checkpointed (a 48 GB card's settings)",
+    ),
+    "flux2-dev-lora-24gb": (_at_1024("flux2-dev-lora-24gb"), "FLUX.2 [dev] LoRA r32 as shipped (int4, 20 swapped)"),
+    "flux2-dev-lora-fp8-ck": (
+        _at_1024("flux2-dev-lora-24gb", "memory.weights.kind=fp8", "memory.offload.kind=none"),
+        "flux2-dev-lora-24gb with fp8 weights, nothing swapped (a 48 GB card's settings)",
+    ),
+    "flux2-dev-lora-fp8-ck2": (
+        _at_1024(
+            "flux2-dev-lora-24gb", "memory.weights.kind=fp8", "memory.offload.kind=none", "memory.activations.every=2"
+        ),
+        "flux2-dev-lora-24gb with fp8 weights, nothing swapped, every second block checkpointed (an 80 GB card's)",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -261,12 +297,19 @@ CASES: dict[str, tuple[list[str], str]] = {
         "wan-14b-lora-bf16 with the self-attentions' outputs kept (planned +13 GiB)",
     ),
 }
+#: issue 53's cases read against plain-qwenedit, plain-qwen21 and plain-flux2dev (1024x1024, 8 timed after 6)
+EDIT_CASES = ("qwen-image-edit-lora-24gb", "qwen-image-edit-lora-fp8-ck", "qwen-image-edit-lora-fp8-ck2")
+Q21_CASES = ("qwen-image-2.1-lora-24gb", "qwen-image-2.1-lora-bf16-ck2", "qwen-image-2.1-lora-bf16-nock")
+DEV_CASES = ("flux2-dev-lora-24gb", "flux2-dev-lora-fp8-ck", "flux2-dev-lora-fp8-ck2")
 #: the plain loop each case is read against where its name does not say (the part before the first "-")
 PLAIN_OF = {
     "wan-14b-lora-24gb": "plain-wan14",
     "wan-14b-lora-bf16": "plain-wan14",
     "wan-14b-lora-bf16-sa": "plain-wan14",
     "wan-14b-lora-80gb": "plain-wan14",
+    **dict.fromkeys(EDIT_CASES, "plain-qwenedit"),
+    **dict.fromkeys(Q21_CASES, "plain-qwen21"),
+    **dict.fromkeys(DEV_CASES, "plain-flux2dev"),
 }
 #: cases at their own --size without difftrain's eager run beside them: name -> (steps, warm-up)
 OWN_SIZE = {
@@ -309,6 +352,7 @@ OWN_SIZE = {
     "flux2-klein-4b-lora-24gb": (8, 6),
     "flux2-klein-4b-lora-fp8mm-nock": (8, 6),
     "flux2-klein-4b-lora-bf16-whole": (8, 6),
+    **dict.fromkeys(EDIT_CASES + Q21_CASES + DEV_CASES, (8, 6)),
 }
 #: cases timed beside difftrain's own eager run of the same recipe (no plain loop of these families here), and
 #: CogVideoX's one frame bucket with fewer steps (~1 s each eager): name -> (buckets, steps, warm-up) overrides
@@ -322,6 +366,9 @@ WITH_BASELINE = {
 }
 #: --steady: difftrain's steps timed without a read-back after each (training's own rhythm: speed.sync_seconds)
 STEADY = False
+#: torch's total capacity of an H100 80GB HBM3 (what its out-of-memory messages give, GiB): --plain-as-h100 leaves a
+#: plain loop this less the H100's stored CUDA context and libraries (memory/card_overhead.json), no display margin
+H100_GIB = 79.11
 #: --profile: the folder the profiled step's operator tables go to (None: no profiling)
 PROFILE: Path | None = None
 #: the plain loops of the transformer families: name -> (steps, warm-up) overrides (None: the command line's)
@@ -334,6 +381,9 @@ PLAIN_DIT = {
     "plain-qwen": (8, 3),
     "plain-flux2": (8, 3),
     "plain-flux2-4b": (8, 3),
+    "plain-qwenedit": (8, 3),
+    "plain-qwen21": (8, 3),
+    "plain-flux2dev": (8, 3),
     "plain-wan": (4, 3),
     "plain-wan14": (3, 2),
 }
@@ -512,10 +562,13 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         sig = torch.rand(1, device="cuda")
         xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
         text = torch.randn(1, 512, model.config.joint_attention_dim, **bf)
+        # [dev] is guidance-distilled: Flux2Pipeline passes its guidance value (the recipes' flow.guidance_scale 1.0)
+        guidance = torch.ones(1, device="cuda") if model.config.guidance_embeds else None
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pred = model(hidden_states=Flux2Pipeline._pack_latents(xt), timestep=sig.to(torch.bfloat16),
                          encoder_hidden_states=text, txt_ids=Flux2Pipeline._prepare_text_ids(text).to("cuda"),
-                         img_ids=Flux2Pipeline._prepare_latent_ids(xt).to("cuda"), return_dict=False)[0]  # fmt: skip
+                         img_ids=Flux2Pipeline._prepare_latent_ids(xt).to("cuda"), guidance=guidance,
+                         return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), Flux2Pipeline._pack_latents(noise - x0).float())
 
     def qwen_loss(model, c: int, h: int, w: int):
@@ -535,6 +588,47 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
             pred = model(hidden_states=pack(xt), timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,
                          encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
+
+    def qwen_edit_loss(model, c: int, h: int, w: int):
+        # QwenImageEditPlusPipeline's call: the noisy target's 2x2 patches, then one reference's (at the target's size,
+        # as training fits it to the bucket), img_shapes both grids, the loss on the target's tokens of the output
+        from diffusers import QwenImagePipeline
+
+        def pack(x):
+            return QwenImagePipeline._pack_latents(x, 1, c, h, w)
+
+        x0, noise, ref = (torch.randn(1, c, h, w, **bf) for _ in range(3))
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(
+            1, 128, model.config.joint_attention_dim, **bf
+        )  # a 128-row instruction (bench speed's cache)
+        mask = torch.ones(1, 128, dtype=torch.long, device="cuda")
+        grid = (1, h // 2, w // 2)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=torch.cat([pack(xt), pack(ref)], dim=1), timestep=sig.to(torch.bfloat16),
+                         encoder_hidden_states=text, encoder_hidden_states_mask=mask, img_shapes=[[grid, grid]],
+                         return_dict=False)[0]  # fmt: skip
+        return torch.nn.functional.mse_loss(pred[:, : grid[1] * grid[2]].float(), pack(noise - x0).float())
+
+    def qwen21_loss(model, c: int, h: int, w: int):
+        # QwenImage21Pipeline's call for a prompt: the 64-channel latents unpatched (one token a latent pixel),
+        # img_mask False over the caption's rows and one True slot per 2x2 target tokens after (append_target_slots),
+        # the latent grid as img_shapes, sigma as the timestep; the target's tokens are the output's last ones
+        from diffusers import QwenImage21Pipeline
+
+        def pack(x):
+            return QwenImage21Pipeline._pack_latents(x, 1, c, h, w)
+
+        x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
+        sig = torch.rand(1, device="cuda")
+        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
+        text = torch.randn(1, 128, model.config.context_in_dim, **bf)  # Qwen3-VL's states of a 128-token caption
+        img_mask = torch.cat([torch.zeros(1, 128, dtype=torch.bool), torch.ones(1, h * w // 4, dtype=torch.bool)], 1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pred = model(hidden_states=pack(xt), timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,
+                         img_shapes=[[(1, h, w)]], img_mask=img_mask.cuda(), return_dict=False)[0]  # fmt: skip
+        return torch.nn.functional.mse_loss(pred[:, -h * w :].float(), pack(noise - x0).float())
 
     def wan_loss(model, c: int, f: int, h: int, w: int):
         # WanPipeline's call: the latent video [B, 16, F, H, W], sigma * 1000 as the timestep, UMT5's 512 tokens;
@@ -565,13 +659,34 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         return _plain_loop(
             name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_loss, steps, warmup
         )
-    if name in ("plain-flux2", "plain-flux2-4b"):
+    if name == "plain-qwenedit":
+        from diffusers import QwenImageTransformer2DModel
+
+        from difftrain.families.qwenimage import QwenImage  # the recipe's targets (a list of names, not step code)
+
+        model = _bundled("qwen-image-edit-2509/transformer", QwenImageTransformer2DModel)
+        return _plain_loop(
+            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_edit_loss, steps, warmup
+        )
+    if name == "plain-qwen21":
+        from diffusers import QwenImage21Transformer2DModel
+
+        from difftrain.config.load import resolve  # the recipe's targets (a list of names, not step code)
+
+        model = _bundled("qwen-image-2.1/transformer", QwenImage21Transformer2DModel)
+        targets = list(resolve("qwen-image-2.1-lora-24gb", None, []).config.lora.targets)
+        return _plain_loop(name, model, targets, 32, [(64, 64, 64)], qwen21_loss, steps, warmup)
+    if name in ("plain-flux2", "plain-flux2-4b", "plain-flux2dev"):
         from diffusers import Flux2Transformer2DModel
 
         from difftrain.config.load import resolve  # the recipe's targets (a list of names, not step code)
 
-        size, recipe = ("4b", "flux2-klein-4b-lora-8gb") if name.endswith("4b") else ("9b", "flux2-klein-9b-lora-16gb")
-        model = _bundled(f"flux2-klein-{size}/transformer", Flux2Transformer2DModel)
+        arch, recipe = {
+            "plain-flux2-4b": ("flux2-klein-4b", "flux2-klein-4b-lora-8gb"),
+            "plain-flux2": ("flux2-klein-9b", "flux2-klein-9b-lora-16gb"),
+            "plain-flux2dev": ("flux2-dev", "flux2-dev-lora-24gb"),
+        }[name]
+        model = _bundled(f"{arch}/transformer", Flux2Transformer2DModel)
         targets = list(resolve(recipe, None, []).config.lora.targets)
         return _plain_loop(name, model, targets, 32, [(128, 64, 64)], flux2_loss, steps, warmup)
     if name == "plain-zimage":
@@ -617,7 +732,7 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
 
 
 def run_case(name: str, args: list[str], work: Path, steps: int, warmup: int, timeout: float) -> dict:
-    folder = work / (name if name in PLAIN_OF or name.startswith("wan") else name.split("-lora")[0])  # one a model
+    folder = work / (name if name.startswith("wan") else name.split("-lora")[0])  # one random model a family
     buckets: str | None = BUCKETS
     cmd = [sys.executable, "-m", "difftrain", "bench", "speed", *args, "--planned-steps", "2000"]
     cmd += ["--step-times"] if not STEADY else []
@@ -677,6 +792,12 @@ def main() -> None:
         help="difftrain's cases read back only after the warm-up and the last step (as training reads every "
         "speed.sync_seconds), not after every step: no median then",
     )
+    ap.add_argument(
+        "--plain-as-h100",
+        action="store_true",
+        help="the plain loops with torch's allocator capped as an H100 80GB leaves it (issue 53's speed is against "
+        "a plain loop where that loop fits an H100): an out-of-memory error there says it does not",
+    )
     a = ap.parse_args()
     global PROFILE, STEADY
     STEADY = a.steady
@@ -687,6 +808,13 @@ def main() -> None:
         print("RESULT " + json.dumps(plain_sdxl(a.steps, a.warmup)), flush=True)
         return
     if a.case in PLAIN_DIT:
+        if a.plain_as_h100:  # before the model is built: an out-of-memory error is the answer "does not fit"
+            import torch
+
+            from difftrain.memory.card import allocator_budget, stored_overhead
+            from difftrain.utils import cap_gpu_memory
+
+            cap_gpu_memory(torch.device("cuda"), allocator_budget(H100_GIB, stored_overhead("H100"), display=False))
         steps, warmup = PLAIN_DIT[a.case]
         print("RESULT " + json.dumps(plain_dit(a.case, steps or a.steps, warmup or a.warmup)), flush=True)
         return
@@ -700,6 +828,7 @@ def main() -> None:
         try:
             if name == "plain-sdxl" or name in PLAIN_DIT:
                 cmd = [sys.executable, __file__, "--out", str(a.out), "--case", name] + ["--profile"] * a.profile
+                cmd += ["--plain-as-h100"] * a.plain_as_h100
                 p = subprocess.run(
                     cmd + ["--steps", str(a.steps), "--warmup", str(a.warmup)],
                     capture_output=True,
