@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_sets
+from conftest import set_args, tiny_sets
 from difftrain.config.load import resolve
 from difftrain.precompute.run import precompute
 from difftrain.trainers.loop import train
@@ -187,3 +187,19 @@ def test_edit_training_caches_the_references_and_trains(tiny_flux2, dataset, tmp
     pipe.load_lora_weights(str(r.lora_path))
     assert not torch.allclose(_transformer_out(pipe.transformer), _transformer_out(
         Flux2KleinPipeline.from_pretrained(tiny_flux2).transformer), atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_sweep_over_one_cache_trains_each_trial(tiny_flux2, dataset, tmp_path, cli):
+    """`difftrain sweep` on FLUX.2 [klein] (issue 53's sweeps), through the CLI's entry point: two ranks over one
+    cache, each trial trained to a finite loss, the ranks giving different runs."""
+    import json
+
+    sets = tiny_sets(tiny_flux2, dataset, tmp_path, **{"train.max_steps": 2, "report.to": "[]"})
+    r = cli("sweep", "--recipe", "tiny-flux2-lora", *set_args(sets), "--grid", "lora.rank=2,4", "-o", tmp_path / "sw")
+    assert r.code == 0, r
+    rows = json.loads((tmp_path / "sw" / "results.json").read_text())
+    assert sorted(row["lora.rank"] for row in rows) == [2, 4]
+    assert all(row["status"] == "ok" and row["steps"] == 2 for row in rows)
+    assert all(torch.isfinite(torch.tensor(row["final_loss"])) for row in rows)
+    assert rows[0]["final_loss"] != rows[1]["final_loss"]

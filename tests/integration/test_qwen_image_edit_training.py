@@ -231,3 +231,25 @@ def test_a_resumed_edit_run_matches_an_uninterrupted_one(tiny_plus, pairs, tmp_p
     train(first)
     r = train(_cfg(tiny_plus, data, tmp_path / "b", **sets), resume="latest")
     assert r.losses == pytest.approx(full.losses[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_sweep_trains_each_trial_on_one_cache_of_pairs(tiny_plus, pairs, tmp_path, cli):
+    """`difftrain sweep` over Edit pairs (issue 53's sweeps): one cache of the targets with their references, which
+    both trials train on to a finite loss; the two learning rates give two different runs."""
+    from difftrain.data.cache import DataCache
+
+    data, control = pairs
+    sets = tiny_sets(
+        tiny_plus, data, tmp_path, **{"data.control_dir": control, "train.max_steps": 2, "report.to": "[]"}
+    )
+    r = cli("sweep", "--recipe", RECIPE, *set_args(sets), "--grid", "optimizer.lr=1e-3,1e-2", "-o", tmp_path / "sw")
+    assert r.code == 0, r
+    rows = json.loads((tmp_path / "sw" / "results.json").read_text())
+    assert sorted(row["train.learning_rate"] for row in rows) == [1e-3, 1e-2]
+    assert all(row["status"] == "ok" and row["steps"] == 2 for row in rows)
+    assert all(torch.isfinite(torch.tensor(row["final_loss"])) for row in rows)
+    assert rows[0]["final_loss"] != rows[1]["final_loss"]
+    cache = DataCache(tmp_path / "cache")
+    refs = [cache.get(it["latent"])["reference_latents"] for it in cache.read_json("index.json")["items"]]
+    assert refs and all(x.shape[0] == 2 for x in refs)  # each target's two numbered references
