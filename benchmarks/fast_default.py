@@ -650,23 +650,15 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
         model = _bundled(f"{arch}/transformer", WanTransformer3DModel)
         shape = (16, 21, 60, 104)  # 81 frames of 480x832 through Wan2.1's VAE (4x temporal, 8x spatial)
         return _plain_loop(name, model, list(Wan.default_lora_targets), 32, [shape], wan_loss, steps, warmup)
-    if name == "plain-qwen":
+    if name in ("plain-qwen", "plain-qwenedit"):
         from diffusers import QwenImageTransformer2DModel
 
         from difftrain.families.qwenimage import QwenImage  # the recipe's targets (a list of names, not step code)
 
-        model = _bundled("qwen-image/transformer", QwenImageTransformer2DModel)
+        arch, loss_of = ("qwen-image", qwen_loss) if name == "plain-qwen" else ("qwen-image-edit-2509", qwen_edit_loss)
+        model = _bundled(f"{arch}/transformer", QwenImageTransformer2DModel)
         return _plain_loop(
-            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_loss, steps, warmup
-        )
-    if name == "plain-qwenedit":
-        from diffusers import QwenImageTransformer2DModel
-
-        from difftrain.families.qwenimage import QwenImage  # the recipe's targets (a list of names, not step code)
-
-        model = _bundled("qwen-image-edit-2509/transformer", QwenImageTransformer2DModel)
-        return _plain_loop(
-            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], qwen_edit_loss, steps, warmup
+            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], loss_of, steps, warmup
         )
     if name == "plain-qwen21":
         from diffusers import QwenImage21Transformer2DModel
