@@ -249,6 +249,27 @@ CASES: dict[str, tuple[list[str], str]] = {
         ),
         "flux2-dev-lora-24gb with fp8 weights, nothing swapped, every second block checkpointed (an 80 GB card's)",
     ),
+    # fp8 weights cost FLUX.2 [klein] more than bf16 ones (their dequantization; 2026-11-28): [dev] in bf16 with every
+    # block checkpointed (planned 73.0 GiB on the card: an 80 GB card), in fp8 with fp8 matmuls, and uncapped in bf16
+    # with nothing checkpointed (planned 118 GiB: no card of a tier; what the architecture's step can do on an H200)
+    "flux2-dev-lora-fp8mm-ck2": (
+        _at_1024(
+            "flux2-dev-lora-24gb",
+            "memory.weights.kind=fp8",
+            "memory.offload.kind=none",
+            "memory.activations.every=2",
+            FP8MM,
+        ),
+        "flux2-dev-lora-fp8-ck2 with fp8 matmuls",
+    ),
+    "flux2-dev-lora-bf16-ck": (
+        _at_1024("flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none"),
+        "flux2-dev-lora-24gb with bf16 weights, nothing swapped, every block checkpointed (an 80 GB card's settings)",
+    ),
+    "flux2-dev-lora-bf16-nock": (
+        _at_1024("flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", NOCK),
+        "flux2-dev-lora-24gb with bf16 weights, nothing swapped or checkpointed (uncapped: 118 GiB planned)",
+    ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
     "wan-14b-lora-24gb": (["--recipe", "wan-14b-lora-24gb", "--size", "480x832"], "Wan2.1 14B LoRA r32 as shipped"),
@@ -300,7 +321,14 @@ CASES: dict[str, tuple[list[str], str]] = {
 #: issue 53's cases read against plain-qwenedit, plain-qwen21 and plain-flux2dev (1024x1024, 8 timed after 6)
 EDIT_CASES = ("qwen-image-edit-lora-24gb", "qwen-image-edit-lora-fp8-ck", "qwen-image-edit-lora-fp8-ck2")
 Q21_CASES = ("qwen-image-2.1-lora-24gb", "qwen-image-2.1-lora-bf16-ck2", "qwen-image-2.1-lora-bf16-nock")
-DEV_CASES = ("flux2-dev-lora-24gb", "flux2-dev-lora-fp8-ck", "flux2-dev-lora-fp8-ck2")
+DEV_CASES = (
+    "flux2-dev-lora-24gb",
+    "flux2-dev-lora-fp8-ck",
+    "flux2-dev-lora-fp8-ck2",
+    "flux2-dev-lora-fp8mm-ck2",
+    "flux2-dev-lora-bf16-ck",
+    "flux2-dev-lora-bf16-nock",
+)
 #: the plain loop each case is read against where its name does not say (the part before the first "-")
 PLAIN_OF = {
     "wan-14b-lora-24gb": "plain-wan14",
