@@ -606,44 +606,27 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
                          return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred.float(), Flux2Pipeline._pack_latents(noise - x0).float())
 
-    def qwen_loss(model, c: int, h: int, w: int):
-        # QwenImagePipeline's call: packed 2x2 patches, the grid as img_shapes, sigma as the timestep, the text mask
+    def qwen_loss(model, c: int, h: int, w: int, refs: int = 0):
+        # QwenImagePipeline's call: packed 2x2 patches, the grid as img_shapes, sigma as the timestep, the text mask.
+        # With ``refs`` (plain-qwenedit), QwenImageEditPlusPipeline's: each reference's patches after the noisy
+        # target's (at the target's size, as training fits them to the bucket), img_shapes every grid, the loss on the
+        # target's tokens of the output
+        from diffusers import QwenImagePipeline
+
+        def pack(x):
+            return QwenImagePipeline._pack_latents(x, 1, c, h, w)
+
         x0, noise = torch.randn(1, c, h, w, **bf), torch.randn(1, c, h, w, **bf)
         sig = torch.rand(1, device="cuda")
         xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
-        text = torch.randn(1, 128, 3584, **bf)  # Qwen2.5-VL's last hidden state of a 128-token caption
+        # Qwen2.5-VL's last hidden state of a 128-token caption (or instruction: bench speed's cache)
+        text = torch.randn(1, 128, model.config.joint_attention_dim, **bf)
         mask = torch.ones(1, 128, dtype=torch.long, device="cuda")
-
-        from diffusers import QwenImagePipeline
-
-        def pack(x):
-            return QwenImagePipeline._pack_latents(x, 1, c, h, w)
-
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = model(hidden_states=pack(xt), timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,
-                         encoder_hidden_states_mask=mask, img_shapes=[[(1, h // 2, w // 2)]], return_dict=False)[0]  # fmt: skip
-        return torch.nn.functional.mse_loss(pred.float(), pack(noise - x0).float())
-
-    def qwen_edit_loss(model, c: int, h: int, w: int):
-        # QwenImageEditPlusPipeline's call: the noisy target's 2x2 patches, then one reference's (at the target's size,
-        # as training fits it to the bucket), img_shapes both grids, the loss on the target's tokens of the output
-        from diffusers import QwenImagePipeline
-
-        def pack(x):
-            return QwenImagePipeline._pack_latents(x, 1, c, h, w)
-
-        x0, noise, ref = (torch.randn(1, c, h, w, **bf) for _ in range(3))
-        sig = torch.rand(1, device="cuda")
-        xt = ((1 - sig) * x0 + sig * noise).to(torch.bfloat16)
-        text = torch.randn(
-            1, 128, model.config.joint_attention_dim, **bf
-        )  # a 128-row instruction (bench speed's cache)
-        mask = torch.ones(1, 128, dtype=torch.long, device="cuda")
+        tokens = torch.cat([pack(xt)] + [pack(torch.randn(1, c, h, w, **bf)) for _ in range(refs)], dim=1)
         grid = (1, h // 2, w // 2)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            pred = model(hidden_states=torch.cat([pack(xt), pack(ref)], dim=1), timestep=sig.to(torch.bfloat16),
-                         encoder_hidden_states=text, encoder_hidden_states_mask=mask, img_shapes=[[grid, grid]],
-                         return_dict=False)[0]  # fmt: skip
+            pred = model(hidden_states=tokens, timestep=sig.to(torch.bfloat16), encoder_hidden_states=text,
+                         encoder_hidden_states_mask=mask, img_shapes=[[grid] * (1 + refs)], return_dict=False)[0]  # fmt: skip
         return torch.nn.functional.mse_loss(pred[:, : grid[1] * grid[2]].float(), pack(noise - x0).float())
 
     def qwen21_loss(model, c: int, h: int, w: int):
@@ -690,10 +673,10 @@ def plain_dit(name: str, steps: int, warmup: int, seed: int = 0) -> dict:
 
         from difftrain.families.qwenimage import QwenImage  # the recipe's targets (a list of names, not step code)
 
-        arch, loss_of = ("qwen-image", qwen_loss) if name == "plain-qwen" else ("qwen-image-edit-2509", qwen_edit_loss)
+        arch, refs = ("qwen-image", 0) if name == "plain-qwen" else ("qwen-image-edit-2509", 1)
         model = _bundled(f"{arch}/transformer", QwenImageTransformer2DModel)
         return _plain_loop(
-            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128)], loss_of, steps, warmup
+            name, model, list(QwenImage.default_lora_targets), 32, [(16, 128, 128, refs)], qwen_loss, steps, warmup
         )
     if name == "plain-qwen21":
         from diffusers import QwenImage21Transformer2DModel
