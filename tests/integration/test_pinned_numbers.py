@@ -14,6 +14,7 @@ checkpoint moves these numbers by orders of magnitude more.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -240,13 +241,14 @@ PINS_AMX: dict[tuple[str, str], tuple[list[float], list[float]]] = {
 TOL_AMX = 3e-3
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's flags (Linux's /proc/cpuinfo; elsewhere: none known)."""
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's flags (Linux's /proc/cpuinfo; elsewhere: none known), read once."""
     try:
         flags = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(flags.split(":", 1)[-1].split())
+        return frozenset()
+    return frozenset(flags.split(":", 1)[-1].split())
 
 
 def _native_bf16() -> bool:
@@ -259,15 +261,17 @@ def _amx() -> bool:
     return "amx_bf16" in _cpu_flags()
 
 
-def _pins(key: tuple[str, str]) -> tuple[list[float], list[float]]:
+def _pins(key: tuple[str, str], tol: float) -> tuple[list[float], list[float], float]:
+    """The pinned (losses, checksums) of ``key`` on this CPU, and the tolerance to read them with (``tol``, or
+    TOL_AMX for the AMX pins)."""
     cap = torch.backends.cpu.get_cpu_capability()
     if key in PINS_AMX and _amx():
-        return PINS_AMX[key]
+        return (*PINS_AMX[key], TOL_AMX)
     if cap == "AVX2" and key in PINS_AVX2:
-        return PINS_AVX2[key]
+        return (*PINS_AVX2[key], tol)
     if cap == "AVX512" and key in PINS_AVX512_BF16 and _native_bf16():
-        return PINS_AVX512_BF16[key]
-    return PINS[key]
+        return (*PINS_AVX512_BF16[key], tol)
+    return (*PINS[key], tol)
 
 
 def _build(spec: str, folder: Path) -> Path:
@@ -350,7 +354,7 @@ def _check(key: tuple[str, str], losses: list[float], sums: list[float], tol: fl
     if REPIN:
         print(f"\n    {key!r}: ({[float(f'{x:.8g}') for x in losses]}, {[float(f'{x:.10g}') for x in sums]}),")
         pytest.fail("DIFFTRAIN_REPIN=1: printed the measured values instead of checking them")
-    want_losses, want_sums = _pins(key)
+    want_losses, want_sums, tol = _pins(key, tol)
     assert losses == pytest.approx(want_losses, rel=tol, abs=1e-7), key
     assert sums == pytest.approx(want_sums, rel=tol, abs=1e-7), key
 
@@ -365,8 +369,7 @@ CASES = [(f, p) for f in FAMILIES for p in PLANS if f not in FP32_ONLY or p in (
 def test_pinned_losses_and_checksums(setup, _dataset_master, tmp_path, family, plan):
     r = train(_config(setup, _dataset_master, family, plan, tmp_path))
     assert len(r.losses) == STEPS and all(torch.isfinite(torch.tensor(r.losses)))
-    tol = TOL_AMX if (family, plan) in PINS_AMX and _amx() else TOL[plan]
-    _check((family, plan), r.losses, _checksums(r, plan, setup(family)[0]), tol)
+    _check((family, plan), r.losses, _checksums(r, plan, setup(family)[0]), TOL[plan])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
