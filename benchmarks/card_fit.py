@@ -8,6 +8,7 @@ and the 0.3 GiB display margin. First, in a process of its own, the context and 
 touches CUDA: its context would count as the children's.
 
     python benchmarks/card_fit.py --out $OUT [--recipes sdxl-lora-4gb,...] [--variants F.json] [--eager]
+        [--steps 4] [--warmup N]
 
 ``--variants`` adds runs of a recipe with overrides, e.g. benchmarks/card_fit_variants.json: a list of
 {"label", "recipe", "card", "sets": [...], "env": {...}} (how the recipes that did not fit were chosen).
@@ -164,6 +165,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--recipes", default=",".join(ORDER))
     ap.add_argument("--steps", type=int, default=4)
+    # bench memory's default warm-up is two steps: its s/step is then the third's on, often just after compiling;
+    # --steps 14 --warmup 6 times a tier as fast_default.py does (8 after 6), capped as its card, in one model load
+    ap.add_argument("--warmup", type=int, default=None, help="bench memory --warmup (default: its own, 2)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/difftrain-card"))
     ap.add_argument("--budget", type=float, default=540, help="seconds: no recipe is started after this")
     ap.add_argument("--variants", type=Path, default=None)
@@ -197,6 +201,7 @@ def main() -> None:
         js.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "difftrain", "bench", "memory", "--recipe", run["recipe"], "--card"]
         cmd += [f"{run['card']}gb", "--steps", str(args.steps), "--json", str(js)]
+        cmd += ["--warmup", str(args.warmup)] if args.warmup is not None else []
         cmd += ["--work", str(args.work / run["recipe"].split("-")[0])]  # the prebuilt model and cache
         for s in run.get("sets", []):
             cmd += ["--set", s]
@@ -222,7 +227,7 @@ def main() -> None:
         figures = (  # in the log as each run ends: a call stopped at its time limit still brings these back
             f" (alloc / reserved {j.get('peak_train_alloc_gib')} / {j.get('peak_train_reserved_gib')} GiB, headroom "
             f"{c.get('headroom_gib')}, host RSS load / train / end {st.get('peak_rss_gib_load')} / "
-            f"{st.get('peak_rss_gib_train')} / {st.get('peak_rss_gib_end')}, {j.get('s_per_step')} s/step)"
+            f"{st.get('peak_rss_gib_train')} / {st.get('peak_rss_gib_end')}, {j.get('s_per_step')} s/step after {j.get('warmup')} steps)"
             if j
             else ""
         )

@@ -229,6 +229,13 @@ CASES: dict[str, tuple[list[str], str]] = {
         _at_1024("qwen-image-edit-lora-24gb", "memory.weights.kind=fp8", "memory.activations.every=2"),
         "qwen-image-edit-lora-24gb with fp8 weights, every second block checkpointed (qwen-image-lora-48gb's settings)",
     ),
+    # fp8 weights with every second block checkpointed ran 1.42x plain-qwenedit (2026-12-02, MFU 37.5 %: the weights
+    # dequantized on each use, and no CUDA graphs with fp8 storage): bf16 weights and the same checkpoints (planned
+    # 72.5 GiB on the card: an 80 GB card)
+    "qwen-image-edit-lora-bf16-ck2": (
+        _at_1024("qwen-image-edit-lora-24gb", "memory.weights.kind=bf16", "memory.activations.every=2"),
+        "qwen-image-edit-lora-24gb with bf16 weights, every second block checkpointed (an 80 GB card's settings)",
+    ),
     "qwen-image-2.1-lora-24gb": (_at_1024("qwen-image-2.1-lora-24gb"), "Qwen-Image 2.1 LoRA r32 as shipped"),
     "qwen-image-2.1-lora-bf16-ck2": (
         _at_1024("qwen-image-2.1-lora-24gb", "memory.activations.every=2"),
@@ -252,6 +259,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     # fp8 weights cost FLUX.2 [klein] more than bf16 ones (their dequantization; 2026-11-28): [dev] in bf16 with every
     # block checkpointed (planned 73.0 GiB on the card: an 80 GB card), in fp8 with fp8 matmuls, and uncapped in bf16
     # with nothing checkpointed (planned 118 GiB: no card of a tier; what the architecture's step can do on an H200)
+    # bf16 with every block checkpointed ran 1.32x plain-flux2dev, fp8 with every second 1.21x (2026-12-02): every second
+    # block checkpointed in bf16 (planned 92.9 GiB on the card: a 96 GB card, the RTX PRO 6000)
+    "flux2-dev-lora-bf16-ck2": (
+        _at_1024(
+            "flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", "memory.activations.every=2"
+        ),
+        "flux2-dev-lora-24gb with bf16 weights, nothing swapped, every second block checkpointed (a 96 GB card's)",
+    ),
     "flux2-dev-lora-fp8mm-ck2": (
         _at_1024(
             "flux2-dev-lora-24gb",
@@ -319,7 +334,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
 }
 #: issue 53's cases read against plain-qwenedit, plain-qwen21 and plain-flux2dev (1024x1024, 8 timed after 6)
-EDIT_CASES = ("qwen-image-edit-lora-24gb", "qwen-image-edit-lora-fp8-ck", "qwen-image-edit-lora-fp8-ck2")
+EDIT_CASES = (
+    "qwen-image-edit-lora-24gb",
+    "qwen-image-edit-lora-fp8-ck",
+    "qwen-image-edit-lora-fp8-ck2",
+    "qwen-image-edit-lora-bf16-ck2",
+)
 Q21_CASES = ("qwen-image-2.1-lora-24gb", "qwen-image-2.1-lora-bf16-ck2", "qwen-image-2.1-lora-bf16-nock")
 DEV_CASES = (
     "flux2-dev-lora-24gb",
@@ -327,6 +347,7 @@ DEV_CASES = (
     "flux2-dev-lora-fp8-ck2",
     "flux2-dev-lora-fp8mm-ck2",
     "flux2-dev-lora-bf16-ck",
+    "flux2-dev-lora-bf16-ck2",
     "flux2-dev-lora-bf16-nock",
 )
 #: the plain loop each case is read against where its name does not say (the part before the first "-")

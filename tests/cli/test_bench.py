@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import CliResult, clean_failure, console_script
 from difftrain.config.load import resolve
 
 
 def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
-    r = cli("bench", "memory", "--recipe", "tiny-sdxl-lora", "--steps", "4", "--work", tmp_path)
+    js = tmp_path / "bench.json"
+    r = cli("bench", "memory", "--recipe", "tiny-sdxl-lora", "--steps", "4", "--warmup", "1", "--work", tmp_path,
+            "--json", js)  # fmt: skip
     assert r.code == 0, r
     assert "step time" in r.err and "planned" in r.err
+    assert "4 steps, 1 of them warm-up" in " ".join(r.err.split())
+    got = json.loads(js.read_text())
+    assert got["warmup"] == 1 and got["s_per_step"] > 0, got
     assert "not available yet" not in r.err  # validation exists: no stale row saying otherwise (issue 25)
     # speed auto's choice is a row of its own (the CPU: eager, and why)
     assert "speed: eager: auto: the device is cpu" in " ".join(r.err.split())
@@ -24,6 +33,13 @@ def test_bench_memory_cli_on_the_tiny_architecture(cli, tmp_path):
     entry = DataCache(tmp_path / "cache-128-49").get("lat0")
     assert entry["latents"].shape == (4, 16, 16)
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_bench_memory_refuses_a_warmup_that_leaves_no_timed_step_through_the_console_script(tmp_path):
+    args = ["bench", "memory", "--recipe", "tiny-sdxl-lora", "--steps", "3", "--warmup", "3", "--work", str(tmp_path)]
+    r = subprocess.run([console_script(), *args], capture_output=True, text=True, timeout=300)
+    clean_failure(CliResult(r.returncode, r.stdout, r.stderr), 2, "--warmup 3 leaves no timed step of --steps 3")
+    assert not any(tmp_path.iterdir())  # refused before a random model or cache was written
 
 
 def test_cache_shapes_of_the_real_architecture():

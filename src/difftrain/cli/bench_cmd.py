@@ -25,6 +25,14 @@ def memory(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="training steps (the first two count as warm-up)")] = 6,
+    warmup: Annotated[
+        int | None,
+        typer.Option(
+            "--warmup",
+            help="untimed steps first (compiling and CUDA graph recording happen here); the step time is the "
+            "mean of the rest [default: 2, or 0 with --steps 1]",
+        ),
+    ] = None,
     work: Annotated[Path | None, typer.Option("--work", help="folder for the random model and cache (reused)")] = None,
     card: Annotated[
         str | None,
@@ -63,8 +71,10 @@ def memory(
         raise UsageError(f"--card: {e}.") from None
     cfg = resolved_config(recipe, config, set_).config
     folder = work or Path(tempfile.mkdtemp(prefix="difftrain-bench-"))
-    r = bench_memory(cfg, folder, steps, card_gib=card_gib, planned_steps=planned_steps, buckets=_buckets(buckets))
-    t = Table(title=f"bench memory: {recipe or config or 'config'} ({steps} steps)")
+    r = bench_memory(
+        cfg, folder, steps, card_gib=card_gib, planned_steps=planned_steps, buckets=_buckets(buckets), warmup=warmup
+    )
+    t = Table(title=f"bench memory: {recipe or config or 'config'} ({steps} steps, {r.warmup} of them warm-up)")
     t.add_column("what")
     t.add_column("measured", justify="right")
     t.add_column("planned", justify="right")
@@ -72,7 +82,9 @@ def memory(
     t.add_row("peak before training (weights loaded)", fmt(r.peak_after_load_gib), "")
     t.add_row("peak of training, allocated", fmt(r.peak_train_alloc_gib), f"{r.planned_alloc_gib:.2f} GiB")
     t.add_row("peak of training, reserved", fmt(r.peak_train_reserved_gib), f"{r.planned_reserved_gib:.2f} GiB")
-    t.add_row("step time", "did not finish" if r.s_per_step is None else f"{r.s_per_step:.3f} s", "")
+    t.add_row(
+        "step time (after the warm-up)", "did not finish" if r.s_per_step is None else f"{r.s_per_step:.3f} s", ""
+    )
     t.add_row("host RSS peak", f"{r.stats.get('peak_rss_gib_train', 0):.2f} GiB", "")
     if r.speed:
         t.add_row("speed", r.speed, "")

@@ -64,6 +64,7 @@ class BenchResult:
     card: CardFit | None = None
     planned_host_gib: float | None = None  # the planner's host RAM (compare with stats' peak RSS)
     speed: str | None = None  # what speed auto chose, and why (SpeedChoice.line)
+    warmup: int = 0  # the steps before s_per_step's (compiling and CUDA graph recording fall in them)
 
 
 def synthetic_tokenizers(folder: Path) -> Path:
@@ -178,9 +179,17 @@ def bench_memory(
     card_gib: float | None = None,
     planned_steps: int | None = None,
     buckets: list[tuple[int, int]] | None = None,
+    warmup: int | None = None,
 ) -> BenchResult:
     """Train ``cfg`` for ``steps`` on random data of its shapes; with ``card_gib``, under the allocator cap such a
-    card leaves (the context and libraries measured on this GPU now, and the display margin, taken off)."""
+    card leaves (the context and libraries measured on this GPU now, and the display margin, taken off). The step
+    time is the mean of the steps after ``warmup`` (default: two, or none of a single step)."""
+    warm = min(2, steps - 1) if warmup is None else warmup
+    if not 0 <= warm < steps:
+        raise UsageError(
+            f"--warmup {warm} leaves no timed step of --steps {steps}.",
+            hint=f"Train more steps than the warm-up, e.g. --steps {warm + 8} --warmup {warm}.",
+        )
     work = Path(work)
     device = pick_device(cfg.train.device)
     run_cfg = _prepare(cfg, work, steps, size, buckets=buckets)
@@ -200,7 +209,7 @@ def bench_memory(
         )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warm = min(2, steps - 1)  # the first steps warm up; the GPU is waited for at their end and at the last step
+    # the GPU is waited for at the end of the warm-up and at the last step
     trainer = Trainer(run_cfg, hooks=Hooks(flush_steps={warm} if warm > 0 else set(), planned_steps=planned_steps))
     try:
         result = trainer.run(overwrite=True)  # its own scratch folder
@@ -224,6 +233,7 @@ def bench_memory(
         card=card,
         planned_host_gib=round(plan.host_total, 2),
         speed=trainer.speed.line(),
+        warmup=warm,
     )
 
 
