@@ -642,6 +642,44 @@ def test_planner_within_ten_percent_of_the_card_measurement(name):
     assert -0.10 < (e.gpu_reserved - reserved) / reserved < over, (e.gpu_reserved, reserved)
 
 
+# faster settings of issue 53's recipes, uncapped (`difftrain bench speed` at 1024x1024 as benchmarks/fast_default.py
+# runs them, 14 steps; an H200, 2026-12-02, docs/benchmarks.md "Qwen-Image-Edit, Qwen-Image 2.1 and FLUX.2 [dev]
+# against their plain loops"): (recipe, sets) -> allocated, reserved GiB
+MEASURED_UNCAPPED = {
+    "qwen-image-2.1 nothing checkpointed": (
+        ("qwen-image-2.1-lora-24gb", ["memory.activations.kind=none"]),
+        (37.01, 38.91),
+    ),
+    "qwen-image-2.1 every second block checkpointed": (
+        ("qwen-image-2.1-lora-24gb", ["memory.activations.every=2"]),
+        (26.67, 27.59),
+    ),
+    "qwen-image-edit fp8, every second block": (
+        ("qwen-image-edit-lora-24gb", ["memory.weights.kind=fp8", "memory.activations.every=2"]),
+        (50.36, 52.14),
+    ),
+    "flux2-dev bf16, every block": (
+        ("flux2-dev-lora-24gb", ["memory.weights.kind=bf16", "memory.offload.kind=none"]),
+        (67.17, 69.27),
+    ),
+    "flux2-dev fp8, every second block": (
+        ("flux2-dev-lora-24gb", ["memory.weights.kind=fp8", "memory.offload.kind=none", "memory.activations.every=2"]),
+        (62.51, 63.62),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED_UNCAPPED))
+def test_planner_is_not_under_the_uncapped_runs_of_faster_settings(name):
+    # a plan under a run is the one that lets a user pick a config that does not fit: at most 5 % under here (Qwen-Image
+    # 2.1's figure without checkpointing, estimated from Krea 2's, planned these 6 % and 8 % under before it was
+    # refitted to them), at most 10 % over
+    (recipe, sets), (alloc, reserved) = MEASURED_UNCAPPED[name]
+    e = plan_memory(resolve(recipe=recipe, sets=["data.resolution=1024", *sets]).config)
+    assert -0.05 < (e.gpu_total - alloc) / alloc < 0.10, (e.gpu_total, alloc)
+    assert -0.05 < (e.gpu_reserved - reserved) / reserved < 0.10, (e.gpu_reserved, reserved)
+
+
 # DeepSpeed on one H100 (benchmarks/memory_tiers.py --cases F6,F7,L12, 2026-11-24): allocated, reserved GiB
 MEASURED_DEEPSPEED = {
     "L12": (
