@@ -25,7 +25,7 @@ from ..errors import DifftrainError, is_oom, unexpected_words
 
 app = typer.Typer(
     name="difftrain",
-    help="Fine-tune SDXL, SD3 and CogVideoX (LoRA or full) on the GPU you own.",
+    help="Fine-tune diffusion models, LoRA or full, on the GPU you own: SDXL, SD3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Krea 2, CogVideoX and Wan.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=True,  # --install-completion / --show-completion, the usual typer way
@@ -95,7 +95,7 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="print difftrain's version (and torch's) and exit"
     ),
 ) -> None:
-    """Fine-tune SDXL, SD3 and CogVideoX (LoRA or full) on the GPU you own."""
+    """Fine-tune diffusion models, LoRA or full, on the GPU you own: SDXL, SD3, Flux.1, FLUX.2, Qwen-Image, Z-Image, Krea 2, CogVideoX and Wan."""
 
 
 def _cli_exceptions() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
