@@ -24,11 +24,12 @@ def memory(
     recipe: RecipeOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    steps: Annotated[int, typer.Option("--steps", help="training steps (the first two count as warm-up)")] = 6,
+    steps: Annotated[int, typer.Option("--steps", help="training steps (--warmup of them untimed)")] = 6,
     warmup: Annotated[
         int | None,
         typer.Option(
             "--warmup",
+            min=0,
             help="untimed steps first (compiling and CUDA graph recording happen here); the step time is the "
             "mean of the rest [default: 2, or 0 with --steps 1]",
         ),
