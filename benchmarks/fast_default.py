@@ -259,14 +259,6 @@ CASES: dict[str, tuple[list[str], str]] = {
     # fp8 weights cost FLUX.2 [klein] more than bf16 ones (their dequantization; 2026-11-28): [dev] in bf16 with every
     # block checkpointed (planned 73.0 GiB on the card: an 80 GB card), in fp8 with fp8 matmuls, and uncapped in bf16
     # with nothing checkpointed (planned 118 GiB: no card of a tier; what the architecture's step can do on an H200)
-    # bf16 with every block checkpointed ran 1.32x plain-flux2dev, fp8 with every second 1.21x (2026-12-02): every second
-    # block checkpointed in bf16 (planned 92.9 GiB on the card: a 96 GB card, the RTX PRO 6000)
-    "flux2-dev-lora-bf16-ck2": (
-        _at_1024(
-            "flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", "memory.activations.every=2"
-        ),
-        "flux2-dev-lora-24gb with bf16 weights, nothing swapped, every second block checkpointed (a 96 GB card's)",
-    ),
     "flux2-dev-lora-fp8mm-ck2": (
         _at_1024(
             "flux2-dev-lora-24gb",
@@ -284,6 +276,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "flux2-dev-lora-bf16-nock": (
         _at_1024("flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", NOCK),
         "flux2-dev-lora-24gb with bf16 weights, nothing swapped or checkpointed (uncapped: 118 GiB planned)",
+    ),
+    # bf16 with every block checkpointed ran 1.32x plain-flux2dev, fp8 with every second 1.21x (2026-12-02): every second
+    # block checkpointed in bf16 (planned 92.9 GiB on the card: a 96 GB card, the RTX PRO 6000)
+    "flux2-dev-lora-bf16-ck2": (
+        _at_1024(
+            "flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", "memory.activations.every=2"
+        ),
+        "flux2-dev-lora-24gb with bf16 weights, nothing swapped, every second block checkpointed (a 96 GB card's)",
     ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
