@@ -185,12 +185,15 @@ def bench_memory(
     card leaves (the context and libraries measured on this GPU now, and the display margin, taken off). The step
     time is the mean of the steps after ``warmup`` (default: two, or none of a single step)."""
     warm = min(2, steps - 1) if warmup is None else warmup
-    if warm < 0 or warm >= steps:
+    if warm < 0:  # the CLI's own check (min=0) stops this first; a caller of this function gets the same words
         raise UsageError(
-            f"--warmup {warm} leaves no timed step of --steps {steps}."
-            if warm >= 0
-            else f"--warmup {warm}: the warm-up is a number of steps, 0 or more.",
-            hint=f"Train more steps than the warm-up, e.g. --steps {max(warm, 0) + 8} --warmup {max(warm, 0)}.",
+            f"--warmup {warm}: the warm-up is a number of steps, 0 or more.",
+            hint="Train more steps than the warm-up, e.g. --steps 8 --warmup 0.",
+        )
+    if warm >= steps:
+        raise UsageError(
+            f"--warmup {warm} leaves no timed step of --steps {steps}.",
+            hint=f"Train more steps than the warm-up, e.g. --steps {warm + 8} --warmup {warm}.",
         )
     work = Path(work)
     device = pick_device(cfg.train.device)
