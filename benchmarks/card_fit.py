@@ -21,6 +21,7 @@ did not finish) and $OUT/card_fit.md (the table, also printed last).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -197,7 +198,10 @@ def main() -> None:
         if left < 60:
             rows.append((name, "not run (time)", {}))
             continue
-        js = runs_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", name) + ".json")  # labels have spaces
+        # labels have spaces and can run past a file name's 255 bytes (qe80-fp8-ck2-graphs' did, 2026-12-02): the
+        # label's first 80 characters and a digest of the whole, which keeps two labels that start alike apart
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
+        js = runs_dir / f"{slug}_{hashlib.sha1(name.encode()).hexdigest()[:8]}.json"
         js.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "difftrain", "bench", "memory", "--recipe", run["recipe"], "--card"]
         cmd += [f"{run['card']}gb", "--steps", str(args.steps), "--json", str(js)]
