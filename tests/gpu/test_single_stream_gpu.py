@@ -47,6 +47,8 @@ RECIPES = [
     "qwen-image-2.1-lora-24gb",
     "qwen-image-2.1-lora-16gb",
     "flux2-dev-lora-16gb",
+    "qwen-image-edit-lora-80gb",
+    "flux2-dev-lora-96gb",
 ]
 
 
