@@ -213,3 +213,55 @@ def test_a_recipe_for_two_gpus_says_so_where_it_is_listed_and_when_run_on_one(tm
     text = " ".join(r.stderr.split())
     assert r.returncode == 2 and "Traceback" not in r.stderr and not list(out.rglob("*.safetensors")), r.stderr
     assert "qwen-image-full-2x80gb is a recipe for 2 GPUs of 80 GB" in text and "Add --gpus 2" in text, text
+
+
+# what a run's step depends on: everything but the text encoders (precompute only) and how long a run goes and keeps
+_LENGTH_ONLY = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints"}
+
+
+def _step_settings(cfg) -> dict:
+    d = cfg.model_dump()
+    d.pop("text_encoders")
+    d["train"] = {k: v for k, v in d["train"].items() if k not in _LENGTH_ONLY}
+    return d
+
+
+def _measured_as_variant() -> list[tuple[str, str, str]]:
+    """The recipes recipes/measured.json says were measured as a benchmarks/card_fit variant "(card_fit_X.json
+    LABEL, the recipe's settings)": (recipe, variants file, label)."""
+    import re
+
+    from difftrain.config.recipes import recipe_measurements
+
+    found = []
+    for name, m in recipe_measurements()["recipes"].items():
+        g = re.search(
+            r"(card_fit_\w+\.json) ([\w.-]+), the recipe's settings", (m.get("shipped") or {}).get("where", "")
+        )
+        if g:
+            found.append((name, g.group(1), g.group(2)))
+    return found
+
+
+def test_the_recipes_measured_as_card_fit_variants_are_named():
+    assert {"qwen-image-edit-lora-80gb", "flux2-dev-lora-96gb", "flux2-dev-lora-24gb"} <= {
+        r for r, _, _ in _measured_as_variant()
+    }
+
+
+@pytest.mark.parametrize(("recipe", "variants", "label"), _measured_as_variant(), ids=lambda x: str(x))
+def test_a_recipe_measured_as_a_card_fit_variant_trains_with_that_variants_settings(recipe, variants, label):
+    # the figures a recipe's header and measured.json state came from a variant (a recipe with --set overrides,
+    # capped as a card): the recipe as shipped must step as that variant did, on the card it was capped as
+    import json
+
+    from difftrain.config.recipes import recipe_tier
+
+    root = Path(__file__).resolve().parents[2]
+    runs = [r for r in json.loads((root / "benchmarks" / variants).read_text()) if r["label"].split(":")[0] == label]
+    assert len(runs) == 1, f"{variants} has {len(runs)} variants labelled {label}"
+    run = runs[0]
+    assert run["card"] == recipe_tier(recipe)
+    assert _step_settings(resolve(recipe=recipe).config) == _step_settings(
+        resolve(recipe=run["recipe"], sets=run["sets"]).config
+    )
