@@ -230,11 +230,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "qwen-image-edit-lora-24gb with fp8 weights, every second block checkpointed (qwen-image-lora-48gb's settings)",
     ),
     # fp8 weights with every second block checkpointed ran 1.42x plain-qwenedit (2026-12-02, MFU 37.5 %: the weights
-    # dequantized on each use, and no CUDA graphs with fp8 storage): bf16 weights and the same checkpoints (planned
-    # 72.5 GiB on the card: an 80 GB card)
-    "qwen-image-edit-lora-bf16-ck2": (
-        _at_1024("qwen-image-edit-lora-24gb", "memory.weights.kind=bf16", "memory.activations.every=2"),
-        "qwen-image-edit-lora-24gb with bf16 weights, every second block checkpointed (an 80 GB card's settings)",
+    # dequantized on each use, and no CUDA graphs with fp8 storage); bf16 weights and the same checkpoints, shipped as
+    # an 80 GB card's recipe after they ran 1.69x capped as the card (card_fit's qe80-bf16-ck2, the same settings)
+    "qwen-image-edit-lora-80gb": (
+        _at_1024("qwen-image-edit-lora-80gb"),
+        "Qwen-Image-Edit-2509 LoRA r32 as shipped for an 80 GB card (bf16, every second block checkpointed)",
     ),
     "qwen-image-2.1-lora-24gb": (_at_1024("qwen-image-2.1-lora-24gb"), "Qwen-Image 2.1 LoRA r32 as shipped"),
     "qwen-image-2.1-lora-bf16-ck2": (
@@ -278,12 +278,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "flux2-dev-lora-24gb with bf16 weights, nothing swapped or checkpointed (uncapped: 118 GiB planned)",
     ),
     # bf16 with every block checkpointed ran 1.32x plain-flux2dev, fp8 with every second 1.21x (2026-12-02): every second
-    # block checkpointed in bf16 (planned 92.9 GiB on the card: a 96 GB card, the RTX PRO 6000)
-    "flux2-dev-lora-bf16-ck2": (
-        _at_1024(
-            "flux2-dev-lora-24gb", "memory.weights.kind=bf16", "memory.offload.kind=none", "memory.activations.every=2"
-        ),
-        "flux2-dev-lora-24gb with bf16 weights, nothing swapped, every second block checkpointed (a 96 GB card's)",
+    # block checkpointed in bf16, shipped as a 96 GB card's recipe (the RTX PRO 6000) after it ran 1.52x capped as the
+    # card (card_fit's fdev-96-bf16-ck2, the same settings)
+    "flux2-dev-lora-96gb": (
+        _at_1024("flux2-dev-lora-96gb"),
+        "FLUX.2 [dev] LoRA r32 as shipped for a 96 GB card (bf16, nothing swapped, every second block checkpointed)",
     ),
     # issue 51: Wan's 1.3B and 14B LoRA as shipped against their plain loops, 81 frames of 480x832
     "wan-1.3b-lora-8gb": (["--recipe", "wan-1.3b-lora-8gb", "--size", "480x832"], "Wan2.1 1.3B LoRA r32 as shipped"),
@@ -338,7 +337,7 @@ EDIT_CASES = (
     "qwen-image-edit-lora-24gb",
     "qwen-image-edit-lora-fp8-ck",
     "qwen-image-edit-lora-fp8-ck2",
-    "qwen-image-edit-lora-bf16-ck2",
+    "qwen-image-edit-lora-80gb",
 )
 Q21_CASES = ("qwen-image-2.1-lora-24gb", "qwen-image-2.1-lora-bf16-ck2", "qwen-image-2.1-lora-bf16-nock")
 DEV_CASES = (
@@ -347,7 +346,7 @@ DEV_CASES = (
     "flux2-dev-lora-fp8-ck2",
     "flux2-dev-lora-fp8mm-ck2",
     "flux2-dev-lora-bf16-ck",
-    "flux2-dev-lora-bf16-ck2",
+    "flux2-dev-lora-96gb",
     "flux2-dev-lora-bf16-nock",
 )
 #: the plain loop each case is read against where its name does not say (the part before the first "-")
