@@ -16,6 +16,7 @@ channel: better where a few rows have large values).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 
 import torch
@@ -198,6 +199,55 @@ def _rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] as e4m3 with one float32 scale per row ([M, 1])."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).to(FP8), scale
+
+
+# The row cast above as one Triton kernel, for the fp8 matmul ops to use once measured on a GPU (not yet: until
+# then they keep the torch ops; benchmarks/fp8_rows.py times both, tests/gpu checks the bits). Why our own: the fp8
+# matmul ops are opaque to inductor (the autograd rule that saves only the fp8 weight needs them to be), so the cast
+# inside them runs as eager torch ops, five kernels with float32 copies: about 25 bytes moved per element where one
+# pass needs 5 (read the row twice, write a byte). FLUX.2 [dev] at 1024x1024 casts ~8.5 billion input elements a
+# forward (~16 billion output-gradient ones a backward): some 200 GB moved where 40 GB would do, in 1.4 s steps.
+# torch has no fused rowwise fp8 cast (torchao's rowwise scaling leaves the fusing to torch.compile, which cannot
+# see inside these ops). One program a row: its absolute maximum, then the cast, with the torch ops' arithmetic
+# (float32, IEEE division, round to nearest even; Triton's e4m3 saturates where torch's gives NaN, past 464, which
+# a row scaled to its own maximum never reaches), so both give the same bits.
+@functools.cache
+def _rows_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rows_fp8(x_ptr, q_ptr, s_ptr, k, stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        src = x_ptr + row * stride
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, k, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(src + cols, mask=cols < k, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(v))
+        scale = tl.maximum(tl.max(acc, axis=0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        dst = q_ptr + row * k
+        for start in range(0, k, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(src + cols, mask=cols < k, other=0.0).to(tl.float32)
+            tl.store(dst + cols, tl.div_rn(v, scale).to(tl.float8e4nv), mask=cols < k)
+
+    return rows_fp8
+
+
+def rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rows_fp8` as one Triton kernel: ``x`` [M, K] on a CUDA GPU (compute capability 8.9+)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, max(128, 1 << (k - 1).bit_length()))
+        with torch.cuda.device(x.device):
+            _rows_kernel()[(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return q, scale
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
