@@ -217,7 +217,7 @@ def _rows_kernel():
     import triton.language as tl
 
     @triton.jit
-    def rows_fp8(x_ptr, q_ptr, s_ptr, k, stride, BLOCK: tl.constexpr):
+    def rows_fp8(x_ptr, q_ptr, s_ptr, k, stride, FMAX: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         src = x_ptr + row * stride
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -225,7 +225,7 @@ def _rows_kernel():
             cols = start + tl.arange(0, BLOCK)
             v = tl.load(src + cols, mask=cols < k, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(v))
-        scale = tl.maximum(tl.max(acc, axis=0) / 448.0, 1e-12)
+        scale = tl.maximum(tl.max(acc, axis=0) / FMAX, 1e-12)
         tl.store(s_ptr + row, scale)
         dst = q_ptr + row * k
         for start in range(0, k, BLOCK):
@@ -246,7 +246,7 @@ def rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         block = min(4096, max(128, 1 << (k - 1).bit_length()))
         with torch.cuda.device(x.device):
-            _rows_kernel()[(m,)](x, q, scale, k, x.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            _rows_kernel()[(m,)](x, q, scale, k, x.stride(0), FP8_MAX, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return q, scale
 
 
