@@ -515,3 +515,47 @@ def test_flip_aug_mirrors_every_frame_of_a_clip_after_its_crop(tmp_path):
         left, right = own["pixels"][:, f, :, :4].mean(), own["pixels"][:, f, :, -4:].mean()
         assert left > right
         assert mirrored["pixels"][:, f, :, -4:].mean() == left
+
+
+# A process that converted a frame through PyAV's own reformatter (PyAV keeps one per process, its FFmpeg scaler with
+# slice threads), then decodes in precompute's forked workers. Run in a child process with a time limit: before the fix
+# the worker waited forever for the scaler threads the fork did not copy, and here that fails instead of hanging
+_FORKED_DECODE = """
+import sys
+from pathlib import Path
+import av
+from difftrain.data.video import scan_videos
+from difftrain.precompute.pipeline import decoded_batches
+
+folder = Path(sys.argv[1])
+with av.open(str(folder / "v.mp4")) as c:  # a conversion in this process before it forks
+    next(iter(c.decode(video=0))).to_ndarray(format="rgb24")
+(record,), _ = scan_videos(folder)
+jobs = [("a", record, (32, 32), [0, 2, 4], "sha"), ("b", record, (32, 32), [1, 3], "sha")]
+batches = list(decoded_batches(jobs, [1, 2], 1, video=True, random_crop=False, workers=2, pin=False))
+print(sorted(tuple(b["pixels"].shape) for b in batches), sum(len(b["errors"]) for b in batches))
+"""
+
+
+def test_forked_decoding_workers_convert_frames_after_the_parent_has(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _video(tmp_path / "v.mp4", 6)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _FORKED_DECODE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its workers too are stopped if it hangs
+    )
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail("precompute's forked decoding workers hung converting frames (PyAV's scaler threads)")
+    assert p.returncode == 0, err[-2000:]
+    assert out.split("\n")[0] == "[(1, 3, 2, 32, 32), (1, 3, 3, 32, 32)] 0", out

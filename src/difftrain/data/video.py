@@ -124,6 +124,12 @@ def require_pyav(what: str = "reading videos") -> Any:
     return av
 
 
+def _new_reformatter() -> Any:
+    from av.video.reformatter import VideoReformatter
+
+    return VideoReformatter()
+
+
 def _quarter_turns(rotation: float | None) -> int:
     """Counter-clockwise quarter turns that make a frame upright, from FFmpeg's display rotation.
 
@@ -136,9 +142,17 @@ def _quarter_turns(rotation: float | None) -> int:
     return round(rotation / 90) % 4
 
 
-def _rgb_frame(frame: Any) -> np.ndarray:
-    """A decoded ``av.VideoFrame`` as an upright ``[H, W, 3]`` uint8 RGB array."""
-    array = frame.to_ndarray(format="rgb24")
+def _rgb_frame(frame: Any, reformatter: Any) -> np.ndarray:
+    """A decoded ``av.VideoFrame`` as an upright ``[H, W, 3]`` uint8 RGB array.
+
+    ``reformatter``: an ``av.video.reformatter.VideoReformatter`` made by this process for this clip, used with one
+    thread. Why not ``frame.to_ndarray(format="rgb24")``: PyAV (18) converts through one reformatter it keeps for the
+    whole process, whose FFmpeg scaler runs a pool of slice threads. Where a process converted frames before it forked
+    precompute's decoding workers (a mask video read, a clip decoded earlier in the same process: the test suite's
+    workers do), the fork copies that scaler but not its threads, and a worker's first conversion waits for them
+    forever (the video tests hung so, 2026-12-08). A scaler made for each clip in the worker has no such past; one
+    thread keeps N workers from starting N pools of as many threads as cores."""
+    array = reformatter.reformat(frame, format="rgb24", threads=1).to_ndarray()
     turns = _quarter_turns(getattr(frame, "rotation", 0))
     return np.ascontiguousarray(np.rot90(array, turns)) if turns else array
 
@@ -550,11 +564,12 @@ def _decode_frames(record: VideoRecord, indices: list[int]) -> list[np.ndarray]:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             decoding = container.decode(stream)
+            reformatter = _new_reformatter()
             try:
                 for i, frame in enumerate(decoding):
                     decoded = i + 1
                     if i in wanted:
-                        out.append(_rgb_frame(frame))
+                        out.append(_rgb_frame(frame, reformatter))
                     if i >= last:
                         break
             finally:
