@@ -5,6 +5,8 @@
 # that ../shared/tools/device-wheels.sh builds, puts src/ on the path, then runs the command.
 # pydantic 2.14 there also needs typing_inspection and typing_extensions>=4.16 in .whl:
 #   pip download --no-deps -d .whl "typing_inspection==0.4.5" "typing_extensions==4.16.0"
+# pytest-timeout reads pyproject.toml's per-test timeout there too (without it pytest warns of an unknown option):
+#   pip download --no-deps -d .whl pytest-timeout
 # and the GPU video validation test writes an mp4, which needs PyAV (35 MB, still inside the 64 MiB carry):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl av
 set -eo pipefail
