@@ -206,7 +206,7 @@ def stream_save_safetensors(
         for name in names:
             t = tensors[name].detach().to("cpu", out_dtype(tensors[name])).contiguous()
             if t.numel():
-                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                f.write(t.reshape(-1).view(torch.uint8).numpy())  # its buffer, not a copy of it
             del t
     return path
 

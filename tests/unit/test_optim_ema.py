@@ -81,9 +81,13 @@ def test_ema_by_hand():
 
 def test_stream_writer_round_trip_and_keeps_old_file_on_failure(tmp_path):
     d = {"a": torch.randn(3, 4), "b": torch.arange(5), "c": torch.randn(2, 2).bfloat16(), "s": torch.tensor(1.5)}
-    f = stream_save_safetensors(tmp_path / "x.safetensors", d, metadata={"k": "v"})
+    # each tensor's bytes are written from its own buffer: fp8, a transposed (non-contiguous) one and an empty one too
+    more = {"f8": torch.randn(6).to(torch.float8_e4m3fn), "t": torch.randn(3, 5).t(), "e": torch.empty(0, 4)}
+    f = stream_save_safetensors(tmp_path / "x.safetensors", {**d, **more}, metadata={"k": "v"})
     back = load_file(f)
     assert all(torch.equal(back[k], d[k]) for k in d)
+    assert back["f8"].view(torch.uint8).equal(more["f8"].view(torch.uint8))
+    assert back["t"].equal(more["t"]) and back["t"].shape == (5, 3) and back["e"].shape == (0, 4)
     half = load_file(stream_save_safetensors(tmp_path / "h.safetensors", d, dtype=torch.float16))
     assert half["a"].dtype == torch.float16 and half["b"].dtype == torch.int64
 
