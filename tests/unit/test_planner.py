@@ -467,9 +467,13 @@ HOST_UNDER_PLANNED = {
 }
 # krea2-full-24gb (18.01 measured, 15.81 planned): 2.2 GiB more than its 16 swapped bf16 blocks, the libraries and the
 # load, where flux-full-24gb (the same techniques) is within 2 % of its plan; not explained yet
-# qwen-image-edit-lora-80gb and flux2-dev-lora-96gb (2.27 and 2.34 measured, 1.90 planned: 16 and 19 % under): bf16
-# recipes of the same plan that held 2.08-2.09 over 3 steps (flux2-klein-9b-lora-48gb, qwen-image-2.1-lora-24gb) held
-# more over 14 (card_fit.py --steps 14 --warmup 6); not explained yet, and 2.3 GiB of a 64 GB machine's RAM
+# qwen-image-edit-lora-80gb and flux2-dev-lora-96gb (2.27 and 2.34 measured, 1.90 planned: 16 and 19 % under), both
+# 2.3 GiB of a 64 GB machine's RAM. flux2-dev-lora-96gb's peak is its load's (2.34 at load and in training): bench's
+# random [dev] file is fp8 (flux2's RANDOM_FP8_ABOVE_BYTES), and loading it in bf16 onto the GPU converts each tensor
+# on the host on its way (torch's CPU-to-CUDA copy with a dtype change casts on the CPU first): the largest tensor's
+# fp8 read (0.32 Gi elements) and its bf16 copy, 0.95 GiB, over the ~1.4 GiB the libraries hold at load. The plan
+# counts no load term for bf16 loads. Edit's peak came in training (1.51 at load, 2.27 over 14 steps, where bf16
+# recipes of the same plan held 2.08-2.09 over 3: flux2-klein-9b-lora-48gb, qwen-image-2.1-lora-24gb): not explained
 
 #: measured host RAM under the plan by more than 10 %: Krea 2's largest tensor (226 M elements) is counted as read
 #: and copied at once in bf16 (0.84 GiB); the run held less (1.86 GiB at its peak while loading); FLUX.2 klein 9B's
