@@ -748,7 +748,7 @@ def part_hash(kind: str, f: Path, prefix: str) -> str:
             for k in sorted(k for k in handle.keys() if k.startswith(prefix)):  # noqa: SIM118 (safe_open is not a dict)
                 t = handle.get_tensor(k)
                 h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
-                h.update(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # its buffer, not a copy
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # its buffer, not a copy
         return h.hexdigest()
     return sha256_file(f)
 
