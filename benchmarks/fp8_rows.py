@@ -1,13 +1,13 @@
-"""speed.fp8_matmul's row casts (memory/fp8.py): the Triton kernel against the torch ops the fp8 matmul ops use now,
-and one fp8 Linear's forward + input gradient with each, against the bf16 Linear's, at FLUX.2 [dev]'s widths
-(1024x1024: 4,608 tokens). Whether the ops should take the kernel is what this measures.
+"""speed.fp8_matmul's row casts (memory/fp8.py): the Triton kernel against the torch ops the fp8 matmul ops use
+(``rows_fp8_torch``), and one fp8 Linear's forward + input gradient with each, against the bf16 Linear's, at
+FLUX.2 [dev]'s widths (1024x1024: 4,608 tokens). Whether the ops should take the kernel is what this measures.
 
 For each shape [rows, in] -> out it times, on the GPU (CUDA events, after warm-up):
 
-- ``cast torch``: the row cast as the fp8 matmul ops run it now (``_rows_fp8``: five torch ops);
+- ``cast torch``: the row cast in torch ops (``rows_fp8_torch``: five of them, float32 copies);
 - ``cast triton``: the kernel (``rows_fp8_triton``), with its memory roofline (read the row twice, write a byte);
 - ``fp8 linear``: the fp8-stored Linear with fp8 matmuls, forward then input gradient (two casts, two matmuls),
-  as it is and with the kernel put in the ops' place;
+  with each cast put in the ops' place;
 - ``bf16 linear``: F.linear in bf16 and its input gradient, the plain loop's layer;
 
 and checks that the kernel's bytes and scales equal the torch ops'. JSON to OUT/fp8_rows.json, a table last.
@@ -48,15 +48,15 @@ def time_ms(fn, n: int = 20) -> float:
     return a.elapsed_time(b) / n
 
 
-def with_kernel(fp8, step) -> float:
-    """``step`` timed with the fp8 matmul ops' row cast replaced by the kernel (the module's global, which they read
+def with_cast(fp8, cast, step) -> float:
+    """``step`` timed with the fp8 matmul ops' row cast replaced by ``cast`` (the module's global, which they read
     on each call), then put back."""
-    torch_cast = fp8._rows_fp8
-    fp8._rows_fp8 = fp8.rows_fp8_triton
+    own = fp8._rows_fp8
+    fp8._rows_fp8 = cast
     try:
         return time_ms(step)
     finally:
-        fp8._rows_fp8 = torch_cast
+        fp8._rows_fp8 = own
 
 
 def measure(name: str, rows: int, k: int, n: int) -> dict:
@@ -64,7 +64,7 @@ def measure(name: str, rows: int, k: int, n: int) -> dict:
 
     torch.manual_seed(0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    q_ref, s_ref = fp8._rows_fp8(x)
+    q_ref, s_ref = fp8.rows_fp8_torch(x)
     q, s = fp8.rows_fp8_triton(x)
     same = bool(torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref))
     layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
@@ -89,11 +89,11 @@ def measure(name: str, rows: int, k: int, n: int) -> dict:
         "in": k,
         "out": n,
         "kernel_equals_torch": same,
-        "cast_torch_ms": round(time_ms(lambda: fp8._rows_fp8(x)), 4),
+        "cast_torch_ms": round(time_ms(lambda: fp8.rows_fp8_torch(x)), 4),
         "cast_triton_ms": round(time_ms(lambda: fp8.rows_fp8_triton(x)), 4),
         "cast_roofline_ms": round(rows * k * 5 / HBM_BYTES_S * 1e3, 4),
-        "fp8_linear_ms": round(time_ms(fp8_step), 4),
-        "fp8_linear_kernel_ms": round(with_kernel(fp8, fp8_step), 4),
+        "fp8_linear_ms": round(with_cast(fp8, fp8.rows_fp8_torch, fp8_step), 4),
+        "fp8_linear_kernel_ms": round(with_cast(fp8, fp8.rows_fp8_triton, fp8_step), 4),
         "bf16_linear_ms": round(time_ms(bf16_step), 4),
     }
 

@@ -195,14 +195,21 @@ fp8_conv2d.register_autograd(_conv_backward, setup_context=_conv_setup)
 # Hopper's fp8 matmuls take. The input gradient multiplies by the weight's transpose, which _scaled_mm takes in
 # column-major order: a transposed copy of the fp8 weight per backward (its bytes, against the matmul's
 # 2 x tokens x in x out FLOPs). Opt-in: activations rounded to 3 mantissa bits change what is learned a little.
-def _rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [M, K] as e4m3 with one float32 scale per row ([M, 1])."""
+def rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as e4m3 with one float32 scale per row ([M, 1]), in torch ops (the CPU's way, and the reference
+    the Triton kernel below is checked against)."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).to(FP8), scale
 
 
-# The row cast above as one Triton kernel, for the fp8 matmul ops to use once measured on a GPU (not yet: until
-# then they keep the torch ops; benchmarks/fp8_rows.py times both, tests/gpu checks the bits). Why our own: the fp8
+def _rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 matmul ops' row cast: the torch ops, until the Triton kernel below has been checked and timed on a GPU
+    (then: ``rows_fp8_triton(x) if x.is_cuda else rows_fp8_torch(x)``, the same bits)."""
+    return rows_fp8_torch(x)
+
+
+# The row cast above as one Triton kernel, for the fp8 matmul ops to use on a GPU once measured there (not yet:
+# benchmarks/fp8_rows.py times it against the torch ops, tests/gpu checks it gives their bits). Why our own: the fp8
 # matmul ops are opaque to inductor (the autograd rule that saves only the fp8 weight needs them to be), so the cast
 # inside them runs as eager torch ops, five kernels with float32 copies: about 25 bytes moved per element where one
 # pass needs 5 (read the row twice, write a byte). FLUX.2 [dev] at 1024x1024 casts ~8.5 billion input elements a
