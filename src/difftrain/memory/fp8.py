@@ -244,7 +244,7 @@ def _rows_kernel():
 
 
 def rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_rows_fp8` as one Triton kernel: ``x`` [M, K] on a CUDA GPU (compute capability 8.9+)."""
+    """:func:`rows_fp8_torch` as one Triton kernel: ``x`` [M, K] on a CUDA GPU (compute capability 8.9+)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
