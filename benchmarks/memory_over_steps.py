@@ -101,7 +101,7 @@ def main() -> None:
         "card_gib": args.card,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
-        "speed": trainer.speed.line() if getattr(trainer, "speed", None) else None,
+        "speed": trainer.speed.line(),
         "s_per_step": round(result.seconds / max(1, args.steps), 4),
         "stats": result.stats,
         "rows": rows,

@@ -124,12 +124,6 @@ def require_pyav(what: str = "reading videos") -> Any:
     return av
 
 
-def _new_reformatter() -> Any:
-    from av.video.reformatter import VideoReformatter
-
-    return VideoReformatter()
-
-
 def _quarter_turns(rotation: float | None) -> int:
     """Counter-clockwise quarter turns that make a frame upright, from FFmpeg's display rotation.
 
@@ -564,7 +558,7 @@ def _decode_frames(record: VideoRecord, indices: list[int]) -> list[np.ndarray]:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             decoding = container.decode(stream)
-            reformatter = _new_reformatter()
+            reformatter = av.video.reformatter.VideoReformatter()  # this clip's own (_rgb_frame)
             try:
                 for i, frame in enumerate(decoding):
                     decoded = i + 1
